@@ -1,0 +1,97 @@
+"""Per-request sampling settings. Torch-free, so the client validates with the same rules as the engine."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+
+from tokenmill.errors import InvalidRequestError
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request. Defaults follow vLLM so that its users meet no surprises.
+
+    `temperature == 0` means greedy. `top_k <= 0` and `top_p == 1` disable those filters. `seed` makes a
+    request's samples reproducible whatever else is in the batch. `logprobs=n` returns the top-n log
+    probabilities (plus the chosen token's) at each generated position.
+    """
+
+    max_tokens: int = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self._check()
+
+    @classmethod
+    def from_dict(cls, values: dict) -> SamplingParams:
+        """Build from a plain dict, naming any field this class does not know."""
+        known = {f.name for f in fields(cls)}
+        for name in values:
+            if name not in known:
+                raise InvalidRequestError(name, f"unknown sampling parameter (known: {', '.join(sorted(known))})")
+        return cls(**values)
+
+    def _check(self) -> None:
+        _int(self, "max_tokens", low=1)
+        _int(self, "min_tokens", low=0)
+        if self.min_tokens > self.max_tokens:
+            raise InvalidRequestError("min_tokens", f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        _float(self, "temperature", low=0.0)
+        _int(self, "top_k", low=-1)
+        _float(self, "top_p", low=0.0, low_open=True, high=1.0)
+        _float(self, "min_p", low=0.0, high=1.0)
+        _float(self, "repetition_penalty", low=0.0, low_open=True)
+        if self.seed is not None:
+            _int(self, "seed", low=0)
+        if self.logprobs is not None:
+            _int(self, "logprobs", low=0, high=20)
+        for i, s in enumerate(self.stop):
+            if not isinstance(s, str) or not s:
+                raise InvalidRequestError(f"stop[{i}]", f"must be a non-empty string, got {s!r}")
+        for i, t in enumerate(self.stop_token_ids):
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                raise InvalidRequestError(f"stop_token_ids[{i}]", f"must be a non-negative integer, got {t!r}")
+        for name in ("ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidRequestError(name, f"must be a boolean, got {getattr(self, name)!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _int(params: SamplingParams, name: str, low: int | None = None, high: int | None = None) -> None:
+    value = getattr(params, name)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidRequestError(name, f"must be an integer, got {value!r}")
+    if low is not None and value < low:
+        raise InvalidRequestError(name, f"must be >= {low}, got {value}")
+    if high is not None and value > high:
+        raise InvalidRequestError(name, f"must be <= {high}, got {value}")
+
+
+def _float(params: SamplingParams, name: str, low: float, high: float | None = None, low_open: bool = False) -> None:
+    value = getattr(params, name)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or math.isinf(value):
+        raise InvalidRequestError(name, f"must be a finite number, got {value!r}")
+    if value < low or (low_open and value == low):
+        raise InvalidRequestError(name, f"must be {'>' if low_open else '>='} {low}, got {value}")
+    if high is not None and value > high:
+        raise InvalidRequestError(name, f"must be <= {high}, got {value}")
+    setattr(params, name, float(value))
