@@ -1,0 +1,54 @@
+"""The engine's one config dataclass: every knob in one place, checked once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+
+@dataclass
+class EngineConfig:
+    """Engine options. Sizes left at None are derived from the model and the device at load time.
+
+    KV pool size: `num_kv_blocks` if given; else `kv_cache_memory` bytes if given; else on CUDA the share
+    `gpu_memory_utilization` of device memory left after weights and a profiled forward pass; on CPU,
+    enough for `max_num_seqs` full-length sequences capped at `cpu_kv_cache_cap` bytes.
+    """
+
+    model: str = "builtin:tiny"
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    load_format: str = "auto"
+    trust_remote_code: bool = False
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory: int | None = None
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_cap: int = 2 << 30
+    enable_prefix_caching: bool = True
+    attention_backend: str | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format: must be 'auto' or 'dummy', got {self.load_format!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        for name in ("max_model_len", "num_kv_blocks", "kv_cache_memory"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name}: must be >= 1, got {value}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
+
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs: object) -> EngineConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"unknown engine option(s): {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+        return cls(model=model, **kwargs)  # type: ignore[arg-type]

@@ -1,0 +1,111 @@
+"""The offline API: hand it prompts, get completions. `stream` yields each one the moment it finishes."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterator, Sequence
+
+from tqdm.auto import tqdm
+
+from tokenmill.engine.llm_engine import LLMEngine, RequestOutput
+from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.errors import InvalidRequestError
+
+Prompt = str | list[int]
+_calls = itertools.count()
+
+
+class LLM:
+    """`LLM("builtin:tiny")`, a local directory written by `save_pretrained`, or a hub id; keyword options
+    are `EngineConfig` fields (dtype, max_num_batched_tokens, load_format, attention_backend, ...)."""
+
+    def __init__(self, model: str = "builtin:tiny", **options: object) -> None:
+        self.engine = LLMEngine(model, **options)
+
+    @property
+    def tokenizer(self):  # noqa: ANN201 - a transformers tokenizer
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Completions in input order. A rejected prompt yields an output with finish_reason "error"."""
+        prompts = _as_list(prompts)
+        outputs: list[RequestOutput | None] = [None] * len(prompts)
+        for index, output in self._run(prompts, params, use_tqdm):
+            outputs[index] = output
+        return outputs  # type: ignore[return-value]
+
+    def stream(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
+               use_tqdm: bool = False) -> Iterator[RequestOutput]:
+        """Each completion as soon as it finishes (so in finishing order; `request_id` is the input index)."""
+        for _, output in self._run(_as_list(prompts), params, use_tqdm):
+            yield output
+
+    def chat(self, conversations: list[list[dict[str, str]]] | list[dict[str, str]],
+             params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to each conversation, then generate."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]  # type: ignore[list-item]
+        prompts: list[Prompt | InvalidRequestError] = []
+        for messages in conversations:
+            try:
+                prompts.append(self.engine.apply_chat_template(messages))  # type: ignore[arg-type]
+            except InvalidRequestError as error:
+                prompts.append(error)
+        return self.generate(prompts, params, use_tqdm)  # type: ignore[arg-type]
+
+    def _run(self, prompts: list[Prompt], params: SamplingParams | Sequence[SamplingParams] | None,
+             use_tqdm: bool) -> Iterator[tuple[int, RequestOutput]]:
+        params_list = _per_prompt(params, len(prompts))
+        prefix = f"llm{next(_calls)}-"
+        index_of: dict[str, int] = {}
+        for index, (prompt, p) in enumerate(zip(prompts, params_list)):
+            request_id = f"{prefix}{index}"
+            try:
+                if isinstance(prompt, InvalidRequestError):
+                    raise prompt
+                self.engine.add_request(request_id, prompt, p)
+                index_of[request_id] = index
+            except InvalidRequestError as error:
+                yield index, _rejected(str(index), prompt, str(error))
+        bar = tqdm(total=len(prompts), initial=len(prompts) - len(index_of), disable=not use_tqdm,
+                   desc="generate", unit="req", dynamic_ncols=True)
+        start, generated = time.perf_counter(), 0
+        try:
+            while index_of:
+                for output in self.engine.step():
+                    index = index_of.pop(output.request_id)
+                    output.request_id = str(index)
+                    generated += len(output.token_ids)
+                    bar.update(1)
+                    bar.set_postfix_str(f"{generated / (time.perf_counter() - start):.1f} gen tok/s", refresh=False)
+                    yield index, output
+        finally:
+            for request_id in index_of:  # a consumer that stops early must not leave requests running
+                self.engine.abort_request(request_id)
+            bar.close()
+
+
+def _as_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # a single prompt given as token ids
+    return prompts
+
+
+def _per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, count: int) -> list[SamplingParams]:
+    if params is None or isinstance(params, SamplingParams):
+        return [params or SamplingParams()] * count
+    params = list(params)
+    if len(params) != count:
+        raise ValueError(f"params: got {len(params)} SamplingParams for {count} prompts")
+    return params
+
+
+def _rejected(request_id: str, prompt: Prompt | InvalidRequestError, error: str) -> RequestOutput:
+    prompt_ids = prompt if isinstance(prompt, list) else []
+    now = time.time()
+    return RequestOutput(request_id, list(prompt_ids), [], "", "error", arrival_time=now, finished_time=now, error=error)

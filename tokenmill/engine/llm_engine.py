@@ -1,0 +1,222 @@
+"""The engine loop's one step: schedule, run the model, sample, finish what is done, release its blocks."""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+
+from tokenmill.engine.config import EngineConfig
+from tokenmill.engine.loader import load
+from tokenmill.engine.model_runner import ModelRunner
+from tokenmill.engine.sampler import SamplingRow
+from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.errors import InvalidRequestError
+from tokenmill.scheduler.scheduler import Scheduler, SchedulerConfig
+from tokenmill.scheduler.sequence import Sequence
+
+
+@dataclass
+class RequestOutput:
+    """A finished request. `finish_reason` is "stop" (EOS, stop token or stop string), "length", or "error"
+    for a request rejected at admission (then `error` says which field is wrong and why)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    logprobs: list[dict] | None = None
+    num_cached_tokens: int = 0
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    finished_time: float = 0.0
+    error: str | None = None
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_prompt_tokens: int
+    num_generated_tokens: int
+    num_preemptions: int
+    num_steps: int
+
+
+@dataclass
+class _Request:
+    seq: Sequence
+    seed: int
+    stop_ids: frozenset[int]
+    arrival_time: float = field(default_factory=time.time)
+    first_token_time: float | None = None
+    logprobs: list[dict] = field(default_factory=list)
+    text: str | None = None  # set when a stop string cut the text short
+
+
+class LLMEngine:
+    """Not thread-safe: one thread owns an engine and calls `add_request`/`step` in turn."""
+
+    def __init__(self, model: str = "builtin:tiny", **options: object) -> None:
+        self.config = EngineConfig.from_kwargs(model, **options)
+        loaded = load(self.config)
+        self.tokenizer = loaded.tokenizer
+        self.hf_config = loaded.hf_config
+        self.max_model_len = self._max_model_len()
+        self.runner = ModelRunner(loaded, self.config)
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_seqs=self.config.max_num_seqs,
+            max_num_batched_tokens=self.config.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            block_size=self.config.block_size,
+            num_blocks=self.runner.num_blocks,
+            enable_prefix_caching=self.config.enable_prefix_caching,
+        ))
+        self.eos_ids = self._eos_ids()
+        self.requests: dict[str, _Request] = {}
+        self._seed_source = random.Random(self.config.seed)
+        self._totals = {"prompt": 0, "generated": 0, "preempted": 0, "steps": 0}
+
+    def _max_model_len(self) -> int:
+        """The configured length, capped by the model's positions and any sliding window (beyond which our
+        full attention would differ from the model's)."""
+        limits = [getattr(self.hf_config, "max_position_embeddings", None), getattr(self.hf_config, "sliding_window", None)]
+        model_limit = min((x for x in limits if x), default=None)
+        if self.config.max_model_len is None:
+            return model_limit or 4096
+        if model_limit and self.config.max_model_len > model_limit:
+            raise ValueError(f"max_model_len: {self.config.max_model_len} exceeds the model's limit {model_limit}")
+        return self.config.max_model_len
+
+    def _eos_ids(self) -> frozenset[int]:
+        ids = self.hf_config.eos_token_id
+        ids = [ids] if isinstance(ids, int) else list(ids or [])
+        if self.tokenizer.eos_token_id is not None:
+            ids.append(self.tokenizer.eos_token_id)
+        generation_config = getattr(self.runner.model, "generation_config", None)
+        extra = getattr(generation_config, "eos_token_id", None)
+        ids += [extra] if isinstance(extra, int) else list(extra or [])
+        return frozenset(ids)
+
+    # -- requests ---------------------------------------------------------------------------------------
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=True)
+        return list(prompt)
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        if not isinstance(messages, list) or not messages:
+            raise InvalidRequestError("messages", "must be a non-empty list of {role, content} dicts")
+        if self.tokenizer.chat_template is None:
+            raise InvalidRequestError("messages", f"model {self.config.model} has no chat template")
+        rendered = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.tokenizer.encode(rendered, add_special_tokens=False)
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
+        """Queue a request, or raise InvalidRequestError naming the field if it can never be served."""
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
+        token_ids = self.tokenize(prompt)
+        self._check_prompt(token_ids)
+        seq = Sequence(request_id, token_ids, params)
+        self.scheduler.add(seq)
+        seed = params.seed if params.seed is not None else self._seed_source.getrandbits(63)
+        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
+        self.requests[request_id] = _Request(seq, seed, stop_ids)
+        self._totals["prompt"] += len(token_ids)
+
+    def _check_prompt(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise InvalidRequestError("prompt", "is empty")
+        for index, token in enumerate(token_ids):
+            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < self.runner.vocab_size:
+                raise InvalidRequestError(
+                    "prompt_token_ids", f"token {token!r} at index {index} is outside the vocabulary [0, {self.runner.vocab_size})"
+                )
+
+    def abort_request(self, request_id: str) -> None:
+        request = self.requests.pop(request_id, None)
+        if request is not None and not request.seq.is_finished:
+            self.scheduler.finish(request.seq, "abort")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the step ---------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One scheduling step and forward pass. Returns the requests that finished in it."""
+        batch = self.scheduler.schedule()
+        self._totals["preempted"] += batch.num_preempted
+        if not batch.seqs:
+            return []
+        rows = [self._sampling_row(seq) for i, seq in enumerate(batch.seqs) if batch.samples(i)]
+        result = self.runner.execute(batch, rows)
+        self._totals["steps"] += 1
+        grown = self.scheduler.update(batch, result.token_ids)
+        now = time.time()
+        finished = []
+        for seq, logprobs in zip(grown, result.logprobs):
+            request = self.requests[seq.request_id]
+            request.first_token_time = request.first_token_time or now
+            if logprobs is not None:
+                request.logprobs.append(logprobs)
+            self._totals["generated"] += 1
+            reason = self._finish_reason(request)
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+                finished.append(self._output(self.requests.pop(seq.request_id), now))
+        return finished
+
+    def _sampling_row(self, seq: Sequence) -> SamplingRow:
+        request = self.requests[seq.request_id]
+        below_min = seq.num_output_tokens < seq.params.min_tokens
+        return SamplingRow(seq.params, request.seed, seq.num_output_tokens, seq.token_ids,
+                           sorted(request.stop_ids) if below_min else [])
+
+    def _finish_reason(self, request: _Request) -> str | None:
+        seq, params = request.seq, request.seq.params
+        if seq.num_output_tokens < params.min_tokens:
+            return None
+        if seq.token_ids[-1] in request.stop_ids:
+            return "stop"
+        if params.stop:
+            text = self._decode(seq)
+            hits = [i for i in (text.find(s) for s in params.stop) if i >= 0]
+            if hits:
+                request.text = text[: min(hits)]
+                return "stop"
+        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _decode(self, seq: Sequence) -> str:
+        return self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=seq.params.skip_special_tokens)
+
+    def _output(self, request: _Request, now: float) -> RequestOutput:
+        seq = request.seq
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt_token_ids=seq.prompt_token_ids,
+            token_ids=seq.output_token_ids,
+            text=request.text if request.text is not None else self._decode(seq),
+            finish_reason=seq.finish_reason or "stop",
+            logprobs=request.logprobs if seq.params.logprobs is not None else None,
+            num_cached_tokens=seq.num_cached_tokens,
+            arrival_time=request.arrival_time,
+            first_token_time=request.first_token_time,
+            finished_time=now,
+        )
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=self.scheduler.block_manager.usage(),
+            num_prompt_tokens=self._totals["prompt"],
+            num_generated_tokens=self._totals["generated"],
+            num_preemptions=self._totals["preempted"],
+            num_steps=self._totals["steps"],
+        )

@@ -1,0 +1,116 @@
+"""Paged KV cache bookkeeping: a fixed pool of blocks, reference counts, and a prefix cache.
+
+A full block is identified by the chained hash of its tokens and every token before it, so a block is
+reused only when the whole prefix matches. Freed blocks keep their hash and stay findable until they are
+handed out again; the free queue is LRU, so the blocks freed longest ago are evicted first.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from tokenmill.scheduler.sequence import Sequence
+
+
+@dataclass(eq=False)
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None
+    token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+
+def chain_hash(parent: int | None, token_ids: tuple[int, ...]) -> int:
+    return hash((parent, token_ids))
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks} and {block_size}")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_blocks: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached_blocks: dict[int, int] = {}  # chain hash -> block id
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def match_prefix(self, seq: Sequence) -> None:
+        """Give a newly admitted sequence the cached blocks of its longest cached full-block prefix.
+
+        At least one token is always left uncomputed: the step that computes it yields the logits to sample.
+        """
+        if not self.enable_prefix_caching or seq.block_table:
+            return
+        parent = None
+        for start in range(0, seq.num_tokens - 1 - self.block_size + 1, self.block_size):
+            tokens = tuple(seq.token_ids[start : start + self.block_size])
+            parent = chain_hash(parent, tokens)
+            block_id = self.cached_blocks.get(parent)
+            if block_id is None or self.blocks[block_id].token_ids != tokens:
+                break
+            self._take(block_id)
+            seq.block_table.append(block_id)
+        seq.num_computed_tokens = seq.num_cached_tokens = len(seq.block_table) * self.block_size
+
+    def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:
+        """Whether `seq` can hold `num_tokens` tokens in total."""
+        return self.blocks_needed(num_tokens) - len(seq.block_table) <= self.num_free_blocks
+
+    def allocate(self, seq: Sequence, num_tokens: int) -> None:
+        """Grow `seq`'s block table to hold `num_tokens` tokens in total (caller checked `can_allocate`)."""
+        for _ in range(self.blocks_needed(num_tokens) - len(seq.block_table)):
+            block_id = next(iter(self.free_blocks))
+            self._evict(block_id)
+            self._take(block_id)
+            seq.block_table.append(block_id)
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Register the blocks of `seq` whose tokens all have K/V now, so later requests can reuse them."""
+        if not self.enable_prefix_caching:
+            return
+        parent = None
+        for index in range(seq.num_computed_tokens // self.block_size):
+            block = self.blocks[seq.block_table[index]]
+            if block.hash is None:
+                tokens = tuple(seq.token_ids[index * self.block_size : (index + 1) * self.block_size])
+                block.hash, block.token_ids = chain_hash(parent, tokens), tokens
+                self.cached_blocks.setdefault(block.hash, block.block_id)
+            parent = block.hash
+
+    def free(self, seq: Sequence) -> None:
+        """Drop `seq`'s references. Its tail blocks are queued for eviction before its (more shareable) head."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            assert block.ref_count >= 0, f"block {block_id} freed twice"
+            if block.ref_count == 0:
+                self.free_blocks[block_id] = None
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+
+    def _take(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.free_blocks[block_id]
+        block.ref_count += 1
+
+    def _evict(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.hash is not None and self.cached_blocks.get(block.hash) == block_id:
+            del self.cached_blocks[block.hash]
+        block.hash, block.token_ids = None, ()

@@ -1,0 +1,164 @@
+"""The step planner: which sequences run this step, and how many of their tokens.
+
+Each step spends at most `max_num_batched_tokens` tokens: one per decoding sequence first, then prefill
+chunks of running sequences still prefilling, then of waiting requests in arrival order. A prompt longer
+than what is left of the budget is split and continues next step from its cached K/V.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from tokenmill.errors import InvalidRequestError
+from tokenmill.scheduler.block_manager import BlockManager
+from tokenmill.scheduler.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    block_size: int = 16
+    num_blocks: int = 1024
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_blocks"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass
+class ScheduledBatch:
+    """Sequences of one step, in batch order, with the number of new tokens each computes."""
+
+    budget: int
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    num_preempted: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def add(self, seq: Sequence, count: int) -> None:
+        self.seqs.append(seq)
+        self.num_new_tokens.append(count)
+        self.budget -= count
+
+    def remove(self, seq: Sequence) -> None:
+        if seq in self.seqs:
+            index = self.seqs.index(seq)
+            self.budget += self.num_new_tokens.pop(index)
+            del self.seqs[index]
+
+    def samples(self, index: int) -> bool:
+        """Whether sequence `index` reaches its last token this step, and so samples the next one."""
+        seq = self.seqs[index]
+        return seq.num_computed_tokens + self.num_new_tokens[index] == seq.num_tokens
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order: the last admitted is preempted first
+
+    def check(self, seq: Sequence) -> None:
+        """Reject a request that could never finish, before it takes any resources."""
+        total = seq.num_tokens + seq.params.max_tokens
+        if total > self.config.max_model_len:
+            raise InvalidRequestError(
+                "max_tokens" if seq.num_tokens <= self.config.max_model_len else "prompt",
+                f"prompt ({seq.num_tokens} tokens) + max_tokens ({seq.params.max_tokens}) = {total} exceeds "
+                f"max_model_len ({self.config.max_model_len})",
+            )
+        if self.block_manager.blocks_needed(total) > self.block_manager.num_blocks:
+            raise InvalidRequestError(
+                "prompt",
+                f"prompt + max_tokens = {total} tokens needs {self.block_manager.blocks_needed(total)} KV blocks "
+                f"but the whole KV cache has {self.block_manager.num_blocks}",
+            )
+
+    def add(self, seq: Sequence) -> None:
+        self.check(seq)
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch(self.config.max_num_batched_tokens)
+        decoding = [s for s in self.running if s.num_uncomputed_tokens == 1]
+        prefilling = [s for s in self.running if s.num_uncomputed_tokens > 1]
+        for seq in decoding + prefilling:
+            if batch.budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            count = min(seq.num_uncomputed_tokens, batch.budget)
+            if self._reserve(seq, count, batch):
+                batch.add(seq, count)
+        self._admit(batch)
+        return batch
+
+    def _reserve(self, seq: Sequence, count: int, batch: ScheduledBatch) -> bool:
+        """Make room for `count` more tokens of `seq`, preempting the most recently admitted sequences."""
+        target = seq.num_computed_tokens + count
+        while not self.block_manager.can_allocate(seq, target):
+            victim = self.running[-1]
+            self._preempt(victim, batch)
+            if victim is seq:
+                return False
+        self.block_manager.allocate(seq, target)
+        return True
+
+    def _admit(self, batch: ScheduledBatch) -> None:
+        while self.waiting and batch.budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            self.block_manager.match_prefix(seq)
+            count = min(seq.num_uncomputed_tokens, batch.budget)
+            if not self.block_manager.can_allocate(seq, seq.num_computed_tokens + count):
+                self.block_manager.free(seq)  # give back the prefix hits; retry next step
+                return
+            self.block_manager.allocate(seq, seq.num_computed_tokens + count)
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            batch.add(seq, count)
+
+    def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
+        """Free `seq`'s blocks and requeue it at the front: it recomputes prompt and outputs later."""
+        self.running.remove(seq)
+        batch.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        batch.num_preempted += 1
+
+    def update(self, batch: ScheduledBatch, sampled: list[int]) -> list[Sequence]:
+        """Account for a finished forward pass. `sampled` holds one token per sampling sequence, in batch
+        order. Returns the sequences that received a token (the caller decides whether they finish)."""
+        grown = []
+        tokens = iter(sampled)
+        for index, seq in enumerate(batch.seqs):
+            samples = batch.samples(index)
+            seq.num_computed_tokens += batch.num_new_tokens[index]
+            self.block_manager.cache_full_blocks(seq)
+            if samples:
+                seq.append_token(next(tokens))
+                grown.append(seq)
+        return grown
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Release a finished (or aborted) sequence's blocks at once, wherever it is."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
