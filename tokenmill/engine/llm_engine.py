@@ -41,6 +41,7 @@ class EngineStats:
     kv_cache_usage: float
     num_prompt_tokens: int
     num_generated_tokens: int
+    num_prefix_hit_tokens: int
     num_preemptions: int
     num_steps: int
 
@@ -217,6 +218,7 @@ class LLMEngine:
             kv_cache_usage=self.scheduler.block_manager.usage(),
             num_prompt_tokens=self._totals["prompt"],
             num_generated_tokens=self._totals["generated"],
+            num_prefix_hit_tokens=self.scheduler.block_manager.num_hit_tokens,
             num_preemptions=self._totals["preempted"],
             num_steps=self._totals["steps"],
         )

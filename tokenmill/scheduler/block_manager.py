@@ -34,6 +34,7 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_blocks: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached_blocks: dict[int, int] = {}  # chain hash -> block id
+        self.num_hit_tokens = 0  # prompt tokens served from the prefix cache so far
 
     @property
     def num_blocks(self) -> int:
@@ -66,6 +67,7 @@ class BlockManager:
             self._take(block_id)
             seq.block_table.append(block_id)
         seq.num_computed_tokens = seq.num_cached_tokens = len(seq.block_table) * self.block_size
+        self.num_hit_tokens += seq.num_cached_tokens
 
     def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:
         """Whether `seq` can hold `num_tokens` tokens in total."""
@@ -79,12 +81,16 @@ class BlockManager:
             self._take(block_id)
             seq.block_table.append(block_id)
 
-    def cache_full_blocks(self, seq: Sequence) -> None:
-        """Register the blocks of `seq` whose tokens all have K/V now, so later requests can reuse them."""
+    def cache_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        """Register the blocks that the first `num_tokens` tokens of `seq` fill, so later requests reuse them.
+
+        Called when a step is planned, before its forward pass: a request admitted later in the same step may
+        already share these blocks, since every layer writes the step's K/V before it attends.
+        """
         if not self.enable_prefix_caching:
             return
         parent = None
-        for index in range(seq.num_computed_tokens // self.block_size):
+        for index in range(num_tokens // self.block_size):
             block = self.blocks[seq.block_table[index]]
             if block.hash is None:
                 tokens = tuple(seq.token_ids[index * self.block_size : (index + 1) * self.block_size])

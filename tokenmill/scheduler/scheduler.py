@@ -102,6 +102,9 @@ class Scheduler:
             count = min(seq.num_uncomputed_tokens, batch.budget)
             if self._reserve(seq, count, batch):
                 batch.add(seq, count)
+        # Only now, with no preemption left to undo it, publish the blocks this step fills.
+        for seq, count in zip(batch.seqs, batch.num_new_tokens):
+            self.block_manager.cache_full_blocks(seq, seq.num_computed_tokens + count)
         self._admit(batch)
         return batch
 
@@ -125,6 +128,7 @@ class Scheduler:
                 self.block_manager.free(seq)  # give back the prefix hits; retry next step
                 return
             self.block_manager.allocate(seq, seq.num_computed_tokens + count)
+            self.block_manager.cache_full_blocks(seq, seq.num_computed_tokens + count)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -147,7 +151,6 @@ class Scheduler:
         for index, seq in enumerate(batch.seqs):
             samples = batch.samples(index)
             seq.num_computed_tokens += batch.num_new_tokens[index]
-            self.block_manager.cache_full_blocks(seq)
             if samples:
                 seq.append_token(next(tokens))
                 grown.append(seq)

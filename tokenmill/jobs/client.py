@@ -1,0 +1,320 @@
+"""The producer-side client: submit jobs, wait for results.
+
+    from tokenmill import Client
+    client = Client("redis://localhost:6379/0")
+    job = client.submit(prompt="...", max_tokens=64, temperature=0.0)   # returns at once
+    job.result(timeout=60)                                             # JobResult, or raises
+    handles = client.submit_many(job_dicts)                            # pipelined
+    for result in client.as_completed(handles): ...
+
+Jobs are sent as ordinary Celery task messages (protocol 2, JSON) for `tokenmill.generate`, built by
+Celery's own `app.amqp`; `submit_many` only batches their Redis writes through kombu's producer
+batch (one pipeline round trip per 1000 messages instead of one per message). Every job is validated
+here first, so a bad job never reaches the queue: `InvalidRequestError` names the field.
+
+Results are read from Celery's Redis result backend: the client subscribes to the results' pub/sub
+channels (Celery publishes each result as it stores it) and also re-reads pending keys every second,
+so a missed notification (e.g. across a Redis restart) only delays a result, never loses it.
+
+Torch-free: no engine or worker code is imported.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+
+from tokenmill.errors import InvalidRequestError
+from tokenmill.jobs.schemas import Job, JobResult
+from tokenmill.worker.app import TASK_NAME, create_app
+from tokenmill.worker.settings import QueueSettings
+
+log = logging.getLogger(__name__)
+
+#: Largest encoded job accepted by default. Redis holds every queued job in memory and a worker
+#: decodes it on its event loop; prompts larger than this belong in object storage.
+DEFAULT_MAX_PAYLOAD_BYTES = 1 << 20
+_PUBLISH_BATCH = 1000
+_SWEEP_INTERVAL = 1.0
+_FINAL_STATES = ("SUCCESS", "FAILURE", "REVOKED")
+
+
+class JobFailedError(RuntimeError):
+    """The job finished with an error; `.result` holds the failed `JobResult` (see `.result.error`)."""
+
+    def __init__(self, result: JobResult) -> None:
+        error = result.error
+        detail = f"{error.code}: {error.message}" if error else "failed"
+        if error and error.field:
+            detail += f" (field: {error.field})"
+        super().__init__(f"job {result.id} failed: {detail}")
+        self.result = result
+
+
+class JobTimeoutError(TimeoutError):
+    """No final result within the timeout; the job may still finish later (`.job_ids` lists the pending ones)."""
+
+    def __init__(self, job_ids: list[str], timeout: float) -> None:
+        shown = ", ".join(job_ids[:5]) + (f" and {len(job_ids) - 5} more" if len(job_ids) > 5 else "")
+        super().__init__(f"no result after {timeout:g}s for {len(job_ids)} job(s): {shown}")
+        self.job_ids = job_ids
+
+
+@dataclass(frozen=True)
+class JobHandle:
+    """A submitted job. Cheap: an id and the client that can fetch its result."""
+
+    id: str
+    client: Client = field(repr=False, compare=False)
+
+    def result(self, timeout: float | None = None) -> JobResult:
+        """Wait for the result. Raises `JobFailedError` if the job failed, `JobTimeoutError` on timeout."""
+        result = next(self.client.as_completed([self], timeout=timeout))
+        if not result.ok:
+            raise JobFailedError(result)
+        return result
+
+    def get(self) -> JobResult | None:
+        """The result if it is there now (failed or not), else None. Never waits, never raises for failures."""
+        return self.client.get(self.id)
+
+
+class Client:
+    """Submits jobs to a tokenmill queue and reads their results."""
+
+    def __init__(
+        self,
+        broker_url: str | None = None,
+        *,
+        result_backend: str | None = None,
+        queue: str | None = None,
+        max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+    ) -> None:
+        overrides = {"broker_url": broker_url, "result_backend": result_backend, "queue": queue}
+        self.settings = QueueSettings(**{k: v for k, v in overrides.items() if v is not None})
+        self.app = create_app(self.settings)
+        self.queue = self.settings.queue
+        self.max_payload_bytes = max_payload_bytes
+
+    # -- submitting ----------------------------------------------------------------------------
+
+    def submit(self, job: Job | Mapping[str, Any] | None = None, /, **fields: Any) -> JobHandle:
+        """Validate and queue one job; returns at once. Fields are `Job` fields plus sampling parameters."""
+        wire = self.prepare({**_as_dict(job), **fields})
+        with self.app.producer_or_acquire() as producer:
+            self._publish(producer, wire, retry=True)
+        return JobHandle(wire["id"], self)
+
+    def submit_many(self, jobs: Iterable[Job | Mapping[str, Any]]) -> list[JobHandle]:
+        """Validate all jobs, then queue them in pipelined batches; returns handles in input order.
+
+        Validation happens before anything is sent, so one bad job means none is queued. If the broker
+        connection fails mid-way, `kombu.exceptions.BatchPublishError` is raised and some jobs may
+        have been queued: resubmit the same jobs (same ids); a job whose result exists is not rerun.
+        """
+        wires = []
+        for index, job in enumerate(jobs):
+            try:
+                wires.append(self.prepare(_as_dict(job)))
+            except InvalidRequestError as exc:
+                raise InvalidRequestError(f"jobs[{index}].{exc.field}", exc.message) from None
+        with self.app.producer_or_acquire() as producer:
+            with producer.batch(max_size=_PUBLISH_BATCH):
+                for wire in wires:
+                    self._publish(producer, wire, retry=False)
+        return [JobHandle(wire["id"], self) for wire in wires]
+
+    def prepare(self, fields: Mapping[str, Any]) -> dict[str, Any]:
+        """The validated wire form of a job, stamped with its submit time; raises `InvalidRequestError`."""
+        job = Job.from_wire(fields)
+        if job.submitted_at is None:
+            job.submitted_at = time.time()
+        wire = job.to_wire()
+        _check_size(wire, self.max_payload_bytes)
+        return wire
+
+    def _publish(self, producer: Any, wire: dict[str, Any], retry: bool) -> None:
+        amqp = self.app.amqp
+        # argsrepr/kwargsrepr are what Celery shows in logs, events and Flower: never the prompt.
+        message = amqp.as_task_v2(wire["id"], TASK_NAME, args=[wire], kwargs={}, argsrepr=f"[<job {wire['id']}>]", kwargsrepr="{}")
+        amqp.send_task_message(producer, TASK_NAME, message, queue=self.queue, retry=retry)
+
+    # -- results -------------------------------------------------------------------------------
+
+    def get(self, job_id: str) -> JobResult | None:
+        """The stored result of `job_id`, or None if there is none yet."""
+        backend = self.app.backend
+        return _parse_meta(job_id, backend.client.get(backend.get_key_for_task(job_id)), backend)
+
+    def as_completed(self, handles: Iterable[JobHandle | str], timeout: float | None = None) -> Iterator[JobResult]:
+        """Yield each job's `JobResult` (failed ones too) as soon as it is stored.
+
+        Raises `JobTimeoutError` if `timeout` seconds pass before all are done.
+        """
+        ids = list(dict.fromkeys(h.id if isinstance(h, JobHandle) else h for h in handles))
+        return _ResultWatch(self.app.backend, ids, timeout).results()
+
+    def results(self, handles: Iterable[JobHandle | str], timeout: float | None = None) -> list[JobResult]:
+        """All results, in the order of `handles` (failed ones included, not raised)."""
+        handles = list(handles)
+        found = {r.id: r for r in self.as_completed(handles, timeout=timeout)}
+        return [found[h.id if isinstance(h, JobHandle) else h] for h in handles]
+
+    def dead_letters(self) -> list[dict[str, Any]]:
+        """Jobs the workers gave up on (see `max_deliveries`), newest first."""
+        raw = self.app.backend.client.lrange("tokenmill:dead_letter", 0, -1)
+        return [json.loads(item) for item in raw]
+
+    def close(self) -> None:
+        self.app.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _ResultWatch:
+    """Waits for many results: pub/sub notifications, plus a periodic MGET sweep as a safety net."""
+
+    def __init__(self, backend: Any, ids: list[str], timeout: float | None) -> None:
+        self.backend = backend
+        self.pending = {backend.get_key_for_task(job_id): job_id for job_id in ids}
+        self.timeout = timeout
+        self.deadline = None if timeout is None else time.monotonic() + timeout
+        self.pubsub: Any = None
+
+    def results(self) -> Iterator[JobResult]:
+        try:
+            self._subscribe()
+            yield from self._sweep()
+            last_sweep = time.monotonic()
+            while self.pending:
+                wait = self._remaining()
+                yield from self._listen(min(wait, _SWEEP_INTERVAL))
+                if time.monotonic() - last_sweep >= _SWEEP_INTERVAL:
+                    yield from self._sweep()
+                    last_sweep = time.monotonic()
+        finally:
+            self._unsubscribe()
+
+    def _remaining(self) -> float:
+        if self.deadline is None:
+            return _SWEEP_INTERVAL
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise JobTimeoutError(list(self.pending.values()), self.timeout or 0.0)
+        return left
+
+    def _subscribe(self) -> None:
+        self.pubsub = self.backend.client.pubsub(ignore_subscribe_messages=True)
+        keys = list(self.pending)
+        for start in range(0, len(keys), _PUBLISH_BATCH):
+            self.pubsub.subscribe(*keys[start : start + _PUBLISH_BATCH])
+
+    def _unsubscribe(self) -> None:
+        if self.pubsub is not None:
+            try:
+                self.pubsub.close()
+            except redis.RedisError:
+                pass
+            self.pubsub = None
+
+    def _listen(self, wait: float) -> Iterator[JobResult]:
+        """Results announced on pub/sub within `wait` seconds; reconnects if Redis went away."""
+        end = time.monotonic() + wait
+        while self.pending and (left := end - time.monotonic()) > 0:
+            if self.pubsub is None:  # Redis was down at the last attempt; the sweep will retry
+                time.sleep(left)
+                return
+            try:
+                message = self.pubsub.get_message(timeout=left)
+            except (redis.ConnectionError, redis.TimeoutError, OSError):
+                self._unsubscribe()
+                time.sleep(min(0.5, max(0.0, end - time.monotonic())))
+                self._resubscribe_quietly()
+                return
+            if message is None or message.get("type") != "message":
+                continue
+            result = self._take(message["channel"], message["data"])
+            if result is not None:
+                yield result
+
+    def _resubscribe_quietly(self) -> None:
+        try:
+            self._subscribe()
+        except redis.RedisError:
+            self.pubsub = None  # Redis still down: the next sweep fails too and we retry after it
+
+    def _sweep(self) -> Iterator[JobResult]:
+        """Read every pending key directly (catches results stored before subscribing, or missed)."""
+        keys = list(self.pending)
+        for start in range(0, len(keys), _PUBLISH_BATCH):
+            chunk = keys[start : start + _PUBLISH_BATCH]
+            try:
+                values = self.backend.client.mget(chunk)
+            except (redis.ConnectionError, redis.TimeoutError):
+                return
+            for key, value in zip(chunk, values):
+                result = self._take(key, value)
+                if result is not None:
+                    yield result
+        if self.pubsub is None:
+            self._resubscribe_quietly()
+
+    def _take(self, key: bytes | str, value: bytes | None) -> JobResult | None:
+        key = key.encode() if isinstance(key, str) else key
+        job_id = self.pending.get(key)
+        if job_id is None or value is None:
+            return None
+        result = _parse_meta(job_id, value, self.backend)
+        if result is not None:
+            del self.pending[key]
+        return result
+
+
+def _parse_meta(job_id: str, value: bytes | None, backend: Any) -> JobResult | None:
+    """A stored Celery result as a `JobResult`; None if the task is not finished."""
+    if value is None:
+        return None
+    meta = backend.decode_result(value)
+    status = meta.get("status")
+    if status not in _FINAL_STATES:
+        return None
+    if status == "SUCCESS":
+        try:
+            return JobResult.model_validate(meta.get("result"))
+        except ValueError as exc:
+            return JobResult.failure(job_id, "task_failure", f"the task returned something that is not a JobResult: {exc}")
+    error = meta.get("result") or {}
+    detail = f"{error.get('exc_type', status)}: {error.get('exc_message', '')}" if isinstance(error, dict) else str(error)
+    return JobResult.failure(job_id, "task_failure", f"the task ended in state {status}: {detail}")
+
+
+def _as_dict(job: Job | Mapping[str, Any] | None) -> dict[str, Any]:
+    if job is None:
+        return {}
+    if isinstance(job, Job):
+        return job.model_dump(exclude_none=True)
+    if isinstance(job, Mapping):
+        return dict(job)
+    raise InvalidRequestError("job", f"must be a Job or a mapping of job fields, got {type(job).__name__}")
+
+
+def _check_size(wire: dict[str, Any], limit: int) -> None:
+    """Refuse a job whose JSON is over `limit` bytes, naming the field that makes it big."""
+    size = len(json.dumps(wire, separators=(",", ":")).encode())
+    if size <= limit:
+        return
+    sizes = {name: len(json.dumps(value, separators=(",", ":")).encode()) for name, value in wire.items()}
+    biggest = max(sizes, key=sizes.__getitem__)
+    raise InvalidRequestError(
+        biggest, f"job is {size} bytes encoded, over the {limit}-byte limit ({biggest} alone is {sizes[biggest]} bytes)"
+    )

@@ -1,0 +1,240 @@
+"""Wire format of a job and of its result: pydantic v2 models, JSON, versioned.
+
+These models are the boundary between producers and workers, so they are strict: a job that would
+fail on the worker for a reason visible here (no prompt, two prompts, bad sampling value, bad S3
+destination) is refused before it is queued, with an `InvalidRequestError` naming the field.
+
+Torch-free on purpose: a producer installs only the light client.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import time
+import uuid
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_serializer,
+    field_validator,
+    model_validator,
+)
+
+from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.errors import InvalidRequestError
+
+#: Bumped on any incompatible change of `Job` or `JobResult`. A worker refuses versions it does not know.
+SCHEMA_VERSION = 1
+
+#: Job ids end up in Redis keys and S3 object names, so keep them to a safe, printable alphabet.
+JOB_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
+
+_S3_URI = re.compile(r"^s3://(?P<bucket>[a-z0-9][a-z0-9.-]{1,61}[a-z0-9])(?:/(?P<prefix>.*))?$")
+_PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids")
+_SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+
+TokenId = Annotated[int, Field(ge=0, strict=True)]
+Timestamp = float | None
+
+
+def new_job_id() -> str:
+    """A random id. Producers that want idempotency pass their own stable id instead."""
+    return uuid.uuid4().hex
+
+
+class ChatMessage(BaseModel):
+    """One chat turn; the worker turns a list of them into prompt ids with the model's chat template."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    role: str = Field(min_length=1)
+    content: str
+
+
+class S3Location(BaseModel):
+    """Where a job's result JSON goes: `s3://bucket/prefix/<job id>.json`."""
+
+    bucket: str
+    prefix: str = ""
+
+    @classmethod
+    def parse(cls, uri: str) -> S3Location:
+        match = _S3_URI.match(uri)
+        if match is None:
+            raise ValueError(f"must look like s3://bucket/prefix (bucket: 3-63 lowercase letters, digits, '.', '-'), got {uri!r}")
+        return cls(bucket=match["bucket"], prefix=(match["prefix"] or "").strip("/"))
+
+    def key_for(self, job_id: str) -> str:
+        return f"{self.prefix}/{job_id}.json" if self.prefix else f"{job_id}.json"
+
+    def uri_for(self, job_id: str) -> str:
+        return f"s3://{self.bucket}/{self.key_for(job_id)}"
+
+
+class Job(BaseModel):
+    """One prompt to complete.
+
+    Exactly one of `prompt`, `messages` or `prompt_token_ids`. Sampling parameters may be given nested
+    (`sampling={...}`) or flat next to the prompt (`max_tokens=64`), the way `Client.submit` and
+    `generate.delay(...)` pass them; either way they are checked by `SamplingParams` itself, so the
+    client and the engine apply the very same rules. `id` doubles as the idempotency key: a worker
+    never recomputes a job whose result is already stored.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    version: Literal[1] = SCHEMA_VERSION
+    id: str = Field(default_factory=new_job_id, pattern=JOB_ID_PATTERN)
+    prompt: str | None = Field(default=None, min_length=1)
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    prompt_token_ids: list[TokenId] | None = Field(default=None, min_length=1)
+    sampling: SamplingParams = Field(default_factory=SamplingParams)
+    output: str | None = None
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    submitted_at: float | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _gather_flat_sampling(cls, data: Any) -> Any:
+        """Move flat sampling fields (`max_tokens=...`) under `sampling`, the single place they are checked."""
+        if not isinstance(data, dict):
+            return data
+        flat = {k: v for k, v in data.items() if k in _SAMPLING_FIELDS}
+        if not flat:
+            return data
+        nested = data.get("sampling")
+        if isinstance(nested, SamplingParams):
+            nested = dataclasses.asdict(nested)
+        rest = {k: v for k, v in data.items() if k not in _SAMPLING_FIELDS}
+        rest["sampling"] = {**(nested or {}), **flat}
+        return rest
+
+    @field_validator("sampling", mode="plain")
+    @classmethod
+    def _check_sampling(cls, value: Any) -> SamplingParams:
+        if isinstance(value, SamplingParams):
+            return SamplingParams.from_dict(dataclasses.asdict(value))
+        if isinstance(value, dict):
+            return SamplingParams.from_dict(value)
+        raise InvalidRequestError("sampling", f"must be an object of sampling parameters, got {type(value).__name__}")
+
+    @field_serializer("sampling")
+    def _dump_sampling(self, value: SamplingParams) -> dict[str, Any]:
+        return dataclasses.asdict(value)
+
+    @field_validator("output")
+    @classmethod
+    def _check_output(cls, value: str | None) -> str | None:
+        if value is not None:
+            S3Location.parse(value)
+        return value
+
+    @model_validator(mode="after")
+    def _exactly_one_prompt(self) -> Job:
+        given = [name for name in _PROMPT_FIELDS if getattr(self, name) is not None]
+        if len(given) != 1:
+            got = " and ".join(given) if given else "none"
+            raise InvalidRequestError(
+                given[-1] if given else "prompt", f"exactly one of prompt, messages, prompt_token_ids is required (got {got})"
+            )
+        return self
+
+    @property
+    def s3_location(self) -> S3Location | None:
+        return S3Location.parse(self.output) if self.output else None
+
+    def to_wire(self) -> dict[str, Any]:
+        """The JSON-ready dict that travels as the Celery task's argument."""
+        return self.model_dump(mode="json", exclude_none=True)
+
+    @classmethod
+    def from_wire(cls, data: Any) -> Job:
+        """Parse a job, turning any problem into one `InvalidRequestError` that names the field."""
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            raise invalid_request_from(exc) from None
+
+
+def invalid_request_from(exc: ValidationError) -> InvalidRequestError:
+    """The first error of a pydantic ValidationError, as an InvalidRequestError naming the field.
+
+    Errors raised by `SamplingParams` keep their own field name (`max_tokens`, not `sampling`),
+    because that is the name the producer wrote.
+    """
+    first = exc.errors(include_url=False)[0]
+    inner = (first.get("ctx") or {}).get("error")
+    if isinstance(inner, InvalidRequestError):
+        return inner
+    loc = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in first["loc"]).lstrip(".") or "job"
+    message = first["msg"].removeprefix("Value error, ")
+    if first["type"] == "extra_forbidden":
+        message = "unknown field"
+    return InvalidRequestError(loc, message)
+
+
+class Usage(BaseModel):
+    """Token counts, as OpenAI-style APIs report them."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class JobError(BaseModel):
+    """Why a job failed. `code` is stable (match on it); `message` is for people; `field` names bad input."""
+
+    code: Literal["invalid_job", "invalid_request", "dead_letter", "output_write_failed", "task_failure"]
+    message: str
+    field: str | None = None
+
+
+class JobResult(BaseModel):
+    """The final outcome of one job.
+
+    When the job named an S3 destination, the full result is the JSON object at `output_uri` and the
+    copy in Redis is a stub without `text`, `token_ids` and `logprobs`, so Redis does not hold large
+    payloads twice.
+    """
+
+    model_config = ConfigDict(extra="ignore")
+
+    version: Literal[1] = SCHEMA_VERSION
+    id: str
+    status: Literal["succeeded", "failed"]
+    text: str | None = None
+    token_ids: list[int] | None = None
+    finish_reason: str | None = None  # "stop" (EOS, stop token or string) or "length"
+    logprobs: list[Any] | None = None
+    usage: Usage | None = None
+    queued_at: Timestamp = None
+    started_at: Timestamp = None
+    first_token_at: Timestamp = None
+    finished_at: Timestamp = None
+    output_uri: str | None = None
+    error: JobError | None = None
+    attempt: int | None = None
+    worker: str | None = None
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "succeeded"
+
+    @classmethod
+    def failure(cls, job_id: str, code: str, message: str, field: str | None = None, **extra: Any) -> JobResult:
+        """A failed result; `finished_at` defaults to now."""
+        extra.setdefault("finished_at", time.time())
+        return cls(id=job_id, status="failed", error=JobError(code=code, message=message, field=field), **extra)
+
+    def stub(self, output_uri: str) -> JobResult:
+        """The Redis copy of a result whose full JSON lives at `output_uri`."""
+        return self.model_copy(update={"output_uri": output_uri, "text": None, "token_ids": None, "logprobs": None})
+
+    def to_wire(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")

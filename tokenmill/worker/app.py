@@ -1,0 +1,118 @@
+"""The Celery app and the `tokenmill.generate` task. Torch-free: producers import this module.
+
+A job is an ordinary Celery task, so teams that already run Celery use it as they use any task::
+
+    from tokenmill.worker.app import generate
+    generate.delay(prompt="Hello", max_tokens=16).get()          # or app.send_task("tokenmill.generate", ...)
+
+The module-level `app` reads its broker from `TOKENMILL_*` variables (so `celery -A tokenmill.worker.app
+inspect ...` and Flower work); `create_app(settings)` builds one for an explicit broker URL.
+
+Every setting below is chosen for "a crash loses nothing, a slow job is not run twice":
+
+* JSON only (`accept_content`, `result_accept_content`): a pickle or YAML message is refused by the
+  worker before anything in it is decoded, so a message on the queue can never execute code.
+* `task_acks_late`: a job is acknowledged only after the task returned, and Celery stores the return
+  value (our result) before acking, so a job is acked only once its result is written. A worker that
+  dies before that leaves the job unacked in Redis (`unacked` hash + `unacked_index` sorted set).
+* `task_reject_on_worker_lost`: only matters for the prefork pool (a killed child); kept on so that
+  a job whose executor died is requeued rather than marked failed, whatever pool runs it.
+* `broker_transport_options.visibility_timeout`: kombu's Redis transport redelivers an unacked
+  message once it has been unacked for longer than this. Kombu measures it from the delivery, not
+  from the last sign of life, so on its own a short timeout would rerun slow jobs while they still
+  run; the worker therefore renews the delivery time of every message it holds
+  (`tokenmill.worker.leases`) every `visibility_timeout / 4` seconds. The timeout then only bounds
+  how long a *crashed* worker's jobs wait, and can be short (`TOKENMILL_VISIBILITY_TIMEOUT`).
+* `unacked_restore_interval` = visibility_timeout / 4 (at most 10 s) and `unacked_restore_throttle`
+  = 1: how often each worker sweeps for expired messages. Kombu's defaults (10 s x every 10th call
+  = a scan every ~100 s) would add up to 100 s to every recovery; with these a crashed worker's jobs
+  are back in the queue within about 1.25 x visibility_timeout, also restored by a worker at start.
+* `unacked_mutex_expire`: the lock a sweep holds; a worker killed during a sweep would block all
+  sweeps for kombu's default 300 s, so it is bounded by the visibility timeout (at least 5 s).
+* `worker_prefetch_multiplier=1`: with late acks the prefetch window counts running jobs, so the
+  worker holds exactly `concurrency` jobs, all of them running in the engine; none sit in a local
+  buffer where they could wait behind long jobs while other workers idle.
+* `worker_cancel_long_running_tasks_on_connection_loss=False`: a broker blip does not throw away
+  generation in progress; if its ack is lost with the old connection, the job is redelivered and the
+  worker finds its stored result (jobs are idempotent by id) instead of generating it again.
+* `result_backend_always_retry`: a result write during a Redis outage waits (backoff capped at 1 s)
+  until Redis is back instead of failing the job.
+* `broker_connection_max_retries=None`: a worker keeps reconnecting to a restarted Redis forever.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery import Celery
+
+from tokenmill.worker.leases import LeaseRenewal
+from tokenmill.worker.settings import QueueSettings
+
+TASK_NAME = "tokenmill.generate"
+
+
+def transport_options(visibility_timeout: float) -> dict[str, Any]:
+    """kombu Redis transport options for a given visibility timeout (see the module docstring)."""
+    return {
+        "visibility_timeout": visibility_timeout,
+        "unacked_restore_interval": min(10.0, max(0.25, visibility_timeout / 4)),
+        "unacked_restore_throttle": 1,
+        "unacked_mutex_expire": int(max(5, min(300, visibility_timeout))),
+    }
+
+
+def celery_config(settings: QueueSettings) -> dict[str, Any]:
+    """The Celery configuration for these settings; every value is explained in the module docstring."""
+    return {
+        "broker_url": settings.broker_url,
+        "result_backend": settings.backend_url,
+        "task_serializer": "json",
+        "result_serializer": "json",
+        "accept_content": ["json"],
+        "result_accept_content": ["json"],
+        "task_acks_late": True,
+        "task_reject_on_worker_lost": True,
+        "worker_prefetch_multiplier": 1,
+        "worker_disable_rate_limits": True,
+        "worker_cancel_long_running_tasks_on_connection_loss": False,
+        "task_default_queue": settings.queue,
+        "task_track_started": False,
+        "result_expires": settings.result_expires,
+        "result_backend_always_retry": True,
+        "result_backend_max_sleep_between_retries_ms": 1000,
+        "broker_transport_options": transport_options(settings.visibility_timeout),
+        "broker_connection_retry_on_startup": True,
+        "broker_connection_max_retries": None,
+        "worker_hijack_root_logger": False,
+    }
+
+
+def configure(app: Celery, settings: QueueSettings) -> Celery:
+    """Apply `settings` to an existing app (the worker does this with its CLI settings)."""
+    app.conf.update(celery_config(settings))
+    return app
+
+
+def create_app(settings: QueueSettings | None = None) -> Celery:
+    """A new Celery app for `settings` with the `tokenmill.generate` task registered."""
+    new = Celery("tokenmill", set_as_current=False)
+    configure(new, settings or QueueSettings())
+    new.steps["consumer"].add(LeaseRenewal)
+    new.task(name=TASK_NAME, bind=True, acks_late=True, reject_on_worker_lost=True)(_generate)
+    return new
+
+
+def _generate(self: Any, job: dict[str, Any] | None = None, **fields: Any) -> dict[str, Any] | None:
+    """Run one job on this worker's engine; returns the `JobResult` as a JSON-ready dict.
+
+    Accepts the job as one dict (what `Client` sends) or as keyword fields (`generate.delay(prompt=...)`).
+    The heavy service is imported here, not at module level, so producers never load it.
+    """
+    from tokenmill.worker.runtime import run_job
+
+    return run_job(self, job, fields)
+
+
+app = create_app()
+generate = app.tasks[TASK_NAME]

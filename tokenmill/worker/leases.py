@@ -1,0 +1,72 @@
+"""Lease renewal: keep kombu from redelivering jobs that a live worker is still working on.
+
+kombu's Redis transport records each delivered, not yet acked message in the sorted set
+`unacked_index` with the delivery time as score, and any consumer's periodic sweep
+(`restore_visible`) puts a message back on its queue once `now - score > visibility_timeout`. It does
+not know whether the worker that holds the message is alive, so a job that runs longer than the
+visibility timeout would be delivered to a second worker and run twice.
+
+This consumer bootstep re-stamps the score of every message this worker holds (received, running or
+writing its result) every `visibility_timeout / 4` seconds, with `ZADD XX` so a message acked in
+between is never put back. A worker killed with `kill -9` stops renewing and its messages are
+redelivered `visibility_timeout` (plus at most one sweep interval) after its last renewal.
+
+After a broker reconnect kombu itself puts the messages of the old channel back on the queue when
+it closes that channel (`restore_at_shutdown`), running ones included; the worker then meets those
+jobs again and either joins the run already in progress or finds the stored result (see
+`WorkerService`). Torch-free.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from celery import bootsteps
+
+log = logging.getLogger(__name__)
+
+
+class LeaseRenewal(bootsteps.StartStopStep):
+    """Consumer bootstep; runs on the consumer's timer, in the thread that owns the broker channel."""
+
+    requires = ("celery.worker.consumer.tasks:Tasks",)
+
+    def __init__(self, parent: Any, **kwargs: Any) -> None:
+        super().__init__(parent, **kwargs)
+        self._timer_entry = None
+
+    def start(self, parent: Any) -> None:
+        options = parent.app.conf.broker_transport_options or {}
+        interval = max(0.1, float(options.get("visibility_timeout", 3600)) / 4)
+        self._timer_entry = parent.timer.call_repeatedly(interval, self.renew, (parent,), priority=0)
+
+    def stop(self, parent: Any) -> None:
+        if self._timer_entry is not None:
+            self._timer_entry.cancel()
+            self._timer_entry = None
+
+    shutdown = stop
+
+    def renew(self, parent: Any) -> int:
+        """Re-stamp every message held by this worker; returns how many were renewed."""
+        consumer = getattr(parent, "task_consumer", None)
+        qos = getattr(getattr(consumer, "channel", None), "qos", None)
+        if qos is None or not hasattr(qos, "unacked_index_key"):  # not connected yet, or not Redis
+            return 0
+        try:
+            return _restamp(qos)
+        except Exception as exc:  # broker down: kombu reconnects; renew again next tick
+            log.debug("lease renewal failed: %r", exc)
+            return 0
+
+
+def _restamp(qos: Any) -> int:
+    tags = list(qos._delivered.keys())  # kombu's in-process record of unacked deliveries
+    if not tags:
+        return 0
+    now = time.time()
+    with qos.channel.conn_or_acquire() as client:
+        client.zadd(qos.unacked_index_key, {tag: now for tag in tags}, xx=True)
+    return len(tags)

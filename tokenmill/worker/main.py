@@ -1,0 +1,64 @@
+"""`tokenmill worker`: load the model once, then run a Celery worker whose tasks feed the engine.
+
+The Celery worker uses the *threads* pool with concurrency = the engine's in-flight capacity: each
+pool thread holds one job, hands its request to the engine loop and waits for it, so the worker keeps
+pulling jobs until the running batch is full, and a new job joins the batch at the next engine step.
+(The prefork pool would load one model per child process; solo would run one job at a time.)
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from tokenmill.worker import runtime
+from tokenmill.worker.app import app, configure
+from tokenmill.worker.service import WorkerService
+from tokenmill.worker.settings import WorkerSettings
+
+log = logging.getLogger("tokenmill.worker")
+
+# Celery logs each task's return value ("succeeded in 0.3s: {...text...}") from this logger and each
+# received task from the other; the first would put completions in the logs, both cost time per job.
+_PER_TASK_LOGGERS = ("celery.app.trace", "celery.worker.strategy")
+
+
+def setup_logging(settings: WorkerSettings) -> None:
+    """Plain stderr logging; per-task Celery lines only when prompts may be logged."""
+    logging.basicConfig(
+        level=settings.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s [%(process)d]: %(message)s",
+        stream=sys.stderr,
+    )
+    if not settings.log_prompts:
+        for name in _PER_TASK_LOGGERS:
+            logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def run_worker(settings: WorkerSettings) -> int:
+    """Run until SIGTERM/SIGINT; returns the process exit code."""
+    setup_logging(settings)
+    configure(app, settings)
+    service = WorkerService.start(settings)
+    runtime.install(service)
+    capacity = settings.in_flight_capacity
+    log.info(
+        "worker ready: model=%s queues=%s concurrency=%d visibility_timeout=%.1fs metrics_port=%s",
+        settings.model, ",".join(settings.queues or []), capacity, settings.visibility_timeout, settings.metrics_port or "off",
+    )
+    worker = app.Worker(
+        hostname=settings.hostname,
+        pool_cls="threads",
+        concurrency=capacity,
+        queues=settings.queues,
+        loglevel=settings.log_level.upper(),
+        without_mingle=True,  # no start-up handshake with other workers: nothing of ours needs it
+        without_gossip=True,
+        quiet=True,
+    )
+    try:
+        worker.start()
+    finally:
+        service.close()
+    log.info("worker stopped")
+    return worker.exitcode or 0

@@ -1,0 +1,58 @@
+"""Prometheus metrics of a worker (prometheus-client), served on `--metrics-port`.
+
+Counters are cumulative (use `rate()` for per-second values); `tokenmill_generation_tokens_per_second`
+is also exported directly, measured by the engine loop over its last reporting interval, for
+dashboards without PromQL.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import REGISTRY as DEFAULT_REGISTRY
+
+from tokenmill.worker.engine_loop import LoopStats
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
+
+
+class WorkerMetrics:
+    """All metrics of one worker process, registered in one registry."""
+
+    def __init__(self, registry: CollectorRegistry = DEFAULT_REGISTRY) -> None:
+        self.registry = registry
+        self.jobs_succeeded = Counter("tokenmill_jobs_succeeded", "Jobs finished with a result.", registry=registry)
+        self.jobs_failed = Counter(
+            "tokenmill_jobs_failed", "Jobs finished with an error, by error code.", ["code"], registry=registry
+        )
+        self.jobs_in_flight = Gauge("tokenmill_jobs_in_flight", "Jobs this worker holds now.", registry=registry)
+        self.queue_wait = Histogram(
+            "tokenmill_queue_wait_seconds", "Submit to start of work on a worker.", buckets=_LATENCY_BUCKETS, registry=registry
+        )
+        self.job_latency = Histogram(
+            "tokenmill_job_latency_seconds", "Submit to result written.", buckets=_LATENCY_BUCKETS, registry=registry
+        )
+        self.time_to_first_token = Histogram(
+            "tokenmill_time_to_first_token_seconds", "Start of work to first token.", buckets=_LATENCY_BUCKETS, registry=registry
+        )
+        self.prompt_tokens = Counter("tokenmill_prompt_tokens", "Prompt tokens of finished jobs.", registry=registry)
+        self.generated_tokens = Counter("tokenmill_generated_tokens", "Tokens generated for finished jobs.", registry=registry)
+        self.tokens_per_second = Gauge(
+            "tokenmill_generation_tokens_per_second", "Tokens generated per second (last interval).", registry=registry
+        )
+        self.running = Gauge("tokenmill_running_sequences", "Sequences in the running batch.", registry=registry)
+        self.waiting = Gauge("tokenmill_waiting_sequences", "Sequences waiting for KV cache space.", registry=registry)
+        self.kv_usage = Gauge("tokenmill_kv_cache_usage_ratio", "Fraction of KV cache blocks in use.", registry=registry)
+        self.output_retries = Counter(
+            "tokenmill_output_write_retries", "Failed attempts to write a result to S3 (retried).", registry=registry
+        )
+
+    def serve(self, port: int, addr: str = "0.0.0.0") -> None:
+        """Start the HTTP endpoint (a daemon thread); port 0 means no endpoint."""
+        if port:
+            start_http_server(port, addr=addr, registry=self.registry)
+
+    def on_loop_stats(self, stats: LoopStats) -> None:
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.kv_usage.set(stats.kv_cache_usage)
+        self.tokens_per_second.set(stats.generated_tokens_per_s)

@@ -1,0 +1,293 @@
+"""What a worker does with one job, from its Celery message to its written result.
+
+`WorkerService` owns the engine loop, the S3 sink, the metrics and a Redis client for bookkeeping.
+Celery runs `run_job` in one of its pool threads per job; the thread hands the request to the engine
+loop and waits, so up to `concurrency` jobs share the engine's running batch.
+
+Per job, in order:
+
+1. Parse the job (`Job.from_wire`); a malformed job ends as a failed result (`invalid_job`).
+2. Idempotency: if a final result for this job id is already stored (the job was finished but its
+   ack was lost, or a producer sent it twice), acknowledge without running it again or rewriting it.
+3. Count the delivery (`INCR tokenmill:deliveries:<id>`). A job delivered more than `max_deliveries`
+   times has killed (or been cut off with) every worker that took it: it is dead-lettered (pushed on
+   the Redis list `tokenmill:dead_letter`, final result failed with code `dead_letter`).
+4. If the same job id is already running in this process (a redelivery after a broker reconnect),
+   wait for that run instead of starting a second one.
+5. Generate. A request the engine refuses (`InvalidRequestError`) ends as a failed result
+   (`invalid_request`, naming the field); the engine and the other jobs go on.
+6. With an S3 destination, write the full result there, retrying while S3 is down; Redis then gets a
+   stub holding `output_uri`.
+7. Return the result; Celery stores it in Redis, then acks the message.
+
+On SIGTERM Celery stops taking jobs and waits for the running ones; they get `shutdown_grace`
+seconds, after which any job still generating or still retrying S3 is requeued (`Reject`), so the
+worker always exits and nothing is lost.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+from celery.exceptions import Ignore, Reject
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
+
+from tokenmill.errors import InvalidRequestError
+from tokenmill.jobs.schemas import Job, JobResult, Usage
+from tokenmill.worker.engine_loop import EngineLoop
+from tokenmill.worker.metrics import WorkerMetrics
+from tokenmill.worker.settings import WorkerSettings
+from tokenmill.worker.sinks import OutputWriteError, RetryPolicy, S3Sink, WriteAbandoned
+
+log = logging.getLogger("tokenmill.worker")
+
+DELIVERIES_KEY = "tokenmill:deliveries:{job_id}"
+DEAD_LETTER_KEY = "tokenmill:dead_letter"
+FATAL_EXIT_CODE = 70  # EX_SOFTWARE: the engine failed; a supervisor restarts the worker
+
+
+class Requeue(Exception):
+    """The job could not finish before shutdown; put it back on the queue."""
+
+
+@dataclass
+class _Attempt:
+    job: Job
+    started_at: float
+    attempt: int
+
+
+class WorkerService:
+    """One per worker process; thread-safe `run_job`."""
+
+    def __init__(self, settings: WorkerSettings, loop: EngineLoop, metrics: WorkerMetrics, sink: S3Sink | None) -> None:
+        self.settings = settings
+        self.loop = loop
+        self.metrics = metrics
+        self.sink = sink
+        self.hostname = socket.gethostname()
+        self.redis = redis.Redis.from_url(
+            settings.backend_url,
+            retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=120),
+            retry_on_error=[redis.ConnectionError, redis.TimeoutError],
+        )
+        self._running: dict[str, Future] = {}
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._abandon = threading.Event()
+
+    @classmethod
+    def start(cls, settings: WorkerSettings) -> WorkerService:
+        """Load the model (once, here), start the engine loop and the metrics endpoint."""
+        from tokenmill.engine.llm_engine import LLMEngine  # heavy: torch, transformers
+
+        started = time.monotonic()
+        engine = LLMEngine(model=settings.model, **settings.engine_options())
+        log.info("model %s loaded in %.1fs", settings.model, time.monotonic() - started)
+        metrics = WorkerMetrics()
+        loop = EngineLoop(engine, on_fatal=_exit_on_engine_failure, on_stats=metrics.on_loop_stats)
+        loop.start()
+        metrics.serve(settings.metrics_port, settings.metrics_addr)
+        sink = S3Sink(
+            settings.s3_endpoint_url,
+            settings.s3_region,
+            RetryPolicy(max_delay=settings.s3_retry_max_delay),
+            on_retry=metrics.output_retries.inc,
+        )
+        return cls(settings, loop, metrics, sink)
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def begin_shutdown(self) -> None:
+        """SIGTERM: running jobs may finish within `shutdown_grace`; after that they are requeued."""
+        if self._stopping.is_set():
+            return
+        self._stopping.set()
+        log.info("shutting down: finishing %d in-flight jobs (grace %.0fs)", len(self._running), self.settings.shutdown_grace)
+        timer = threading.Timer(self.settings.shutdown_grace, self._abandon.set)
+        timer.daemon = True
+        timer.start()
+
+    def close(self) -> None:
+        self._abandon.set()
+        self.loop.stop(timeout=10)
+
+    # -- one job -------------------------------------------------------------------------------
+
+    def run_job(self, task_id: str, payload: dict[str, Any] | None, fields: dict[str, Any], backend: Any) -> dict[str, Any]:
+        """Everything between a delivered message and the result Celery stores (see module docstring)."""
+        started_at = time.time()
+        raw = {**(payload or {}), **fields}
+        raw.setdefault("id", task_id)
+        try:
+            job = Job.from_wire(raw)
+        except InvalidRequestError as exc:
+            return self._failed(JobResult.failure(_safe_id(raw, task_id), "invalid_job", exc.message, exc.field, started_at=started_at))
+        if _is_final(backend.get_task_meta(task_id)):
+            log.info("job %s already has a result; acknowledging without running it again", job.id)
+            raise Ignore()
+        attempt = self._count_delivery(job.id)
+        if attempt > self.settings.max_deliveries:
+            return self._dead_letter(job, attempt, started_at)
+        with self._lock:
+            running = self._running.get(job.id)
+            if running is None:
+                mine: Future = Future()
+                self._running[job.id] = mine
+        if running is not None:
+            log.info("job %s is already running here; waiting for that run", job.id)
+            return self._wait(running, job, abort_id=None)
+        self.metrics.jobs_in_flight.inc()
+        try:
+            result = self._execute(_Attempt(job, started_at, attempt))
+            mine.set_result(result)
+            return result
+        except BaseException as exc:
+            mine.set_exception(exc)
+            raise
+        finally:
+            self.metrics.jobs_in_flight.dec()
+            with self._lock:
+                self._running.pop(job.id, None)
+
+    def _execute(self, run: _Attempt) -> dict[str, Any]:
+        job = run.job
+        if job.submitted_at is not None:
+            self.metrics.queue_wait.observe(max(0.0, run.started_at - job.submitted_at))
+        request_id = f"{job.id}#{uuid.uuid4().hex[:8]}"
+        messages = [m.model_dump() for m in job.messages] if job.messages else None
+        future = self.loop.submit(request_id, job.sampling, prompt=job.prompt or job.prompt_token_ids, messages=messages)
+        try:
+            output = self._wait(future, job, abort_id=request_id)
+        except InvalidRequestError as exc:
+            return self._failed(JobResult.failure(job.id, "invalid_request", exc.message, exc.field, **_times(job, run)))
+        result = _result_from_output(job, run, output, self.hostname)
+        if self.settings.log_prompts:
+            log.debug("job %s prompt=%r text=%r", job.id, job.prompt or job.messages or job.prompt_token_ids, result.text)
+        if job.output:
+            return self._write_output(job, result)
+        return self._succeeded(result)
+
+    def _wait(self, future: Future, job: Job, abort_id: str | None) -> Any:
+        """Block until `future` resolves; once the shutdown grace is over, requeue the job instead."""
+        while True:
+            try:
+                return future.result(timeout=0.5)
+            except FutureTimeout:
+                if self._abandon.is_set():
+                    if abort_id is not None:
+                        self.loop.abort(abort_id)
+                    log.warning("job %s not finished when the shutdown grace ran out; requeueing it", job.id)
+                    raise Reject("worker shutting down", requeue=True) from None
+
+    def _write_output(self, job: Job, result: JobResult) -> dict[str, Any]:
+        location = job.s3_location
+        assert location is not None and self.sink is not None
+        body = json.dumps(result.to_wire()).encode()
+        try:
+            uri = self.sink.write(location, job.id, body, stop=self._abandon)
+        except WriteAbandoned as exc:
+            log.warning("job %s: %s; requeueing it", job.id, exc)
+            raise Reject(str(exc), requeue=True) from None
+        except OutputWriteError as exc:
+            error = {"code": "output_write_failed", "message": str(exc), "field": "output"}
+            return self._failed(JobResult.model_validate({**result.to_wire(), "status": "failed", "error": error}))
+        return self._succeeded(result.stub(uri))
+
+    # -- bookkeeping ---------------------------------------------------------------------------
+
+    def _count_delivery(self, job_id: str) -> int:
+        key = DELIVERIES_KEY.format(job_id=job_id)
+        with self.redis.pipeline() as pipe:
+            attempt, _ = pipe.incr(key).expire(key, self.settings.result_expires).execute()
+        return int(attempt)
+
+    def _dead_letter(self, job: Job, attempt: int, started_at: float) -> dict[str, Any]:
+        entry = {"job": job.to_wire(), "deliveries": attempt, "dead_lettered_at": time.time(), "worker": self.hostname}
+        self.redis.lpush(DEAD_LETTER_KEY, json.dumps(entry))
+        message = (
+            f"delivered {attempt} times and no earlier delivery finished (the worker running it died each time); "
+            f"not run again, moved to the Redis list {DEAD_LETTER_KEY}"
+        )
+        log.error("job %s dead-lettered after %d deliveries", job.id, attempt)
+        return self._failed(
+            JobResult.failure(job.id, "dead_letter", message, queued_at=job.submitted_at, started_at=started_at,
+                              attempt=attempt, worker=self.hostname, metadata=job.metadata)
+        )
+
+    def _succeeded(self, result: JobResult) -> dict[str, Any]:
+        self.metrics.jobs_succeeded.inc()
+        if result.usage is not None:
+            self.metrics.prompt_tokens.inc(result.usage.prompt_tokens)
+            self.metrics.generated_tokens.inc(result.usage.completion_tokens)
+        if result.queued_at is not None and result.finished_at is not None:
+            self.metrics.job_latency.observe(max(0.0, result.finished_at - result.queued_at))
+        if result.first_token_at is not None and result.started_at is not None:
+            self.metrics.time_to_first_token.observe(max(0.0, result.first_token_at - result.started_at))
+        log.debug("job %s succeeded: %s tokens", result.id, result.usage.completion_tokens if result.usage else "?")
+        return result.to_wire()
+
+    def _failed(self, result: JobResult) -> dict[str, Any]:
+        assert result.error is not None
+        self.metrics.jobs_failed.labels(code=result.error.code).inc()
+        log.warning("job %s failed: %s (%s)", result.id, result.error.code, result.error.field or "-")
+        return result.to_wire()
+
+
+def _result_from_output(job: Job, run: _Attempt, output: Any, worker: str) -> JobResult:
+    prompt_tokens, completion_tokens = len(output.prompt_token_ids), len(output.token_ids)
+    return JobResult(
+        id=job.id,
+        status="succeeded",
+        text=output.text,
+        token_ids=list(output.token_ids),
+        finish_reason=output.finish_reason,
+        logprobs=_jsonable(output.logprobs) if job.sampling.logprobs is not None else None,
+        usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens),
+        first_token_at=output.first_token_time,
+        attempt=run.attempt,
+        worker=worker,
+        metadata=job.metadata,
+        **{**_times(job, run), "finished_at": output.finished_time or time.time()},
+    )
+
+
+def _times(job: Job, run: _Attempt) -> dict[str, Any]:
+    return {"queued_at": job.submitted_at, "started_at": run.started_at, "finished_at": time.time()}
+
+
+def _is_final(meta: dict[str, Any] | None) -> bool:
+    return bool(meta) and meta.get("status") in ("SUCCESS", "FAILURE")
+
+
+def _safe_id(raw: dict[str, Any], task_id: str) -> str:
+    value = raw.get("id")
+    return value if isinstance(value, str) and value else task_id
+
+
+def _jsonable(value: Any) -> Any:
+    """Logprobs as plain JSON (dict keys become strings, tensors/numpy scalars become floats)."""
+    return json.loads(json.dumps(value, default=lambda v: v.item() if hasattr(v, "item") else str(v)))
+
+
+def _exit_on_engine_failure(exc: BaseException) -> None:
+    """The engine raised outside any single request: its state is unknown, so stop the process now.
+
+    Jobs in flight stay unacked and are delivered to a healthy worker after the visibility timeout;
+    a job that causes this every time reaches `max_deliveries` and is dead-lettered.
+    """
+    log.critical("engine failure, exiting with code %d so a supervisor restarts the worker: %r", FATAL_EXIT_CODE, exc)
+    logging.shutdown()
+    os._exit(FATAL_EXIT_CODE)

@@ -1,0 +1,100 @@
+"""Configuration: pydantic-settings models read from `TOKENMILL_*` environment variables.
+
+`QueueSettings` is what both sides of the queue need (broker, result backend, queue name, delays);
+`WorkerSettings` adds what only a worker needs (model, engine sizes, S3, metrics). CLI flags of
+`tokenmill worker` are generated from `WorkerSettings` fields, so a setting has one name, one
+default and one description, whichever way it is given. Torch-free.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+
+class QueueSettings(BaseSettings):
+    """Broker-side settings shared by producers and workers."""
+
+    model_config = SettingsConfigDict(env_prefix="TOKENMILL_", extra="ignore")
+
+    broker_url: str = Field("redis://localhost:6379/0", description="Redis URL of the Celery broker.")
+    result_backend: str | None = Field(None, description="Redis URL for results; defaults to the broker URL.")
+    queue: str = Field("tokenmill", min_length=1, description="Queue that jobs are sent to by default.")
+    visibility_timeout: float = Field(
+        60.0,
+        gt=0,
+        description="Seconds after which a job delivered to a worker that stopped renewing its lease "
+        "(crashed, killed) is delivered again. Live workers renew leases, so slow jobs are not rerun.",
+    )
+    result_expires: int = Field(86400, gt=0, description="Seconds a result stays in Redis.")
+
+    @property
+    def backend_url(self) -> str:
+        return self.result_backend or self.broker_url
+
+
+class WorkerSettings(QueueSettings):
+    """Everything `tokenmill worker` can be told, by flag or by `TOKENMILL_<NAME>` variable."""
+
+    model: str = Field("builtin:tiny", description="Model: builtin:tiny, a local directory or a hub id.")
+    queues: Annotated[list[str] | None, NoDecode] = Field(
+        None, description="Comma-separated queues to consume; defaults to --queue."
+    )
+    concurrency: int | None = Field(
+        None, ge=1, description="Jobs held at once (in the engine or writing results); defaults to --max-num-seqs."
+    )
+    hostname: str = Field("tokenmill@%h", description="Celery node name (%h: host name).")
+    max_deliveries: int = Field(
+        5, ge=1, description="Deliveries after which a job that keeps killing workers is dead-lettered."
+    )
+    shutdown_grace: float = Field(
+        60.0, ge=0, description="Seconds after SIGTERM that in-flight jobs may take to finish before they are requeued."
+    )
+    metrics_port: int = Field(9400, ge=0, le=65535, description="Prometheus metrics port; 0 disables the endpoint.")
+    metrics_addr: str = Field("0.0.0.0", description="Address the metrics endpoint listens on.")
+    s3_endpoint_url: str | None = Field(None, description="S3 endpoint (MinIO, moto, ...); default: AWS.")
+    s3_region: str | None = Field(None, description="S3 region name.")
+    s3_retry_max_delay: float = Field(30.0, gt=0, description="Longest pause between S3 write attempts (seconds).")
+    log_prompts: bool = Field(False, description="Log prompt and completion text (off: logs carry ids and counts only).")
+    log_level: str = Field("INFO", description="Log level.")
+    # Engine options, passed to LLMEngine unchanged.
+    dtype: str = Field("auto", description="Model dtype.")
+    max_num_seqs: int = Field(256, ge=1, description="Most sequences the engine runs at once.")
+    max_num_batched_tokens: int = Field(2048, ge=1, description="Token budget of one engine step.")
+    max_model_len: int | None = Field(None, ge=1, description="Longest prompt + completion; default: the model's.")
+    num_kv_blocks: int | None = Field(None, ge=1, description="KV cache blocks; default: sized by the engine.")
+    block_size: int = Field(16, ge=1, description="Tokens per KV cache block.")
+    attention_backend: str | None = Field(None, description="Attention backend name; default: the engine's choice.")
+    seed: int = Field(0, description="Engine seed.")
+
+    @field_validator("queues", mode="before")
+    @classmethod
+    def _split_queues(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
+    @model_validator(mode="after")
+    def _default_queues(self) -> WorkerSettings:
+        if not self.queues:
+            self.queues = [self.queue]
+        return self
+
+    @property
+    def in_flight_capacity(self) -> int:
+        return self.concurrency or self.max_num_seqs
+
+    def engine_options(self) -> dict[str, Any]:
+        """Keyword options of `LLMEngine` (its `EngineConfig`)."""
+        return {
+            "dtype": self.dtype,
+            "max_num_seqs": self.max_num_seqs,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+            "max_model_len": self.max_model_len,
+            "num_kv_blocks": self.num_kv_blocks,
+            "block_size": self.block_size,
+            "attention_backend": self.attention_backend,
+            "seed": self.seed,
+        }
