@@ -47,7 +47,7 @@ def run_worker(settings: WorkerSettings) -> int:
         settings.model, ",".join(settings.queues or []), capacity, settings.visibility_timeout, settings.metrics_port or "off",
     )
     worker = app.Worker(
-        hostname=settings.hostname,
+        hostname=service.hostname,
         pool_cls="threads",
         concurrency=capacity,
         queues=settings.queues,

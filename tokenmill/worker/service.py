@@ -30,7 +30,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 import threading
 import time
 import uuid
@@ -41,6 +40,7 @@ from typing import Any
 
 import redis
 from celery.exceptions import Ignore, Reject
+from celery.utils.nodenames import default_nodename, host_format
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
@@ -77,7 +77,7 @@ class WorkerService:
         self.loop = loop
         self.metrics = metrics
         self.sink = sink
-        self.hostname = socket.gethostname()
+        self.hostname = host_format(default_nodename(settings.hostname))  # Celery's node name, "%h" expanded
         self.redis = redis.Redis.from_url(
             settings.backend_url,
             retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=120),
