@@ -124,7 +124,7 @@ def _paged_attention_kernel(
     head_offs = kv_head.to(tl.int64) * stride_ch
     for kv_start in range(0, kv_end, BLOCK_N):
         kv_pos = kv_start + tl.arange(0, BLOCK_N)
-        kv_ok = kv_pos < kv_end + BLOCK_N
+        kv_ok = kv_pos < kv_end
         block_id = tl.load(table_row + kv_pos // BLOCK_SIZE, mask=kv_ok, other=0)
         token_offs = block_id.to(tl.int64) * stride_cb + (kv_pos % BLOCK_SIZE) * stride_cs + head_offs
         kv_mask = kv_ok[:, None] & dim_ok[None, :]

@@ -1,0 +1,248 @@
+"""Triton attention backend against a float64 reference, plus its batch invariance; the torch backend too.
+
+Without CUDA the kernels run through Triton's interpreter (numpy on CPU), so shapes stay small.
+bf16: the interpreter cannot multiply bf16 in `tl.dot`, so under it the kernel upcasts the dot operands to
+fp32; the bf16 case here checks bf16 loads, stores and masking, while the bf16 tensor-core path is only
+exercised on a GPU (this file under CUDA, and benchmarks/kernels_gpu.py).
+
+Inputs are fresh random data each run. The seed is printed (pytest shows it for a failing test);
+rerun with TOKENMILL_TEST_SEED=<seed> to reproduce. Unwritten cache slots, the padding block 0 of the
+block tables, and the output buffer are NaN before each launch, so any element read out of range or
+left unwritten shows up as NaN.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch.nn.functional as F  # noqa: E402
+
+from tokenmill.kernels import get_backend  # noqa: E402
+from tokenmill.kernels.torch_attention import TorchBackend  # noqa: E402
+from tokenmill.kernels.triton_attention import TritonBackend  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+TOLERANCES = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+NOT_POW2_BLOCK = 5
+
+Span = tuple[int, int, int]  # (sequence, first query position, end position = KV length after the step)
+
+
+@pytest.fixture
+def gen() -> torch.Generator:
+    seed = int(os.environ.get("TOKENMILL_TEST_SEED", random.randrange(2**31)))
+    print(f"TOKENMILL_TEST_SEED={seed}")
+    return torch.Generator().manual_seed(seed)
+
+
+class Workload:
+    """Sequences with random Q/K/V, a paged cache they live in, and the reference attention over them.
+
+    Blocks are handed out in shuffled order from 1 on; block 0 stays `poison` and pads the block tables.
+    """
+
+    def __init__(self, lengths: list[int], block_size: int, num_kv_heads: int, group: int, head_dim: int,
+                 dtype: torch.dtype, gen: torch.Generator, poison: float = float("nan")) -> None:
+        self.block_size, self.poison = block_size, poison
+        self.scale = head_dim**-0.5
+        blocks = [-(-n // block_size) for n in lengths]
+        order = (torch.randperm(sum(blocks), generator=gen) + 1).tolist()
+        self.table = torch.zeros(len(lengths), max(blocks), dtype=torch.int32)
+        for seq, n in enumerate(blocks):
+            self.table[seq, :n] = torch.tensor(order[:n], dtype=torch.int32)
+            order = order[n:]
+        shape = (sum(blocks) + 1, block_size, num_kv_heads, head_dim)
+        self.k_cache = torch.full(shape, poison, dtype=dtype, device=DEVICE)
+        self.v_cache = torch.full(shape, poison, dtype=dtype, device=DEVICE)
+
+        def rand(n: int, heads: int) -> torch.Tensor:
+            return torch.randn(n, heads, head_dim, generator=gen).to(dtype)
+
+        self.queries = [rand(n, num_kv_heads * group) for n in lengths]
+        self.keys = [rand(n, num_kv_heads) for n in lengths]
+        self.values = [rand(n, num_kv_heads) for n in lengths]
+
+    def slots(self, spans: list[Span]) -> torch.Tensor:
+        pos = torch.cat([torch.arange(start, end) for _, start, end in spans])
+        seqs = torch.cat([torch.full((end - start,), seq) for seq, start, end in spans])
+        return (self.table[seqs, pos // self.block_size].long() * self.block_size + pos % self.block_size)
+
+    def write(self, backend, spans: list[Span]) -> None:
+        """Store the spans' K/V, passed as non-contiguous views of one [T, 2, Hkv, D] buffer."""
+        kv = torch.stack([torch.cat([self.keys[s][a:b] for s, a, b in spans]),
+                          torch.cat([self.values[s][a:b] for s, a, b in spans])], dim=1).to(DEVICE)
+        backend.write_kv(kv[:, 0], kv[:, 1], self.k_cache, self.v_cache, self.slots(spans).to(DEVICE))
+
+    def attend(self, backend, spans: list[Span]) -> list[torch.Tensor]:
+        """Attention of the spans' queries as one batch, each span's rows returned apart."""
+        q_lens = [end - start for _, start, end in spans]
+        query = torch.cat([self.queries[s][a:b] for s, a, b in spans])
+        cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+        seq_lens = torch.tensor([end for _, _, end in spans], dtype=torch.int32)
+        return list(self.launch(backend, query, self.table[[s for s, _, _ in spans]], cu, seq_lens).split(q_lens))
+
+    def launch(self, backend, query: torch.Tensor, block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
+               seq_lens: torch.Tensor) -> torch.Tensor:
+        """One paged_attention call; the query is a non-contiguous view, the output buffer starts NaN."""
+        wide = torch.cat([query, query], dim=-1).to(DEVICE)
+        query = wide[..., : query.shape[-1]]
+        args = (query, self.k_cache, self.v_cache, block_tables.to(DEVICE), cu_seqlens_q.to(DEVICE),
+                seq_lens.to(DEVICE), self.scale, int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()),
+                int(seq_lens.max()))
+        if isinstance(backend, TritonBackend):
+            out = torch.full_like(query, float("nan"))
+            assert backend.paged_attention(*args, out=out) is out
+        else:
+            out = backend.paged_attention(*args)
+        return out.cpu()
+
+    def reference(self, span: Span) -> torch.Tensor:
+        """float64 SDPA of the span's queries over its sequence's first `end` keys, causal from the end."""
+        seq, start, end = span
+        q, k, v = (t.double().transpose(0, 1) for t in (self.queries[seq][start:end], self.keys[seq][:end],
+                                                           self.values[seq][:end]))
+        mask = torch.arange(end)[None, :] <= torch.arange(start, end)[:, None]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
+                                              enable_gqa=True).transpose(0, 1)
+
+    def step(self, backend, spans: list[Span]) -> list[torch.Tensor]:
+        """What the engine does per step: write the new tokens' K/V, then attend."""
+        self.write(backend, spans)
+        return self.attend(backend, spans)
+
+    def forget(self, seq: int) -> None:
+        """Poison a sequence's slots again, so that a rerun cannot read K/V its steps have not written yet."""
+        slots = self.slots([(seq, 0, len(self.keys[seq]))]).to(DEVICE)
+        for cache in (self.k_cache, self.v_cache):
+            cache.view(-1, *cache.shape[2:])[slots] = self.poison
+
+
+def mixed_spans(block_size: int, gen: torch.Generator) -> list[tuple[int, int]]:
+    """(query length, KV length) of a batch mixing every kind of row, in random order.
+
+    Decode rows over context, a single-token sequence, a pure prefill, a prefill chunk over cached
+    context, and KV lengths just at and just past a block boundary.
+    """
+    def r(lo: int, hi: int) -> int:
+        return int(torch.randint(lo, hi + 1, (), generator=gen))
+
+    edge = block_size * r(1, max(1, 40 // block_size))
+    prompt, chunk = r(2, 40), r(2, 30)
+    kinds = [(1, r(2, 70)), (1, r(2, 70)), (1, 1), (prompt, prompt), (chunk, chunk + r(1, 40)),
+             (min(r(1, 8), edge), edge), (min(r(1, 8), edge + 1), edge + 1)]
+    return [kinds[i] for i in torch.randperm(len(kinds), generator=gen).tolist()]
+
+
+def run_mixed(backend, gen: torch.Generator, block_size: int, group: int, head_dim: int, dtype: torch.dtype,
+              poison: float = float("nan")) -> None:
+    """One mixed step: the context is written first, then the step's tokens; every row vs the reference."""
+    shapes = mixed_spans(block_size, gen)
+    work = Workload([kv for _, kv in shapes], block_size, 2, group, head_dim, dtype, gen, poison)
+    context = [(seq, 0, kv - q) for seq, (q, kv) in enumerate(shapes) if kv > q]
+    if context:
+        work.write(backend, context)
+    spans = [(seq, kv - q, kv) for seq, (q, kv) in enumerate(shapes)]
+    for span, out in zip(spans, work.step(backend, spans)):
+        assert_matches(out, work.reference(span), dtype, f"span {span} of {spans}")
+
+
+def assert_matches(out: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, what: str) -> None:
+    assert not out.isnan().any(), f"NaN in output: {what}"
+    tol = TOLERANCES[dtype]
+    torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol, msg=lambda m: f"{what}\n{m}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("block_size", [1, 16, NOT_POW2_BLOCK])
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+def test_triton_mixed_batch_matches_reference(gen, group, block_size, dtype):
+    run_mixed(TritonBackend(), gen, block_size, group, 32, dtype)
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 128, 256, 80])
+def test_triton_head_dims(gen, head_dim):
+    run_mixed(TritonBackend(), gen, 16, 2, head_dim, torch.float16)
+
+
+def test_triton_bfloat16(gen):
+    run_mixed(TritonBackend(), gen, 16, 4, 64, torch.bfloat16)
+
+
+@pytest.mark.parametrize("block_size", [1, 16, NOT_POW2_BLOCK])
+@pytest.mark.parametrize("group", [1, 4])
+def test_torch_backend_matches_reference(gen, group, block_size):
+    """Finite poison: the torch backend's masked SDPA turns NaN in unwritten slots into NaN rows (0 * NaN)."""
+    run_mixed(TorchBackend(), gen, block_size, group, 32, torch.float32, poison=1e4)
+
+
+def test_rows_without_visible_keys_are_zero(gen):
+    """Rows before the context start see no key: zeros, not NaN; an empty sequence in the batch is skipped."""
+    work = Workload([1, 9], 4, 2, 2, 32, torch.float32, gen)
+    backend = TritonBackend()
+    work.write(backend, [(0, 0, 1), (1, 0, 9)])
+    # Sequence 0: 3 queries over 1 key, so only its last row sees a key; sequence 1: 0 queries; sequence 2: 2.
+    query = torch.cat([work.queries[0].expand(3, -1, -1), work.queries[1][7:9]])
+    cu = torch.tensor([0, 3, 3, 5], dtype=torch.int32)
+    out = work.launch(backend, query, work.table[[0, 1, 1]], cu, torch.tensor([1, 9, 9], dtype=torch.int32))
+    assert torch.equal(out[:2], torch.zeros_like(out[:2]))
+    assert torch.equal(out[2], work.values[0][0].repeat_interleave(2, dim=0))
+    assert_matches(out[3:], work.reference((1, 7, 9)), torch.float32, "sequence after an empty one")
+
+
+@pytest.mark.parametrize("block_size", [1, 16, NOT_POW2_BLOCK])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_write_kv_matches_index_assignment(gen, dtype, block_size):
+    work = Workload([23, 1, 40], block_size, 2, 1, 64, dtype, gen)
+    spans = [(2, 5, 40), (0, 0, 23), (1, 0, 1)]
+    k_expected, v_expected = work.k_cache.clone(), work.v_cache.clone()
+    slots = work.slots(spans).to(DEVICE)
+    k_expected.view(-1, 2, 64)[slots] = torch.cat([work.keys[s][a:b] for s, a, b in spans]).to(DEVICE)
+    v_expected.view(-1, 2, 64)[slots] = torch.cat([work.values[s][a:b] for s, a, b in spans]).to(DEVICE)
+    work.write(TritonBackend(), spans)
+    assert torch.equal(work.k_cache.nan_to_num(7.0), k_expected.nan_to_num(7.0))
+    assert torch.equal(work.v_cache.nan_to_num(7.0), v_expected.nan_to_num(7.0))
+
+
+def chunked(seq: int, length: int, size: int) -> list[Span]:
+    return [(seq, start, min(start + size, length)) for start in range(0, length, size)]
+
+
+@pytest.mark.parametrize("block_size", [16, NOT_POW2_BLOCK])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_batch_invariance(gen, dtype, block_size):
+    """A sequence's rows are bitwise equal alone, among other sequences, and through chunks of 1, 7 and 50."""
+    length = 75
+    others = torch.randint(1, 60, (6,), generator=gen).tolist()
+    work = Workload([length, *others], block_size, 2, 4, 32, dtype, gen)
+    backend = TritonBackend()
+    for seq, n in enumerate(others, start=1):
+        work.write(backend, [(seq, 0, n)])
+
+    (alone,) = work.step(backend, [(0, 0, length)])
+    assert_matches(alone, work.reference((0, 0, length)), dtype, "the sequence alone")
+    among = work.attend(backend, [(1, 0, others[0]), (2, others[1] - 1, others[1]), (0, 0, length),
+                                  *[(seq, n // 2, n) for seq, n in enumerate(others[2:], start=3)]])[2]
+    assert torch.equal(among, alone), "alone vs among six other sequences"
+    for size in (1, 7, 50):
+        work.forget(0)
+        rows = torch.cat([work.step(backend, [span])[0] for span in chunked(0, length, size)])
+        assert torch.equal(rows, alone), f"one prefill vs chunks of {size}"
+    work.forget(0)
+    batched = []
+    for i, span in enumerate(chunked(0, length, 7)):
+        neighbours = [(1 + (i + j) % 6, 0, others[(i + j) % 6]) for j in range(i % 3)]
+        decode = (1 + (i + 3) % 6, others[(i + 3) % 6] - 1, others[(i + 3) % 6])
+        batched.append(work.step(backend, [*neighbours, span, decode])[len(neighbours)])
+    assert torch.equal(torch.cat(batched), alone), "one prefill vs chunks of 7 each in a different batch"
+
+
+def test_get_backend_returns_triton():
+    backend = get_backend("triton", DEVICE)
+    assert isinstance(backend, TritonBackend) and backend.name == "triton"
