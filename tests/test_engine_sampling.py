@@ -1,0 +1,145 @@
+"""Sampling: seeded reproducibility, filters, penalties, stops, logprobs, and bad input per request."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from conftest import random_prompts
+from tokenmill import LLM, InvalidRequestError, SamplingParams
+from tokenmill.engine.sampler import exponential_noise
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM("builtin:tiny", max_num_batched_tokens=256)
+
+
+def test_seeded_sampling_is_the_same_alone_and_in_a_batch_of_32(llm: LLM) -> None:
+    prompts = random_prompts(32, 5, 120, seed=21)
+    params = [SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, top_k=50, seed=1000 + i) for i in range(32)]
+    batched = llm.generate(prompts, params, use_tqdm=False)
+    for index in (0, 13, 31):
+        alone = llm.generate([prompts[index]], [params[index]], use_tqdm=False)[0]
+        assert alone.token_ids == batched[index].token_ids
+    reseeded = llm.generate([prompts[0]], SamplingParams(max_tokens=24, temperature=0.9, seed=7), use_tqdm=False)[0]
+    assert reseeded.token_ids != batched[0].token_ids  # the seed really drives the draw
+
+
+def test_unseeded_requests_differ_and_greedy_ignores_seed(llm: LLM) -> None:
+    prompt = random_prompts(1, 10, 10, seed=5)[0]
+    runs = llm.generate([prompt] * 4, SamplingParams(max_tokens=16, temperature=1.0), use_tqdm=False)
+    assert len({tuple(o.token_ids) for o in runs}) > 1
+    greedy = llm.generate([prompt] * 2, [SamplingParams(max_tokens=16, temperature=0.0, seed=s) for s in (1, 2)],
+                          use_tqdm=False)
+    assert greedy[0].token_ids == greedy[1].token_ids
+
+
+@pytest.mark.parametrize("filters", [dict(top_k=1), dict(top_p=1e-6), dict(min_p=1.0)])
+def test_filters_that_keep_one_token_equal_greedy(llm: LLM, filters: dict) -> None:
+    prompts = random_prompts(6, 5, 40, seed=8)
+    greedy = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0), use_tqdm=False)
+    filtered = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=1.5, seed=3, **filters), use_tqdm=False)
+    assert [o.token_ids for o in filtered] == [o.token_ids for o in greedy]
+
+
+def test_exponential_race_matches_the_distribution() -> None:
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    seeds = torch.arange(20_000, dtype=torch.int64)
+    noise = exponential_noise(seeds, torch.zeros_like(seeds), 4)
+    counts = torch.bincount((probs[None, :] / noise).argmax(dim=-1), minlength=4).float() / len(seeds)
+    assert torch.allclose(counts, probs, atol=0.015), counts
+
+
+def test_repetition_penalty_matches_transformers(model_dirs: dict[str, Path]) -> None:
+    prompts = random_prompts(4, 10, 60, seed=9)
+    model = AutoModelForCausalLM.from_pretrained(model_dirs["llama"], dtype=torch.float32)
+    expected = [model.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False, repetition_penalty=1.8)[0, len(p):].tolist()
+                for p in prompts]
+    engine = LLM(str(model_dirs["llama"]))
+    actual = engine.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0, repetition_penalty=1.8), use_tqdm=False)
+    assert [o.token_ids for o in actual] == expected
+    plain = engine.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0), use_tqdm=False)
+    assert [o.token_ids for o in plain] != expected
+
+
+def test_stop_token_ids_min_tokens_and_ignore_eos(llm: LLM) -> None:
+    prompt = random_prompts(1, 20, 20, seed=4)[0]
+    free = llm.generate([prompt], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True), use_tqdm=False)[0]
+    stop_at = free.token_ids[5]
+    first = free.token_ids.index(stop_at)
+    stopped = llm.generate([prompt], SamplingParams(max_tokens=30, temperature=0.0, stop_token_ids=[stop_at]), use_tqdm=False)[0]
+    assert stopped.finish_reason == "stop" and stopped.token_ids == free.token_ids[: first + 1]
+    held = llm.generate([prompt], SamplingParams(max_tokens=30, temperature=0.0, stop_token_ids=[stop_at],
+                                                 min_tokens=first + 3), use_tqdm=False)[0]
+    assert len(held.token_ids) >= first + 3 and stop_at not in held.token_ids[: first + 3]
+    assert free.finish_reason == "length" and len(free.token_ids) == 30
+
+
+def test_stop_strings_cut_the_text(llm: LLM) -> None:
+    prompt = "hello there"
+    free = llm.generate([prompt], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True), use_tqdm=False)[0]
+    text = free.text
+    stop = next(text[i : i + 2] for i in range(5, len(text) - 2) if text[i : i + 2].isprintable() and text[i : i + 2].strip())
+    cut = llm.generate([prompt], SamplingParams(max_tokens=40, temperature=0.0, stop=[stop]), use_tqdm=False)[0]
+    assert cut.finish_reason == "stop"
+    assert cut.text == text[: text.index(stop)]
+    assert len(cut.token_ids) < len(free.token_ids)
+
+
+def test_logprobs_are_normalised_and_include_the_chosen_token(llm: LLM) -> None:
+    out = llm.generate(["abc"], SamplingParams(max_tokens=5, temperature=0.0, logprobs=3), use_tqdm=False)[0]
+    assert len(out.logprobs) == 5
+    for token, entry in zip(out.token_ids, out.logprobs):
+        assert entry["token_id"] == token
+        top = entry["top_logprobs"]
+        assert len(top) == 3 and top[0][0] == token  # greedy picks the most likely token
+        assert math.isclose(entry["logprob"], top[0][1], rel_tol=1e-6) and entry["logprob"] <= 0
+
+
+def test_stream_yields_in_finishing_order_and_generate_in_input_order(llm: LLM) -> None:
+    prompts = ["a", "b", "c"]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (20, 2, 8)]
+    assert [o.request_id for o in llm.stream(prompts, params)] == ["1", "2", "0"]
+    assert [len(o.token_ids) for o in llm.generate(prompts, params, use_tqdm=False)] == [20, 2, 8]
+
+
+def test_chat_applies_the_template(llm: LLM) -> None:
+    out = llm.chat([[{"role": "user", "content": "hi"}]], SamplingParams(max_tokens=4), use_tqdm=False)[0]
+    assert bytes(out.prompt_token_ids).decode() == "<|user|>\nhi\n<|assistant|>\n"
+
+
+@pytest.mark.parametrize(
+    ("prompt", "field"),
+    [("", "prompt"), ([5, 400], "prompt_token_ids"), ([3, -1], "prompt_token_ids"), ("x" * 5000, "prompt")],
+)
+def test_a_bad_prompt_fails_alone(llm: LLM, prompt: object, field: str) -> None:
+    outs = llm.generate(["fine", prompt, "also fine"], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
+    assert outs[1].finish_reason == "error" and outs[1].error.startswith(field + ":")
+    assert [o.finish_reason for o in (outs[0], outs[2])] == ["length", "length"]
+    assert not llm.engine.has_unfinished()
+
+
+@pytest.mark.parametrize(
+    ("options", "field"),
+    [(dict(max_tokens=0), "max_tokens"), (dict(max_tokens=-3), "max_tokens"), (dict(temperature=float("nan")), "temperature"),
+     (dict(temperature=-0.1), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.01), "top_p"),
+     (dict(min_tokens=5, max_tokens=2), "min_tokens"), (dict(stop=[""]), "stop[0]"), (dict(seed=-1), "seed")],
+)
+def test_bad_sampling_params_name_the_field(options: dict, field: str) -> None:
+    with pytest.raises(InvalidRequestError) as error:
+        SamplingParams(**options)
+    assert error.value.field == field
+
+
+def test_unknown_fields_are_named() -> None:
+    with pytest.raises(InvalidRequestError, match="temprature: unknown"):
+        SamplingParams.from_dict({"temprature": 0.5})
+    with pytest.raises(TypeError, match="temprature"):
+        SamplingParams(temprature=0.5)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="max_batch_tokens"):
+        LLM("builtin:tiny", max_batch_tokens=3)

@@ -1,0 +1,184 @@
+"""Scheduler and block manager: unit tests and hypothesis properties, pure Python (no model)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections import Counter
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.errors import InvalidRequestError
+from tokenmill.scheduler.block_manager import BlockManager
+from tokenmill.scheduler.scheduler import Scheduler, SchedulerConfig
+from tokenmill.scheduler.sequence import Sequence, SequenceStatus
+
+EOS = 0
+
+
+def make_seq(tokens: list[int], max_tokens: int = 4, request_id: str = "r") -> Sequence:
+    return Sequence(request_id, tokens, SamplingParams(max_tokens=max_tokens))
+
+
+def run_step(scheduler: Scheduler, next_token: int = 1) -> list[Sequence]:
+    """Plan a step, pretend the model ran, finish sequences on EOS or max_tokens. Returns finished ones."""
+    batch = scheduler.schedule()
+    assert batch.num_tokens <= scheduler.config.max_num_batched_tokens
+    sampled = [next_token for i in range(len(batch.seqs)) if batch.samples(i)]
+    finished = []
+    for seq in scheduler.update(batch, sampled):
+        if seq.token_ids[-1] == EOS or seq.num_output_tokens >= seq.params.max_tokens:
+            scheduler.finish(seq, "stop")
+            finished.append(seq)
+    return finished
+
+
+def check_blocks(scheduler: Scheduler) -> None:
+    """Reference counts equal the block-table references of live sequences; free list = blocks at zero."""
+    manager = scheduler.block_manager
+    live = list(scheduler.running) + list(scheduler.waiting)
+    references = Counter(b for seq in live for b in seq.block_table)
+    for block in manager.blocks:
+        assert block.ref_count == references.get(block.block_id, 0), block
+        assert (block.block_id in manager.free_blocks) == (block.ref_count == 0), block
+    for seq in scheduler.running:
+        assert len(seq.block_table) * manager.block_size >= seq.num_computed_tokens
+    for seq in scheduler.waiting:
+        assert seq.block_table == [] and seq.num_computed_tokens == 0
+
+
+def test_scheduler_does_not_import_torch() -> None:
+    code = "import sys, tokenmill.scheduler.scheduler; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_decode_first_then_chunks_fill_the_budget() -> None:
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=10, block_size=4, num_blocks=64))
+    first, second = make_seq(list(range(1, 4)), request_id="a"), make_seq(list(range(1, 30)), request_id="b")
+    scheduler.add(first)
+    scheduler.add(second)
+    batch = scheduler.schedule()
+    assert batch.seqs == [first, second] and batch.num_new_tokens == [3, 7]  # 'b' split at the budget
+    scheduler.update(batch, [5])
+    batch = scheduler.schedule()
+    assert batch.seqs == [first, second] and batch.num_new_tokens == [1, 9]  # decode first, then the chunk
+    assert second.num_computed_tokens == 7
+
+
+def test_prefix_cache_reuses_only_whole_matching_prefixes() -> None:
+    manager = BlockManager(num_blocks=16, block_size=4)
+    owner = make_seq(list(range(1, 14)))
+    manager.allocate(owner, 13)
+    manager.cache_full_blocks(owner, 13)  # three full blocks
+    same = make_seq(list(range(1, 14)))
+    manager.match_prefix(same)
+    assert same.block_table == owner.block_table[:3] and same.num_computed_tokens == 12
+    other_start = make_seq([99] + list(range(2, 14)))  # same later blocks, different first token
+    manager.match_prefix(other_start)
+    assert other_start.block_table == [] and other_start.num_computed_tokens == 0
+    exact = make_seq(list(range(1, 13)))  # 12 tokens: the last block is left to compute for the logits
+    manager.match_prefix(exact)
+    assert exact.num_computed_tokens == 8
+
+
+def test_freed_blocks_stay_cached_until_evicted_lru() -> None:
+    manager = BlockManager(num_blocks=4, block_size=2)
+    first = make_seq([1, 2, 3, 4, 5])
+    manager.allocate(first, 5)
+    manager.cache_full_blocks(first, 5)
+    manager.free(first)
+    assert manager.num_free_blocks == 4
+    again = make_seq([1, 2, 3, 4, 5])
+    manager.match_prefix(again)
+    assert again.num_computed_tokens == 4  # still cached after being freed
+    manager.free(again)
+    filler = make_seq([7] * 5)
+    manager.allocate(filler, 5)  # three blocks: the never-cached one, the unhashed tail, then block [3, 4]
+    hit = make_seq([1, 2, 3, 4, 5])
+    manager.match_prefix(hit)
+    assert hit.num_computed_tokens == 2  # the head block, freed last, survived
+    manager.free(hit)
+    manager.free(filler)
+    manager.allocate(make_seq([8] * 8), 8)  # the whole pool: everything evicted
+    miss = make_seq([1, 2, 3, 4, 5])
+    manager.match_prefix(miss)
+    assert miss.num_computed_tokens == 0
+
+
+def test_requests_that_can_never_fit_are_rejected() -> None:
+    scheduler = Scheduler(SchedulerConfig(max_model_len=64, block_size=4, num_blocks=8))
+    with pytest.raises(InvalidRequestError, match="max_model_len") as error:
+        scheduler.add(make_seq(list(range(60)), max_tokens=10))
+    assert error.value.field == "max_tokens"
+    with pytest.raises(InvalidRequestError, match="KV blocks"):
+        scheduler.add(make_seq(list(range(30)), max_tokens=10))  # 40 tokens > 8 blocks of 4
+    assert not scheduler.has_unfinished()
+
+
+def test_decode_preempts_the_most_recently_admitted() -> None:
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=64, block_size=4, num_blocks=4))
+    old, new = make_seq([1] * 8, max_tokens=8, request_id="old"), make_seq([2] * 8, max_tokens=8, request_id="new")
+    scheduler.add(old)
+    scheduler.add(new)
+    run_step(scheduler)  # both prefilled: 2 full blocks each, pool full; both now hold 9 tokens
+    batch = scheduler.schedule()  # both need a third block to decode
+    assert batch.seqs == [old] and batch.num_preempted == 1
+    assert new.status is SequenceStatus.WAITING and scheduler.waiting[0] is new and new.block_table == []
+    check_blocks(scheduler)
+
+
+request_strategy = st.tuples(st.integers(1, 40), st.integers(1, 12), st.integers(0, 3))  # prompt len, max_tokens, prefix
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    requests=st.lists(request_strategy, min_size=1, max_size=24),
+    budget=st.integers(1, 48),
+    block_size=st.sampled_from([1, 2, 4, 16]),
+    num_blocks=st.integers(4, 40),
+    max_num_seqs=st.integers(1, 8),
+    caching=st.booleans(),
+    actions=st.lists(st.sampled_from(["step", "step", "step", "add", "abort", "eos"]), max_size=200),
+)
+def test_any_sequence_of_operations_keeps_the_invariants(requests, budget, block_size, num_blocks, max_num_seqs,
+                                                         caching, actions) -> None:
+    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=64,
+                             block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=caching)
+    scheduler = Scheduler(config)
+    prefixes = [[3] * 0, [5] * 8, [6] * 17, [7] * 33]
+    pending = [make_seq((prefixes[p] + [9] * n)[:52], max_tokens=m, request_id=str(i))
+               for i, (n, m, p) in enumerate(requests)]
+    admitted: list[Sequence] = []
+
+    def add_next() -> None:
+        seq = pending.pop()
+        try:
+            scheduler.add(seq)
+            admitted.append(seq)
+        except InvalidRequestError:
+            assert scheduler.block_manager.blocks_needed(seq.num_tokens + seq.params.max_tokens) > num_blocks
+
+    for action in actions:
+        if action == "add" and pending:
+            add_next()
+        elif action == "abort" and admitted and not admitted[-1].is_finished:
+            scheduler.finish(admitted[-1], "abort")
+        else:
+            batch_before = (len(scheduler.running), len(scheduler.waiting))
+            run_step(scheduler, next_token=EOS if action == "eos" else 1)
+            assert len(scheduler.running) <= max_num_seqs, batch_before
+        check_blocks(scheduler)
+    while pending:
+        add_next()
+    for _ in range(10_000):  # every admitted request finishes: no deadlock, no starvation
+        if not scheduler.has_unfinished():
+            break
+        run_step(scheduler)
+        check_blocks(scheduler)
+    assert not scheduler.has_unfinished()
+    assert all(seq.is_finished for seq in admitted)
+    assert all(block.ref_count == 0 for block in scheduler.block_manager.blocks)
+    assert scheduler.block_manager.num_free_blocks == num_blocks
