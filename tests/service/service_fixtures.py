@@ -1,0 +1,267 @@
+"""Real components for the service tests: redis-server processes, a moto S3 server, worker processes.
+
+Nothing is mocked on the queue or storage path. Each Redis runs on a free port with its own data
+directory (AOF on where asked), so a test can kill and restart it; S3 is moto's HTTP server reached by
+boto3 through `endpoint_url`; workers are `python -m tokenmill.cli worker` subprocesses on the built-in
+tiny model. Waits poll with deadlines instead of sleeping fixed times.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+REPO = Path(__file__).resolve().parents[2]
+REDIS_SERVER = shutil.which("redis-server")
+#: Short enough that recovery tests run in seconds; long enough that lease renewal (every 1/4 of it)
+#: keeps live workers' jobs from being redelivered on a loaded 2-core machine.
+TEST_VISIBILITY_TIMEOUT = 3.0
+S3_BUCKET = "results"
+AWS_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_for(check: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
+    """Poll `check` until it returns something truthy; fail the test with `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+@dataclass
+class RedisServer:
+    """A redis-server process we own: start, stop (SIGTERM: AOF flushed), kill -9, restart."""
+
+    directory: Path
+    appendonly: bool = True
+    port: int = field(default_factory=free_port)
+    process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(port=self.port, socket_timeout=5)
+
+    def start(self) -> None:
+        if REDIS_SERVER is None:
+            pytest.skip("redis-server is not installed (CI installs it: apt-get install redis-server)")
+        self.directory.mkdir(parents=True, exist_ok=True)
+        args = [
+            REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.directory),
+            "--save", "", "--appendonly", "yes" if self.appendonly else "no", "--appendfsync", "always",
+            "--logfile", str(self.directory / "redis.log"),
+        ]
+        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_for(self._answers, 10, f"redis-server on port {self.port}")
+
+    def _answers(self) -> bool:
+        try:
+            return bool(self.client().ping())
+        except redis.RedisError:
+            return False
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            self.process.wait(timeout=15)
+        self.process = None
+
+    def kill(self) -> None:
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait(timeout=10)
+        self.process = None
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+
+class S3Server:
+    """moto's S3-compatible HTTP server in a thread; stop/start keep its data (moto's state is per process)."""
+
+    def __init__(self) -> None:
+        from moto.server import ThreadedMotoServer
+
+        self.port = free_port()
+        self._server_class = ThreadedMotoServer
+        self._server: Any = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        self._server = self._server_class(ip_address="127.0.0.1", port=self.port, verbose=False)
+        self._server.start()
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.stop()
+            self._server = None
+
+    def client(self) -> Any:
+        import boto3
+
+        return boto3.client("s3", endpoint_url=self.endpoint, region_name="us-east-1",
+                            aws_access_key_id="testing", aws_secret_access_key="testing")
+
+
+class Worker:
+    """A `tokenmill worker` subprocess on builtin:tiny."""
+
+    def __init__(self, broker_url: str, log_path: Path, name: str, options: dict[str, Any]) -> None:
+        self.name = name
+        self.log_path = log_path
+        self.metrics_port = free_port()
+        args = {
+            "broker": broker_url, "model": "builtin:tiny", "hostname": f"{name}@%h",
+            "visibility-timeout": TEST_VISIBILITY_TIMEOUT, "metrics-port": self.metrics_port,
+            "max-num-seqs": 64, "shutdown-grace": 30,
+            **options,
+        }
+        self.command = [sys.executable, "-m", "tokenmill.cli", "worker"]
+        for flag, value in args.items():
+            self.command += [f"--{flag}"] if value is True else [f"--{flag}", str(value)]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENMILL_")}
+        env.update(AWS_ENV, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        self._log = open(log_path, "ab")
+        self.process = subprocess.Popen(self.command, stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_ready(self, timeout: float = 90) -> Worker:
+        """Until Celery says the worker consumes (its "<name>@host ready." line)."""
+
+        def ready() -> bool:
+            if self.process.poll() is not None:
+                raise AssertionError(f"worker {self.name} exited with {self.process.returncode}:\n{self.log_text()[-3000:]}")
+            return f"{self.name}@" in self.log_text() and " ready." in self.log_text()
+
+        wait_for(ready, timeout, f"worker {self.name} to be ready", interval=0.1)
+        return self
+
+    def metrics(self) -> dict[str, float]:
+        """The worker's Prometheus samples, `name{labels}` -> value."""
+        text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).read().decode()
+        samples = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                key, _, value = line.rpartition(" ")
+                samples[key] = float(value)
+        return samples
+
+    def kill(self) -> None:
+        """kill -9: no cleanup, no acks, no requeue."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+        self.process.wait(timeout=10)
+
+    def terminate(self, timeout: float = 60) -> int:
+        """SIGTERM, then wait for the exit code."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(timeout=timeout)
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.kill()
+        self._log.close()
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path / "redis")
+    server.start()
+    yield server
+    server.kill()
+
+
+@pytest.fixture
+def s3_server() -> Iterator[S3Server]:
+    server = S3Server()
+    server.start()
+    server.client().create_bucket(Bucket=S3_BUCKET)
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def start_worker(tmp_path: Path) -> Iterator[Callable[..., Worker]]:
+    """`start_worker(broker_url, name="w1", **flags)` starts a worker; all are killed at teardown."""
+    workers: list[Worker] = []
+
+    def start(broker_url: str, name: str = "w1", **options: Any) -> Worker:
+        options = {key.replace("_", "-"): value for key, value in options.items()}
+        worker = Worker(broker_url, tmp_path / f"{name}-{len(workers)}.log", name, options)
+        workers.append(worker)
+        return worker
+
+    yield start
+    for worker in workers:
+        worker.close()
+
+
+@pytest.fixture(autouse=True)
+def _aws_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """boto3 in the test process must never find real credentials."""
+    for key, value in AWS_ENV.items():
+        monkeypatch.setenv(key, value)
+    for key in list(os.environ):
+        if key.startswith("TOKENMILL_"):
+            monkeypatch.delenv(key)
+
+
+class ResultLog:
+    """Counts every result Celery writes to this Redis (it PUBLISHes each on `celery-task-meta-<id>`).
+
+    A job written twice (run twice, or its result rewritten) shows a count of 2, which a plain
+    GET of the single result key could never reveal.
+    """
+
+    def __init__(self, server: RedisServer) -> None:
+        self.counts: dict[str, int] = {}
+        self._pubsub = server.client().pubsub()
+        self._pubsub.psubscribe(**{"celery-task-meta-*": self._record})
+        self._thread = self._pubsub.run_in_thread(sleep_time=0.01, daemon=True)
+
+    def _record(self, message: dict[str, Any]) -> None:
+        job_id = message["channel"].decode().removeprefix("celery-task-meta-")
+        self.counts[job_id] = self.counts.get(job_id, 0) + 1
+
+    def close(self) -> None:
+        self._thread.stop()
+        self._pubsub.close()
+
+
+@pytest.fixture
+def result_log(redis_server: RedisServer) -> Iterator[ResultLog]:
+    log = ResultLog(redis_server)
+    yield log
+    log.close()

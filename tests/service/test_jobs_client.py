@@ -1,0 +1,100 @@
+"""The client: validation before anything is queued, real Celery messages, torch-free import."""
+
+from __future__ import annotations
+
+import base64
+import json
+import subprocess
+import sys
+
+import pytest
+from service_fixtures import REPO, RedisServer
+
+from tokenmill.errors import InvalidRequestError
+from tokenmill.jobs.client import Client, JobTimeoutError
+
+
+def _queued(server: RedisServer, queue: str = "tokenmill") -> list[dict]:
+    return [json.loads(raw) for raw in server.client().lrange(queue, 0, -1)]
+
+
+def test_importing_the_client_does_not_import_torch() -> None:
+    code = (
+        "import sys\n"
+        "from tokenmill import Client\n"
+        "import tokenmill.jobs, tokenmill.worker.app\n"
+        "Client('redis://127.0.0.1:1/0')\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+        "assert 'transformers' not in sys.modules, 'transformers was imported'\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize(
+    ("fields", "field"),
+    [({"prompt": "x", "max_tokens": -1}, "max_tokens"), ({"prompt": "x", "temprature": 0.5}, "temprature"), ({}, "prompt")],
+)
+def test_invalid_job_is_refused_before_the_queue(redis_server: RedisServer, fields: dict, field: str) -> None:
+    client = Client(redis_server.url)
+    with pytest.raises(InvalidRequestError) as caught:
+        client.submit(**fields)
+    assert caught.value.field == field
+    assert _queued(redis_server) == []
+
+
+def test_oversized_job_is_refused_naming_the_big_field(redis_server: RedisServer) -> None:
+    client = Client(redis_server.url, max_payload_bytes=10_000)
+    with pytest.raises(InvalidRequestError) as caught:
+        client.submit(prompt="ok", metadata={"blob": "x" * 20_000})
+    assert caught.value.field == "metadata"
+    assert "10000-byte limit" in caught.value.message
+    with pytest.raises(InvalidRequestError) as caught:
+        client.submit(prompt="y" * 20_000)
+    assert caught.value.field == "prompt"
+    assert _queued(redis_server) == []
+
+
+def test_submit_many_queues_nothing_if_any_job_is_bad(redis_server: RedisServer) -> None:
+    client = Client(redis_server.url)
+    jobs = [{"prompt": f"p{i}"} for i in range(10)] + [{"prompt": "bad", "top_p": 0}]
+    with pytest.raises(InvalidRequestError) as caught:
+        client.submit_many(jobs)
+    assert caught.value.field == "jobs[10].top_p"
+    assert _queued(redis_server) == []
+
+
+def test_messages_are_celery_protocol_2_json_tasks(redis_server: RedisServer) -> None:
+    client = Client(redis_server.url)
+    handles = client.submit_many([{"prompt": "secret prompt text", "max_tokens": 3, "id": "job-1"}, {"prompt": "b"}])
+    queued = _queued(redis_server)
+    assert len(queued) == 2
+    message = next(m for m in queued if m["headers"]["id"] == "job-1")
+    assert message["content-type"] == "application/json"
+    assert message["headers"]["task"] == "tokenmill.generate"
+    assert "secret prompt text" not in json.dumps(message["headers"])  # argsrepr never carries the prompt
+    args, kwargs, embed = json.loads(base64.b64decode(message["body"]))
+    assert args[0]["prompt"] == "secret prompt text" and args[0]["sampling"]["max_tokens"] == 3
+    assert kwargs == {} and set(embed) == {"callbacks", "errbacks", "chain", "chord"}
+    assert [h.id for h in handles][0] == "job-1"
+
+
+def test_result_timeout_is_a_clear_error(redis_server: RedisServer) -> None:
+    client = Client(redis_server.url)
+    handle = client.submit(prompt="nobody is listening")
+    with pytest.raises(JobTimeoutError) as caught:
+        handle.result(timeout=0.3)
+    assert handle.id in str(caught.value) and caught.value.job_ids == [handle.id]
+
+
+def test_submit_many_is_fast(redis_server: RedisServer) -> None:
+    """The goal is >= 2000 jobs/s on 2 cores; assert a floor with room for a loaded CI machine."""
+    import time
+
+    client = Client(redis_server.url)
+    jobs = [{"prompt": f"short prompt {i}", "max_tokens": 16} for i in range(2000)]
+    started = time.perf_counter()
+    client.submit_many(jobs)
+    rate = len(jobs) / (time.perf_counter() - started)
+    assert redis_server.client().llen("tokenmill") == 2000
+    assert rate > 1000, f"{rate:.0f} jobs/s"
