@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from conftest import random_prompts
+from model_fixtures import random_prompts
 from tokenmill import LLM, SamplingParams
 
 MAX_TOKENS_RANGE = (1, 24)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from conftest import random_prompts
+from model_fixtures import random_prompts
 from tokenmill import LLM, InvalidRequestError, SamplingParams
 from tokenmill.engine.sampler import exponential_noise
 

@@ -2,7 +2,7 @@
 
 Without CUDA the Triton kernels run through the interpreter, so the model is tiny and the prompts few.
 A small token budget forces chunked prefill, so prefill chunks over cached context, decode rows and
-mixed steps all go through the kernel. The model comes from conftest's wide-init weights, which keep
+mixed steps all go through the kernel. The model comes from model_fixtures.py's wide-init weights, which keep
 greedy argmax clear of near-ties that float32 rounding differences could flip.
 """
 
@@ -17,7 +17,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from conftest import build_model_dir, random_prompts  # noqa: E402
+from model_fixtures import build_model_dir, random_prompts  # noqa: E402
 from tokenmill import LLM, SamplingParams  # noqa: E402
 
 
