@@ -1,0 +1,62 @@
+"""The runner's ragged batch: no pad token computed, logits only for sampling rows, KV pool sizing."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from model_fixtures import random_prompts
+from tokenmill import LLM, SamplingParams
+
+
+def test_flat_batch_has_no_padding_and_logits_only_for_sampling_rows() -> None:
+    llm = LLM("builtin:tiny", max_num_batched_tokens=40)
+    model = llm.engine.runner.model
+    embedded, projected = [], []
+    model.get_input_embeddings().register_forward_hook(lambda m, args, out: embedded.append(tuple(args[0].shape)))
+    model.lm_head.register_forward_hook(lambda m, args, out: projected.append(args[0].shape[1]))
+    prompts = random_prompts(6, 1, 70, seed=2)
+    max_tokens = [3, 9, 1, 5, 7, 2]
+    llm.generate(prompts, [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in max_tokens],
+                 use_tqdm=False)
+    assert all(shape[0] == 1 and shape[1] <= 40 for shape in embedded)
+    # Every prompt token and every generated token but the last goes through the model exactly once.
+    assert sum(shape[1] for shape in embedded) == sum(map(len, prompts)) + sum(max_tokens) - len(prompts)
+    # One logits row per generated token, none for prompt positions that sample nothing.
+    assert sum(projected) == sum(max_tokens)
+    projected.clear()
+    llm.generate([list(range(100))], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    assert projected == [0, 0, 1, 1]  # chunks 40+40 sample nothing, then the last chunk and one decode step
+
+
+def test_kv_pool_size_from_block_count_or_bytes() -> None:
+    by_count = LLM("builtin:tiny", num_kv_blocks=37, block_size=8)
+    k_cache, v_cache = by_count.engine.runner.kv_caches[0]
+    assert k_cache.shape == v_cache.shape == (37, 8, 2, 16)
+    block_bytes = by_count.engine.runner.block_bytes
+    assert block_bytes == 2 * 2 * 8 * 2 * 16 * 4  # K and V, 2 layers, 8 tokens, 2 heads, dim 16, float32
+    by_bytes = LLM("builtin:tiny", kv_cache_memory=block_bytes * 50 + 7, block_size=8)
+    assert by_bytes.engine.scheduler.block_manager.num_blocks == 50
+
+
+def test_saved_directory_loads_as_is(model_dirs: dict[str, Path]) -> None:
+    llm = LLM(str(model_dirs["qwen2"]))
+    assert llm.engine.runner.dtype == torch.float32 and llm.engine.runner.device.type == "cpu"
+    assert llm.generate("hello", SamplingParams(max_tokens=3, temperature=0.0), use_tqdm=False)[0].finish_reason
+
+
+def test_dummy_weights_follow_the_config_and_the_seed(model_dirs: dict[str, Path]) -> None:
+    def head(**options: object) -> torch.Tensor:
+        return LLM(str(model_dirs["llama"]), **options).engine.runner.model.lm_head.weight
+
+    real, dummy = head(), head(load_format="dummy", seed=5)
+    assert dummy.shape == real.shape and not torch.equal(dummy, real)
+    assert torch.equal(dummy, head(load_format="dummy", seed=5))  # every worker draws the same weights
+
+
+def test_importing_the_package_and_client_does_not_import_torch() -> None:
+    code = "import sys, tokenmill; from tokenmill import SamplingParams; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
