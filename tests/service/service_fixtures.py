@@ -257,6 +257,7 @@ class ResultLog:
 
     def close(self) -> None:
         self._thread.stop()
+        self._thread.join(timeout=5)
         self._pubsub.close()
 
 

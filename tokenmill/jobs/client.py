@@ -293,8 +293,8 @@ def _parse_meta(job_id: str, value: bytes | None, backend: Any) -> JobResult | N
             return JobResult.model_validate(meta.get("result"))
         except ValueError as exc:
             return JobResult.failure(job_id, "task_failure", f"the task returned something that is not a JobResult: {exc}")
-    error = meta.get("result") or {}
-    detail = f"{error.get('exc_type', status)}: {error.get('exc_message', '')}" if isinstance(error, dict) else str(error)
+    error = meta.get("result")  # Celery turns a stored exception back into an exception object
+    detail = f"{type(error).__name__}: {error}" if isinstance(error, BaseException) else repr(error)
     return JobResult.failure(job_id, "task_failure", f"the task ended in state {status}: {detail}")
 
 

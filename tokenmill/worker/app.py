@@ -38,6 +38,8 @@ Every setting below is chosen for "a crash loses nothing, a slow job is not run 
 * `result_backend_always_retry`: a result write during a Redis outage waits (backoff capped at 1 s)
   until Redis is back instead of failing the job.
 * `broker_connection_max_retries=None`: a worker keeps reconnecting to a restarted Redis forever.
+* `worker_consumer`: Celery's consumer plus a check of each message's protocol-2 shape
+  (`tokenmill.worker.guard`), so a malformed message is discarded instead of stopping the worker.
 """
 
 from __future__ import annotations
@@ -85,6 +87,7 @@ def celery_config(settings: QueueSettings) -> dict[str, Any]:
         "broker_connection_retry_on_startup": True,
         "broker_connection_max_retries": None,
         "worker_hijack_root_logger": False,
+        "worker_consumer": "tokenmill.worker.guard:GuardedConsumer",
     }
 
 

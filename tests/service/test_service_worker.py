@@ -1,0 +1,230 @@
+"""One real worker process on builtin:tiny, one redis-server, one moto S3: the normal paths and bad input."""
+
+from __future__ import annotations
+
+import base64
+import json
+import pickle
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from celery import group
+from service_fixtures import S3_BUCKET, RedisServer, ResultLog, S3Server, Worker, wait_for
+
+from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.jobs.client import Client, JobFailedError
+from tokenmill.worker.app import TASK_NAME, create_app
+from tokenmill.worker.settings import QueueSettings
+
+
+@dataclass
+class Service:
+    redis: RedisServer
+    s3: S3Server
+    worker: Worker
+    client: Client
+    results: ResultLog
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    root = tmp_path_factory.mktemp("service")
+    redis_server = RedisServer(root / "redis")
+    redis_server.start()
+    s3 = S3Server()
+    s3.start()
+    s3.client().create_bucket(Bucket=S3_BUCKET)
+    results = ResultLog(redis_server)
+    worker = Worker(redis_server.url, root / "worker.log", "main", {"s3-endpoint-url": s3.endpoint, "s3-region": "us-east-1"})
+    try:
+        worker.wait_ready()
+        yield Service(redis_server, s3, worker, Client(redis_server.url), results)
+    finally:
+        worker.close()
+        results.close()
+        s3.stop()
+        redis_server.kill()
+
+
+@pytest.fixture(scope="module")
+def reference() -> object:
+    """The in-process engine on the same built-in model, to check what the queue returns."""
+    from tokenmill import LLM
+
+    return LLM("builtin:tiny")
+
+
+def test_result_is_what_the_engine_computes(service: Service, reference: object) -> None:
+    prompt = "The capital of France is"
+    result = service.client.submit(prompt=prompt, max_tokens=12, temperature=0.0).result(timeout=60)
+    expected = reference.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0), use_tqdm=False)[0]
+    assert result.status == "succeeded"
+    assert result.token_ids == expected.token_ids and result.text == expected.text
+    assert result.finish_reason == expected.finish_reason
+    assert result.usage.prompt_tokens == len(expected.prompt_token_ids)
+    assert result.usage.completion_tokens == len(expected.token_ids)
+    assert result.queued_at <= result.started_at <= result.first_token_at <= result.finished_at
+    assert result.worker.startswith("main@") and result.attempt == 1
+
+
+def test_many_jobs_all_come_back_once(service: Service) -> None:
+    jobs = [{"prompt": f"job number {i}", "max_tokens": 1 + i % 24, "ignore_eos": True, "temperature": 0.0} for i in range(150)]
+    handles = service.client.submit_many(jobs)
+    results = list(service.client.as_completed(handles, timeout=120))
+    assert sorted(r.id for r in results) == sorted(h.id for h in handles)
+    by_id = {r.id: r for r in results}
+    for handle, job in zip(handles, jobs):
+        assert by_id[handle.id].usage.completion_tokens == job["max_tokens"]
+    wait_for(lambda: all(service.results.counts.get(h.id) for h in handles), 10, "result notifications")
+    assert {service.results.counts[h.id] for h in handles} == {1}
+
+
+def test_chat_messages_use_the_chat_template(service: Service, reference: object) -> None:
+    messages = [{"role": "user", "content": "hello there"}]
+    result = service.client.submit(messages=messages, max_tokens=6, temperature=0.0).result(timeout=60)
+    expected = reference.chat([messages], SamplingParams(max_tokens=6, temperature=0.0), use_tqdm=False)[0]
+    assert result.token_ids == expected.token_ids
+
+
+def test_engine_refusal_fails_that_job_only(service: Service) -> None:
+    good = [{"prompt": f"fine {i}", "max_tokens": 8} for i in range(20)]
+    bad = [
+        {"prompt_token_ids": [1, 2, 10_000], "max_tokens": 4, "id": f"oov-{uuid.uuid4().hex}"},
+        {"prompt": "too long", "max_tokens": 5000, "id": f"long-{uuid.uuid4().hex}"},
+    ]
+    handles = service.client.submit_many(good[:10] + bad + good[10:])
+    results = {r.id: r for r in service.client.as_completed(handles, timeout=60)}
+    oov, too_long = results[bad[0]["id"]], results[bad[1]["id"]]
+    assert (oov.status, oov.error.code, oov.error.field) == ("failed", "invalid_request", "prompt_token_ids")
+    assert "10000" in oov.error.message
+    assert (too_long.error.code, too_long.error.field) == ("invalid_request", "max_tokens")
+    assert sum(r.ok for r in results.values()) == 20
+    with pytest.raises(JobFailedError, match="prompt_token_ids"):
+        next(h for h in handles if h.id == bad[0]["id"]).result(timeout=5)
+    assert service.worker.process.poll() is None
+
+
+def test_celery_users_get_the_same_task(service: Service) -> None:
+    app = create_app(QueueSettings(broker_url=service.redis.url))
+    single = app.send_task(TASK_NAME, kwargs={"prompt": "via send_task", "max_tokens": 5}).get(timeout=60)
+    assert single["status"] == "succeeded" and len(single["token_ids"]) == 5
+    task = app.tasks[TASK_NAME]
+    batch = group(task.s({"prompt": f"group {i}", "max_tokens": 3}) for i in range(5))().get(timeout=60)
+    assert [r["usage"]["completion_tokens"] for r in batch] == [3] * 5
+
+
+def test_result_goes_to_s3_and_redis_keeps_its_uri(service: Service) -> None:
+    job_id = f"s3-{uuid.uuid4().hex}"
+    result = service.client.submit(id=job_id, prompt="to s3", max_tokens=7, output=f"s3://{S3_BUCKET}/runs/a").result(timeout=60)
+    assert result.output_uri == f"s3://{S3_BUCKET}/runs/a/{job_id}.json"
+    assert result.text is None and result.token_ids is None
+    stored = json.loads(service.s3.client().get_object(Bucket=S3_BUCKET, Key=f"runs/a/{job_id}.json")["Body"].read())
+    assert stored["id"] == job_id and len(stored["token_ids"]) == 7 and stored["status"] == "succeeded"
+
+
+def test_resubmitting_a_finished_job_id_does_not_run_it_again(service: Service) -> None:
+    job_id = f"idem-{uuid.uuid4().hex}"
+    first = service.client.submit(id=job_id, prompt="only once", max_tokens=4).result(timeout=60)
+    service.client.submit(id=job_id, prompt="only once", max_tokens=4)
+    done = service.client.submit(prompt="after the duplicate", max_tokens=2).result(timeout=60)  # FIFO: the duplicate went first
+    assert done.ok
+    deliveries = service.redis.client().get(f"tokenmill:deliveries:{job_id}")
+    assert int(deliveries) == 1
+    assert service.results.counts[job_id] == 1
+    assert service.client.get(job_id) == first
+
+
+def _raw_message(client: Client, fields: dict) -> dict:
+    """A genuine Celery message for `fields`, taken off a scratch queue so a test can tamper with it."""
+    scratch = Client(client.settings.broker_url, queue=f"scratch-{uuid.uuid4().hex}")
+    handle = scratch.submit(**fields)
+    raw = client.app.backend.client.rpop(scratch.queue)
+    message = json.loads(raw)
+    message["properties"]["delivery_info"]["routing_key"] = client.queue
+    return {"id": handle.id, "message": message}
+
+
+class _Evil:
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple:
+        import os
+
+        return (os.system, (f"touch {self.path}",))
+
+
+def _set_body(item: dict, body: bytes, content_type: str | None = None) -> dict:
+    item["message"]["body"] = base64.b64encode(body).decode()
+    if content_type is not None:
+        item["message"].update({"content-type": content_type, "content-encoding": "binary"})
+    return item
+
+
+def test_non_json_malformed_and_pickle_messages_never_run(service: Service, tmp_path: Path) -> None:
+    marker = tmp_path / "pickle-was-executed"
+    secret = f"never-logged-{uuid.uuid4().hex}"
+    redis_client = service.redis.client()
+
+    def message(fields: dict | None = None) -> dict:
+        return _raw_message(service.client, fields or {"prompt": secret})
+
+    discarded = [
+        _set_body(message(), pickle.dumps(_Evil(str(marker))), "application/x-python-serialize"),
+        _set_body(message(), b"!!python/object/apply:os.system ['true']", "application/x-yaml"),
+        _set_body(message(), b"{this is not json " + secret.encode()),
+        _set_body(message(), json.dumps({"prompt": secret}).encode()),  # JSON, but not [args, kwargs, embed]
+        _set_body(message(), json.dumps([{"prompt": secret}, {}, {}]).encode()),  # args not a list
+    ]
+    unknown = message()
+    unknown["message"]["headers"]["task"] = "someone.elses.task"
+    bad_job = message()
+    args, kwargs, embed = json.loads(base64.b64decode(bad_job["message"]["body"]))
+    args[0]["sampling"]["max_tokens"] = "many"
+    _set_body(bad_job, json.dumps([args, kwargs, embed]).encode())
+    for item in [*discarded, unknown, bad_job]:
+        redis_client.lpush(service.client.queue, json.dumps(item["message"]))
+
+    refused = service.client.results([bad_job["id"]], timeout=60)[0]
+    after = service.client.submit(prompt="still alive", max_tokens=3).result(timeout=60)
+    assert (refused.status, refused.error.code, refused.error.field) == ("failed", "invalid_job", "max_tokens")
+    assert after.ok and service.worker.process.poll() is None
+    assert not marker.exists()
+    for item in discarded:
+        assert service.client.get(item["id"]) is None
+    unknown_result = service.client.get(unknown["id"])  # as Celery does: unknown tasks are marked failed
+    assert unknown_result.error.code == "task_failure" and "NotRegistered" in unknown_result.error.message
+    assert redis_client.llen(service.client.queue) == 0 and redis_client.hlen("unacked") == 0
+    assert secret not in service.worker.log_text()
+
+
+def test_metrics_endpoint_reports_jobs_tokens_and_engine_state(service: Service) -> None:
+    before = service.worker.metrics()
+    handles = service.client.submit_many([{"prompt": f"metric {i}", "max_tokens": 10, "ignore_eos": True} for i in range(8)])
+    handles.append(service.client.submit(prompt_token_ids=[99_999]))
+    list(service.client.as_completed(handles, timeout=60))
+    after = service.worker.metrics()
+
+    def grew(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    assert grew("tokenmill_jobs_succeeded_total") == 8
+    assert grew('tokenmill_jobs_failed_total{code="invalid_request"}') == 1
+    assert grew("tokenmill_generated_tokens_total") == 80
+    assert grew("tokenmill_queue_wait_seconds_count") == 9
+    for gauge in ("tokenmill_running_sequences", "tokenmill_waiting_sequences", "tokenmill_kv_cache_usage_ratio",
+                  "tokenmill_generation_tokens_per_second", "tokenmill_jobs_in_flight"):
+        assert gauge in after
+
+
+def test_logs_never_contain_prompt_text(service: Service) -> None:
+    secret = f"confidential-{uuid.uuid4().hex}"
+    failing = service.client.submit(prompt=secret, max_tokens=5000)  # fails in the engine: error paths log too
+    ok = service.client.submit(prompt=secret, max_tokens=4, metadata={"note": secret})
+    service.client.results([failing, ok], timeout=60)
+    log = service.worker.log_text()
+    assert ok.id in log or failing.id in log  # the log does talk about these jobs...
+    assert secret not in log  # ...but never quotes them

@@ -1,0 +1,99 @@
+"""A Celery consumer that refuses malformed task messages instead of crashing on them.
+
+Celery checks a message's content type (so pickle and YAML are refused: `accept_content=["json"]`)
+and its ETA/expiry headers, but not the shape of a protocol-2 body: a JSON body that is not
+`[args, kwargs, embed]` raises a plain `ValueError` inside the consumer, which stops the worker; at
+shutdown kombu puts the unacked message back, so the next worker meets it again, forever. This
+consumer checks the envelope first and discards such messages the way Celery discards any invalid
+task message (rejected, so never redelivered). Protocol-1 messages (no `task` header, not sent by
+any Celery since 4.0) are refused too.
+
+It also logs refused messages without their body: Celery's own handlers quote up to 1 KiB of it,
+which would put prompt text in the logs. Torch-free.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from celery import signals
+from celery.exceptions import InvalidTaskError, NotRegistered
+from celery.utils.objects import Bunch
+from celery.worker.consumer import Consumer
+
+log = logging.getLogger(__name__)
+
+
+def protocol_problem(message: Any) -> str | None:
+    """Why `message` is not a usable Celery protocol-2 task message, or None if it is.
+
+    Bodies that cannot be decoded at all (pickle, non-JSON) are left to Celery, which refuses them
+    with a precise reason of its own.
+    """
+    headers = message.headers
+    if not isinstance(headers, dict) or not isinstance(headers.get("task"), str):
+        return "not a Celery protocol 2 task message (no 'task' header)"
+    if not isinstance(headers.get("id"), str) or not headers["id"]:
+        return "the 'id' header is missing or not a string"
+    try:
+        body = message.decode()
+    except Exception:  # refused by content type or undecodable: Celery reports it
+        return None
+    if not (isinstance(body, list | tuple) and len(body) == 3):
+        return "the body is not [args, kwargs, embed]"
+    args, kwargs, embed = body
+    if not isinstance(args, list | tuple) or not isinstance(kwargs, dict) or not isinstance(embed, dict | None):
+        return "the body is not [list of args, dict of kwargs, dict or null embed]"
+    return None
+
+
+class GuardedConsumer(Consumer):
+    """Celery's consumer with `protocol_problem` checked before a message reaches a task strategy."""
+
+    def create_task_handler(self, *args: Any, **kwargs: Any) -> Any:
+        handle = super().create_task_handler(*args, **kwargs)
+
+        def on_task_received(message: Any) -> Any:
+            problem = protocol_problem(message)
+            if problem is not None:
+                return self.on_invalid_task(None, message, InvalidTaskError(problem))
+            return handle(message)
+
+        return on_task_received
+
+    def on_invalid_task(self, body: Any, message: Any, exc: Exception) -> None:
+        log.error("discarded an invalid task message %s: %s", _describe(message), exc)
+        message.reject_log_error(log, self.connection_errors)
+        signals.task_rejected.send(sender=self, message=message, exc=exc)
+
+    def on_decode_error(self, message: Any, exc: Exception) -> None:
+        log.error("discarded a task message whose body cannot be decoded %s: %s", _describe(message), type(exc).__name__)
+        message.ack()
+
+    def on_unknown_message(self, body: Any, message: Any) -> None:
+        log.warning("discarded a message that is not a Celery task %s", _describe(message))
+        message.reject_log_error(log, self.connection_errors)
+        signals.task_rejected.send(sender=self, message=message, exc=None)
+
+    def on_unknown_task(self, body: Any, message: Any, exc: Exception) -> None:
+        """As Celery does (reject, mark the task failed with NotRegistered), minus the body in the log."""
+        headers = message.headers if isinstance(message.headers, dict) else {}
+        task_id, name = headers.get("id"), headers.get("task")
+        log.error("discarded a message for an unknown task %s", _describe(message))
+        message.reject_log_error(log, self.connection_errors)
+        if task_id and name:
+            properties = message.properties or {}
+            request = Bunch(name=name, chord=None, root_id=headers.get("root_id"), errbacks=None,
+                                    correlation_id=properties.get("correlation_id"), reply_to=properties.get("reply_to"))
+            self.app.backend.mark_as_failure(task_id, NotRegistered(name), request=request)
+        signals.task_unknown.send(sender=self, message=message, exc=exc, name=name, id=task_id)
+
+
+def _describe(message: Any) -> str:
+    """Identify a message for the log by id, task name, type and size: never by its content."""
+    headers = message.headers if isinstance(message.headers, dict) else {}
+    return (
+        f"(id={headers.get('id')!r} task={headers.get('task')!r} "
+        f"content-type={message.content_type!r} {len(message.body or b'')} bytes)"
+    )
