@@ -15,6 +15,10 @@ from __future__ import annotations
 
 import os
 import random
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -246,3 +250,22 @@ def test_batch_invariance(gen, dtype, block_size):
 def test_get_backend_returns_triton():
     backend = get_backend("triton", DEVICE)
     assert isinstance(backend, TritonBackend) and backend.name == "triton"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter runs only without CUDA")
+def test_interpreter_runs_when_triton_was_imported_first():
+    """The engine imports transformers, which imports triton before TRITON_INTERPRET can be set."""
+    script = textwrap.dedent("""
+        import triton.language
+        import torch
+        from tokenmill.kernels.torch_attention import TorchBackend
+        from tokenmill.kernels.triton_attention import TritonBackend
+        cache = [torch.randn(4, 16, 2, 32) for _ in range(2)]
+        args = (torch.randn(5, 4, 32), *cache, torch.tensor([[2, 0], [1, 3]], dtype=torch.int32),
+                torch.tensor([0, 1, 5], dtype=torch.int32), torch.tensor([9, 20], dtype=torch.int32), 0.2, 4, 20)
+        torch.testing.assert_close(TritonBackend().paged_attention(*args), TorchBackend().paged_attention(*args))
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", script], env=env, cwd=Path(__file__).parents[1],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]

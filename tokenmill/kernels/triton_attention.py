@@ -16,7 +16,11 @@ Batch invariance (bitwise-equal rows whatever the batch and the chunking) comes 
   other rows share its tile.
 
 Without CUDA, the kernels run through Triton's interpreter (slow; for tests). bf16 ``tl.dot`` is wrong in the
-interpreter (it multiplies the raw uint16 bits), so there the dot operands are upcast to fp32.
+interpreter (it multiplies the raw uint16 bits), so there the dot operands are upcast to fp32. The kernels
+avoid triton.language's own @jit helpers (``tl.zeros``, ``tl.max``, ``tl.sum``): when triton was imported
+before TRITON_INTERPRET was set (transformers imports it), those stay GPU-only and the interpreter cannot
+call them. The reductions name the combine functions ``tl.max``/``tl.sum`` use, which the interpreter
+recognises and runs as numpy reductions.
 """
 
 from __future__ import annotations
@@ -52,10 +56,17 @@ class TileConfig:
     num_stages: int = 2
 
 
-def default_config(head_dim: int, on_gpu: bool) -> TileConfig:
-    """GPU: 64-row tiles keep decode memory-bound and prefill on tensor cores; interpreter: few, large numpy ops."""
+def default_config(head_dim: int, dtype: torch.dtype, on_gpu: bool) -> TileConfig:
+    """The tile shape for a model's head dim and dtype on this device kind.
+
+    Interpreter: few, large numpy ops. GPU (checked with ptxas for sm_90, not yet timed): 64x64 fp16/bf16
+    tiles run on tensor cores with a cp.async pipeline and no register spills, and 64 query rows keep
+    decode memory-bound; fp32 products are IEEE FMAs, which spill registers unless the tiles are small.
+    """
     if not on_gpu:
         return TileConfig(block_m=32, block_n=32)
+    if dtype == torch.float32:
+        return TileConfig(block_m=32, block_n=16, num_warps=4, num_stages=2)
     if head_dim <= 128:
         return TileConfig(block_m=64, block_n=64, num_warps=4, num_stages=3)
     return TileConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
@@ -80,7 +91,8 @@ def _find_sequence(cu_seqlens_q_ptr, tile_idx, num_seqs, BLOCK_Q: tl.constexpr):
     return lo
 
 
-@triton.jit
+# Batch-dependent ints stay unspecialised: one compiled kernel serves every batch.
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, cu_seqlens_q_ptr, seq_lens_ptr,
     qk_scale, num_seqs,
@@ -116,8 +128,8 @@ def _paged_attention_kernel(
     q = tl.load(q_ptr + q_offs, mask=row_ok[:, None] & dim_ok[None, :], other=0.0).to(DOT_DTYPE)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+    l_i = tl.full([BLOCK_M], 0.0, tl.float32)
+    acc = tl.full([BLOCK_M, HEAD_DIM_PAD], 0.0, tl.float32)
     # The tile's last row needs keys up to context_len + tile_start + BLOCK_Q - 1; earlier rows mask the rest.
     kv_end = tl.minimum(seq_len, context_len + tile_start + BLOCK_Q)
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
@@ -132,12 +144,12 @@ def _paged_attention_kernel(
         k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(DOT_DTYPE)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         scores = tl.where(kv_pos[None, :] <= q_pos[:, None], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        m_new = tl.maximum(m_i, tl.reduce(scores, 1, tl.standard._elementwise_max))
         # A row with no visible key yet keeps m = -inf; shift by 0 instead so exp2 gives 0, not NaN.
         shift = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(scores - shift[:, None])
         alpha = tl.exp2(m_i - shift)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        l_i = l_i * alpha + tl.reduce(p, 1, tl.standard._sum_combine)
         v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(DOT_DTYPE)
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
         m_i = m_new
@@ -212,7 +224,7 @@ class TritonBackend:
         group = num_q_heads // num_kv_heads
         group_pad = triton.next_power_of_2(group)
         head_dim_pad = max(16, triton.next_power_of_2(head_dim))
-        config = self.config or default_config(head_dim_pad, query.is_cuda)
+        config = self.config or default_config(head_dim_pad, query.dtype, query.is_cuda)
         block_q = max(1, config.block_m // group_pad)
         num_seqs = cu_seqlens_q.shape[0] - 1
         dot_dtype, precision = _dot_types(query.dtype)
