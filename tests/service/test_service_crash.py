@@ -1,0 +1,59 @@
+"""Workers that die with `kill -9`: their jobs are delivered again, each ends with exactly one result,
+and a job that keeps killing workers is dead-lettered after a bounded number of deliveries."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from service_fixtures import TEST_VISIBILITY_TIMEOUT, RedisServer, ResultLog, wait_for
+
+from tokenmill.jobs.client import Client
+from tokenmill.worker.service import DELIVERIES_KEY
+
+
+def test_kill_9_with_jobs_in_flight_loses_nothing(redis_server: RedisServer, start_worker, result_log: ResultLog) -> None:
+    client = Client(redis_server.url)
+    doomed = start_worker(redis_server.url, "doomed").wait_ready()
+    survivor = start_worker(redis_server.url, "survivor").wait_ready()
+    jobs = [{"prompt": f"crash test {i}", "max_tokens": 300, "ignore_eos": True, "temperature": 0.0} for i in range(40)]
+    handles = client.submit_many(jobs)
+    broker = redis_server.client()
+    wait_for(lambda: broker.llen("tokenmill") == 0 and broker.zcard("unacked_index") == len(jobs), 30, "all jobs in flight")
+
+    doomed.kill()
+    killed_at = time.time()
+    results = client.results(handles, timeout=180)
+
+    assert all(r.ok for r in results), [r.error for r in results if not r.ok]
+    assert all(r.usage.completion_tokens == 300 for r in results)
+    rerun = [r for r in results if r.attempt == 2]
+    assert rerun, "the killed worker held no job: the test did not exercise recovery"
+    assert {r.worker.split("@")[0] for r in rerun} == {"survivor"}
+    recovery = min(r.started_at for r in rerun) - killed_at
+    print(f"\nkill -9 recovery: {len(rerun)} jobs restarted on the survivor {recovery:.2f}s after the kill "
+          f"(visibility timeout {TEST_VISIBILITY_TIMEOUT}s)")
+    assert recovery < 2 * TEST_VISIBILITY_TIMEOUT + 2
+    wait_for(lambda: all(h.id in result_log.counts for h in handles), 10, "every result notification")
+    assert {h.id: result_log.counts[h.id] for h in handles} == {h.id: 1 for h in handles}
+    wait_for(lambda: broker.hlen("unacked") == 0, 10, "every message acked")
+
+
+def test_job_that_keeps_killing_workers_is_dead_lettered(redis_server: RedisServer, start_worker) -> None:
+    client = Client(redis_server.url)
+    broker = redis_server.client()
+    poison = client.submit(id=f"poison-{uuid.uuid4().hex}", prompt="poison", max_tokens=3000, ignore_eos=True)
+    deliveries = DELIVERIES_KEY.format(job_id=poison.id)
+    limit = 2
+    for attempt in range(1, limit + 1):  # each worker that takes the job dies while running it
+        worker = start_worker(redis_server.url, f"victim{attempt}", max_deliveries=limit).wait_ready()
+        wait_for(lambda: int(broker.get(deliveries) or 0) == attempt, 60, f"delivery {attempt} of the poison job")
+        worker.kill()
+
+    start_worker(redis_server.url, "last", max_deliveries=limit).wait_ready()
+    result = client.results([poison], timeout=60)[0]
+    assert (result.status, result.error.code) == ("failed", "dead_letter")
+    assert result.attempt == limit + 1 and result.usage is None
+    dead = client.dead_letters()
+    assert [entry["job"]["id"] for entry in dead] == [poison.id] and dead[0]["deliveries"] == limit + 1
+    assert client.submit(prompt="the next job runs", max_tokens=2).result(timeout=60).ok
