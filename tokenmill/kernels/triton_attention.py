@@ -46,8 +46,8 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat
 class TileConfig:
     """Tile shape and launch options of the attention kernel.
 
-    Chosen from the device kind and head dim only, never from the batch, so that a row's floating-point
-    reduction order is the same in every batch it appears in.
+    Chosen from the device kind, head dim and dtype only, never from the batch, so that a row's
+    floating-point reduction order is the same in every batch it appears in.
     """
 
     block_m: int  # query rows per program (query tokens x padded GQA group)
@@ -124,8 +124,10 @@ def _paged_attention_kernel(
     dims = tl.arange(0, HEAD_DIM_PAD)
     dim_ok = dims < HEAD_DIM
 
-    q_offs = (q_start + token).to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :] * stride_qd
-    q = tl.load(q_ptr + q_offs, mask=row_ok[:, None] & dim_ok[None, :], other=0.0).to(DOT_DTYPE)
+    row_offs = (q_start + token).to(tl.int64)[:, None]
+    io_mask = row_ok[:, None] & dim_ok[None, :]
+    q_offs = row_offs * stride_qt + head[:, None] * stride_qh + dims[None, :] * stride_qd
+    q = tl.load(q_ptr + q_offs, mask=io_mask, other=0.0).to(DOT_DTYPE)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.full([BLOCK_M], 0.0, tl.float32)
@@ -148,15 +150,17 @@ def _paged_attention_kernel(
         # A row with no visible key yet keeps m = -inf; shift by 0 instead so exp2 gives 0, not NaN.
         shift = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(scores - shift[:, None])
-        alpha = tl.exp2(m_i - shift)
+        # Exactly 1 when the max holds, even if exp2 is approximate: a tile fully masked for a row leaves it
+        # bit-for-bit unchanged, so the extra tiles a chunking adds cannot change the row.
+        alpha = tl.where(m_new == m_i, 1.0, tl.exp2(m_i - shift))
         l_i = l_i * alpha + tl.reduce(p, 1, tl.standard._sum_combine)
         v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(DOT_DTYPE)
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    out_offs = (q_start + token).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :] * stride_od
-    tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+    out_offs = row_offs * stride_ot + head[:, None] * stride_oh + dims[None, :] * stride_od
+    tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
 @triton.jit

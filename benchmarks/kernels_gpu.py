@@ -1,0 +1,252 @@
+"""GPU benchmark of the Triton attention backend against the device's own ceilings.
+
+Measures (1) copy bandwidth and a large bf16 matmul as ceilings; (2) decode attention as GB/s of K/V
+read and its share of copy bandwidth; (3) prefill chunks as TFLOP/s and their share of the matmul rate,
+next to torch SDPA on the same data; (4) each case's error against a float32 reference, and bitwise
+batch invariance. Heads are Llama-8B-like (Hq=32, Hkv=8, D=128), bf16, block size 16, block tables
+shuffled. Every tile configuration in CONFIGS is timed, the first being the backend's default, so one
+run says whether the default should change. Stops starting new cases after DEADLINE_S and prints one
+table at the end.
+
+    python benchmarks/kernels_gpu.py
+
+Without CUDA it says so and exits 0: there is nothing to measure.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+HQ, HKV, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
+DTYPE = torch.bfloat16
+SCALE = HEAD_DIM**-0.5
+DEADLINE_S = 7 * 60
+ATOL, RTOL = 1e-2, 2e-2  # bf16 keeps 8 bits: an output rounds by up to 2**-9 of itself, P rounds too
+DECODE_CASES = [(64, 1024), (64, 4096), (64, 16384), (256, 1024), (256, 4096)]  # (sequences, context)
+PREFILL_CASES = [(1, 8192, 0), (4, 2048, 0), (2, 4096, 4096), (16, 512, 2048)]  # (sequences, chunk, context)
+
+
+@dataclass
+class Batch:
+    """One ragged batch over a freshly filled paged cache; positional args of `paged_attention`."""
+
+    query: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    block_tables: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    seq_lens: torch.Tensor
+    chunk: int
+    context: int
+
+    def args(self) -> tuple:
+        return (self.query, self.k_cache, self.v_cache, self.block_tables, self.cu_seqlens_q, self.seq_lens, SCALE,
+                self.chunk, self.chunk + self.context)
+
+    @property
+    def num_seqs(self) -> int:
+        return self.block_tables.shape[0]
+
+
+def make_batch(num_seqs: int, chunk: int, context: int) -> Batch:
+    """`num_seqs` sequences of `context` cached tokens plus `chunk` new ones, blocks scattered at random."""
+    length = context + chunk
+    blocks = -(-length // BLOCK_SIZE)
+    tables = torch.randperm(num_seqs * blocks, device="cuda").view(num_seqs, blocks).int()
+    cache_shape = (num_seqs * blocks, BLOCK_SIZE, HKV, HEAD_DIM)
+    return Batch(
+        query=torch.randn(num_seqs * chunk, HQ, HEAD_DIM, device="cuda", dtype=DTYPE),
+        k_cache=torch.randn(cache_shape, device="cuda", dtype=DTYPE),
+        v_cache=torch.randn(cache_shape, device="cuda", dtype=DTYPE),
+        block_tables=tables,
+        cu_seqlens_q=torch.arange(num_seqs + 1, device="cuda", dtype=torch.int32) * chunk,
+        seq_lens=torch.full((num_seqs,), length, device="cuda", dtype=torch.int32),
+        chunk=chunk, context=context,
+    )
+
+
+def contiguous_kv(batch: Batch, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's K and V as `[Hq, L, D]` (GQA heads repeated), the layout SDPA wants."""
+    from tokenmill.kernels.torch_attention import gather_kv
+
+    length = batch.chunk + batch.context
+    return tuple(gather_kv(cache, batch.block_tables[seq], length).transpose(0, 1).repeat_interleave(HQ // HKV, 0)
+                 for cache in (batch.k_cache, batch.v_cache))
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention aligned to the end of the keys, `[..., H, n, D]` queries over `[..., H, L, D]` keys."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    n, length = q.shape[-2], k.shape[-2]
+    if n == length:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=SCALE)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(n, length), scale=SCALE)
+
+
+def check(batch: Batch, out: torch.Tensor, seqs: int = 4) -> str:
+    """Largest |out - float32 reference| over the first `seqs` sequences, and whether all are within tolerance."""
+    worst, ok = 0.0, True
+    for seq in range(min(seqs, batch.num_seqs)):
+        rows = slice(seq * batch.chunk, (seq + 1) * batch.chunk)
+        k, v = (t.float() for t in contiguous_kv(batch, seq))
+        expected = sdpa(batch.query[rows].float().transpose(0, 1), k, v).transpose(0, 1)
+        worst = max(worst, (out[rows].float() - expected).abs().max().item())
+        ok = ok and torch.allclose(out[rows].float(), expected, atol=ATOL, rtol=RTOL)
+    return f"{worst:.1e} {'ok' if ok else 'FAIL'}"
+
+
+def bench_ms(fn: Callable[[], object]) -> float:
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=25, rep=100)
+
+
+def ceilings() -> tuple[float, float]:
+    """Copy bandwidth in GB/s (bytes read + written) and bf16 matmul TFLOP/s."""
+    src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    copy_gbs = 2 * src.numel() / bench_ms(lambda: dst.copy_(src)) / 1e6
+    del src, dst
+    n = 8192
+    a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    matmul_tflops = 2 * n**3 / bench_ms(lambda: a @ b) / 1e9
+    return copy_gbs, matmul_tflops
+
+
+def causal_flops(batch: Batch) -> float:
+    """QK^T and PV multiply-adds of causal attention: each row i of a chunk sees context + i + 1 keys."""
+    keys_seen = batch.chunk * batch.context + batch.chunk * (batch.chunk + 1) / 2
+    return 4.0 * HEAD_DIM * HQ * batch.num_seqs * keys_seen
+
+
+def time_backend(config: object, batch: Batch) -> tuple[torch.Tensor, float]:
+    """The output of a first call (which also compiles), then the time per call in ms."""
+    from tokenmill.kernels.triton_attention import TritonBackend
+
+    backend = TritonBackend(config)
+    out = backend.paged_attention(*batch.args())
+    return out, bench_ms(lambda: backend.paged_attention(*batch.args()))
+
+
+def run_decode(configs: list, copy_gbs: float, rows: list[list[str]]) -> None:
+    for num_seqs, context in DECODE_CASES:
+        batch = make_batch(num_seqs, 1, context - 1)
+        kv_bytes = 2 * num_seqs * context * HKV * HEAD_DIM * batch.k_cache.element_size()
+        for config in configs:
+            if out_of_time():
+                return
+            out, ms = time_backend(config, batch)
+            gbs = kv_bytes / ms / 1e6
+            rows.append([f"decode {num_seqs}x{context}", config_name(config), f"{ms:.3f}", f"{gbs:.0f} GB/s",
+                         f"{gbs / copy_gbs:.0%} of copy", "-", check(batch, out)])
+        del batch
+        torch.cuda.empty_cache()
+
+
+def run_prefill(configs: list, matmul_tflops: float, rows: list[list[str]]) -> None:
+    for num_seqs, chunk, context in PREFILL_CASES:
+        batch = make_batch(num_seqs, chunk, context)
+        flops = causal_flops(batch)
+        kv = [contiguous_kv(batch, seq) for seq in range(num_seqs)]
+        q = batch.query.view(num_seqs, chunk, HQ, HEAD_DIM).transpose(1, 2).contiguous()
+        k, v = (torch.stack([pair[i] for pair in kv]) for i in (0, 1))
+        sdpa_tflops = flops / bench_ms(lambda: sdpa(q, k, v)) / 1e9
+        del kv, k, v
+        for config in configs:
+            if out_of_time():
+                return
+            out, ms = time_backend(config, batch)
+            tflops = flops / ms / 1e9
+            rows.append([f"prefill {num_seqs}x{chunk}+{context}", config_name(config), f"{ms:.3f}",
+                         f"{tflops:.0f} TFLOP/s", f"{tflops / matmul_tflops:.0%} of matmul",
+                         f"{sdpa_tflops:.0f} TFLOP/s", check(batch, out)])
+        del batch
+        torch.cuda.empty_cache()
+
+
+def check_invariance() -> str:
+    """A 300-token prompt's rows: alone, inside a busy batch, and through chunks of 1, 7 and 50, bitwise."""
+    from tokenmill.kernels.triton_attention import TritonBackend
+
+    backend = TritonBackend()
+    length = 300
+    batch = make_batch(40, length, 0)  # sequence 0 is the probe; the others are its neighbours
+    rows = slice(0, length)
+    alone = backend.paged_attention(batch.query[rows], batch.k_cache, batch.v_cache, batch.block_tables[:1],
+                                    batch.cu_seqlens_q[:2], batch.seq_lens[:1], SCALE, length, length)
+    failures = []
+    for size in (1, 7, 50):
+        parts = []
+        for start in range(0, length, size):
+            end = min(start + size, length)
+            cu = torch.tensor([0, end - start], device="cuda", dtype=torch.int32)
+            seq_len = torch.tensor([end], device="cuda", dtype=torch.int32)
+            parts.append(backend.paged_attention(batch.query[start:end], batch.k_cache, batch.v_cache,
+                                                 batch.block_tables[:1], cu, seq_len, SCALE, end - start, end))
+        if not torch.equal(torch.cat(parts), alone):
+            failures.append(f"chunks of {size}")
+    # The probe third in a batch of 39 decode rows of the other sequences' last tokens and two full prompts.
+    order = [1, 2, 0, *range(3, 40)]
+    q_lens = [length, length, length] + [1] * 37
+    query = torch.cat([batch.query[s * length + length - n:(s + 1) * length] for s, n in zip(order, q_lens)])
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
+    mixed = backend.paged_attention(query, batch.k_cache, batch.v_cache, batch.block_tables[order], cu,
+                                    batch.seq_lens[order], SCALE, length, length)
+    if not torch.equal(mixed[2 * length:3 * length], alone):
+        failures.append("in a mixed batch")
+    return "bitwise equal" if not failures else "DIFFERS: " + ", ".join(failures)
+
+
+def config_name(config: object) -> str:
+    if config is None:
+        return "default"
+    return f"M{config.block_m} N{config.block_n} w{config.num_warps} s{config.num_stages}"
+
+
+_START = time.monotonic()
+
+
+def out_of_time() -> bool:
+    return time.monotonic() - _START > DEADLINE_S
+
+
+def print_table(rows: list[list[str]]) -> None:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for i, row in enumerate(rows):
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)))
+        if i == 0:
+            print("  ".join("-" * width for width in widths))
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("kernels_gpu: no CUDA device here; this benchmark needs a GPU, nothing was measured.")
+        return 0
+    from tokenmill.kernels.triton_attention import TileConfig
+
+    configs = [None, TileConfig(128, 64, num_warps=8, num_stages=3), TileConfig(64, 64, num_warps=4, num_stages=2)]
+    torch.manual_seed(0)
+    copy_gbs, matmul_tflops = ceilings()
+    rows = [["case", "tiles", "ms", "achieved", "of ceiling", "torch SDPA", "max err vs fp32"],
+            ["copy 2 GiB", "-", "-", f"{copy_gbs:.0f} GB/s", "ceiling", "-", "-"],
+            ["bf16 matmul 8192^3", "-", "-", f"{matmul_tflops:.0f} TFLOP/s", "ceiling", "-", "-"]]
+    run_decode(configs, copy_gbs, rows)
+    run_prefill(configs, matmul_tflops, rows)
+    rows.append(["batch invariance", "default", "-", check_invariance(), "-", "-", "-"])
+    if out_of_time():
+        rows.append([f"stopped after {DEADLINE_S} s", "-", "-", "-", "-", "-", "-"])
+    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}; Hq={HQ} Hkv={HKV} D={HEAD_DIM} "
+          f"{DTYPE} block size {BLOCK_SIZE}\n")
+    print_table(rows)
+    return 1 if any("FAIL" in cell or "DIFFERS" in cell for row in rows for cell in row) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
