@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from model_fixtures import random_prompts
@@ -60,3 +61,16 @@ def test_dummy_weights_follow_the_config_and_the_seed(model_dirs: dict[str, Path
 def test_importing_the_package_and_client_does_not_import_torch() -> None:
     code = "import sys, tokenmill; from tokenmill import SamplingParams; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_attention_backend_choice(monkeypatch) -> None:
+    from tokenmill.kernels import resolve_backend_name
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.delenv("TOKENMILL_ATTENTION_BACKEND", raising=False)
+    assert (resolve_backend_name(None, cpu), resolve_backend_name(None, cuda)) == ("torch", "triton")
+    monkeypatch.setenv("TOKENMILL_ATTENTION_BACKEND", "triton")
+    assert resolve_backend_name(None, cpu) == "triton"
+    assert resolve_backend_name("torch", cpu) == "torch"  # an explicit option wins over the environment
+    with pytest.raises(ValueError, match="attention_backend: unknown backend 'flash'"):
+        LLM("builtin:tiny", attention_backend="flash")
