@@ -28,7 +28,7 @@ if not torch.cuda.is_available():
 
 import torch.nn.functional as F  # noqa: E402
 
-from tokenmill.kernels import get_backend  # noqa: E402
+from tokenmill.kernels import AttentionBackend, get_backend  # noqa: E402
 from tokenmill.kernels.torch_attention import TorchBackend  # noqa: E402
 from tokenmill.kernels.triton_attention import TritonBackend  # noqa: E402
 
@@ -74,17 +74,18 @@ class Workload:
         self.values = [rand(n, num_kv_heads) for n in lengths]
 
     def slots(self, spans: list[Span]) -> torch.Tensor:
+        """Cache slot of every token of the spans, in order, read through the block tables."""
         pos = torch.cat([torch.arange(start, end) for _, start, end in spans])
         seqs = torch.cat([torch.full((end - start,), seq) for seq, start, end in spans])
         return (self.table[seqs, pos // self.block_size].long() * self.block_size + pos % self.block_size)
 
-    def write(self, backend, spans: list[Span]) -> None:
+    def write(self, backend: AttentionBackend, spans: list[Span]) -> None:
         """Store the spans' K/V, passed as non-contiguous views of one [T, 2, Hkv, D] buffer."""
         kv = torch.stack([torch.cat([self.keys[s][a:b] for s, a, b in spans]),
                           torch.cat([self.values[s][a:b] for s, a, b in spans])], dim=1).to(DEVICE)
         backend.write_kv(kv[:, 0], kv[:, 1], self.k_cache, self.v_cache, self.slots(spans).to(DEVICE))
 
-    def attend(self, backend, spans: list[Span]) -> list[torch.Tensor]:
+    def attend(self, backend: AttentionBackend, spans: list[Span]) -> list[torch.Tensor]:
         """Attention of the spans' queries as one batch, each span's rows returned apart."""
         q_lens = [end - start for _, start, end in spans]
         query = torch.cat([self.queries[s][a:b] for s, a, b in spans])
@@ -92,8 +93,8 @@ class Workload:
         seq_lens = torch.tensor([end for _, _, end in spans], dtype=torch.int32)
         return list(self.launch(backend, query, self.table[[s for s, _, _ in spans]], cu, seq_lens).split(q_lens))
 
-    def launch(self, backend, query: torch.Tensor, block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
-               seq_lens: torch.Tensor) -> torch.Tensor:
+    def launch(self, backend: AttentionBackend, query: torch.Tensor, block_tables: torch.Tensor,
+               cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
         """One paged_attention call; the query is a non-contiguous view, the output buffer starts NaN."""
         wide = torch.cat([query, query], dim=-1).to(DEVICE)
         query = wide[..., : query.shape[-1]]
@@ -116,7 +117,7 @@ class Workload:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
                                               enable_gqa=True).transpose(0, 1)
 
-    def step(self, backend, spans: list[Span]) -> list[torch.Tensor]:
+    def step(self, backend: AttentionBackend, spans: list[Span]) -> list[torch.Tensor]:
         """What the engine does per step: write the new tokens' K/V, then attend."""
         self.write(backend, spans)
         return self.attend(backend, spans)
@@ -144,8 +145,8 @@ def mixed_spans(block_size: int, gen: torch.Generator) -> list[tuple[int, int]]:
     return [kinds[i] for i in torch.randperm(len(kinds), generator=gen).tolist()]
 
 
-def run_mixed(backend, gen: torch.Generator, block_size: int, group: int, head_dim: int, dtype: torch.dtype,
-              poison: float = float("nan")) -> None:
+def run_mixed(backend: AttentionBackend, gen: torch.Generator, block_size: int, group: int, head_dim: int,
+              dtype: torch.dtype, poison: float = float("nan")) -> None:
     """One mixed step: the context is written first, then the step's tokens; every row vs the reference."""
     shapes = mixed_spans(block_size, gen)
     work = Workload([kv for _, kv in shapes], block_size, 2, group, head_dim, dtype, gen, poison)
@@ -168,6 +169,17 @@ def assert_matches(out: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype
 @pytest.mark.parametrize("group", [1, 2, 4, 8])
 def test_triton_mixed_batch_matches_reference(gen, group, block_size, dtype):
     run_mixed(TritonBackend(), gen, block_size, group, 32, dtype)
+
+
+def test_triton_decode_only_batch(gen):
+    """The engine's most common step: one new token for each of many sequences."""
+    lengths = torch.randint(1, 90, (12,), generator=gen).tolist()
+    work = Workload(lengths, 16, 2, 4, 32, torch.float16, gen)
+    backend = TritonBackend()
+    work.write(backend, [(seq, 0, n - 1) for seq, n in enumerate(lengths) if n > 1])
+    spans = [(seq, n - 1, n) for seq, n in enumerate(lengths)]
+    for span, out in zip(spans, work.step(backend, spans)):
+        assert_matches(out, work.reference(span), torch.float16, f"span {span} of {spans}")
 
 
 @pytest.mark.parametrize("head_dim", [32, 64, 128, 256, 80])
