@@ -128,11 +128,12 @@ def test_result_goes_to_s3_and_redis_keeps_its_uri(service: Service) -> None:
 def test_resubmitting_a_finished_job_id_does_not_run_it_again(service: Service) -> None:
     job_id = f"idem-{uuid.uuid4().hex}"
     first = service.client.submit(id=job_id, prompt="only once", max_tokens=4).result(timeout=60)
+    before = service.worker.metrics()["tokenmill_jobs_succeeded_total"]
     service.client.submit(id=job_id, prompt="only once", max_tokens=4)
     done = service.client.submit(prompt="after the duplicate", max_tokens=2).result(timeout=60)  # FIFO: the duplicate went first
     assert done.ok
-    deliveries = service.redis.client().get(f"tokenmill:deliveries:{job_id}")
-    assert int(deliveries) == 1
+    assert int(service.redis.client().get(f"tokenmill:deliveries:{job_id}")) == 2  # delivered twice...
+    assert service.worker.metrics()["tokenmill_jobs_succeeded_total"] == before + 1  # ...run once
     assert service.results.counts[job_id] == 1
     assert service.client.get(job_id) == first
 

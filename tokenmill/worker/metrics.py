@@ -2,7 +2,7 @@
 
 Counters are cumulative (use `rate()` for per-second values); `tokenmill_generation_tokens_per_second`
 is also exported directly, measured by the engine loop over its last reporting interval, for
-dashboards without PromQL.
+dashboards without PromQL. Engine gauges are refreshed from the engine process every 0.5 s.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client import REGISTRY as DEFAULT_REGISTRY
 
-from tokenmill.worker.engine_loop import LoopStats
+from tokenmill.worker.engine_process import EngineStatus
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
 
@@ -42,6 +42,7 @@ class WorkerMetrics:
         self.running = Gauge("tokenmill_running_sequences", "Sequences in the running batch.", registry=registry)
         self.waiting = Gauge("tokenmill_waiting_sequences", "Sequences waiting for KV cache space.", registry=registry)
         self.kv_usage = Gauge("tokenmill_kv_cache_usage_ratio", "Fraction of KV cache blocks in use.", registry=registry)
+        self.engine_steps = Counter("tokenmill_engine_steps", "Engine steps (one forward pass each).", registry=registry)
         self.output_retries = Counter(
             "tokenmill_output_write_retries", "Failed attempts to write a result to S3 (retried).", registry=registry
         )
@@ -51,8 +52,9 @@ class WorkerMetrics:
         if port:
             start_http_server(port, addr=addr, registry=self.registry)
 
-    def on_loop_stats(self, stats: LoopStats) -> None:
+    def on_engine_status(self, stats: EngineStatus) -> None:
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
         self.kv_usage.set(stats.kv_cache_usage)
         self.tokens_per_second.set(stats.generated_tokens_per_s)
+        self.engine_steps.inc(stats.new_steps)

@@ -34,7 +34,8 @@ def current() -> WorkerService:
 
 def run_job(task: Any, payload: dict[str, Any] | None, fields: dict[str, Any]) -> dict[str, Any]:
     """Entry point of the `tokenmill.generate` task body."""
-    return current().run_job(task.request.id, payload, fields, task.backend)
+    task_id = task.request.id
+    return current().run_job(task_id, payload, fields, task.backend.get_key_for_task(task_id))
 
 
 @worker_shutting_down.connect

@@ -1,15 +1,16 @@
 """What a worker does with one job, from its Celery message to its written result.
 
-`WorkerService` owns the engine loop, the S3 sink, the metrics and a Redis client for bookkeeping.
+`WorkerService` owns the engine process, the S3 sink, the metrics and a Redis client for bookkeeping.
 Celery runs `run_job` in one of its pool threads per job; the thread hands the request to the engine
-loop and waits, so up to `concurrency` jobs share the engine's running batch.
+process and waits, so up to `concurrency` jobs share the engine's running batch.
 
 Per job, in order:
 
 1. Parse the job (`Job.from_wire`); a malformed job ends as a failed result (`invalid_job`).
 2. Idempotency: if a final result for this job id is already stored (the job was finished but its
    ack was lost, or a producer sent it twice), acknowledge without running it again or rewriting it.
-3. Count the delivery (`INCR tokenmill:deliveries:<id>`). A job delivered more than `max_deliveries`
+3. Count the delivery (`INCR tokenmill:deliveries:<id>`, in the same round trip as step 2). A job
+   delivered more than `max_deliveries`
    times has killed (or been cut off with) every worker that took it: it is dead-lettered (pushed on
    the Redis list `tokenmill:dead_letter`, final result failed with code `dead_letter`).
 4. If the same job id is already running in this process (a redelivery after a broker reconnect),
@@ -46,7 +47,7 @@ from redis.retry import Retry
 
 from tokenmill.errors import InvalidRequestError
 from tokenmill.jobs.schemas import Job, JobResult, Usage
-from tokenmill.worker.engine_loop import EngineLoop
+from tokenmill.worker.engine_process import EngineProcess
 from tokenmill.worker.metrics import WorkerMetrics
 from tokenmill.worker.settings import WorkerSettings
 from tokenmill.worker.sinks import OutputWriteError, RetryPolicy, S3Sink, WriteAbandoned
@@ -72,9 +73,9 @@ class _Attempt:
 class WorkerService:
     """One per worker process; thread-safe `run_job`."""
 
-    def __init__(self, settings: WorkerSettings, loop: EngineLoop, metrics: WorkerMetrics, sink: S3Sink | None) -> None:
+    def __init__(self, settings: WorkerSettings, engine: EngineProcess, metrics: WorkerMetrics, sink: S3Sink | None) -> None:
         self.settings = settings
-        self.loop = loop
+        self.engine = engine
         self.metrics = metrics
         self.sink = sink
         self.hostname = host_format(default_nodename(settings.hostname))  # Celery's node name, "%h" expanded
@@ -90,15 +91,14 @@ class WorkerService:
 
     @classmethod
     def start(cls, settings: WorkerSettings) -> WorkerService:
-        """Load the model (once, here), start the engine loop and the metrics endpoint."""
-        from tokenmill.engine.llm_engine import LLMEngine  # heavy: torch, transformers
-
+        """Start the engine process (the model loads there, once) and the metrics endpoint."""
         started = time.monotonic()
-        engine = LLMEngine(model=settings.model, **settings.engine_options())
-        log.info("model %s loaded in %.1fs", settings.model, time.monotonic() - started)
         metrics = WorkerMetrics()
-        loop = EngineLoop(engine, on_fatal=_exit_on_engine_failure, on_stats=metrics.on_loop_stats)
-        loop.start()
+        engine = EngineProcess(
+            settings.model, settings.engine_options(), on_fatal=_exit_on_engine_failure, on_stats=metrics.on_engine_status
+        )
+        engine.start()
+        log.info("engine process ready with model %s after %.1fs", settings.model, time.monotonic() - started)
         metrics.serve(settings.metrics_port, settings.metrics_addr)
         sink = S3Sink(
             settings.s3_endpoint_url,
@@ -106,7 +106,7 @@ class WorkerService:
             RetryPolicy(max_delay=settings.s3_retry_max_delay),
             on_retry=metrics.output_retries.inc,
         )
-        return cls(settings, loop, metrics, sink)
+        return cls(settings, engine, metrics, sink)
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -122,12 +122,15 @@ class WorkerService:
 
     def close(self) -> None:
         self._abandon.set()
-        self.loop.stop(timeout=10)
+        self.engine.stop(timeout=10)
 
     # -- one job -------------------------------------------------------------------------------
 
-    def run_job(self, task_id: str, payload: dict[str, Any] | None, fields: dict[str, Any], backend: Any) -> dict[str, Any]:
-        """Everything between a delivered message and the result Celery stores (see module docstring)."""
+    def run_job(self, task_id: str, payload: dict[str, Any] | None, fields: dict[str, Any], result_key: bytes) -> dict[str, Any]:
+        """Everything between a delivered message and the result Celery stores (see module docstring).
+
+        `result_key` is the Redis key Celery stores this task's result under.
+        """
         started_at = time.time()
         raw = {**(payload or {}), **fields}
         raw.setdefault("id", task_id)
@@ -135,10 +138,10 @@ class WorkerService:
             job = Job.from_wire(raw)
         except InvalidRequestError as exc:
             return self._failed(JobResult.failure(_safe_id(raw, task_id), "invalid_job", exc.message, exc.field, started_at=started_at))
-        if _is_final(backend.get_task_meta(task_id)):
+        stored, attempt = self._check_in(job.id, result_key)
+        if _is_final(stored):
             log.info("job %s already has a result; acknowledging without running it again", job.id)
             raise Ignore()
-        attempt = self._count_delivery(job.id)
         if attempt > self.settings.max_deliveries:
             return self._dead_letter(job, attempt, started_at)
         with self._lock:
@@ -168,7 +171,7 @@ class WorkerService:
             self.metrics.queue_wait.observe(max(0.0, run.started_at - job.submitted_at))
         request_id = f"{job.id}#{uuid.uuid4().hex[:8]}"
         messages = [m.model_dump() for m in job.messages] if job.messages else None
-        future = self.loop.submit(request_id, job.sampling, prompt=job.prompt or job.prompt_token_ids, messages=messages)
+        future = self.engine.submit(request_id, job.sampling, prompt=job.prompt or job.prompt_token_ids, messages=messages)
         try:
             output = self._wait(future, job, abort_id=request_id)
         except InvalidRequestError as exc:
@@ -188,7 +191,7 @@ class WorkerService:
             except FutureTimeout:
                 if self._abandon.is_set():
                     if abort_id is not None:
-                        self.loop.abort(abort_id)
+                        self.engine.abort(abort_id)
                     log.warning("job %s not finished when the shutdown grace ran out; requeueing it", job.id)
                     raise Reject("worker shutting down", requeue=True) from None
 
@@ -208,11 +211,12 @@ class WorkerService:
 
     # -- bookkeeping ---------------------------------------------------------------------------
 
-    def _count_delivery(self, job_id: str) -> int:
+    def _check_in(self, job_id: str, result_key: bytes) -> tuple[bytes | None, int]:
+        """One round trip: the stored result (if any) and this delivery's number (INCR of the counter)."""
         key = DELIVERIES_KEY.format(job_id=job_id)
-        with self.redis.pipeline() as pipe:
-            attempt, _ = pipe.incr(key).expire(key, self.settings.result_expires).execute()
-        return int(attempt)
+        with self.redis.pipeline(transaction=False) as pipe:
+            stored, attempt, _ = pipe.get(result_key).incr(key).expire(key, self.settings.result_expires).execute()
+        return stored, int(attempt)
 
     def _dead_letter(self, job: Job, attempt: int, started_at: float) -> dict[str, Any]:
         entry = {"job": job.to_wire(), "deliveries": attempt, "dead_lettered_at": time.time(), "worker": self.hostname}
@@ -254,7 +258,7 @@ def _result_from_output(job: Job, run: _Attempt, output: Any, worker: str) -> Jo
         text=output.text,
         token_ids=list(output.token_ids),
         finish_reason=output.finish_reason,
-        logprobs=_jsonable(output.logprobs) if job.sampling.logprobs is not None else None,
+        logprobs=output.logprobs if job.sampling.logprobs is not None else None,
         usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens),
         first_token_at=output.first_token_time,
         attempt=run.attempt,
@@ -268,8 +272,9 @@ def _times(job: Job, run: _Attempt) -> dict[str, Any]:
     return {"queued_at": job.submitted_at, "started_at": run.started_at, "finished_at": time.time()}
 
 
-def _is_final(meta: dict[str, Any] | None) -> bool:
-    return bool(meta) and meta.get("status") in ("SUCCESS", "FAILURE")
+def _is_final(stored: bytes | None) -> bool:
+    """Whether a stored Celery result (JSON, `result_serializer="json"`) is a final state."""
+    return stored is not None and json.loads(stored).get("status") in ("SUCCESS", "FAILURE")
 
 
 def _safe_id(raw: dict[str, Any], task_id: str) -> str:
@@ -277,13 +282,8 @@ def _safe_id(raw: dict[str, Any], task_id: str) -> str:
     return value if isinstance(value, str) and value else task_id
 
 
-def _jsonable(value: Any) -> Any:
-    """Logprobs as plain JSON (dict keys become strings, tensors/numpy scalars become floats)."""
-    return json.loads(json.dumps(value, default=lambda v: v.item() if hasattr(v, "item") else str(v)))
-
-
 def _exit_on_engine_failure(exc: BaseException) -> None:
-    """The engine raised outside any single request: its state is unknown, so stop the process now.
+    """The engine failed outside any single request, or its process died: stop this worker now.
 
     Jobs in flight stay unacked and are delivered to a healthy worker after the visibility timeout;
     a job that causes this every time reaches `max_deliveries` and is dead-lettered.

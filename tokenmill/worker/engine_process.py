@@ -1,0 +1,326 @@
+"""The engine in its own process, driven by its own loop; the Celery worker talks to it through a pipe.
+
+Why a process and not a thread of the worker: with a thread, the engine's Python (scheduler,
+sampling bookkeeping) and Celery's per-job Python (message handling, result writes, acks) share one
+GIL. Measured on builtin:tiny with 1000 short jobs on 2 cores, the engine's steps took 26 ms instead
+of 17 ms and the queue reached only ~0.5x the in-process throughput. In its own process the engine
+has a core to itself and Celery's work runs beside it, not between its steps. (vLLM runs its engine
+core in a separate process for the same reason.) The worker process itself then never imports torch.
+
+The engine is not thread-safe; here only the loop in the child process touches it. Requests arrive on
+the pipe and are admitted between two steps, so new jobs join the running batch instead of waiting for
+it to drain; outputs finished in a step go back in one message right after that step.
+
+Messages are JSON (`send_bytes`/`recv_bytes` of `multiprocessing.connection`), never pickle:
+
+    worker -> engine   {"op": "add", "id", "prompt" | "messages", "params"} | {"op": "abort", "id"} | {"op": "stop"}
+    engine -> worker   {"op": "ready"} | {"op": "done", "outputs": [...]} | {"op": "refused", "id", "field", "message"}
+                       | {"op": "stats", ...} | {"op": "fatal", "error"}
+
+If the engine raises outside a single request, or its process dies, the worker cannot trust it any
+more: `on_fatal` is called (the service exits, the broker redelivers the unacked jobs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import multiprocessing
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.errors import InvalidRequestError
+
+log = logging.getLogger(__name__)
+
+_IDLE_WAIT = 0.5  # seconds the engine process blocks on the pipe when it has nothing to run
+_STATS_INTERVAL = 0.5
+
+
+@dataclass
+class EngineOutput:
+    """A finished request, as the worker receives it (the fields of the engine's `RequestOutput` it uses)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    logprobs: list[Any] | None
+    first_token_time: float | None
+    finished_time: float
+
+
+@dataclass
+class EngineStatus:
+    """What the engine last reported, for the metrics endpoint."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    generated_tokens_per_s: float = 0.0
+    new_steps: int = 0
+
+
+class EngineFailure(RuntimeError):
+    """The engine process failed or exited; every request in flight gets this."""
+
+
+class EngineProcess:
+    """Worker-side handle of the engine process: `submit` returns a future of an `EngineOutput`."""
+
+    def __init__(
+        self,
+        model: str,
+        options: dict[str, Any],
+        on_fatal: Callable[[BaseException], None] | None = None,
+        on_stats: Callable[[EngineStatus], None] | None = None,
+    ) -> None:
+        context = multiprocessing.get_context("spawn")  # no fork of a process that runs threads
+        self._conn, child_conn = context.Pipe()
+        self._process = context.Process(
+            target=serve, args=(child_conn, model, options), name="tokenmill-engine", daemon=True
+        )
+        self._child_conn = child_conn
+        self._on_fatal = on_fatal
+        self._on_stats = on_stats
+        self._pending: dict[str, Future] = {}
+        self._lock = threading.Lock()
+        self._stopping = False
+        self._ready = threading.Event()
+        self._reader = threading.Thread(target=self._read, name="tokenmill-engine-reader", daemon=True)
+        self._last_stats: tuple[float, int, int] | None = None
+
+    def start(self, timeout: float = 600) -> None:
+        """Start the process and wait until the model is loaded."""
+        self._process.start()
+        self._child_conn.close()
+        self._reader.start()
+        if not self._ready.wait(timeout) or not self._process.is_alive():
+            raise EngineFailure(f"the engine process did not start (exit code {self._process.exitcode})")
+
+    def submit(
+        self,
+        request_id: str,
+        params: SamplingParams,
+        prompt: str | list[int] | None = None,
+        messages: list[dict[str, str]] | None = None,
+    ) -> Future:
+        """Queue a request; the future resolves to an `EngineOutput`, or raises `InvalidRequestError`."""
+        future: Future = Future()
+        message = {"op": "add", "id": request_id, "prompt": prompt, "messages": messages, "params": dataclasses.asdict(params)}
+        with self._lock:
+            if self._stopping:
+                raise EngineFailure("the engine is stopped")
+            self._pending[request_id] = future
+            self._conn.send_bytes(json.dumps(message).encode())
+        return future
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request (e.g. its job is requeued at shutdown); its future is cancelled."""
+        with self._lock:
+            future = self._pending.pop(request_id, None)
+            if not self._stopping:
+                self._conn.send_bytes(json.dumps({"op": "abort", "id": request_id}).encode())
+        if future is not None:
+            future.cancel()
+
+    def stop(self, timeout: float = 10) -> None:
+        with self._lock:
+            if self._stopping:
+                return
+            self._stopping = True
+            try:
+                self._conn.send_bytes(b'{"op": "stop"}')
+            except OSError:
+                pass
+        self._process.join(timeout)
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join(5)
+
+    # -- the reader thread ---------------------------------------------------------------------
+
+    def _read(self) -> None:
+        while True:
+            try:
+                message = json.loads(self._conn.recv_bytes())
+            except (EOFError, OSError):
+                self._lost(EngineFailure(f"the engine process exited (exit code {self._process.exitcode})"))
+                return
+            op = message["op"]
+            if op == "done":
+                for output in message["outputs"]:
+                    self._resolve(output["request_id"], result=EngineOutput(**output))
+            elif op == "refused":
+                self._resolve(message["id"], error=InvalidRequestError(message["field"], message["message"]))
+            elif op == "stats":
+                self._report(message)
+            elif op == "ready":
+                self._ready.set()
+            elif op == "fatal":
+                self._lost(EngineFailure(f"the engine failed: {message['error']}"))
+                return
+
+    def _resolve(self, request_id: str, result: EngineOutput | None = None, error: Exception | None = None) -> None:
+        with self._lock:
+            future = self._pending.pop(request_id, None)
+        if future is None or future.done():  # aborted meanwhile
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    def _lost(self, error: EngineFailure) -> None:
+        with self._lock:
+            stopping, self._stopping = self._stopping, True
+            pending, self._pending = self._pending, {}
+        for future in pending.values():
+            if not future.done():
+                future.set_exception(error)
+        self._ready.set()
+        if not stopping:
+            log.critical("%s", error)
+            if self._on_fatal is not None:
+                self._on_fatal(error)
+
+    def _report(self, message: dict[str, Any]) -> None:
+        now, tokens, steps = time.monotonic(), message["num_generated_tokens"], message["num_steps"]
+        before = self._last_stats or (now - _STATS_INTERVAL, tokens, steps)
+        self._last_stats = (now, tokens, steps)
+        if self._on_stats is not None:
+            self._on_stats(
+                EngineStatus(
+                    num_running=message["num_running"],
+                    num_waiting=message["num_waiting"],
+                    kv_cache_usage=message["kv_cache_usage"],
+                    generated_tokens_per_s=(tokens - before[1]) / max(now - before[0], 1e-6),
+                    new_steps=steps - before[2],
+                )
+            )
+
+
+# -- the engine process ------------------------------------------------------------------------
+
+
+def serve(conn: Connection, model: str, options: dict[str, Any]) -> None:
+    """Main function of the engine process: load the model once, then step while there is work."""
+    from tokenmill.engine.llm_engine import LLMEngine  # torch is imported here, in this process only
+
+    engine = LLMEngine(model, **options)
+    _send(conn, {"op": "ready"})
+    loop = _Loop(engine, conn)
+    try:
+        loop.run()
+    except (EOFError, OSError):  # the worker process is gone: nothing left to serve
+        return
+    except BaseException as exc:
+        try:
+            _send(conn, {"op": "fatal", "error": repr(exc)})
+        finally:
+            raise
+
+
+class _Loop:
+    def __init__(self, engine: Any, conn: Connection) -> None:
+        self.engine = engine
+        self.conn = conn
+        self.live: set[str] = set()
+        self.next_stats = 0.0
+
+    def run(self) -> None:
+        while True:
+            if not self._admit(wait=0.0 if self.engine.has_unfinished() else _IDLE_WAIT):
+                return
+            if self.engine.has_unfinished():
+                self._step()
+            self._maybe_stats()
+
+    def _admit(self, wait: float) -> bool:
+        """Handle every message that arrived (waiting up to `wait` for the first); False on stop."""
+        if not self.conn.poll(wait):
+            return True
+        while True:
+            message = json.loads(self.conn.recv_bytes())
+            if message["op"] == "stop":
+                return False
+            self._handle(message)
+            if not self.conn.poll(0):
+                return True
+
+    def _handle(self, message: dict[str, Any]) -> None:
+        request_id = message["id"]
+        if message["op"] == "abort":
+            if request_id in self.live:
+                self.live.discard(request_id)
+                self.engine.abort_request(request_id)
+            return
+        try:
+            params = SamplingParams.from_dict(message["params"])
+            prompt = message["prompt"] if message["messages"] is None else self.engine.apply_chat_template(message["messages"])
+            self.engine.add_request(request_id, prompt, params)
+        except InvalidRequestError as exc:
+            _send(self.conn, {"op": "refused", "id": request_id, "field": exc.field, "message": exc.message})
+            return
+        except Exception as exc:  # e.g. the chat template cannot render these messages: this request only
+            field = "prompt" if message["messages"] is None else "messages"
+            _send(self.conn, {"op": "refused", "id": request_id, "field": field, "message": f"{type(exc).__name__}: {exc}"})
+            return
+        self.live.add(request_id)
+
+    def _step(self) -> None:
+        outputs = self.engine.step()
+        if not outputs:
+            return
+        for output in outputs:
+            self.live.discard(output.request_id)
+        _send(self.conn, {"op": "done", "outputs": [_output_fields(o) for o in outputs]})
+
+    def _maybe_stats(self) -> None:
+        now = time.monotonic()
+        if now < self.next_stats:
+            return
+        self.next_stats = now + _STATS_INTERVAL
+        stats = self.engine.stats()
+        _send(self.conn, {
+            "op": "stats",
+            "num_running": stats.num_running,
+            "num_waiting": stats.num_waiting,
+            "kv_cache_usage": stats.kv_cache_usage,
+            "num_generated_tokens": stats.num_generated_tokens,
+            "num_steps": getattr(stats, "num_steps", 0),
+        })
+
+
+def _output_fields(output: Any) -> dict[str, Any]:
+    return {
+        "request_id": output.request_id,
+        "prompt_token_ids": list(output.prompt_token_ids),
+        "token_ids": list(output.token_ids),
+        "text": output.text,
+        "finish_reason": output.finish_reason,
+        "logprobs": output.logprobs,
+        "first_token_time": output.first_token_time,
+        "finished_time": output.finished_time,
+    }
+
+
+def _send(conn: Connection, message: dict[str, Any]) -> None:
+    conn.send_bytes(json.dumps(message, default=_plain).encode())
+
+
+def _plain(value: Any) -> Any:
+    """JSON for what the engine may put in logprobs (tensors, numpy scalars)."""
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    if hasattr(value, "item"):
+        return value.item()
+    return str(value)
