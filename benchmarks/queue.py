@@ -1,0 +1,298 @@
+"""Queue benchmark: the same short jobs through Redis + one worker and through the in-process engine.
+
+    python benchmarks/queue.py [--jobs 1000] [--rounds 3] [--max-num-seqs 256]
+
+Starts its own redis-server (AOF on, `appendfsync everysec`, as in docker-compose) on a free port and
+one `tokenmill worker` on builtin:tiny, loads the same model in this process, and measures, in one run:
+
+* throughput: all jobs submitted at once until the last result is back (jobs/s, generated tokens/s),
+  against `LLM.generate` of the same prompts and parameters here; their ratio. The two paths alternate
+  for `--rounds` rounds and medians are reported, because a shared machine's load drifts;
+* CPU seconds spent per path (worker process, engine process, redis-server, client; this process for
+  in-process), which does not depend on what else the machine runs;
+* client submit rate: `Client.submit_many` of all jobs (validation, Celery messages, pipelined LPUSH);
+* added latency: one job at a time on an idle system, submit -> result through the queue minus
+  add -> finish of the same job in the in-process engine (p50/p99): what the queue costs one job;
+* under load: submit -> result p50/p99 of the batch, for both paths.
+
+Both paths get the same torch thread count (`--threads`, default 1): more threads than free cores
+makes torch's workers spin against each other.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+# This file is named like the stdlib's `queue`, and Python puts the script's folder first on sys.path:
+# drop it before anything imports `queue` (redis-py does).
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
+
+import argparse  # noqa: E402
+import random  # noqa: E402
+import resource  # noqa: E402
+import shutil  # noqa: E402
+import socket  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from dataclasses import dataclass, field  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from tokenmill.engine.sampling_params import SamplingParams  # noqa: E402
+from tokenmill.jobs.client import Client  # noqa: E402
+
+WARMUP_JOBS = 600  # enough for the worker to start all its pool threads, as a long-running worker has
+
+
+@dataclass
+class Workload:
+    prompts: list[str]
+    max_tokens: list[int]
+
+    def params(self, index: int) -> SamplingParams:
+        return SamplingParams(max_tokens=self.max_tokens[index], temperature=0.0, ignore_eos=True)
+
+    def job(self, index: int) -> dict:
+        return {"prompt": self.prompts[index], "max_tokens": self.max_tokens[index], "temperature": 0.0, "ignore_eos": True}
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.max_tokens)
+
+
+@dataclass
+class Run:
+    """One pass of the workload through one path."""
+
+    elapsed: float
+    latencies: list[float]
+    cpu: dict[str, float] = field(default_factory=dict)
+    submit_elapsed: float = 0.0
+
+
+def make_workload(count: int, seed: int, min_tokens: int, max_tokens: int) -> Workload:
+    rng = random.Random(seed)
+    words = "the quick brown fox jumps over a lazy dog while tokens mill in the engine".split()
+    prompts = [" ".join(rng.choices(words, k=rng.randint(4, 24))) for _ in range(count)]
+    return Workload(prompts, [rng.randint(min_tokens, max_tokens) for _ in range(count)])
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_until(check, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def process_cpu(pid: int) -> float:
+    """User + system CPU seconds of a process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+class QueuePath:
+    """redis-server + one worker subprocess + a Client in this process."""
+
+    def __init__(self, directory: Path, max_num_seqs: int, threads: int, concurrency: int | None) -> None:
+        self.redis = self._start_redis(directory)
+        self.worker = self._start_worker(directory / "worker.log", max_num_seqs, threads, concurrency)
+        children = subprocess.run(["pgrep", "-P", str(self.worker.pid), "-f", "multiprocessing.spawn"],
+                                  capture_output=True, text=True).stdout.split()
+        self.engine_pid = int(children[0]) if children else None
+        self.client = Client(self.broker)
+
+    def _start_redis(self, directory: Path) -> subprocess.Popen:
+        import redis
+
+        server = shutil.which("redis-server") or sys.exit("redis-server not found")
+        port = free_port()
+        process = subprocess.Popen(
+            [server, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(directory), "--save", "",
+             "--appendonly", "yes", "--appendfsync", "everysec"],
+            stdout=subprocess.DEVNULL,
+        )
+
+        def answers() -> bool:
+            try:
+                return bool(redis.Redis(port=port).ping())
+            except redis.RedisError:
+                return False
+
+        wait_until(answers, 10, "redis-server")
+        self.broker = f"redis://127.0.0.1:{port}/0"
+        return process
+
+    def _start_worker(self, log_path: Path, max_num_seqs: int, threads: int, concurrency: int | None) -> subprocess.Popen:
+        command = [sys.executable, "-m", "tokenmill.cli", "worker", "--broker", self.broker, "--model", "builtin:tiny",
+                   "--max-num-seqs", str(max_num_seqs), "--metrics-port", "0", "--hostname", "bench@%h"]
+        if concurrency:
+            command += ["--concurrency", str(concurrency)]
+        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": str(threads)}
+        process = subprocess.Popen(command, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT, env=env, cwd=REPO)
+
+        def ready() -> bool:
+            text = log_path.read_text(errors="replace")
+            return process.poll() is not None or ("bench@" in text and " ready." in text)
+
+        wait_until(ready, 180, "the worker")
+        if process.poll() is not None:
+            sys.exit(f"worker exited:\n{log_path.read_text()}")
+        return process
+
+    def warm_up(self, workload: Workload) -> None:
+        jobs = (workload.job(i % len(workload.prompts)) for i in range(WARMUP_JOBS))
+        self.client.results(self.client.submit_many(jobs), timeout=600)
+
+    def run(self, workload: Workload) -> Run:
+        pids = {"worker": self.worker.pid, "engine": self.engine_pid, "redis": self.redis.pid}
+        before = {name: process_cpu(pid) for name, pid in pids.items() if pid}
+        client_before = own_cpu()
+        jobs = [workload.job(i) for i in range(len(workload.prompts))]
+        started = time.perf_counter()
+        handles = self.client.submit_many(jobs)
+        submit_elapsed = time.perf_counter() - started
+        latencies, tokens = [], 0
+        for result in self.client.as_completed(handles, timeout=600):
+            assert result.ok, result.error
+            latencies.append(time.time() - result.queued_at)
+            tokens += result.usage.completion_tokens
+        elapsed = time.perf_counter() - started
+        assert tokens == workload.tokens
+        cpu = {name: process_cpu(pids[name]) - value for name, value in before.items()}
+        cpu["client"] = own_cpu() - client_before
+        return Run(elapsed, latencies, cpu, submit_elapsed)
+
+    def probe(self, workload: Workload, count: int) -> list[float]:
+        """Submit -> result of single jobs, one at a time."""
+        times = []
+        for index in range(count):
+            sent = time.time()
+            self.client.submit(**workload.job(index)).result(timeout=60)
+            times.append(time.time() - sent)
+        return times
+
+    def close(self) -> None:
+        self.worker.terminate()
+        self.worker.wait(timeout=60)
+        self.redis.terminate()
+        self.redis.wait(timeout=30)
+
+
+class LocalPath:
+    """`LLM.generate` in this process."""
+
+    def __init__(self, max_num_seqs: int, threads: int) -> None:
+        import torch
+
+        from tokenmill import LLM
+
+        torch.set_num_threads(threads)
+        self.llm = LLM("builtin:tiny", max_num_seqs=max_num_seqs)
+
+    def warm_up(self, workload: Workload) -> None:
+        self.llm.generate(workload.prompts[:20], [workload.params(i) for i in range(20)], use_tqdm=False)
+
+    def run(self, workload: Workload) -> Run:
+        params = [workload.params(i) for i in range(len(workload.prompts))]
+        cpu_before, started = own_cpu(), time.perf_counter()
+        outputs = self.llm.generate(workload.prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - started
+        assert sum(len(o.token_ids) for o in outputs) == workload.tokens
+        return Run(elapsed, [o.finished_time - o.arrival_time for o in outputs], {"in-process": own_cpu() - cpu_before})
+
+    def probe(self, workload: Workload, count: int) -> list[float]:
+        times = []
+        for index in range(count):
+            one = self.llm.generate([workload.prompts[index]], [workload.params(index)], use_tqdm=False)[0]
+            times.append(one.finished_time - one.arrival_time)
+        return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--jobs", type=int, default=1000)
+    parser.add_argument("--min-tokens", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--concurrency", type=int, default=None, help="worker --concurrency (default: the worker's)")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating runs of each path; medians are reported")
+    parser.add_argument("--probe-jobs", type=int, default=100, help="one-at-a-time jobs for the added-latency probe")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads, the same for both paths")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    workload = make_workload(args.jobs, args.seed, args.min_tokens, args.max_tokens)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        queue = QueuePath(Path(tmp), args.max_num_seqs, args.threads, args.concurrency)
+        try:
+            local = LocalPath(args.max_num_seqs, args.threads)
+            queue.warm_up(workload)
+            local.warm_up(workload)
+            queue_runs, local_runs = [], []
+            for _ in range(args.rounds):
+                queue_runs.append(queue.run(workload))
+                local_runs.append(local.run(workload))
+            added = [q - lo for q, lo in zip(queue.probe(workload, args.probe_jobs), local.probe(workload, args.probe_jobs))]
+        finally:
+            queue.close()
+    report(args, workload, local_runs, queue_runs, added)
+
+
+def _median_run(runs: list[Run]) -> Run:
+    return sorted(runs, key=lambda run: run.elapsed)[len(runs) // 2]
+
+
+def report(args: argparse.Namespace, workload: Workload, local_runs: list[Run], queue_runs: list[Run], added: list[float]) -> None:
+    n = len(workload.prompts)
+    local, queue = _median_run(local_runs), _median_run(queue_runs)
+    queue_cpu = sum(queue.cpu.values())
+    rows = [
+        ("jobs / s", f"{n / local.elapsed:.0f}", f"{n / queue.elapsed:.0f}"),
+        ("generated tokens / s", f"{workload.tokens / local.elapsed:.0f}", f"{workload.tokens / queue.elapsed:.0f}"),
+        ("wall time, all jobs (s)", f"{local.elapsed:.2f}", f"{queue.elapsed:.2f}"),
+        ("CPU time, all jobs (s)", f"{local.cpu['in-process']:.2f}",
+         f"{queue_cpu:.2f} = " + " + ".join(f"{v:.2f} {k}" for k, v in queue.cpu.items())),
+        ("submit -> result p50 under load (s)", f"{percentile(local.latencies, 50):.2f}", f"{percentile(queue.latencies, 50):.2f}"),
+        ("submit -> result p99 under load (s)", f"{percentile(local.latencies, 99):.2f}", f"{percentile(queue.latencies, 99):.2f}"),
+    ]
+    print(f"\n{n} jobs, prompts of 4-24 words, max_tokens {args.min_tokens}-{args.max_tokens} (ignore_eos, greedy), builtin:tiny, "
+          f"max_num_seqs {args.max_num_seqs}, {args.threads} torch thread(s), {os.cpu_count()} CPUs, "
+          f"median of {args.rounds} alternating rounds\n")
+    print("| | in-process engine | Redis + 1 worker |")
+    print("|---|---:|---:|")
+    for name, a, b in rows:
+        print(f"| {name} | {a} | {b} |")
+    ratios = [lo.elapsed / q.elapsed for lo, q in zip(local_runs, queue_runs)]
+    submit_rates = [n / run.submit_elapsed for run in queue_runs]
+    print(f"\n- throughput ratio (queue / in-process): **{statistics.median(ratios):.2f}** (goal >= 0.9); "
+          f"per round: {', '.join(f'{r:.2f}' for r in ratios)}")
+    print(f"- client submit rate (`submit_many`, {n} jobs): **{statistics.median(submit_rates):.0f} jobs/s** (goal >= 2000)")
+    print(f"- added latency of the queue, one job at a time ({len(added)} jobs): "
+          f"p50 **{1000 * percentile(added, 50):.1f} ms**, p99 **{1000 * percentile(added, 99):.1f} ms**")
+    print(f"- machine load average when done: {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
