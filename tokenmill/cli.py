@@ -18,7 +18,10 @@ import types
 import typing
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tokenmill.worker.settings import WorkerSettings
 
 DEMO_PROMPTS = [
     "The capital of France is",
@@ -78,14 +81,18 @@ def _scalar_type(annotation: Any) -> type:
     return annotation if annotation in (bool, int, float) else str
 
 
+def worker_settings(args: argparse.Namespace) -> WorkerSettings:
+    """Settings from `TOKENMILL_*` variables, overridden by the flags that were given."""
+    from tokenmill.worker.settings import WorkerSettings
+
+    return WorkerSettings(**{k: v for k, v in vars(args).items() if k != "command" and v is not None})
+
+
 def _worker(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
-    from tokenmill.worker.settings import WorkerSettings
-
-    given = {k: v for k, v in vars(args).items() if k != "command" and v is not None}
     try:
-        settings = WorkerSettings(**given)
+        settings = worker_settings(args)
     except ValidationError as exc:
         print(f"tokenmill worker: invalid settings:\n{exc}", file=sys.stderr)
         return 2

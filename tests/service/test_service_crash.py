@@ -3,13 +3,16 @@ and a job that keeps killing workers is dead-lettered after a bounded number of 
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
 import time
 import uuid
 
 from service_fixtures import TEST_VISIBILITY_TIMEOUT, RedisServer, ResultLog, wait_for
 
 from tokenmill.jobs.client import Client
-from tokenmill.worker.service import DELIVERIES_KEY
+from tokenmill.worker.service import DELIVERIES_KEY, FATAL_EXIT_CODE
 
 
 def test_kill_9_with_jobs_in_flight_loses_nothing(redis_server: RedisServer, start_worker, result_log: ResultLog) -> None:
@@ -57,3 +60,26 @@ def test_job_that_keeps_killing_workers_is_dead_lettered(redis_server: RedisServ
     dead = client.dead_letters()
     assert [entry["job"]["id"] for entry in dead] == [poison.id] and dead[0]["deliveries"] == limit + 1
     assert client.submit(prompt="the next job runs", max_tokens=2).result(timeout=60).ok
+
+
+def _engine_pid(worker_pid: int) -> int:
+    """The worker's engine process (a multiprocessing "spawn" child)."""
+    found = subprocess.run(["pgrep", "-P", str(worker_pid), "-f", "multiprocessing.spawn"], capture_output=True, text=True)
+    pids = [int(pid) for pid in found.stdout.split()]
+    assert len(pids) == 1, f"expected one engine process under {worker_pid}, found {pids}"
+    return pids[0]
+
+
+def test_engine_process_death_stops_the_worker_and_its_jobs_are_redelivered(redis_server: RedisServer, start_worker) -> None:
+    client = Client(redis_server.url)
+    broker = redis_server.client()
+    doomed = start_worker(redis_server.url, "doomed").wait_ready()
+    handles = client.submit_many([{"prompt": f"engine dies {i}", "max_tokens": 400, "ignore_eos": True} for i in range(10)])
+    wait_for(lambda: broker.zcard("unacked_index") == 10, 30, "jobs in flight")
+
+    os.kill(_engine_pid(doomed.process.pid), signal.SIGKILL)
+
+    assert doomed.process.wait(timeout=30) == FATAL_EXIT_CODE  # no half-alive worker holding jobs
+    start_worker(redis_server.url, "next").wait_ready()
+    results = client.results(handles, timeout=120)
+    assert all(r.ok and r.attempt == 2 and r.worker.startswith("next@") for r in results)

@@ -1,0 +1,53 @@
+"""The `tokenmill` command: offline `generate` (the README's quick start) and `worker` settings."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from service_fixtures import REPO
+
+from tokenmill.cli import DEMO_PROMPTS, build_parser, worker_settings
+
+
+def _generate(*args: str) -> list[dict]:
+    done = subprocess.run([sys.executable, "-m", "tokenmill.cli", "generate", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return [json.loads(line) for line in done.stdout.splitlines()]
+
+
+def test_generate_with_no_arguments_completes_the_demo_prompts() -> None:
+    lines = _generate()
+    assert [line["prompt"] for line in lines] == DEMO_PROMPTS
+    for line in lines:
+        assert line["finish_reason"] in ("stop", "length")
+        assert len(line["token_ids"]) == 32 if line["finish_reason"] == "length" else len(line["token_ids"]) <= 32
+
+
+def test_generate_reads_prompts_from_flags_and_jsonl(tmp_path: Path) -> None:
+    source = tmp_path / "prompts.jsonl"
+    source.write_text(json.dumps("from a file") + "\n" + json.dumps({"prompt": "an object"}) + "\n")
+    lines = _generate("--prompt", "from a flag", "--input", str(source), "--max-tokens", "5", "--seed", "3")
+    assert [line["prompt"] for line in lines] == ["from a flag", "from a file", "an object"]
+    assert all(len(line["token_ids"]) <= 5 for line in lines)
+
+
+def test_generate_names_a_bad_flag() -> None:
+    done = subprocess.run([sys.executable, "-m", "tokenmill.cli", "generate", "--max-tokens", "0"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "--max-tokens" in done.stderr
+
+
+def test_worker_flags_override_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TOKENMILL_BROKER_URL", "redis://from-env:6379/0")
+    monkeypatch.setenv("TOKENMILL_QUEUES", "a, b")
+    monkeypatch.setenv("TOKENMILL_VISIBILITY_TIMEOUT", "7")
+    args = build_parser().parse_args(["worker", "--broker", "redis://from-flag:6379/1", "--max-num-seqs", "8"])
+    settings = worker_settings(args)
+    assert settings.broker_url == "redis://from-flag:6379/1"
+    assert settings.queues == ["a", "b"] and settings.visibility_timeout == 7
+    assert settings.max_num_seqs == 8 and settings.in_flight_capacity == 10
