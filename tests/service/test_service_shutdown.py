@@ -3,6 +3,9 @@ and exits cleanly; nothing is left unacked and nothing is lost."""
 
 from __future__ import annotations
 
+import os
+import signal
+
 from service_fixtures import RedisServer, ResultLog, wait_for
 
 from tokenmill.jobs.client import Client
@@ -42,3 +45,18 @@ def test_sigterm_requeues_jobs_that_outlast_the_grace_period(redis_server: Redis
 
     assert all(client.get(h.id) is None for h in handles)
     assert broker.llen("tokenmill") == 4 and broker.hlen("unacked") == 0
+
+
+def test_sigterm_to_the_whole_process_group_still_finishes_in_flight_jobs(redis_server: RedisServer, start_worker) -> None:
+    """As Ctrl-C or `timeout` do: the engine process gets the signal too, and must outlive the jobs."""
+    client = Client(redis_server.url)
+    broker = redis_server.client()
+    worker = start_worker(redis_server.url, concurrency=4, new_session=True).wait_ready()
+    handles = client.submit_many(_jobs(4, 300))
+    wait_for(lambda: broker.zcard("unacked_index") == 4, 30, "4 jobs in flight")
+
+    os.killpg(worker.process.pid, signal.SIGTERM)
+
+    assert worker.process.wait(timeout=60) == 0
+    assert all(client.get(h.id) is not None and client.get(h.id).ok for h in handles)
+    assert broker.hlen("unacked") == 0

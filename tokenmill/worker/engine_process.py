@@ -27,6 +27,7 @@ import dataclasses
 import json
 import logging
 import multiprocessing
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -212,7 +213,15 @@ class EngineProcess:
 
 
 def serve(conn: Connection, model: str, options: dict[str, Any]) -> None:
-    """Main function of the engine process: load the model once, then step while there is work."""
+    """Main function of the engine process: load the model once, then step while there is work.
+
+    SIGINT and SIGTERM are ignored here: sent to the whole process group (Ctrl-C in a terminal,
+    `timeout`, some supervisors) they must not kill the engine under the worker, which is finishing
+    its in-flight jobs with it. The worker ends this process with a "stop" message, or by exiting
+    (the pipe closes).
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     from tokenmill.engine.llm_engine import LLMEngine  # torch is imported here, in this process only
 
     engine = LLMEngine(model, **options)
