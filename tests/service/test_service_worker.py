@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import gc
 import json
 import pickle
 import uuid
@@ -11,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from celery import group
+from celery import chord, group
 from service_fixtures import S3_BUCKET, RedisServer, ResultLog, S3Server, Worker, wait_for
 
 from tokenmill.engine.sampling_params import SamplingParams
@@ -43,6 +44,7 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
         worker.wait_ready()
         yield Service(redis_server, s3, worker, Client(redis_server.url), results)
     finally:
+        gc.collect()  # Celery AsyncResults unsubscribe when collected: let them, while Redis still runs
         worker.close()
         results.close()
         s3.stop()
@@ -114,6 +116,19 @@ def test_celery_users_get_the_same_task(service: Service) -> None:
     task = app.tasks[TASK_NAME]
     batch = group(task.s({"prompt": f"group {i}", "max_tokens": 3}) for i in range(5))().get(timeout=60)
     assert [r["usage"]["completion_tokens"] for r in batch] == [3] * 5
+
+
+def test_chord_of_jobs_calls_back_with_every_result(service: Service) -> None:
+    """Celery's Redis chord: the worker that finishes the last job sends the user's callback task."""
+    app = create_app(QueueSettings(broker_url=service.redis.url))
+    callback_queue = f"user-callbacks-{uuid.uuid4().hex}"
+    header = [app.tasks[TASK_NAME].s({"prompt": f"chord {i}", "max_tokens": 3}) for i in range(4)]
+    chord(header)(app.signature("user.collect_results").set(queue=callback_queue))
+    raw = wait_for(lambda: service.redis.client().lpop(callback_queue), 60, "the chord's callback message")
+    message = json.loads(raw)
+    (results,), _, _ = json.loads(base64.b64decode(message["body"]))
+    assert message["headers"]["task"] == "user.collect_results"
+    assert len(results) == 4 and all(r["status"] == "succeeded" and len(r["token_ids"]) == 3 for r in results)
 
 
 def test_result_goes_to_s3_and_redis_keeps_its_uri(service: Service) -> None:

@@ -1,9 +1,11 @@
 """`tokenmill worker`: load the model once, then run a Celery worker whose tasks feed the engine.
 
-The Celery worker uses the *threads* pool with concurrency = the engine's in-flight capacity: each
-pool thread holds one job, hands its request to the engine loop and waits for it, so the worker keeps
-pulling jobs until the running batch is full, and a new job joins the batch at the next engine step.
-(The prefork pool would load one model per child process; solo would run one job at a time.)
+The model is loaded once, in the engine process (`tokenmill.worker.engine_process`); this process
+never imports torch. The Celery worker uses the *threads* pool with concurrency = the in-flight
+capacity (1.25 x the engine's batch by default): each pool thread holds one job, hands its request to
+the engine process and waits for it, so the worker keeps pulling jobs until the batch is full, and a
+new job joins the batch at the next engine step. (The prefork pool would load one model per child
+process; solo would run one job at a time.)
 """
 
 from __future__ import annotations
