@@ -59,10 +59,6 @@ DEAD_LETTER_KEY = "tokenmill:dead_letter"
 FATAL_EXIT_CODE = 70  # EX_SOFTWARE: the engine failed; a supervisor restarts the worker
 
 
-class Requeue(Exception):
-    """The job could not finish before shutdown; put it back on the queue."""
-
-
 @dataclass
 class _Attempt:
     job: Job
