@@ -102,16 +102,18 @@ def _worker(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from tokenmill import LLM, SamplingParams
+    from tokenmill import SamplingParams
     from tokenmill.errors import InvalidRequestError
 
-    prompts = list(args.prompt) + (_read_prompts(args.input) if args.input else [])
-    prompts = prompts or DEMO_PROMPTS
-    try:
+    try:  # checked before the model loads, so a typo fails at once
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     except InvalidRequestError as exc:
         print(f"tokenmill generate: --{exc.field.replace('_', '-')}: {exc.message}", file=sys.stderr)
         return 2
+    prompts = list(args.prompt) + (_read_prompts(args.input) if args.input else [])
+    prompts = prompts or DEMO_PROMPTS
+    from tokenmill import LLM
+
     llm = LLM(args.model, dtype=args.dtype)
     for index, (prompt, out) in enumerate(zip(prompts, llm.generate(prompts, params))):
         line = {"index": index, "prompt": prompt, "text": out.text, "token_ids": list(out.token_ids), "finish_reason": out.finish_reason}

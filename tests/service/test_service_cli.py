@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,8 +15,9 @@ from tokenmill.cli import DEMO_PROMPTS, build_parser, worker_settings
 
 
 def _generate(*args: str) -> list[dict]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # a tiny model: torch threads would only contend
     done = subprocess.run([sys.executable, "-m", "tokenmill.cli", "generate", *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 0, done.stderr
     return [json.loads(line) for line in done.stdout.splitlines()]
 
