@@ -194,10 +194,15 @@ class QueuePath:
         return times
 
     def close(self) -> None:
-        self.worker.terminate()
-        self.worker.wait(timeout=60)
-        self.redis.terminate()
-        self.redis.wait(timeout=30)
+        try:
+            self.worker.terminate()
+            self.worker.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            self.worker.kill()
+            self.worker.wait()
+        finally:
+            self.redis.terminate()
+            self.redis.wait(timeout=30)
 
 
 class LocalPath:

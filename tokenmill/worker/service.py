@@ -57,6 +57,7 @@ log = logging.getLogger("tokenmill.worker")
 DELIVERIES_KEY = "tokenmill:deliveries:{job_id}"
 DEAD_LETTER_KEY = "tokenmill:dead_letter"
 FATAL_EXIT_CODE = 70  # EX_SOFTWARE: the engine failed; a supervisor restarts the worker
+_SHUTDOWN_CHECK_INTERVAL = 2.0  # seconds
 
 
 @dataclass
@@ -180,10 +181,13 @@ class WorkerService:
         return self._succeeded(result)
 
     def _wait(self, future: Future, job: Job, abort_id: str | None) -> Any:
-        """Block until `future` resolves; once the shutdown grace is over, requeue the job instead."""
+        """Block until `future` resolves; once the shutdown grace is over, requeue the job instead.
+
+        Every held job has a thread here, so the shutdown check wakes each only every couple of seconds.
+        """
         while True:
             try:
-                return future.result(timeout=0.5)
+                return future.result(timeout=_SHUTDOWN_CHECK_INTERVAL)
             except FutureTimeout:
                 if self._abandon.is_set():
                     if abort_id is not None:
