@@ -107,6 +107,19 @@ def process_cpu(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def engine_pid(worker_pid: int) -> int | None:
+    """The worker's engine process: its multiprocessing "spawn" child (Linux /proc)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            command = (stat.parent / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if parent == worker_pid and b"spawn_main" in command:
+            return int(stat.parent.name)
+    return None
+
+
 def own_cpu() -> float:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
@@ -118,9 +131,7 @@ class QueuePath:
     def __init__(self, directory: Path, max_num_seqs: int, threads: int, concurrency: int | None) -> None:
         self.redis = self._start_redis(directory)
         self.worker = self._start_worker(directory / "worker.log", max_num_seqs, threads, concurrency)
-        children = subprocess.run(["pgrep", "-P", str(self.worker.pid), "-f", "multiprocessing.spawn"],
-                                  capture_output=True, text=True).stdout.split()
-        self.engine_pid = int(children[0]) if children else None
+        self.engine_pid = engine_pid(self.worker.pid)
         self.client = Client(self.broker)
 
     def _start_redis(self, directory: Path) -> subprocess.Popen:

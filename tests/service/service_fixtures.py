@@ -39,6 +39,19 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def child_pids(pid: int) -> list[int]:
+    """Processes whose parent is `pid` (Linux /proc; no procps needed)."""
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # exited meanwhile
+            continue
+        if int(fields[1]) == pid:
+            children.append(int(stat.parent.name))
+    return children
+
+
 def wait_for(check: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
     """Poll `check` until it returns something truthy; fail the test with `what` after `timeout` seconds."""
     deadline = time.monotonic() + timeout

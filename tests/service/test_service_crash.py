@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import time
 import uuid
+from pathlib import Path
 
-from service_fixtures import TEST_VISIBILITY_TIMEOUT, RedisServer, ResultLog, wait_for
+from service_fixtures import TEST_VISIBILITY_TIMEOUT, RedisServer, ResultLog, child_pids, wait_for
 
 from tokenmill.jobs.client import Client
 from tokenmill.worker.service import DELIVERIES_KEY, FATAL_EXIT_CODE
@@ -63,9 +63,8 @@ def test_job_that_keeps_killing_workers_is_dead_lettered(redis_server: RedisServ
 
 
 def _engine_pid(worker_pid: int) -> int:
-    """The worker's engine process (a multiprocessing "spawn" child)."""
-    found = subprocess.run(["pgrep", "-P", str(worker_pid), "-f", "multiprocessing.spawn"], capture_output=True, text=True)
-    pids = [int(pid) for pid in found.stdout.split()]
+    """The worker's engine process (a multiprocessing "spawn" child, beside multiprocessing's resource tracker)."""
+    pids = [pid for pid in child_pids(worker_pid) if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
     assert len(pids) == 1, f"expected one engine process under {worker_pid}, found {pids}"
     return pids[0]
 
