@@ -98,3 +98,21 @@ def test_submit_many_is_fast(redis_server: RedisServer) -> None:
     rate = len(jobs) / (time.perf_counter() - started)
     assert redis_server.client().llen("tokenmill") == 2000
     assert rate > 1000, f"{rate:.0f} jobs/s"
+
+
+def test_a_waiting_client_rides_out_a_redis_restart(redis_server: RedisServer) -> None:
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tokenmill.jobs.schemas import JobResult
+
+    client = Client(redis_server.url)
+    handle = client.submit(prompt="x")
+    redis_server.stop()
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(handle.result, 60)
+        time.sleep(1.0)  # the outage: the client starts waiting while Redis is down
+        redis_server.start()
+        stored = JobResult(id=handle.id, status="succeeded", text="t", token_ids=[1])
+        client.app.backend.store_result(handle.id, stored.to_wire(), "SUCCESS")  # as the worker's Celery does
+        assert waiting.result(timeout=60) == stored

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 from service_fixtures import RedisServer, wait_for
 
 from tokenmill.jobs.client import Client
@@ -17,9 +19,10 @@ def test_redis_restart_with_jobs_queued_and_in_flight_loses_none(redis_server: R
     queued = broker.llen("tokenmill")
     assert queued > 0, "no job was left queued: the test would not cover queued jobs"
 
-    redis_server.restart()  # SIGTERM (AOF written, fsync always), then the same port and data directory
-
-    results = client.results(handles, timeout=180)
+    with ThreadPoolExecutor(1) as pool:  # a client already waiting for results must ride out the restart too
+        waiting = pool.submit(client.results, handles, 180)
+        redis_server.restart()  # SIGTERM (AOF written, fsync always), then the same port and data directory
+        results = waiting.result(timeout=200)
     assert [r.id for r in results] == [h.id for h in handles]
     assert all(r.ok and r.usage.completion_tokens == 200 for r in results), [r.error for r in results if not r.ok]
     assert worker.process.poll() is None

@@ -193,7 +193,7 @@ class _ResultWatch:
 
     def results(self) -> Iterator[JobResult]:
         try:
-            self._subscribe()
+            self._resubscribe_quietly()  # Redis may be down right now: the sweeps retry
             yield from self._sweep()
             last_sweep = time.monotonic()
             while self.pending:
