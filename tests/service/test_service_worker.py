@@ -118,6 +118,16 @@ def test_celery_users_get_the_same_task(service: Service) -> None:
     assert [r["usage"]["completion_tokens"] for r in batch] == [3] * 5
 
 
+def test_celery_remote_control_reaches_the_worker(service: Service) -> None:
+    """What `celery inspect` and Flower use: broadcast commands answered by the worker."""
+    app = create_app(QueueSettings(broker_url=service.redis.url))
+    replies = app.control.ping(timeout=10, limit=1)
+    nodes = [name for reply in replies for name in reply]
+    assert len(nodes) == 1 and nodes[0].startswith("main@")
+    active = app.control.inspect(timeout=10, destination=nodes).active_queues() or {}
+    assert [q["name"] for q in active[nodes[0]]] == ["tokenmill"]
+
+
 def test_chord_of_jobs_calls_back_with_every_result(service: Service) -> None:
     """Celery's Redis chord: the worker that finishes the last job sends the user's callback task."""
     app = create_app(QueueSettings(broker_url=service.redis.url))
