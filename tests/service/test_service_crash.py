@@ -12,7 +12,8 @@ from pathlib import Path
 from service_fixtures import TEST_VISIBILITY_TIMEOUT, RedisServer, ResultLog, child_pids, wait_for
 
 from tokenmill.jobs.client import Client
-from tokenmill.worker.service import DELIVERIES_KEY, FATAL_EXIT_CODE
+from tokenmill.worker.app import DELIVERIES_KEY
+from tokenmill.worker.service import FATAL_EXIT_CODE
 
 
 def test_kill_9_with_jobs_in_flight_loses_nothing(redis_server: RedisServer, start_worker, result_log: ResultLog) -> None:

@@ -17,7 +17,7 @@ from service_fixtures import S3_BUCKET, RedisServer, ResultLog, S3Server, Worker
 
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.jobs.client import Client, JobFailedError
-from tokenmill.worker.app import TASK_NAME, create_app
+from tokenmill.worker.app import DELIVERIES_KEY, TASK_NAME, create_app
 from tokenmill.worker.settings import QueueSettings
 
 
@@ -157,7 +157,7 @@ def test_resubmitting_a_finished_job_id_does_not_run_it_again(service: Service) 
     service.client.submit(id=job_id, prompt="only once", max_tokens=4)
     done = service.client.submit(prompt="after the duplicate", max_tokens=2).result(timeout=60)  # FIFO: the duplicate went first
     assert done.ok
-    assert int(service.redis.client().get(f"tokenmill:deliveries:{job_id}")) == 2  # delivered twice...
+    assert int(service.redis.client().get(DELIVERIES_KEY.format(job_id=job_id))) == 2  # delivered twice...
     assert service.worker.metrics()["tokenmill_jobs_succeeded_total"] == before + 1  # ...run once
     assert service.results.counts[job_id] == 1
     assert service.client.get(job_id) == first

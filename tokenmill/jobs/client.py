@@ -32,7 +32,7 @@ import redis
 
 from tokenmill.errors import InvalidRequestError
 from tokenmill.jobs.schemas import Job, JobResult
-from tokenmill.worker.app import TASK_NAME, create_app
+from tokenmill.worker.app import DEAD_LETTER_KEY, TASK_NAME, create_app
 from tokenmill.worker.settings import QueueSettings
 
 log = logging.getLogger(__name__)
@@ -168,7 +168,7 @@ class Client:
 
     def dead_letters(self) -> list[dict[str, Any]]:
         """Jobs the workers gave up on (see `max_deliveries`), newest first."""
-        raw = self.app.backend.client.lrange("tokenmill:dead_letter", 0, -1)
+        raw = self.app.backend.client.lrange(DEAD_LETTER_KEY, 0, -1)
         return [json.loads(item) for item in raw]
 
     def close(self) -> None:

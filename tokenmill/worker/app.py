@@ -58,6 +58,10 @@ from tokenmill.worker.leases import LeaseRenewal
 from tokenmill.worker.settings import QueueSettings
 
 TASK_NAME = "tokenmill.generate"
+#: tokenmill's own Redis keys, beside Celery's: the delivery count of each job, and the list of jobs
+#: given up on after `max_deliveries` (newest first).
+DELIVERIES_KEY = "tokenmill:deliveries:{job_id}"
+DEAD_LETTER_KEY = "tokenmill:dead_letter"
 #: Celery renders each task's return value with `saferepr` for logs and task events (Flower). Cut at
 #: 64 characters it shows the job's id and status but no completion text, and is cheap to compute
 #: (the full repr of a result costs ~0.13 ms per job, on the worker's critical path).

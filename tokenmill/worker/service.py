@@ -47,6 +47,7 @@ from redis.retry import Retry
 
 from tokenmill.errors import InvalidRequestError
 from tokenmill.jobs.schemas import Job, JobResult, Usage
+from tokenmill.worker.app import DEAD_LETTER_KEY, DELIVERIES_KEY
 from tokenmill.worker.engine_process import EngineProcess
 from tokenmill.worker.metrics import WorkerMetrics
 from tokenmill.worker.settings import WorkerSettings
@@ -54,8 +55,6 @@ from tokenmill.worker.sinks import OutputWriteError, RetryPolicy, S3Sink, WriteA
 
 log = logging.getLogger("tokenmill.worker")
 
-DELIVERIES_KEY = "tokenmill:deliveries:{job_id}"
-DEAD_LETTER_KEY = "tokenmill:dead_letter"
 FATAL_EXIT_CODE = 70  # EX_SOFTWARE: the engine failed; a supervisor restarts the worker
 _SHUTDOWN_CHECK_INTERVAL = 2.0  # seconds
 
