@@ -1,7 +1,8 @@
 """Reference attention backend in plain torch: correct on any device, the oracle the engine is tested with.
 
-Decode rows (one query token each) are batched into a single SDPA call over the gathered block tables;
-each prefill chunk gets its own SDPA call with the causal diagonal shifted to the end of its context.
+Decode rows (one query token each) are sorted by context length and batched, a group of rows per SDPA call,
+over their block tables gathered into reused buffers; each prefill chunk gets its own SDPA call with the
+causal diagonal shifted to the end of its context.
 """
 
 from __future__ import annotations
@@ -12,6 +13,15 @@ import torch.nn.functional as F
 
 class TorchBackend:
     name = "torch"
+
+    # Decode rows are sorted by context length and attended in groups of this many, so each group pads only
+    # to its own longest context instead of the whole batch's.
+    decode_group = 16
+
+    def __init__(self) -> None:
+        # Persistent gather buffers for decode K/V. A fresh tensor per layer and step costs more than the copy
+        # itself on CPU once it passes glibc's 32 MiB mmap threshold (mmap, page faults, munmap every time).
+        self._workspace: dict[str, torch.Tensor] = {}
 
     def write_kv(
         self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -24,20 +34,44 @@ class TorchBackend:
         self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
         cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, scale: float, max_seqlen_q: int, max_seq_len: int,
     ) -> torch.Tensor:
-        out = torch.empty_like(query)
-        q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist()
-        starts = cu_seqlens_q[:-1].tolist()
+        starts = cu_seqlens_q.tolist()
         kv_lens = seq_lens.tolist()
-        decode = [i for i, n in enumerate(q_lens) if n == 1]
-        if decode:
-            rows = cu_seqlens_q[:-1][decode]
-            out[rows] = _decode(query[rows], k_cache, v_cache, block_tables[decode], seq_lens[decode], scale,
-                                max(kv_lens[i] for i in decode))
+        q_lens = [b - a for a, b in zip(starts[:-1], starts[1:])]
+        out = torch.empty_like(query)
+        decode = sorted((i for i, n in enumerate(q_lens) if n == 1), key=kv_lens.__getitem__)
+        for g in range(0, len(decode), self.decode_group):
+            group = decode[g : g + self.decode_group]
+            rows = torch.tensor([starts[i] for i in group], device=query.device)
+            seqs = torch.tensor(group, device=block_tables.device)
+            out[rows] = self._decode(query[rows], k_cache, v_cache, block_tables[seqs], seq_lens[seqs], scale,
+                                     max(kv_lens[i] for i in group))
         for i, n in enumerate(q_lens):
             if n > 1:
                 rows = slice(starts[i], starts[i] + n)
                 out[rows] = _prefill(query[rows], k_cache, v_cache, block_tables[i], kv_lens[i], scale)
         return out
+
+    def _gather(self, name: str, cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+        """`cache[blocks]`, shape `[*blocks.shape, block_size, Hkv, D]`, written into a reused buffer."""
+        count = blocks.numel() * cache[0].numel()
+        buffer = self._workspace.get(name)
+        if buffer is None or buffer.numel() < count or buffer.dtype != cache.dtype or buffer.device != cache.device:
+            buffer = self._workspace[name] = torch.empty(count + count // 4, dtype=cache.dtype, device=cache.device)
+        flat = buffer[:count].view(blocks.numel(), -1)
+        torch.index_select(cache.view(cache.shape[0], -1), 0, blocks.reshape(-1), out=flat)
+        return flat.view(*blocks.shape, *cache.shape[1:])
+
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                seq_lens: torch.Tensor, scale: float, max_len: int) -> torch.Tensor:
+        block_size = k_cache.shape[1]
+        num_blocks = (max_len + block_size - 1) // block_size
+        table = block_tables[:, :num_blocks].long()
+        k = self._gather("k", k_cache, table).flatten(1, 2)[:, :max_len].transpose(1, 2)  # [S, Hkv, L, D]
+        v = self._gather("v", v_cache, table).flatten(1, 2)[:, :max_len].transpose(1, 2)
+        mask = torch.arange(max_len, device=q.device)[None, :] < seq_lens[:, None].to(q.device)
+        o = F.scaled_dot_product_attention(q[:, :, None, :], k.to(q.dtype), v.to(q.dtype),
+                                           attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True)
+        return o[:, :, 0, :]
 
 
 def gather_kv(cache: torch.Tensor, block_row: torch.Tensor, length: int) -> torch.Tensor:
@@ -50,23 +84,14 @@ def gather_kv(cache: torch.Tensor, block_row: torch.Tensor, length: int) -> torc
 def _prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_row: torch.Tensor,
              kv_len: int, scale: float) -> torch.Tensor:
     n = q.shape[0]
-    k = gather_kv(k_cache, block_row, kv_len).transpose(0, 1)
-    v = gather_kv(v_cache, block_row, kv_len).transpose(0, 1)
-    # Query i sits at context position kv_len - n + i and sees every key up to it.
-    mask = torch.ones(n, kv_len, dtype=torch.bool, device=q.device).tril(kv_len - n)
-    o = F.scaled_dot_product_attention(q.transpose(0, 1), k.to(q.dtype), v.to(q.dtype), attn_mask=mask,
-                                       scale=scale, enable_gqa=True)
-    return o.transpose(0, 1)
-
-
-def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-            seq_lens: torch.Tensor, scale: float, max_len: int) -> torch.Tensor:
-    block_size = k_cache.shape[1]
-    num_blocks = (max_len + block_size - 1) // block_size
-    table = block_tables[:, :num_blocks].long()
-    k = k_cache[table].flatten(1, 2)[:, :max_len].transpose(1, 2)  # [S, Hkv, L, D]
-    v = v_cache[table].flatten(1, 2)[:, :max_len].transpose(1, 2)
-    mask = torch.arange(max_len, device=q.device)[None, :] < seq_lens[:, None].to(q.device)
-    o = F.scaled_dot_product_attention(q[:, :, None, :], k.to(q.dtype), v.to(q.dtype),
-                                       attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True)
-    return o[:, :, 0, :]
+    # 4-D inputs: given 3-D ones, SDPA on CPU takes its math path (bmm, softmax and mask ops) instead of flash.
+    q4 = q.transpose(0, 1)[None]
+    k = gather_kv(k_cache, block_row, kv_len).transpose(0, 1)[None].to(q.dtype)
+    v = gather_kv(v_cache, block_row, kv_len).transpose(0, 1)[None].to(q.dtype)
+    if n == kv_len:  # the whole context is new: plain causal attention, no mask tensor
+        o = F.scaled_dot_product_attention(q4, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        # Query i sits at context position kv_len - n + i and sees every key up to it.
+        mask = torch.ones(n, kv_len, dtype=torch.bool, device=q.device).tril(kv_len - n)
+        o = F.scaled_dot_product_attention(q4, k, v, attn_mask=mask[None, None], scale=scale, enable_gqa=True)
+    return o[0].transpose(0, 1)

@@ -1,6 +1,6 @@
 """Queue benchmark: the same short jobs through Redis + one worker and through the in-process engine.
 
-    python benchmarks/queue.py [--jobs 1000] [--rounds 3] [--max-num-seqs 256]
+    python benchmarks/job_queue.py [--jobs 1000] [--rounds 3] [--max-num-seqs 256]
 
 Starts its own redis-server (AOF on, `appendfsync everysec`, as in docker-compose) on a free port and
 one `tokenmill worker` on builtin:tiny, loads the same model in this process, and measures, in one run:
