@@ -4,22 +4,27 @@ from __future__ import annotations
 
 import random
 import time
+import traceback
 from dataclasses import dataclass, field
 
+import torch
+
+from tokenmill.engine import sampler as sampler_module
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.loader import load
 from tokenmill.engine.model_runner import ModelRunner
-from tokenmill.engine.sampler import SamplingRow
+from tokenmill.engine.sampler import SampleResult, SamplingRow
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.errors import InvalidRequestError
-from tokenmill.scheduler.scheduler import Scheduler, SchedulerConfig
+from tokenmill.scheduler.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from tokenmill.scheduler.sequence import Sequence
 
 
 @dataclass
 class RequestOutput:
     """A finished request. `finish_reason` is "stop" (EOS, stop token or stop string), "length", or "error"
-    for a request rejected at admission (then `error` says which field is wrong and why)."""
+    for a request rejected at admission or failed on its own while running (then `error` is
+    "<field>: <message>", the text of the `InvalidRequestError` naming what is wrong)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -148,28 +153,75 @@ class LLMEngine:
 
     # -- the step ---------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One scheduling step and forward pass. Returns the requests that finished in it."""
+        """One scheduling step and forward pass. Returns the requests that finished in it.
+
+        A failure that belongs to one request (its sampling, decoding its text, matching its stop strings)
+        finishes that request with `finish_reason="error"`; the others go on. Anything else (the model's
+        forward pass, out of memory, a device error) is the engine's and is raised.
+        """
         batch = self.scheduler.schedule()
         self._totals["preempted"] += batch.num_preempted
         if not batch.seqs:
             return []
-        rows = [self._sampling_row(seq) for i, seq in enumerate(batch.seqs) if batch.samples(i)]
-        result = self.runner.execute(batch, rows)
+        result, failed = self._execute(batch)
         self._totals["steps"] += 1
         grown = self.scheduler.update(batch, result.token_ids)
         now = time.time()
-        finished = []
+        finished = [self._fail(seq, error, now) for seq, error in failed]
         for seq, logprobs in zip(grown, result.logprobs):
             request = self.requests[seq.request_id]
             request.first_token_time = request.first_token_time or now
             if logprobs is not None:
                 request.logprobs.append(logprobs)
             self._totals["generated"] += 1
-            reason = self._finish_reason(request)
-            if reason is not None:
+            try:
+                reason = self._finish_reason(request)
+                output = None if reason is None else self._output(request, now, reason)
+            except Exception as exc:  # the tokenizer cannot decode this request's tokens: its failure only
+                finished.append(self._fail(seq, InvalidRequestError("stop" if seq.params.stop else "token_ids",
+                                                                    f"decoding the output failed: {exc!r}"), now))
+                continue
+            if output is not None:
                 self.scheduler.finish(seq, reason)
-                finished.append(self._output(self.requests.pop(seq.request_id), now))
+                del self.requests[seq.request_id]
+                finished.append(output)
         return finished
+
+    def _execute(self, batch: ScheduledBatch) -> tuple[SampleResult, list[tuple[Sequence, InvalidRequestError]]]:
+        """Run the batch; if sampling fails, find the requests it fails for by running each one alone.
+
+        Rerunning is safe: nothing was updated yet, and the forward pass writes the same K/V to the same
+        slots again. Returns the result for the batch without the failed requests, and those requests.
+        """
+        rows = [self._sampling_row(seq) for i, seq in enumerate(batch.seqs) if batch.samples(i)]
+        try:
+            return self.runner.execute(batch, rows), []
+        except Exception as exc:
+            if not _raised_in_sampler(exc):
+                raise
+        failed = []
+        for seq, count in list(zip(batch.seqs, batch.num_new_tokens)):
+            alone = ScheduledBatch(count)
+            alone.add(seq, count)
+            try:
+                self.runner.execute(alone, [self._sampling_row(seq)] if alone.samples(0) else [])
+            except Exception as exc:
+                if not _raised_in_sampler(exc):
+                    raise
+                failed.append((seq, InvalidRequestError("sampling", f"sampling failed for this request: {exc!r}")))
+        for seq, _ in failed:
+            batch.remove(seq)
+        if not batch.seqs:
+            return SampleResult([], []), failed
+        rows = [self._sampling_row(seq) for i, seq in enumerate(batch.seqs) if batch.samples(i)]
+        return self.runner.execute(batch, rows), failed
+
+    def _fail(self, seq: Sequence, error: InvalidRequestError, now: float) -> RequestOutput:
+        """Finish one request with `finish_reason="error"`, releasing its blocks."""
+        request = self.requests.pop(seq.request_id)
+        self.scheduler.finish(seq, "error")
+        return RequestOutput(seq.request_id, seq.prompt_token_ids, seq.output_token_ids, "", "error",
+                             arrival_time=request.arrival_time, finished_time=now, error=str(error))
 
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
         request = self.requests[seq.request_id]
@@ -196,14 +248,14 @@ class LLMEngine:
     def _decode(self, seq: Sequence) -> str:
         return self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=seq.params.skip_special_tokens)
 
-    def _output(self, request: _Request, now: float) -> RequestOutput:
+    def _output(self, request: _Request, now: float, reason: str) -> RequestOutput:
         seq = request.seq
         return RequestOutput(
             request_id=seq.request_id,
             prompt_token_ids=seq.prompt_token_ids,
             token_ids=seq.output_token_ids,
             text=request.text if request.text is not None else self._decode(seq),
-            finish_reason=seq.finish_reason or "stop",
+            finish_reason=reason,
             logprobs=request.logprobs if seq.params.logprobs is not None else None,
             num_cached_tokens=seq.num_cached_tokens,
             arrival_time=request.arrival_time,
@@ -222,3 +274,13 @@ class LLMEngine:
             num_preemptions=self._totals["preempted"],
             num_steps=self._totals["steps"],
         )
+
+
+def _raised_in_sampler(exc: BaseException) -> bool:
+    """Whether `exc` came out of the sampler (a request's parameters), not the model or the device.
+
+    Out-of-memory and device errors are the engine's wherever they surface.
+    """
+    if isinstance(exc, (MemoryError, torch.OutOfMemoryError, getattr(torch, "AcceleratorError", MemoryError))):
+        return False
+    return any(frame.f_code.co_filename == sampler_module.__file__ for frame, _ in traceback.walk_tb(exc.__traceback__))

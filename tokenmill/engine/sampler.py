@@ -15,6 +15,8 @@ import torch
 from tokenmill.engine.sampling_params import SamplingParams
 
 _MASK32 = 0xFFFFFFFF
+_INT64_SPAN = 1 << 64
+_INT64_MAX = (1 << 63) - 1
 
 
 @dataclass
@@ -41,6 +43,15 @@ def hash32(x: torch.Tensor) -> torch.Tensor:
     x = x ^ (x >> 15)
     x = (x * 0x846CA68B) & _MASK32
     return x ^ (x >> 16)
+
+
+def fold_seed(seed: int) -> int:
+    """A seed in [0, 2**64) as the int64 with the same 64 bits (two's complement), so it fits a tensor.
+
+    The noise hash reads the low and high 32-bit halves (`& _MASK32`, `>> 32`), which are the same bits
+    for the folded value: seeds below 2**63 sample exactly as before, and distinct seeds stay distinct.
+    """
+    return seed - _INT64_SPAN if seed > _INT64_MAX else seed
 
 
 def exponential_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -95,9 +106,9 @@ class Sampler:
     def _sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         device, vocab = logits.device, logits.shape[1]
         params = [row.params for row in rows]
-        temperature = torch.tensor([p.temperature or 1.0 for p in params], device=device)
+        temperature = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=device)
         probs = torch.softmax(logits / temperature[:, None], dim=-1)
-        seeds = torch.tensor([row.seed for row in rows], device=device, dtype=torch.int64)
+        seeds = torch.tensor([fold_seed(row.seed) for row in rows], device=device, dtype=torch.int64)
         positions = torch.tensor([row.num_output_tokens for row in rows], device=device, dtype=torch.int64)
         noise = exponential_noise(seeds, positions, vocab)
         if all(p.top_k <= 0 and p.top_p >= 1.0 and p.min_p <= 0.0 for p in params):

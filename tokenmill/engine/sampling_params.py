@@ -7,12 +7,21 @@ from dataclasses import dataclass, field, fields
 
 from tokenmill.errors import InvalidRequestError
 
+#: Upper bound of every integer count and token id: what an int32 tensor holds, far above any vocabulary
+#: or context length, so a value the client accepts never overflows inside the engine.
+MAX_INT = 2**31 - 1
+#: Seeds are unsigned 64-bit, like numpy's and vLLM's; the sampler folds them into its int64 tensors.
+MAX_SEED = 2**64 - 1
+#: Temperatures below this sample greedily (as in vLLM): dividing logits by ~1e-300 overflows float32 and
+#: would turn every probability into NaN, so a tiny temperature means "argmax", as its limit does.
+GREEDY_TEMPERATURE = 1e-5
+
 
 @dataclass
 class SamplingParams:
     """How to sample one request. Defaults follow vLLM so that its users meet no surprises.
 
-    `temperature == 0` means greedy. `top_k <= 0` and `top_p == 1` disable those filters. `seed` makes a
+    `temperature` below `GREEDY_TEMPERATURE` (1e-5, 0 included) means greedy. `top_k <= 0` and `top_p == 1` disable those filters. `seed` makes a
     request's samples reproducible whatever else is in the batch. `logprobs=n` returns the top-n log
     probabilities (plus the chosen token's) at each generated position.
     """
@@ -48,32 +57,32 @@ class SamplingParams:
         return cls(**values)
 
     def _check(self) -> None:
-        _int(self, "max_tokens", low=1)
-        _int(self, "min_tokens", low=0)
+        _int(self, "max_tokens", low=1, high=MAX_INT)
+        _int(self, "min_tokens", low=0, high=MAX_INT)
         if self.min_tokens > self.max_tokens:
             raise InvalidRequestError("min_tokens", f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         _float(self, "temperature", low=0.0)
-        _int(self, "top_k", low=-1)
+        _int(self, "top_k", low=-1, high=MAX_INT)  # above the vocabulary size it keeps every token
         _float(self, "top_p", low=0.0, low_open=True, high=1.0)
         _float(self, "min_p", low=0.0, high=1.0)
         _float(self, "repetition_penalty", low=0.0, low_open=True)
         if self.seed is not None:
-            _int(self, "seed", low=0)
+            _int(self, "seed", low=0, high=MAX_SEED)
         if self.logprobs is not None:
             _int(self, "logprobs", low=0, high=20)
         for i, s in enumerate(self.stop):
             if not isinstance(s, str) or not s:
                 raise InvalidRequestError(f"stop[{i}]", f"must be a non-empty string, got {s!r}")
         for i, t in enumerate(self.stop_token_ids):
-            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
-                raise InvalidRequestError(f"stop_token_ids[{i}]", f"must be a non-negative integer, got {t!r}")
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= MAX_INT:
+                raise InvalidRequestError(f"stop_token_ids[{i}]", f"must be an integer in [0, {MAX_INT}], got {t!r}")
         for name in ("ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequestError(name, f"must be a boolean, got {getattr(self, name)!r}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
 
 def _int(params: SamplingParams, name: str, low: int | None = None, high: int | None = None) -> None:

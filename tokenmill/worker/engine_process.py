@@ -17,8 +17,11 @@ Messages are JSON (`send_bytes`/`recv_bytes` of `multiprocessing.connection`), n
     engine -> worker   {"op": "ready"} | {"op": "done", "outputs": [...]} | {"op": "refused", "id", "field", "message"}
                        | {"op": "stats", ...} | {"op": "fatal", "error"}
 
-If the engine raises outside a single request, or its process dies, the worker cannot trust it any
-more: `on_fatal` is called (the service exits, the broker redelivers the unacked jobs).
+A failure that belongs to one request (refused at admission: bad prompt, tokenizer or chat-template
+error; failed while running: its sampling or decoding, see `LLMEngine.step`) comes back as "refused"
+and fails that job only. If the engine raises outside a single request (the model's forward pass, out
+of memory, a device error), or its process dies, the worker cannot trust it any more: `on_fatal` is
+called (the service exits, the broker redelivers the unacked jobs).
 """
 
 from __future__ import annotations
@@ -286,12 +289,18 @@ class _Loop:
         self.live.add(request_id)
 
     def _step(self) -> None:
+        """One engine step. A request that failed on its own in it is refused; only its job fails."""
         outputs = self.engine.step()
         if not outputs:
             return
         for output in outputs:
             self.live.discard(output.request_id)
-        _send(self.conn, {"op": "done", "outputs": [_output_fields(o) for o in outputs]})
+            if output.finish_reason == "error":
+                field, _, text = (output.error or "request: failed").partition(": ")
+                _send(self.conn, {"op": "refused", "id": output.request_id, "field": field, "message": text})
+        done = [_output_fields(o) for o in outputs if o.finish_reason != "error"]
+        if done:
+            _send(self.conn, {"op": "done", "outputs": done})
 
     def _maybe_stats(self) -> None:
         now = time.monotonic()

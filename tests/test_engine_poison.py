@@ -1,0 +1,128 @@
+"""Values that once broke the engine: bounds on every sampling field, full-range seeds, tiny temperatures,
+and request-level failures that fail one request while the engine goes on."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model_fixtures import random_prompts
+from tokenmill import LLM, InvalidRequestError, SamplingParams
+from tokenmill.engine import sampler as sampler_module
+from tokenmill.engine.sampler import exponential_noise, fold_seed
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM("builtin:tiny", max_num_batched_tokens=256)
+
+
+@pytest.mark.parametrize(
+    ("options", "field"),
+    [
+        (dict(seed=2**64), "seed"),
+        (dict(seed=-1), "seed"),
+        (dict(top_k=2**63), "top_k"),
+        (dict(top_k=2**31), "top_k"),
+        (dict(max_tokens=2**31), "max_tokens"),
+        (dict(max_tokens=10**30, min_tokens=2**31), "max_tokens"),
+        (dict(logprobs=2**63), "logprobs"),
+        (dict(stop_token_ids=[2**31]), "stop_token_ids[0]"),
+        (dict(stop_token_ids=[5, 2**64]), "stop_token_ids[1]"),
+        (dict(temperature=float("inf")), "temperature"),
+        (dict(top_p=float("nan")), "top_p"),
+        (dict(repetition_penalty=float("inf")), "repetition_penalty"),
+        (dict(min_p=-0.0001), "min_p"),
+    ],
+)
+def test_out_of_range_values_name_the_field(options: dict, field: str) -> None:
+    with pytest.raises(InvalidRequestError) as caught:
+        SamplingParams(**options)
+    assert caught.value.field == field
+
+
+def test_full_range_seeds_sample_reproducibly(llm: LLM) -> None:
+    prompt = random_prompts(1, 12, 12, seed=4)[0]
+    seeds = [2**63 - 1, 2**63, 2**64 - 1, 0]
+    params = [SamplingParams(max_tokens=12, temperature=1.0, top_k=2**31 - 1, seed=s, ignore_eos=True) for s in seeds]
+    first = llm.generate([prompt] * 4, params, use_tqdm=False)
+    again = llm.generate([prompt] * 4, params, use_tqdm=False)
+    assert all(o.finish_reason == "length" for o in first)
+    assert [o.token_ids for o in first] == [o.token_ids for o in again]
+
+
+def test_folding_keeps_seeds_below_2_63_and_the_bits_of_larger_ones() -> None:
+    assert [fold_seed(s) for s in (0, 12345, 2**63 - 1)] == [0, 12345, 2**63 - 1]
+    assert fold_seed(2**64 - 1) == -1 and fold_seed(2**63) == -(2**63)
+    positions = torch.zeros(3, dtype=torch.int64)
+    folded = torch.tensor([fold_seed(s) for s in (2**63, 2**63 + 1, 2**64 - 1)])
+    noise = exponential_noise(folded, positions, 64)
+    assert len({tuple(row.tolist()) for row in noise}) == 3  # distinct seeds, distinct noise
+    # The hash sees the same 32-bit halves as an unsigned seed would give.
+    low, high = folded & 0xFFFFFFFF, (folded >> 32) & 0xFFFFFFFF
+    assert [h * 2**32 + lo for h, lo in zip(high.tolist(), low.tolist())] == [2**63, 2**63 + 1, 2**64 - 1]
+
+
+@pytest.mark.parametrize("temperature", [1e-300, 1e-6, 5e-324])
+def test_tiny_temperatures_are_greedy(llm: LLM, temperature: float) -> None:
+    prompts = random_prompts(4, 5, 30, seed=2)
+    greedy = llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0.0), use_tqdm=False)
+    # Mixed with a sampled row, so the sampler's non-greedy path runs beside the tiny temperature.
+    tiny = llm.generate(prompts + prompts[:1], [SamplingParams(max_tokens=10, temperature=temperature, seed=1)] * 4
+                        + [SamplingParams(max_tokens=10, temperature=1.0, seed=1)], use_tqdm=False)
+    assert [o.token_ids for o in tiny[:4]] == [o.token_ids for o in greedy]
+    assert SamplingParams(temperature=temperature).greedy and not SamplingParams(temperature=1e-5).greedy
+
+
+def test_a_sampling_failure_fails_that_request_only(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fault injection: the sampler raises for rows of one seed, as it once did for seed 2**63."""
+    poison_seed = 424242
+    real_noise = sampler_module.exponential_noise
+
+    def noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        if bool((seeds == poison_seed).any()):
+            raise RuntimeError("Overflow when unpacking long long")
+        return real_noise(seeds, positions, vocab_size)
+
+    prompts = random_prompts(5, 5, 40, seed=11)
+    good = SamplingParams(max_tokens=8, temperature=0.8, seed=9)
+    expected = llm.generate(prompts, good, use_tqdm=False)
+    monkeypatch.setattr(sampler_module, "exponential_noise", noise)
+    params = [good, good, SamplingParams(max_tokens=8, temperature=0.8, seed=poison_seed), good, good]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert outs[2].finish_reason == "error" and outs[2].error.startswith("sampling: ")
+    assert [o.token_ids for i, o in enumerate(outs) if i != 2] == [o.token_ids for i, o in enumerate(expected) if i != 2]
+    alone = llm.generate(prompts[2:3], params[2], use_tqdm=False)[0]  # a request alone fails alone, too
+    assert alone.finish_reason == "error"
+    assert llm.generate(prompts, good, use_tqdm=False)[0].token_ids == expected[0].token_ids
+    assert not llm.engine.has_unfinished() and llm.engine.scheduler.block_manager.usage() == 0.0
+
+
+def test_a_decoding_failure_fails_that_request_only(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fault injection: the tokenizer cannot decode for the one request that keeps special tokens."""
+    tokenizer = llm.engine.tokenizer
+    real_decode = tokenizer.decode
+
+    def decode(ids: list[int], skip_special_tokens: bool = False, **kwargs: object) -> str:
+        if not skip_special_tokens:
+            raise ValueError("cannot decode")
+        return real_decode(ids, skip_special_tokens=skip_special_tokens, **kwargs)
+
+    monkeypatch.setattr(tokenizer, "decode", decode)
+    prompts = random_prompts(3, 5, 20, seed=12)
+    params = [SamplingParams(max_tokens=6, temperature=0.0), SamplingParams(max_tokens=6, temperature=0.0, stop=["zz"],
+              skip_special_tokens=False), SamplingParams(max_tokens=6, temperature=0.0)]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.finish_reason for o in outs] == ["length", "error", "length"]
+    assert outs[1].error.startswith("stop: ")
+
+
+def test_a_model_failure_is_the_engines(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failure in the forward pass is not blamed on a request: it is raised (the worker then exits)."""
+
+    def broken(*args: object, **kwargs: object) -> torch.Tensor:
+        raise RuntimeError("the model crashed")
+
+    monkeypatch.setattr(llm.engine.runner, "forward", broken)
+    with pytest.raises(RuntimeError, match="the model crashed"):
+        llm.generate(random_prompts(2, 5, 20, seed=13), SamplingParams(max_tokens=4), use_tqdm=False)
