@@ -2,11 +2,13 @@
 
     tokenmill generate [--model builtin:tiny] [--prompt TEXT ...] [--input prompts.jsonl] [--max-tokens N]
     tokenmill worker --model M --broker redis://... [--queues a,b] [--concurrency N] [...]
+    tokenmill dead-letters [--broker URL] list [--full] | requeue (ID ... | --all) | purge (ID ... | --all)
 
 `generate` runs prompts offline through `tokenmill.LLM` and prints one JSON line per completion; with no
 arguments it completes a few demo prompts on the built-in tiny model (the README's quick start).
 `worker` flags are generated from `WorkerSettings`, so each has a `TOKENMILL_<NAME>` environment
-variable twin; a flag wins over the variable.
+variable twin; a flag wins over the variable. `dead-letters` lists the jobs workers gave up on (one JSON
+line each), queues them again with their delivery count reset, or drops them.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "worker":
         return _worker(args)
+    if args.command == "dead-letters":
+        return _dead_letters(args)
     return _generate(args)
 
 
@@ -55,7 +59,22 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", default="auto")
     worker = commands.add_parser("worker", help="run a queue worker (Celery on Redis)")
     _add_settings_flags(worker)
+    _add_dead_letter_commands(commands)
     return parser
+
+
+def _add_dead_letter_commands(commands: Any) -> None:
+    dead = commands.add_parser("dead-letters", help="list, requeue or purge jobs the workers gave up on")
+    dead.add_argument("--broker", dest="broker_url", help="Redis URL [env TOKENMILL_BROKER_URL]")
+    dead.add_argument("--result-backend", help="Redis URL of results, if not the broker [env TOKENMILL_RESULT_BACKEND]")
+    dead.add_argument("--queue", help="queue to requeue to [env TOKENMILL_QUEUE]")
+    actions = dead.add_subparsers(dest="action", required=True)
+    listing = actions.add_parser("list", help="one JSON line per dead letter, newest first")
+    listing.add_argument("--full", action="store_true", help="print whole entries (with the job), not summaries")
+    for name, text in (("requeue", "queue jobs again, delivery count reset"), ("purge", "drop dead letters")):
+        action = actions.add_parser(name, help=text)
+        action.add_argument("ids", nargs="*", metavar="ID", help="job ids")
+        action.add_argument("--all", action="store_true", help="every dead letter")
 
 
 def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
@@ -99,6 +118,30 @@ def _worker(args: argparse.Namespace) -> int:
     from tokenmill.worker.main import run_worker
 
     return run_worker(settings)
+
+
+def _dead_letters(args: argparse.Namespace) -> int:
+    from tokenmill.jobs import dead_letters
+    from tokenmill.jobs.client import Client
+
+    if args.action != "list" and bool(args.ids) == bool(args.all):
+        print(f"tokenmill dead-letters {args.action}: give job ids or --all (not both)", file=sys.stderr)
+        return 2
+    with Client(args.broker_url, result_backend=args.result_backend, queue=args.queue) as client:
+        if args.action == "list":
+            for letter in dead_letters.read(client.app.backend.client):
+                print(letter.raw.decode() if args.full else json.dumps(letter.summary()), flush=True)
+            return 0
+        ids = None if args.all else args.ids
+        if args.action == "requeue":
+            handles, missing = client.requeue_dead_letters(ids)
+            print(f"requeued {len(handles)} job(s): {' '.join(h.id for h in handles)}".rstrip(": "))
+        else:
+            count, missing = client.purge_dead_letters(ids)
+            print(f"purged {count} dead letter(s)")
+    for job_id in missing:
+        print(f"tokenmill dead-letters {args.action}: no dead letter for job {job_id}", file=sys.stderr)
+    return 1 if missing else 0
 
 
 def _generate(args: argparse.Namespace) -> int:

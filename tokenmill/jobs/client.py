@@ -31,15 +31,13 @@ from typing import Any
 import redis
 
 from tokenmill.errors import InvalidRequestError
-from tokenmill.jobs.schemas import Job, JobResult
-from tokenmill.worker.app import DEAD_LETTER_KEY, TASK_NAME, create_app
+from tokenmill.jobs import dead_letters
+from tokenmill.jobs.schemas import Job, JobResult, check_size
+from tokenmill.worker.app import DELIVERIES_KEY, TASK_NAME, create_app
 from tokenmill.worker.settings import QueueSettings
 
 log = logging.getLogger(__name__)
 
-#: Largest encoded job accepted by default. Redis holds every queued job in memory and a worker
-#: decodes it on its event loop; prompts larger than this belong in object storage.
-DEFAULT_MAX_PAYLOAD_BYTES = 1 << 20
 _PUBLISH_BATCH = 1000
 _SWEEP_INTERVAL = 1.0
 _FINAL_STATES = ("SUCCESS", "FAILURE", "REVOKED")
@@ -94,13 +92,15 @@ class Client:
         *,
         result_backend: str | None = None,
         queue: str | None = None,
-        max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+        max_payload_bytes: int | None = None,
     ) -> None:
+        """`max_payload_bytes`: largest encoded job; default `max_job_bytes` of the settings (1 MiB), the
+        limit workers apply too."""
         overrides = {"broker_url": broker_url, "result_backend": result_backend, "queue": queue}
         self.settings = QueueSettings(**{k: v for k, v in overrides.items() if v is not None})
         self.app = create_app(self.settings)
         self.queue = self.settings.queue
-        self.max_payload_bytes = max_payload_bytes
+        self.max_payload_bytes = max_payload_bytes or self.settings.max_job_bytes
 
     # -- submitting ----------------------------------------------------------------------------
 
@@ -136,7 +136,7 @@ class Client:
         if job.submitted_at is None:
             job.submitted_at = time.time()
         wire = job.to_wire()
-        _check_size(wire, self.max_payload_bytes)
+        check_size(wire, self.max_payload_bytes)
         return wire
 
     def _publish(self, producer: Any, wire: dict[str, Any], retry: bool) -> None:
@@ -167,9 +167,37 @@ class Client:
         return [found[h.id if isinstance(h, JobHandle) else h] for h in handles]
 
     def dead_letters(self) -> list[dict[str, Any]]:
-        """Jobs the workers gave up on (see `max_deliveries`), newest first."""
-        raw = self.app.backend.client.lrange(DEAD_LETTER_KEY, 0, -1)
-        return [json.loads(item) for item in raw]
+        """Jobs the workers gave up on (see `max_deliveries`), newest first: `{job, reason, deliveries,
+        dead_lettered_at}` each."""
+        return [json.loads(letter.raw) for letter in dead_letters.read(self.app.backend.client)]
+
+    def requeue_dead_letters(self, ids: Iterable[str] | None = None) -> tuple[list[JobHandle], list[str]]:
+        """Queue dead-lettered jobs again (all for None), with their delivery count reset.
+
+        The job's stored `dead_letter` result is deleted first (otherwise a worker would take the job as
+        done), then the job is published again under the same id and its entry removed. Returns the
+        handles and the ids that had no dead letter.
+        """
+        store = self.app.backend.client
+        chosen, missing = dead_letters.select(dead_letters.read(store), None if ids is None else list(ids))
+        handles = []
+        for letter in chosen:
+            job = {k: v for k, v in letter.job.items() if k != "submitted_at"}  # restamped: queued again now
+            wire = self.prepare(job)
+            store.delete(self.app.backend.get_key_for_task(letter.id), DELIVERIES_KEY.format(job_id=letter.id))
+            with self.app.producer_or_acquire() as producer:
+                self._publish(producer, wire, retry=True)
+            dead_letters.remove(store, letter)
+            handles.append(JobHandle(letter.id, self))
+        return handles, missing
+
+    def purge_dead_letters(self, ids: Iterable[str] | None = None) -> tuple[int, list[str]]:
+        """Drop dead letters (all for None) without running them; returns how many, and the ids not found."""
+        store = self.app.backend.client
+        chosen, missing = dead_letters.select(dead_letters.read(store), None if ids is None else list(ids))
+        for letter in chosen:
+            dead_letters.remove(store, letter)
+        return len(chosen), missing
 
     def close(self) -> None:
         self.app.close()
@@ -306,15 +334,3 @@ def _as_dict(job: Job | Mapping[str, Any] | None) -> dict[str, Any]:
     if isinstance(job, Mapping):
         return dict(job)
     raise InvalidRequestError("job", f"must be a Job or a mapping of job fields, got {type(job).__name__}")
-
-
-def _check_size(wire: dict[str, Any], limit: int) -> None:
-    """Refuse a job whose JSON is over `limit` bytes, naming the field that makes it big."""
-    size = len(json.dumps(wire, separators=(",", ":")).encode())
-    if size <= limit:
-        return
-    sizes = {name: len(json.dumps(value, separators=(",", ":")).encode()) for name, value in wire.items()}
-    biggest = max(sizes, key=sizes.__getitem__)
-    raise InvalidRequestError(
-        biggest, f"job is {size} bytes encoded, over the {limit}-byte limit ({biggest} alone is {sizes[biggest]} bytes)"
-    )

@@ -10,6 +10,7 @@ Torch-free on purpose: a producer installs only the light client.
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import time
 import uuid
@@ -127,6 +128,16 @@ class Job(BaseModel):
     def _dump_sampling(self, value: SamplingParams) -> dict[str, Any]:
         return dataclasses.asdict(value)
 
+    @field_validator("metadata", mode="after")
+    @classmethod
+    def _check_metadata(cls, value: dict[str, Any]) -> dict[str, Any]:
+        """Metadata travels in the job and comes back in the result, both as JSON: refuse what JSON cannot hold."""
+        try:
+            json.dumps(value, allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise InvalidRequestError("metadata", f"must be JSON (strings, numbers, booleans, null, lists, objects): {exc}") from None
+        return value
+
     @field_validator("output")
     @classmethod
     def _check_output(cls, value: str | None) -> str | None:
@@ -176,6 +187,23 @@ def invalid_request_from(exc: ValidationError) -> InvalidRequestError:
     if first["type"] == "extra_forbidden":
         message = "unknown field"
     return InvalidRequestError(loc, message)
+
+
+def check_size(wire: dict[str, Any], limit: int) -> None:
+    """Refuse a job whose JSON is over `limit` bytes, naming the field that makes it big.
+
+    The client checks the job it is about to queue, the worker every job it receives before parsing or
+    tokenizing anything (a job sent with plain Celery never met the client); both with the setting
+    `max_job_bytes` (`tokenmill.worker.settings.MAX_JOB_BYTES` by default).
+    """
+    size = len(json.dumps(wire, separators=(",", ":"), default=str).encode())
+    if size <= limit:
+        return
+    sizes = {name: len(json.dumps(value, separators=(",", ":"), default=str).encode()) for name, value in wire.items()}
+    biggest = max(sizes, key=sizes.__getitem__)
+    raise InvalidRequestError(
+        biggest, f"job is {size} bytes encoded, over the {limit}-byte limit ({biggest} alone is {sizes[biggest]} bytes)"
+    )
 
 
 class Usage(BaseModel):

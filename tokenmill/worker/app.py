@@ -55,9 +55,13 @@ from typing import Any
 from celery import Celery
 
 from tokenmill.worker.leases import LeaseRenewal
-from tokenmill.worker.settings import QueueSettings
+from tokenmill.worker.settings import DEFAULT_QUEUE, QueueSettings
 
 TASK_NAME = "tokenmill.generate"
+#: For a team's own Celery app: `app.conf.task_routes = TASK_ROUTES` (or merge it into theirs) sends
+#: `app.send_task("tokenmill.generate", ...)` to the queue tokenmill workers consume. Without it Celery
+#: publishes to its default queue `celery`, which no tokenmill worker reads, and the job waits forever.
+TASK_ROUTES = {TASK_NAME: {"queue": DEFAULT_QUEUE}}
 #: tokenmill's own Redis keys, beside Celery's: the delivery count of each job, and the list of jobs
 #: given up on after `max_deliveries` (newest first).
 DELIVERIES_KEY = "tokenmill:deliveries:{job_id}"
@@ -122,15 +126,17 @@ def create_app(settings: QueueSettings | None = None) -> Celery:
     return new
 
 
-def _generate(self: Any, job: dict[str, Any] | None = None, **fields: Any) -> dict[str, Any] | None:
+def _generate(self: Any, *args: Any, **fields: Any) -> dict[str, Any] | None:
     """Run one job on this worker's engine; returns the `JobResult` as a JSON-ready dict.
 
-    Accepts the job as one dict (what `Client` sends) or as keyword fields (`generate.delay(prompt=...)`).
+    Accepts the job as one dict (what `Client` sends, positional or `job=`) or as keyword fields
+    (`generate.delay(prompt=...)`). The signature takes anything, so a wrong shape (`args=["a prompt"]`,
+    `job=[1, 2, 3]`) reaches `run_job` and ends as a failed `JobResult` instead of a bare TypeError.
     The heavy service is imported here, not at module level, so producers never load it.
     """
     from tokenmill.worker.runtime import run_job
 
-    return run_job(self, job, fields)
+    return run_job(self, args, fields)
 
 
 app = create_app()

@@ -46,7 +46,7 @@ def run_worker(settings: WorkerSettings) -> int:
     capacity = settings.in_flight_capacity
     log.info(
         "worker ready: model=%s queues=%s concurrency=%d visibility_timeout=%.1fs metrics_port=%s",
-        settings.model, ",".join(settings.queues or []), capacity, settings.visibility_timeout, settings.metrics_port or "off",
+        settings.model, ",".join(settings.queues or []), capacity, settings.visibility_timeout, service.metrics.port or "off",
     )
     worker = app.Worker(
         hostname=service.hostname,

@@ -3,14 +3,24 @@
 Counters are cumulative (use `rate()` for per-second values); `tokenmill_generation_tokens_per_second`
 is also exported directly, measured by the engine loop over its last reporting interval, for
 dashboards without PromQL. Engine gauges are refreshed from the engine process every 0.5 s.
+
+Several workers per host (one per GPU): each tries `--metrics-port` first and, when another process
+holds it, the next ports in turn (up to `--metrics-port-tries` of them); the port it got is logged
+("metrics endpoint on http://ADDR:PORT/metrics") and is the `port` attribute. Workers on one host started
+with the same flags thus get 9400, 9401, ... in start order. Port 0 disables the endpoint.
 """
 
 from __future__ import annotations
+
+import errno
+import logging
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client import REGISTRY as DEFAULT_REGISTRY
 
 from tokenmill.worker.engine_process import EngineStatus
+
+log = logging.getLogger(__name__)
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
 
@@ -20,6 +30,7 @@ class WorkerMetrics:
 
     def __init__(self, registry: CollectorRegistry = DEFAULT_REGISTRY) -> None:
         self.registry = registry
+        self.port: int | None = None  # where the endpoint listens, once `serve` found a free port
         self.jobs_succeeded = Counter("tokenmill_jobs_succeeded", "Jobs finished with a result.", registry=registry)
         self.jobs_failed = Counter(
             "tokenmill_jobs_failed", "Jobs finished with an error, by error code.", ["code"], registry=registry
@@ -47,10 +58,28 @@ class WorkerMetrics:
             "tokenmill_output_write_retries", "Failed attempts to write a result to S3 (retried).", registry=registry
         )
 
-    def serve(self, port: int, addr: str = "0.0.0.0") -> None:
-        """Start the HTTP endpoint (a daemon thread); port 0 means no endpoint."""
-        if port:
-            start_http_server(port, addr=addr, registry=self.registry)
+    def serve(self, port: int, addr: str = "0.0.0.0", tries: int = 1) -> int | None:
+        """Start the HTTP endpoint (a daemon thread) on `port` or the first free one of the `tries` after it.
+
+        Returns the port (also `self.port`); None when `port` is 0 (no endpoint). Raises OSError when
+        every port tried is taken.
+        """
+        if not port:
+            log.info("metrics endpoint off (--metrics-port 0)")
+            return None
+        last = min(port + tries - 1, 65535)
+        for candidate in range(port, last + 1):
+            try:
+                start_http_server(candidate, addr=addr, registry=self.registry)
+            except OSError as exc:
+                if exc.errno != errno.EADDRINUSE:
+                    raise
+                continue
+            self.port = candidate
+            moved = f" ({port} was taken)" if candidate != port else ""
+            log.info("metrics endpoint on http://%s:%d/metrics%s", addr, candidate, moved)
+            return candidate
+        raise OSError(errno.EADDRINUSE, f"metrics ports {port}-{last} are all in use; set --metrics-port or --metrics-port-tries")
 
     def on_engine_status(self, stats: EngineStatus) -> None:
         self.running.set(stats.num_running)

@@ -8,10 +8,13 @@ variables instead (loading the model then), so the task works with Celery's own 
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 from celery.signals import worker_shutting_down
 
+from tokenmill.errors import InvalidRequestError
+from tokenmill.jobs.schemas import JobResult, check_size
 from tokenmill.worker.service import WorkerService
 from tokenmill.worker.settings import WorkerSettings
 
@@ -32,10 +35,36 @@ def current() -> WorkerService:
         return _service
 
 
-def run_job(task: Any, payload: dict[str, Any] | None, fields: dict[str, Any]) -> dict[str, Any]:
-    """Entry point of the `tokenmill.generate` task body."""
+def run_job(task: Any, args: tuple[Any, ...], fields: dict[str, Any]) -> dict[str, Any]:
+    """Entry point of the `tokenmill.generate` task body.
+
+    Before the service parses anything: the job must be one object (positional or `job=`) and/or keyword
+    fields, and its encoding must fit `max_job_bytes`, the client's limit (a job sent with plain Celery
+    never met the client). Either failure is a failed `JobResult` (`invalid_job`, naming the field).
+    """
+    service = current()
     task_id = task.request.id
-    return current().run_job(task_id, payload, fields, task.backend.get_key_for_task(task_id))
+    try:
+        payload = _payload(args, fields)
+        check_size({**payload, **fields}, service.settings.max_job_bytes)
+    except InvalidRequestError as exc:
+        return service._failed(JobResult.failure(task_id, "invalid_job", exc.message, exc.field, started_at=time.time()))
+    return service.run_job(task_id, payload, fields, task.backend.get_key_for_task(task_id))
+
+
+def _payload(args: tuple[Any, ...], fields: dict[str, Any]) -> dict[str, Any]:
+    """The job object of a task call (empty when the job came as keyword fields only); pops `job` from `fields`."""
+    if "job" in fields:
+        args = (*args, fields.pop("job"))
+    if len(args) > 1:
+        raise InvalidRequestError("job", f"expected one job object, got {len(args)} positional arguments")
+    payload = args[0] if args else {}
+    if payload is None:
+        return {}
+    if not isinstance(payload, dict):
+        raise InvalidRequestError("job", f"must be an object of job fields, got {type(payload).__name__} "
+                                         "(send prompt=... as a keyword argument, or a dict)")
+    return payload
 
 
 @worker_shutting_down.connect

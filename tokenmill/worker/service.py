@@ -12,7 +12,8 @@ Per job, in order:
 3. Count the delivery (`INCR tokenmill:deliveries:<id>`, in the same round trip as step 2). A job
    delivered more than `max_deliveries`
    times has killed (or been cut off with) every worker that took it: it is dead-lettered (pushed on
-   the Redis list `tokenmill:dead_letter`, final result failed with code `dead_letter`).
+   the bounded Redis list `tokenmill:dead_letter`, see `tokenmill.jobs.dead_letters`; final result
+   failed with code `dead_letter`).
 4. If the same job id is already running in this process (a redelivery after a broker reconnect),
    wait for that run instead of starting a second one.
 5. Generate. A request the engine refuses (`InvalidRequestError`) ends as a failed result
@@ -46,6 +47,7 @@ from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from tokenmill.errors import InvalidRequestError
+from tokenmill.jobs import dead_letters
 from tokenmill.jobs.schemas import Job, JobResult, Usage
 from tokenmill.worker.app import DEAD_LETTER_KEY, DELIVERIES_KEY
 from tokenmill.worker.engine_process import EngineProcess
@@ -95,7 +97,7 @@ class WorkerService:
         )
         engine.start()
         log.info("engine process ready with model %s after %.1fs", settings.model, time.monotonic() - started)
-        metrics.serve(settings.metrics_port, settings.metrics_addr)
+        metrics.serve(settings.metrics_port, settings.metrics_addr, tries=settings.metrics_port_tries)
         sink = S3Sink(
             settings.s3_endpoint_url,
             settings.s3_region,
@@ -218,12 +220,12 @@ class WorkerService:
         return stored, int(attempt)
 
     def _dead_letter(self, job: Job, attempt: int, started_at: float) -> dict[str, Any]:
-        entry = {"job": job.to_wire(), "deliveries": attempt, "dead_lettered_at": time.time(), "worker": self.hostname}
-        self.redis.lpush(DEAD_LETTER_KEY, json.dumps(entry))
         message = (
             f"delivered {attempt} times and no earlier delivery finished (the worker running it died each time); "
             f"not run again, moved to the Redis list {DEAD_LETTER_KEY}"
         )
+        dead_letters.push(self.redis, job.to_wire(), message, attempt, self.settings.dead_letter_max_len,
+                          self.settings.dead_letter_expires)
         log.error("job %s dead-lettered after %d deliveries", job.id, attempt)
         return self._failed(
             JobResult.failure(job.id, "dead_letter", message, queued_at=job.submitted_at, started_at=started_at,

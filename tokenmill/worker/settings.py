@@ -13,6 +13,13 @@ from typing import Annotated, Any
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+#: Largest encoded job (its JSON, in bytes) a client queues and a worker accepts (`TOKENMILL_MAX_JOB_BYTES`
+#: changes both). Redis holds every queued job in memory and a worker tokenizes its prompt; prompts larger
+#: than this belong in object storage.
+MAX_JOB_BYTES = 1 << 20
+#: The queue tokenmill workers consume and the client sends to unless told otherwise.
+DEFAULT_QUEUE = "tokenmill"
+
 
 class QueueSettings(BaseSettings):
     """Broker-side settings shared by producers and workers."""
@@ -21,7 +28,7 @@ class QueueSettings(BaseSettings):
 
     broker_url: str = Field("redis://localhost:6379/0", description="Redis URL of the Celery broker.")
     result_backend: str | None = Field(None, description="Redis URL for results; defaults to the broker URL.")
-    queue: str = Field("tokenmill", min_length=1, description="Queue that jobs are sent to by default.")
+    queue: str = Field(DEFAULT_QUEUE, min_length=1, description="Queue that jobs are sent to by default.")
     visibility_timeout: float = Field(
         60.0,
         gt=0,
@@ -29,6 +36,10 @@ class QueueSettings(BaseSettings):
         "(crashed, killed) is delivered again. Live workers renew leases, so slow jobs are not rerun.",
     )
     result_expires: int = Field(86400, gt=0, description="Seconds a result stays in Redis.")
+    max_job_bytes: int = Field(
+        MAX_JOB_BYTES, ge=1024, description="Largest encoded job (JSON bytes): clients refuse to queue a larger "
+        "one, workers fail it (invalid_job, naming the biggest field) before parsing or tokenizing it.",
+    )
 
     @property
     def backend_url(self) -> str:
@@ -49,10 +60,22 @@ class WorkerSettings(QueueSettings):
     max_deliveries: int = Field(
         5, ge=1, description="Deliveries after which a job that keeps killing workers is dead-lettered."
     )
+    dead_letter_max_len: int = Field(
+        10000, ge=1, description="Most entries kept in the dead-letter list (the oldest are dropped beyond it)."
+    )
+    dead_letter_expires: int = Field(
+        30 * 86400, ge=0, description="Seconds the dead-letter list lives after its last new entry (0: no expiry)."
+    )
     shutdown_grace: float = Field(
         60.0, ge=0, description="Seconds after SIGTERM that in-flight jobs may take to finish before they are requeued."
     )
-    metrics_port: int = Field(9400, ge=0, le=65535, description="Prometheus metrics port; 0 disables the endpoint.")
+    metrics_port: int = Field(
+        9400, ge=0, le=65535, description="First Prometheus metrics port tried; if it is taken (another worker on "
+        "this host), the next ones up to --metrics-port-tries; the port used is logged. 0 disables the endpoint.",
+    )
+    metrics_port_tries: int = Field(
+        16, ge=1, le=1024, description="Successive ports tried from --metrics-port (1: that port or fail)."
+    )
     metrics_addr: str = Field("0.0.0.0", description="Address the metrics endpoint listens on.")
     s3_endpoint_url: str | None = Field(None, description="S3 endpoint (MinIO, moto, ...); default: AWS.")
     s3_region: str | None = Field(None, description="S3 region name.")
