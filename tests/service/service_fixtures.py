@@ -283,3 +283,12 @@ def result_log(redis_server: RedisServer) -> Iterator[ResultLog]:
     log = ResultLog(redis_server)
     yield log
     log.close()
+
+
+def logged_metrics_port(worker: Worker) -> int:
+    """The port a worker's metrics endpoint got, from its log ("metrics endpoint on http://ADDR:PORT/metrics")."""
+    import re
+
+    found = re.findall(r"metrics endpoint on http://[^:]+:(\d+)/metrics", worker.log_text())
+    assert len(found) == 1, f"expected one metrics endpoint line in the log of {worker.name}: {found}"
+    return int(found[0])

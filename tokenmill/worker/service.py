@@ -89,15 +89,18 @@ class WorkerService:
 
     @classmethod
     def start(cls, settings: WorkerSettings) -> WorkerService:
-        """Start the engine process (the model loads there, once) and the metrics endpoint."""
+        """Start the metrics endpoint, then the engine process (the model loads there, once).
+
+        The endpoint first: a port problem then fails the start before an engine process exists.
+        """
         started = time.monotonic()
         metrics = WorkerMetrics()
+        metrics.serve(settings.metrics_port, settings.metrics_addr, tries=settings.metrics_port_tries)
         engine = EngineProcess(
             settings.model, settings.engine_options(), on_fatal=_exit_on_engine_failure, on_stats=metrics.on_engine_status
         )
         engine.start()
         log.info("engine process ready with model %s after %.1fs", settings.model, time.monotonic() - started)
-        metrics.serve(settings.metrics_port, settings.metrics_addr, tries=settings.metrics_port_tries)
         sink = S3Sink(
             settings.s3_endpoint_url,
             settings.s3_region,
