@@ -126,3 +126,49 @@ def test_a_model_failure_is_the_engines(llm: LLM, monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(llm.engine.runner, "forward", broken)
     with pytest.raises(RuntimeError, match="the model crashed"):
         llm.generate(random_prompts(2, 5, 20, seed=13), SamplingParams(max_tokens=4), use_tqdm=False)
+
+
+def _trained_tokenizer(pre_tokenizer: object, normalizer: object = None) -> object:
+    """A real BPE tokenizer trained here (offline) on a small multilingual corpus."""
+    from tokenizers import Tokenizer, decoders, models, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizer
+    if normalizer is not None:
+        tokenizer.normalizer = normalizer
+    tokenizer.decoder = decoders.ByteLevel()
+    corpus = ["the mill grinds tokens     from prompts", "naïve café über straße", "数据 处理 模型", "====== ------ ......"] * 50
+    tokenizer.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=400, show_progress=False,
+                                                              initial_alphabet=pre_tokenizers_alphabet()))
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer)
+
+
+def pre_tokenizers_alphabet() -> list[str]:
+    from tokenizers import pre_tokenizers
+
+    return pre_tokenizers.ByteLevel.alphabet()
+
+
+def test_prompt_character_bound_only_where_it_is_safe(llm: LLM) -> None:
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+    from tokenizers import normalizers, pre_tokenizers
+
+    from tokenmill.worker.engine_process import max_prompt_chars
+
+    byte_level = _trained_tokenizer(pre_tokenizers.Sequence([
+        pre_tokenizers.Split(r"\s+", behavior="isolated"), pre_tokenizers.ByteLevel(add_prefix_space=False)]))
+    assert max_prompt_chars(llm.engine.tokenizer, 4096) == 4096 * max(len(t) for t in llm.engine.tokenizer.get_vocab())
+    assert max_prompt_chars(_trained_tokenizer(pre_tokenizers.Whitespace()), 10) is None  # drops whitespace
+    assert max_prompt_chars(_trained_tokenizer(pre_tokenizers.ByteLevel(), normalizers.NFKC()), 10) is None
+    assert max_prompt_chars(_trained_tokenizer(pre_tokenizers.Split(" ", behavior="removed")), 10) is None
+
+    @settings(max_examples=300, deadline=None)
+    @given(st.text(min_size=1, max_size=300) | st.sampled_from(["    " * 40, "=" * 200, "数据 处理" * 20, "é" * 99]))
+    def bound_holds(text: str) -> None:
+        for tokenizer in (byte_level, llm.engine.tokenizer):
+            tokens = len(tokenizer.encode(text, add_special_tokens=False))
+            assert max_prompt_chars(tokenizer, tokens) >= len(text)
+
+    bound_holds()

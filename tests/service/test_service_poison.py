@@ -140,6 +140,16 @@ def test_oversized_job_is_refused_by_the_worker_before_tokenizing(service: Servi
     assert small.result(timeout=60).ok
 
 
+def test_prompt_too_long_in_characters_is_refused_before_tokenizing(service: Service) -> None:
+    """builtin:tiny: 4096 tokens of at most 5 characters each, so 30,000 characters can never fit."""
+    sent = service.team.send_task(TASK_NAME, kwargs={"prompt": "ab" * 15_000, "max_tokens": 3})
+    result = sent.get(timeout=90)
+    assert (result["status"], result["error"]["code"], result["error"]["field"]) == ("failed", "invalid_request", "prompt")
+    assert "30000 characters cannot fit in max_model_len" in result["error"]["message"]
+    fits = service.client.submit(prompt="ab" * 1000, max_tokens=2).result(timeout=60)  # 2000 characters: tokenized
+    assert fits.ok and fits.usage.prompt_tokens >= 1000
+
+
 def test_routing_for_a_plain_celery_app(service: Service) -> None:
     """TASK_ROUTES (or queue="tokenmill") takes a plain app's send_task to the tokenmill queue."""
     routed = _send(service, kwargs={"prompt": "routed", "max_tokens": 4, "ignore_eos": True})

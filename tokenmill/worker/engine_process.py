@@ -247,6 +247,7 @@ class _Loop:
         self.conn = conn
         self.live: set[str] = set()
         self.next_stats = 0.0
+        self.max_prompt_chars = max_prompt_chars(engine.tokenizer, engine.max_model_len)
 
     def run(self) -> None:
         while True:
@@ -277,6 +278,7 @@ class _Loop:
             return
         try:
             params = SamplingParams.from_dict(message["params"])
+            self._check_length(message["prompt"])
             prompt = message["prompt"] if message["messages"] is None else self.engine.apply_chat_template(message["messages"])
             self.engine.add_request(request_id, prompt, params)
         except InvalidRequestError as exc:
@@ -287,6 +289,15 @@ class _Loop:
             _send(self.conn, {"op": "refused", "id": request_id, "field": field, "message": f"{type(exc).__name__}: {exc}"})
             return
         self.live.add(request_id)
+
+    def _check_length(self, prompt: Any) -> None:
+        """Refuse, before tokenizing it, a prompt with more characters than `max_model_len` tokens can cover.
+
+        Tokenizing 1 MB of text takes seconds, during which this loop runs no step for anyone.
+        """
+        if self.max_prompt_chars is not None and isinstance(prompt, str) and len(prompt) > self.max_prompt_chars:
+            raise InvalidRequestError("prompt", f"{len(prompt)} characters cannot fit in max_model_len "
+                                                f"({self.engine.max_model_len} tokens, at most {self.max_prompt_chars} characters)")
 
     def _step(self) -> None:
         """One engine step. A request that failed on its own in it is refused; only its job fails."""
@@ -316,6 +327,31 @@ class _Loop:
             "num_generated_tokens": stats.num_generated_tokens,
             "num_steps": getattr(stats, "num_steps", 0),
         })
+
+
+#: Pre-tokenizers that keep every character of the text (splitting only), as `tokenizers` serialises them.
+_KEEPING_PRE_TOKENIZERS = {"ByteLevel", "Split", "Digits", "Punctuation"}
+
+
+def max_prompt_chars(tokenizer: Any, max_model_len: int) -> int | None:
+    """The most characters a prompt of `max_model_len` tokens can have, or None where that cannot be bounded.
+
+    Bounded for byte-level BPE tokenizers (GPT-2, Llama 3, Qwen, the built-in tiny model) with no
+    normalizer: each token's vocabulary string then has one character per byte it covers, and a character
+    is at least one byte, so no token covers more characters than the longest vocabulary string (added
+    tokens are matched literally: the same holds). A normalizer or a pre-tokenizer that drops text
+    (BERT's whitespace split, `behavior="removed"`) could shrink the text, so those get no bound.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    spec = json.loads(backend.to_str())
+    pre = spec.get("pre_tokenizer") or {}
+    steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+    keeps = all(step.get("type") in _KEEPING_PRE_TOKENIZERS and step.get("behavior") != "Removed" for step in steps)
+    if spec.get("normalizer") is not None or not keeps or not any(step.get("type") == "ByteLevel" for step in steps):
+        return None
+    return max_model_len * max(len(token) for token in tokenizer.get_vocab())
 
 
 def _output_fields(output: Any) -> dict[str, Any]:
