@@ -172,3 +172,34 @@ def test_prompt_character_bound_only_where_it_is_safe(llm: LLM) -> None:
             assert max_prompt_chars(tokenizer, tokens) >= len(text)
 
     bound_holds()
+
+
+def test_the_engine_loop_refuses_a_request_that_failed_while_running(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker's engine loop turns such a failure into "refused" for that request: its job fails, the others finish."""
+    import json
+    import multiprocessing
+
+    from tokenmill.worker.engine_process import _Loop
+
+    real_noise = sampler_module.exponential_noise
+
+    def noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        if bool((seeds == 777).any()):
+            raise OverflowError("Overflow when unpacking long long")
+        return real_noise(seeds, positions, vocab_size)
+
+    monkeypatch.setattr(sampler_module, "exponential_noise", noise)
+    worker_end, engine_end = multiprocessing.Pipe()
+    loop = _Loop(llm.engine, engine_end)
+    for request_id, seed in (("good", 1), ("poison", 777), ("also-good", 2)):
+        params = {"max_tokens": 4, "temperature": 1.0, "seed": seed, "ignore_eos": True}
+        loop._handle({"op": "add", "id": request_id, "prompt": "hello", "messages": None, "params": params})
+    while llm.engine.has_unfinished():
+        loop._step()
+    messages = []
+    while worker_end.poll(0):
+        messages.append(json.loads(worker_end.recv_bytes()))
+    refused = [m for m in messages if m["op"] == "refused"]
+    done = [o["request_id"] for m in messages if m["op"] == "done" for o in m["outputs"]]
+    assert [(m["id"], m["field"]) for m in refused] == [("poison", "sampling")] and "Overflow" in refused[0]["message"]
+    assert sorted(done) == ["also-good", "good"] and not loop.live
