@@ -137,3 +137,19 @@ def test_long_job_rides_out_consumer_reconnects_without_being_charged_deliveries
     assert broker.get(deliveries) == b"1"
     assert worker.process.poll() is None
     wait_for(lambda: broker.hlen("unacked") == 0 and broker.llen(client.queue) == 0, 10, "the job acked, not requeued")
+
+
+def test_job_from_a_plain_celery_app_goes_through_the_reliable_transport(lone_worker) -> None:
+    """A team's own Celery app (kombu's stock Redis transport, no tokenmill settings) only publishes; the
+    worker takes its message through tokenmill's transport like any other (BLMOVE + atomic record)."""
+    from celery import Celery
+
+    server, worker, _ = lone_worker
+    plain = Celery("theirs", broker=server.url, backend=server.url, set_as_current=False)
+    assert plain.connection_for_write().transport_cls == "redis"
+    result = plain.send_task("tokenmill.generate", kwargs={"prompt": "from a plain Celery app", "max_tokens": 4},
+                             queue="tokenmill").get(timeout=60)
+    assert result["status"] == "succeeded" and result["usage"]["completion_tokens"] == 4
+    assert "Connected to tokenmill.worker.transport:Transport" in worker.log_text()
+    assert server.client().hlen(CONSUMERS_KEY) >= 1  # the worker's processing list, registered
+    plain.close()

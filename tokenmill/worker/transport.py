@@ -253,19 +253,21 @@ class Channel(kombu_redis.Channel):
         with self.conn_or_acquire() as client:
             pipe = client.pipeline(transaction=False)
             fresh = [key for key in keys if key not in self._sources]
-            for key in fresh:
-                owner = json.dumps({"consumer": self.consumer_id, "source": key})
-                pipe.hset(CONSUMERS_KEY, self._processing_key(key), owner)
-            beat = monotonic() - self._beat_at > self.consumer_ttl / 4 or bool(fresh)
-            if beat:
-                pipe.set(self._heartbeat_key, 1, px=int(self.consumer_ttl * 1000))
+            self._sources.update(fresh)
+            if fresh or monotonic() - self._beat_at > self.consumer_ttl / 4:
+                self._beat(pipe)
             for key in keys:
                 pipe.llen(key)
             lengths = pipe.execute()[-len(keys):]
-        self._sources.update(fresh)
-        if beat:
-            self._beat_at = monotonic()
         return next((key for key, length in zip(keys, lengths) if length), keys[0])
+
+    def _beat(self, pipe: Any) -> None:
+        """Queue the heartbeat and the (re-)registration of every processing list of this consumer."""
+        for source in self._sources:
+            owner = json.dumps({"consumer": self.consumer_id, "source": source})
+            pipe.hset(CONSUMERS_KEY, self._processing_key(source), owner)
+        pipe.set(self._heartbeat_key, 1, px=int(self.consumer_ttl * 1000))
+        self._beat_at = monotonic()
 
     def _brpop_read(self, **options: Any) -> bool:
         try:
@@ -323,11 +325,12 @@ class Channel(kombu_redis.Channel):
     # -- consumers that died -----------------------------------------------------------------
 
     def heartbeat(self) -> None:
-        """Renew this consumer's heartbeat (only once it owns processing lists)."""
+        """Renew this consumer's heartbeat and registration (only once it owns processing lists)."""
         if self._sources and not self.closed:
             with self.conn_or_acquire() as client:
-                client.set(self._heartbeat_key, 1, px=int(self.consumer_ttl * 1000))
-            self._beat_at = monotonic()
+                pipe = client.pipeline(transaction=False)
+                self._beat(pipe)
+                pipe.execute()
 
     def recover_orphans(self, own: bool = False) -> int:
         """Requeue the processing lists of consumers whose heartbeat expired; returns messages requeued.
