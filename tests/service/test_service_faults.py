@@ -153,3 +153,32 @@ def test_job_from_a_plain_celery_app_goes_through_the_reliable_transport(lone_wo
     assert "Connected to tokenmill.worker.transport:Transport" in worker.log_text()
     assert server.client().hlen(CONSUMERS_KEY) >= 1  # the worker's processing list, registered
     plain.close()
+
+
+# -- what a worker executes -------------------------------------------------------------------------
+
+
+def test_celery_builtin_task_sent_raw_is_refused_not_run(lone_worker) -> None:
+    server, worker, client = lone_worker
+    message = _genuine(client)
+    task_id = message["headers"]["id"]
+    message["headers"]["task"] = "celery.chord_unlock"
+    server.client().lpush(client.queue, json.dumps(message))
+    refused = wait_for(lambda: client.get(task_id), 60, "the refusal to be recorded")
+    assert refused.status == "failed" and "NotRegistered" in refused.error.message
+    assert "celery.chord_unlock" in refused.error.message
+    assert "a task this worker does not run" in worker.log_text() and worker.process.poll() is None
+
+
+@pytest.mark.parametrize("task_id", ["has spaces", "../../etc", "x" * 200, "-leading-dash", "line\nbreak"])
+def test_task_id_that_is_not_a_valid_job_id_is_refused(lone_worker, task_id: str) -> None:
+    server, worker, client = lone_worker
+    message = _genuine(client)
+    args, kwargs, embed = json.loads(base64.b64decode(message["body"]))
+    args[0]["id"] = message["headers"]["id"] = task_id
+    message["body"] = base64.b64encode(json.dumps([args, kwargs, embed]).encode()).decode()
+    broker = server.client()
+    broker.lpush(client.queue, json.dumps(message))
+    assert client.submit(prompt="the next job runs", max_tokens=2).result(timeout=60).ok
+    assert "the task id does not match" in worker.log_text()
+    assert broker.keys(f"*{task_id}*") == [] and broker.hlen("unacked") == 0
