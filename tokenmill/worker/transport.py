@@ -193,6 +193,8 @@ class Channel(kombu_redis.Channel):
         self._beat_at = float("-inf")
         self._no_ack_queues: set[str] = set()
         super().__init__(*args, **kwargs)
+        if self.global_keyprefix:  # BLMOVE and the scripts name raw keys
+            raise ValueError("tokenmill's Redis transport does not support the global_keyprefix transport option")
         self._connparams(asynchronous=False)  # keep both parameter sets while the transport is open
 
     @property
