@@ -292,3 +292,96 @@ def logged_metrics_port(worker: Worker) -> int:
     found = re.findall(r"metrics endpoint on http://[^:]+:(\d+)/metrics", worker.log_text())
     assert len(found) == 1, f"expected one metrics endpoint line in the log of {worker.name}: {found}"
     return int(found[0])
+
+
+# -- fault injection (queue delivery guarantees) ---------------------------------------------------
+
+
+def drop_client_connections(server: RedisServer) -> int:
+    """Close every normal client connection of `server` (not pub/sub, not ours): each worker's
+    consumer sees its broker connection drop and reconnects, as after a network blip."""
+    return int(server.client().execute_command("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes"))
+
+
+def broker_connects(worker: Worker) -> int:
+    """How many times the worker's Celery consumer connected to the broker (its "Connected to" lines)."""
+    return worker.log_text().count("Connected to ")
+
+
+@dataclass
+class FaultRun:
+    """What `run_with_faults` saw: every submitted job ends in exactly one of `succeeded`, `failed`, `lost`."""
+
+    jobs: int
+    kills: int
+    restarts: int
+    succeeded: int
+    failed: list[str]
+    lost: list[str]
+    reruns: int  # starts beyond the first, summed over jobs (a killed worker's jobs start again elsewhere)
+    seconds: float
+    workers_died: list[str]  # workers that exited without being killed by us
+
+    @property
+    def jobs_per_second(self) -> float:
+        return self.jobs / self.seconds
+
+
+def run_with_faults(server: RedisServer, start_worker: Callable[..., Worker], jobs: list[dict[str, Any]], *,
+                    workers: int, kills: int, restarts: int, seed: int, timeout: float,
+                    worker_options: dict[str, Any] | None = None) -> FaultRun:
+    """Run `jobs` through `workers` workers while `kills` kill -9s (each with a replacement worker) and
+    `restarts` redis-server restarts (half SIGTERM, half kill -9; AOF with `appendfsync always`) happen
+    at random points of the run (random fractions of the jobs finished).
+    """
+    import random
+
+    from tokenmill.jobs.client import Client, JobTimeoutError
+    from tokenmill.worker.app import DELIVERIES_KEY
+
+    rng = random.Random(seed)
+    options = worker_options or {}
+    pool = [start_worker(server.url, f"w{i}", **options) for i in range(workers)]
+    for worker in pool:
+        worker.wait_ready()
+    client = Client(server.url)
+    started = time.monotonic()
+    handles = client.submit_many(jobs)
+    keys = [client.app.backend.get_key_for_task(h.id) for h in handles]
+    events = sorted((rng.uniform(0.05, 0.85), kind) for kind in ["kill"] * kills + ["restart"] * restarts)
+    killed: set[int] = set()
+    for fraction, kind in events:
+        wait_for(lambda: _finished(server, keys) >= fraction * len(keys), timeout, f"{fraction:.0%} of the jobs done",
+                 interval=0.02)
+        if kind == "kill":
+            victim = rng.choice([w for w in pool if w.process.poll() is None])
+            victim.kill()
+            killed.add(id(victim))
+            pool.append(start_worker(server.url, f"w{len(pool)}", **options))
+        elif rng.random() < 0.5:
+            server.restart()
+        else:
+            server.kill()
+            server.start()
+    try:
+        results = client.results(handles, timeout=timeout)
+        lost: list[str] = []
+    except JobTimeoutError as exc:
+        lost = list(exc.job_ids)
+        results = [r for r in (client.get(h.id) for h in handles) if r is not None]
+    seconds = time.monotonic() - started
+    counts = server.client().mget([DELIVERIES_KEY.format(job_id=h.id) for h in handles])
+    client.close()
+    return FaultRun(
+        jobs=len(jobs), kills=kills, restarts=restarts,
+        succeeded=sum(r.ok for r in results), failed=[r.id for r in results if not r.ok], lost=lost,
+        reruns=sum(max(0, int(c or 0) - 1) for c in counts), seconds=seconds,
+        workers_died=[w.name for w in pool if id(w) not in killed and w.process.poll() is not None],
+    )
+
+
+def _finished(server: RedisServer, keys: list[str]) -> int:
+    try:
+        return int(server.client().exists(*keys))
+    except redis.RedisError:  # restarting right now
+        return 0

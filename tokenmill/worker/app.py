@@ -12,6 +12,11 @@ Every setting below is chosen for "a crash loses nothing, a slow job is not run 
 
 * JSON only (`accept_content`, `result_accept_content`): a pickle or YAML message is refused by the
   worker before anything in it is decoded, so a message on the queue can never execute code.
+* `broker_transport`: tokenmill's Redis transport (`tokenmill.worker.transport`): a message moves from
+  the queue to a per-consumer processing list in one command (BLMOVE) and from there into kombu's
+  unacked records in one Lua script, so it is never on no list; a consumer that died between the
+  two has its processing list requeued once its heartbeat (`consumer_ttl` = visibility timeout)
+  expired. Malformed raw items are set aside instead of stopping the consumer.
 * `task_acks_late`: a job is acknowledged only after the task returned, and Celery stores the return
   value (our result) before acking, so a job is acked only once its result is written. A worker that
   dies before that leaves the job unacked in Redis (`unacked` hash + `unacked_index` sorted set).
@@ -36,16 +41,18 @@ Every setting below is chosen for "a crash loses nothing, a slow job is not run 
   worker holds exactly `concurrency` jobs, all of them running in the engine; none sit in a local
   buffer where they could wait behind long jobs while other workers idle.
 * `worker_cancel_long_running_tasks_on_connection_loss=False`: a broker blip does not throw away
-  generation in progress. Kombu puts the old connection's unacked messages back on the queue; when
-  this worker meets such a job again it joins the run in progress (same job id) or finds its stored
-  result (jobs are idempotent by id) instead of generating it twice. Another worker may still pick
-  it up first and run it again: after a broker outage delivery is at-least-once, but Celery never
-  overwrites a stored SUCCESS, so each job keeps exactly one final result.
+  generation in progress. The jobs keep running and ack through the old channel, whose messages
+  stay in `unacked` with their leases renewed (tokenmill's transport does not requeue them at the
+  reconnect, unlike kombu's), so a reconnect neither reruns a job nor charges it a delivery. If one
+  is delivered again anyway (its worker was cut off for longer than the visibility timeout), this
+  worker joins the run in progress (same job id) or finds its stored result (jobs are idempotent by
+  id); delivery is at-least-once, and Celery never overwrites a stored SUCCESS.
 * `result_backend_always_retry`: a result write during a Redis outage waits (backoff capped at 1 s)
   until Redis is back instead of failing the job.
 * `broker_connection_max_retries=None`: a worker keeps reconnecting to a restarted Redis forever.
-* `worker_consumer`: Celery's consumer plus a check of each message's protocol-2 shape
-  (`tokenmill.worker.guard`), so a malformed message is discarded instead of stopping the worker.
+* `worker_consumer`: Celery's consumer plus a check of each message's protocol-2 shape, task name
+  (`ALLOWED_TASKS`) and task id (`JOB_ID_PATTERN`) (`tokenmill.worker.guard`), so a malformed or
+  foreign message is discarded instead of stopping the worker or running a Celery built-in.
 """
 
 from __future__ import annotations
@@ -62,6 +69,13 @@ TASK_NAME = "tokenmill.generate"
 #: `app.send_task("tokenmill.generate", ...)` to the queue tokenmill workers consume. Without it Celery
 #: publishes to its default queue `celery`, which no tokenmill worker reads, and the job waits forever.
 TASK_ROUTES = {TASK_NAME: {"queue": DEFAULT_QUEUE}}
+#: The only tasks a tokenmill worker executes. A message for any other task (Celery's built-ins such as
+#: `celery.chord_unlock` included) is refused by the consumer (`tokenmill.worker.guard`) and marked
+#: failed. To add a task, register it in `create_app` and name it here.
+ALLOWED_TASKS: frozenset[str] = frozenset({TASK_NAME})
+#: kombu transport of every tokenmill app: kombu's Redis transport with an atomic take-and-record of
+#: each message (`tokenmill.worker.transport`). Producers publish exactly as with plain `redis://`.
+BROKER_TRANSPORT = "tokenmill.worker.transport:Transport"
 #: tokenmill's own Redis keys, beside Celery's: the delivery count of each job, and the list of jobs
 #: given up on after `max_deliveries` (newest first).
 DELIVERIES_KEY = "tokenmill:deliveries:{job_id}"
@@ -76,6 +90,7 @@ def transport_options(visibility_timeout: float) -> dict[str, Any]:
     """kombu Redis transport options for a given visibility timeout (see the module docstring)."""
     return {
         "visibility_timeout": visibility_timeout,
+        "consumer_ttl": max(1.0, visibility_timeout),
         "unacked_restore_interval": min(10.0, max(0.25, visibility_timeout / 4)),
         "unacked_restore_throttle": 1,
         "unacked_mutex_expire": int(max(5, min(300, visibility_timeout))),
@@ -86,6 +101,7 @@ def celery_config(settings: QueueSettings) -> dict[str, Any]:
     """The Celery configuration for these settings; every value is explained in the module docstring."""
     return {
         "broker_url": settings.broker_url,
+        "broker_transport": BROKER_TRANSPORT,
         "result_backend": settings.backend_url,
         "task_serializer": "json",
         "result_serializer": "json",

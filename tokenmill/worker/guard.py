@@ -8,6 +8,11 @@ consumer checks the envelope first and discards such messages the way Celery dis
 task message (rejected, so never redelivered). Protocol-1 messages (no `task` header, not sent by
 any Celery since 4.0) are refused too.
 
+Only the tasks in `ALLOWED_TASKS` run: a message naming any other task, Celery's built-ins (such as
+`celery.chord_unlock`) included, is refused like a message for an unknown task. Task ids must match
+`JOB_ID_PATTERN`, as job ids do, since they name Redis keys (the result, the delivery count).
+Envelopes kombu itself cannot handle never get here: tokenmill's transport sets them aside.
+
 It also logs refused messages without their body: Celery's own handlers quote up to 1 KiB of it,
 which would put prompt text in the logs. Torch-free.
 """
@@ -15,12 +20,16 @@ which would put prompt text in the logs. Torch-free.
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
 from celery import signals
 from celery.exceptions import InvalidTaskError, NotRegistered
 from celery.utils.objects import Bunch
 from celery.worker.consumer import Consumer
+
+from tokenmill.jobs.schemas import JOB_ID_PATTERN
+from tokenmill.worker.app import ALLOWED_TASKS
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +45,8 @@ def protocol_problem(message: Any) -> str | None:
         return "not a Celery protocol 2 task message (no 'task' header)"
     if not isinstance(headers.get("id"), str) or not headers["id"]:
         return "the 'id' header is missing or not a string"
+    if not re.fullmatch(JOB_ID_PATTERN, headers["id"]):
+        return f"the task id does not match {JOB_ID_PATTERN}"
     try:
         body = message.decode()
     except Exception:  # refused by content type or undecodable: Celery reports it
@@ -49,7 +60,7 @@ def protocol_problem(message: Any) -> str | None:
 
 
 class GuardedConsumer(Consumer):
-    """Celery's consumer with `protocol_problem` checked before a message reaches a task strategy."""
+    """Celery's consumer with `protocol_problem` and `ALLOWED_TASKS` checked before a task strategy."""
 
     def create_task_handler(self, *args: Any, **kwargs: Any) -> Any:
         handle = super().create_task_handler(*args, **kwargs)
@@ -58,6 +69,9 @@ class GuardedConsumer(Consumer):
             problem = protocol_problem(message)
             if problem is not None:
                 return self.on_invalid_task(None, message, InvalidTaskError(problem))
+            name = message.headers["task"]
+            if name not in ALLOWED_TASKS:
+                return self.on_unknown_task(None, message, NotRegistered(name))
             return handle(message)
 
         return on_task_received
@@ -80,7 +94,7 @@ class GuardedConsumer(Consumer):
         """As Celery does (reject, mark the task failed with NotRegistered), minus the body in the log."""
         headers = message.headers if isinstance(message.headers, dict) else {}
         task_id, name = headers.get("id"), headers.get("task")
-        log.error("discarded a message for an unknown task %s", _describe(message))
+        log.error("discarded a message for a task this worker does not run %s", _describe(message))
         message.reject_log_error(log, self.connection_errors)
         if task_id and name:
             properties = message.properties or {}

@@ -7,14 +7,14 @@ not know whether the worker that holds the message is alive, so a job that runs 
 visibility timeout would be delivered to a second worker and run twice.
 
 This consumer bootstep re-stamps the score of every message this worker holds (received, running or
-writing its result) every `visibility_timeout / 4` seconds, with `ZADD XX` so a message acked in
+writing its result, on the current channel or on one from before a broker reconnect, whose jobs keep
+running and ack through it) every `visibility_timeout / 4` seconds, with `ZADD XX` so a message acked in
 between is never put back. A worker killed with `kill -9` stops renewing and its messages are
 redelivered `visibility_timeout` (plus at most one sweep interval) after its last renewal.
 
-After a broker reconnect kombu itself puts the messages of the old channel back on the queue when
-it closes that channel (`restore_at_shutdown`), running ones included; the worker then meets those
-jobs again and either joins the run already in progress or finds the stored result (see
-`WorkerService`). Torch-free.
+tokenmill's transport (`tokenmill.worker.transport`) does not put an old channel's messages back on
+the queue at a reconnect (kombu's `restore_at_shutdown`), so a reconnect neither reruns nor charges a
+delivery to the jobs running here. Torch-free.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ import time
 from typing import Any
 
 from celery import bootsteps
+
+from tokenmill.worker.transport import held_deliveries
 
 log = logging.getLogger(__name__)
 
@@ -51,22 +53,23 @@ class LeaseRenewal(bootsteps.StartStopStep):
 
     def renew(self, parent: Any) -> int:
         """Re-stamp every message held by this worker; returns how many were renewed."""
-        consumer = getattr(parent, "task_consumer", None)
-        qos = getattr(getattr(consumer, "channel", None), "qos", None)
-        if qos is None or not hasattr(qos, "unacked_index_key"):  # not connected yet, or not Redis
+        channel = getattr(getattr(parent, "task_consumer", None), "channel", None)
+        if channel is None or not hasattr(channel, "conn_or_acquire"):  # not connected yet, or not Redis
             return 0
         try:
-            return _restamp(qos)
+            return _restamp(channel, held_deliveries())
         except Exception as exc:  # broker down: kombu reconnects; renew again next tick
             log.debug("lease renewal failed: %r", exc)
             return 0
 
 
-def _restamp(qos: Any) -> int:
-    tags = list(qos._delivered.keys())  # kombu's in-process record of unacked deliveries
-    if not tags:
+def _restamp(channel: Any, held: dict[str, list[str]]) -> int:
+    if not held:
         return 0
     now = time.time()
-    with qos.channel.conn_or_acquire() as client:
-        client.zadd(qos.unacked_index_key, {tag: now for tag in tags}, xx=True)
-    return len(tags)
+    with channel.conn_or_acquire() as client:
+        pipe = client.pipeline(transaction=False)
+        for index_key, tags in held.items():
+            pipe.zadd(index_key, {tag: now for tag in tags}, xx=True)
+        pipe.execute()
+    return sum(len(tags) for tags in held.values())

@@ -7,15 +7,16 @@ process and waits, so up to `concurrency` jobs share the engine's running batch.
 Per job, in order:
 
 1. Parse the job (`Job.from_wire`); a malformed job ends as a failed result (`invalid_job`).
-2. Idempotency: if a final result for this job id is already stored (the job was finished but its
-   ack was lost, or a producer sent it twice), acknowledge without running it again or rewriting it.
-3. Count the delivery (`INCR tokenmill:deliveries:<id>`, in the same round trip as step 2). A job
-   delivered more than `max_deliveries`
-   times has killed (or been cut off with) every worker that took it: it is dead-lettered (pushed on
-   the bounded Redis list `tokenmill:dead_letter`, see `tokenmill.jobs.dead_letters`; final result
-   failed with code `dead_letter`).
-4. If the same job id is already running in this process (a redelivery after a broker reconnect),
-   wait for that run instead of starting a second one.
+2. If the same job id is already running in this process (delivered again while it runs here),
+   wait for that run instead of starting a second one; this is not counted as a delivery.
+3. Idempotency: if a final result for this job id is already stored (the job was finished but its
+   ack was lost, a recovery requeued it, or a producer sent it twice), acknowledge without running
+   it again or rewriting it.
+4. Count the delivery (`INCR tokenmill:deliveries:<id>`, in the same round trip as step 3): a
+   delivery is counted only when the job starts running on a worker that does not already run it.
+   A job started more than `max_deliveries` times has killed every worker that ran it: it is
+   dead-lettered (pushed on the bounded Redis list `tokenmill:dead_letter`, see
+   `tokenmill.jobs.dead_letters`; final result failed with code `dead_letter`).
 5. Generate. A request the engine refuses (`InvalidRequestError`) ends as a failed result
    (`invalid_request`, naming the field); the engine and the other jobs go on.
 6. With an S3 destination, write the full result there, retrying while S3 is down; Redis then gets a
@@ -139,32 +140,38 @@ class WorkerService:
             job = Job.from_wire(raw)
         except InvalidRequestError as exc:
             return self._failed(JobResult.failure(_safe_id(raw, task_id), "invalid_job", exc.message, exc.field, started_at=started_at))
-        stored, attempt = self._check_in(job.id, result_key)
-        if _is_final(stored):
-            log.info("job %s already has a result; acknowledging without running it again", job.id)
-            raise Ignore()
-        if attempt > self.settings.max_deliveries:
-            return self._dead_letter(job, attempt, started_at)
         with self._lock:
             running = self._running.get(job.id)
             if running is None:
                 mine: Future = Future()
                 self._running[job.id] = mine
-        if running is not None:
+        if running is not None:  # not a new delivery to count: the run in progress answers it
             log.info("job %s is already running here; waiting for that run", job.id)
             return self._wait(running, job, abort_id=None)
-        self.metrics.jobs_in_flight.inc()
         try:
-            result = self._execute(_Attempt(job, started_at, attempt))
+            result = self._run_once(job, result_key, started_at)
             mine.set_result(result)
             return result
         except BaseException as exc:
             mine.set_exception(exc)
             raise
         finally:
-            self.metrics.jobs_in_flight.dec()
             with self._lock:
                 self._running.pop(job.id, None)
+
+    def _run_once(self, job: Job, result_key: bytes, started_at: float) -> dict[str, Any]:
+        """Steps 3-7 for a job that is not already running in this process."""
+        stored, attempt = self._check_in(job.id, result_key)
+        if _is_final(stored):
+            log.info("job %s already has a result; acknowledging without running it again", job.id)
+            raise Ignore()
+        if attempt > self.settings.max_deliveries:
+            return self._dead_letter(job, attempt, started_at)
+        self.metrics.jobs_in_flight.inc()
+        try:
+            return self._execute(_Attempt(job, started_at, attempt))
+        finally:
+            self.metrics.jobs_in_flight.dec()
 
     def _execute(self, run: _Attempt) -> dict[str, Any]:
         job = run.job

@@ -1,0 +1,120 @@
+"""tokenmill's Redis transport against a real redis-server, in process: the atomic take-and-record, the
+requeue of a dead consumer's processing list, and the reconnect crash of kombu's transport."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+import pytest
+from kombu import Connection, Consumer, Exchange, Producer, Queue
+from service_fixtures import RedisServer, wait_for
+
+from tokenmill.worker import transport as tm_transport
+from tokenmill.worker.app import BROKER_TRANSPORT
+
+EXCHANGE = Exchange("jobs", type="direct")
+
+
+def _connection(server: RedisServer, transport: str = BROKER_TRANSPORT, **options: float) -> Connection:
+    return Connection(server.url, transport=transport, transport_options={"visibility_timeout": 3600, **options})
+
+
+def _publish(server: RedisServer, queue: Queue, count: int) -> list[str]:
+    with Connection(server.url) as producer_connection:  # a plain kombu producer: redis:// as usual
+        producer = Producer(producer_connection.channel(), exchange=EXCHANGE)
+        bodies = [f"job-{uuid.uuid4().hex}" for _ in range(count)]
+        for body in bodies:
+            producer.publish({"body": body}, routing_key=queue.routing_key, declare=[queue])
+    return bodies
+
+
+def _consume(connection: Connection, queue: Queue, count: int, ack: bool = True) -> list[str]:
+    received: list = []
+
+    def on_message(body: dict, message: object) -> None:
+        received.append((body["body"], message))
+        if ack:
+            message.ack()
+
+    with Consumer(connection.channel(), [queue], callbacks=[on_message], prefetch_count=count):
+        deadline = time.monotonic() + 20
+        while len(received) < count and time.monotonic() < deadline:
+            try:
+                connection.drain_events(timeout=1)
+            except TimeoutError:
+                pass
+    return received
+
+
+def test_a_message_is_recorded_unacked_by_one_script_and_acked_away(redis_server: RedisServer) -> None:
+    queue = Queue(f"q-{uuid.uuid4().hex[:8]}", EXCHANGE, routing_key="r1")
+    bodies = _publish(redis_server, queue, 3)
+    client = redis_server.client()
+    with _connection(redis_server) as connection:
+        held = _consume(connection, queue, 3, ack=False)
+        assert sorted(body for body, _ in held) == sorted(bodies)
+        assert client.hlen("unacked") == 3 and client.zcard("unacked_index") == 3
+        processing = [key for key in client.hkeys(tm_transport.CONSUMERS_KEY)]
+        assert processing and all(client.llen(key) == 0 for key in processing)  # moved on to `unacked`
+        for _, message in held:
+            message.ack()
+        assert client.hlen("unacked") == 0 and client.zcard("unacked_index") == 0
+
+
+def test_a_dead_consumers_processing_list_goes_back_to_its_queue(redis_server: RedisServer) -> None:
+    """The kill -9 window: the message was moved off the queue but not yet recorded as unacked."""
+    queue = Queue(f"q-{uuid.uuid4().hex[:8]}", EXCHANGE, routing_key="r2")
+    bodies = _publish(redis_server, queue, 2)
+    client = redis_server.client()
+    dead = "deadbeef" * 4
+    processing = tm_transport.PROCESSING_KEY.format(consumer=dead, source=queue.name)
+    client.hset(tm_transport.CONSUMERS_KEY, processing, json.dumps({"consumer": dead, "source": queue.name}))
+    client.set(tm_transport.HEARTBEAT_KEY.format(consumer=dead), 1, px=1500)
+    taken = client.lmove(queue.name, processing, "RIGHT", "LEFT")  # what the dead consumer's BLMOVE did
+    assert taken is not None and client.llen(queue.name) == 1
+
+    with _connection(redis_server) as connection:
+        channel = connection.channel()
+        assert channel.recover_orphans() == 0  # its heartbeat still lives: not yet
+        wait_for(lambda: not client.exists(tm_transport.HEARTBEAT_KEY.format(consumer=dead)), 10, "the heartbeat to expire")
+        assert channel.recover_orphans() == 1
+        assert client.llen(processing) == 0 and not client.hexists(tm_transport.CONSUMERS_KEY, processing)
+        received = _consume(connection, queue, 2)
+    assert sorted(body for body, _ in received) == sorted(bodies)
+    assert client.llen(queue.name) == 0 and client.hlen("unacked") == 0
+
+
+def test_a_live_consumers_heartbeat_keeps_its_processing_list(redis_server: RedisServer) -> None:
+    queue = Queue(f"q-{uuid.uuid4().hex[:8]}", EXCHANGE, routing_key="r3")
+    _publish(redis_server, queue, 1)
+    client = redis_server.client()
+    with _connection(redis_server, consumer_ttl=1.0) as first, _connection(redis_server) as second:
+        _consume(first, queue, 1, ack=False)
+        owners = [json.loads(v)["consumer"] for v in client.hvals(tm_transport.CONSUMERS_KEY)]
+        assert owners and client.exists(tm_transport.HEARTBEAT_KEY.format(consumer=owners[0]))
+        assert second.channel().recover_orphans() == 0
+
+
+@pytest.mark.parametrize("transport", ["redis", BROKER_TRANSPORT])
+def test_closing_a_channel_after_its_connection_was_collected(redis_server: RedisServer, transport: str) -> None:
+    """What Celery does on a broker reconnect: the old connection is collected, then its channel closes
+    and its running jobs ack. kombu's transport rebuilds its Redis parameters from the collected
+    connection there: `AttributeError: 'NoneType' object has no attribute 'hostname'`, which stopped
+    workers ("Unrecoverable error") on Redis restarts. tokenmill's must not."""
+    queue = Queue(f"q-{uuid.uuid4().hex[:8]}", EXCHANGE, routing_key="r4")
+    _publish(redis_server, queue, 1)
+    connection = _connection(redis_server, transport=transport)
+    [(_, message)] = _consume(connection, queue, 1, ack=False)
+    channel = message.channel
+    channel._disconnect_pools()  # kombu's close does this first; the pools are rebuilt on the next command
+    connection._do_close_transport()  # the connection let go of its transport (collect / close)
+    if transport == "redis":
+        with pytest.raises(AttributeError, match="hostname"):
+            channel.close()
+        return
+    channel.close()
+    message.ack()  # the job finished after the reconnect: it acks through the old channel
+    client = redis_server.client()
+    assert client.hlen("unacked") == 0 and client.llen(queue.name) == 0  # acked, not requeued

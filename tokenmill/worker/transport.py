@@ -1,0 +1,399 @@
+"""tokenmill's Redis transport: kombu's, except that taking a message and recording it as in flight is atomic.
+
+kombu's Redis transport pops a message with BRPOP and only then records it as unacked (HSET `unacked`,
+ZADD `unacked_index`). A worker killed, or a Redis restarted, between those two steps loses the message:
+it is on no list and in no hash. This transport uses the reliable-queue pattern instead:
+
+1. `BLMOVE <queue> <processing list> RIGHT LEFT`: the message moves, in one Redis command, from the
+   queue into a processing list owned by this consumer (one per channel and source list; registered in
+   the hash `tokenmill:consumers` with a heartbeat key `tokenmill:consumer:<id>` that expires unless
+   the consumer keeps renewing it).
+2. One Lua script (atomic in Redis, and one entry in the append-only file) removes it from the
+   processing list and writes kombu's unacked records (same format, so kombu's visibility-timeout
+   sweep and `reject(requeue=True)` work unchanged). Only then is the message handed to Celery.
+
+A message is therefore always on a queue, in a processing list or in `unacked`, whatever moment a
+worker or Redis dies. A consumer that died between the two steps leaves a message in its processing
+list; every consumer's periodic sweep (`QoS.restore_visible`, also run at start) moves the lists of
+consumers whose heartbeat expired back onto their queues, each list in one Lua script, so two sweeps
+never both requeue it. What kombu already does with `unacked` is kept: a message unacked for longer
+than the visibility timeout (its worker stopped renewing its lease, see `tokenmill.worker.leases`)
+goes back to its queue. Delivery is at-least-once; job ids are idempotency keys (see `WorkerService`),
+so a second delivery of a finished job is acknowledged without running it.
+
+Other changes to kombu's channel, each for a fault seen in practice:
+
+* A raw item on the queue that is not a well-formed kombu envelope (not JSON, not an object,
+  `properties` or `headers` of the wrong type, no `delivery_tag`, a body its `body_encoding` cannot
+  decode, ...) would raise inside kombu and stop the consumer. It is moved to the bounded list
+  `tokenmill:malformed` instead (logged with its reason and size, never its content).
+* `restore_at_shutdown` is off: on a broker reconnect Celery keeps running its jobs and acks them
+  later through the old channel, so kombu's requeue of the old channel's messages only made them run
+  twice. A job held by a worker that really stops is requeued by the visibility timeout instead.
+* The old channel can still ack after its transport was closed: its Redis connection parameters are
+  kept (kombu recomputes them from the closed transport and fails with `'NoneType' object has no
+  attribute 'hostname'`, which stopped workers on a Redis restart).
+
+Producers need nothing of this: messages are published exactly as kombu's Redis transport does, so
+plain `redis://` URLs and plain Celery apps keep working, and their jobs get the same guarantee
+because the guarantee is on the consuming side. Torch-free.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+import weakref
+from time import monotonic, time
+from typing import Any
+
+from kombu.transport import redis as kombu_redis
+from kombu.transport import virtual
+from kombu.utils.json import loads
+from kombu.utils.objects import cached_property
+
+log = logging.getLogger(__name__)
+
+#: Hash: processing list key -> JSON {"consumer": id, "source": queue list key}.
+CONSUMERS_KEY = "tokenmill:consumers"
+#: A consumer's heartbeat; it exists while the consumer lives.
+HEARTBEAT_KEY = "tokenmill:consumer:{consumer}"
+#: A consumer's processing list for one source list.
+PROCESSING_KEY = "tokenmill:processing:{consumer}:{source}"
+#: The last `MALFORMED_KEEP` raw items that were not kombu messages (newest first, each cut to
+#: `MALFORMED_BYTES`), kept for inspection only.
+MALFORMED_KEY = "tokenmill:malformed"
+MALFORMED_KEEP = 100
+MALFORMED_BYTES = 64 * 1024
+
+# KEYS: processing, unacked, unacked_index. ARGV: item, delivery tag, unacked record, now.
+# Returns 1 when recorded, 0 when the item is no longer in the processing list (a sweep requeued it
+# because this consumer's heartbeat lapsed), -1 when the tag is already in flight (a producer reused it).
+_RECORD = """
+if redis.call('HEXISTS', KEYS[2], ARGV[2]) == 1 then return -1 end
+if redis.call('LREM', KEYS[1], 1, ARGV[1]) == 0 then return 0 end
+redis.call('HSET', KEYS[2], ARGV[2], ARGV[3])
+redis.call('ZADD', KEYS[3], ARGV[4], ARGV[2])
+return 1
+"""
+# KEYS: processing, malformed. ARGV: item, the copy to keep, how many to keep.
+_DISCARD = """
+redis.call('LREM', KEYS[1], 1, ARGV[1])
+redis.call('LPUSH', KEYS[2], ARGV[2])
+redis.call('LTRIM', KEYS[2], 0, tonumber(ARGV[3]) - 1)
+return 1
+"""
+# KEYS: consumers, processing, heartbeat, source. ARGV: the processing key (its field in `consumers`).
+# Requeues a dead consumer's processing list at the head of its queue; -1 while the consumer lives.
+_RECOVER = """
+if redis.call('EXISTS', KEYS[3]) == 1 then return -1 end
+local moved = 0
+while redis.call('LMOVE', KEYS[2], KEYS[4], 'LEFT', 'RIGHT') do moved = moved + 1 end
+redis.call('HDEL', KEYS[1], ARGV[1])
+return moved
+"""
+
+#: Every QoS of this process, old channels' included: their held messages are renewed until acked.
+_live_qos: weakref.WeakSet[QoS] = weakref.WeakSet()
+
+
+def held_deliveries() -> dict[str, list[str]]:
+    """Delivery tags held (delivered, not acked) by this process, by `unacked_index` key."""
+    held: dict[str, list[str]] = {}
+    for qos in list(_live_qos):
+        for _ in range(3):  # acks from pool threads may resize the dict while it is copied
+            try:
+                tags = [tag for tag in list(qos._delivered) if tag not in qos._dirty]
+                break
+            except RuntimeError:
+                continue
+        else:
+            tags = []
+        if tags:
+            held.setdefault(qos.unacked_index_key, []).extend(tags)
+    return held
+
+
+def envelope_problem(payload: Any, decode_body: Any) -> str | None:
+    """Why a decoded queue item is not a kombu message that kombu and Celery can handle, or None."""
+    if not isinstance(payload, dict):
+        return "not a JSON object"
+    properties = payload.get("properties")
+    if not isinstance(properties, dict):
+        return "'properties' is not an object"
+    if not isinstance(properties.get("delivery_tag"), str) or not properties["delivery_tag"]:
+        return "no 'delivery_tag' string in 'properties'"
+    info = properties.get("delivery_info")
+    if not isinstance(info, dict) or not isinstance(info.get("exchange"), str) or not isinstance(info.get("routing_key"), str):
+        return "'delivery_info' is not an object with 'exchange' and 'routing_key' strings"
+    if not isinstance(payload.get("headers") or {}, dict):
+        return "'headers' is not an object"
+    for name in ("content-type", "content-encoding"):
+        if payload.get(name) is not None and not isinstance(payload[name], str):
+            return f"'{name}' is not a string"
+    priority = properties.get("priority")
+    if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int)):
+        return "'priority' is not an integer"
+    body, encoding = payload.get("body"), properties.get("body_encoding")
+    if body is not None and not isinstance(body, str):
+        return "'body' is not a string"
+    if encoding is not None and not isinstance(encoding, str):
+        return "'body_encoding' is not a string"
+    if body:
+        try:
+            decode_body(body, encoding)
+        except Exception:
+            return f"the body cannot be decoded as {encoding!r}"
+    return None
+
+
+class QoS(kombu_redis.QoS):
+    """kombu's Redis QoS for messages that the channel already recorded as unacked."""
+
+    restore_at_shutdown = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        _live_qos.add(self)
+
+    def append(self, message: Any, delivery_tag: str) -> None:
+        claimed = self.channel.claimed_tags
+        if delivery_tag in claimed:  # recorded in Redis by the claim script: only the local record is left
+            claimed.discard(delivery_tag)
+            virtual.QoS.append(self, message, delivery_tag)
+        else:  # basic_get, or a message rejected back by kombu
+            super().append(message, delivery_tag)
+
+    def ack(self, delivery_tag: str) -> None:
+        """As kombu, but the local record goes even if Redis is down (else the prefetch slot leaks)."""
+        try:
+            self._remove_from_indices(delivery_tag).execute()
+        finally:
+            virtual.QoS.ack(self, delivery_tag)
+
+    def restore_visible(self, start: int = 0, num: int = 10, interval: int = 10) -> None:
+        self.channel.recover_orphans()
+        super().restore_visible(start, num, interval)
+
+
+class Channel(kombu_redis.Channel):
+    """kombu's Redis channel with an atomic take-and-record (see the module docstring)."""
+
+    QoS = QoS
+    #: Seconds a consumer's heartbeat lives; renewed every quarter of it.
+    consumer_ttl = 60.0
+    from_transport_options = kombu_redis.Channel.from_transport_options + ("consumer_ttl",)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.consumer_id = uuid.uuid4().hex
+        self._params: dict[bool, dict[str, Any]] = {}
+        self._sources: set[str] = set()
+        self._blmove_source: str | None = None
+        self._beat_at = float("-inf")
+        self._no_ack_queues: set[str] = set()
+        super().__init__(*args, **kwargs)
+        if self.global_keyprefix:  # BLMOVE and the scripts name raw keys
+            raise ValueError("tokenmill's Redis transport does not support the global_keyprefix transport option")
+        self._connparams(asynchronous=False)  # keep both parameter sets while the transport is open
+
+    @property
+    def claimed_tags(self) -> set[str]:
+        return self.connection.claimed_tags if self.connection is not None else set()
+
+    def _connparams(self, asynchronous: bool = False) -> dict[str, Any]:
+        transport = self.connection
+        if transport is not None and transport.client is not None:
+            self._params[asynchronous] = super()._connparams(asynchronous=asynchronous)
+        return dict(self._params[asynchronous])
+
+    @cached_property
+    def _scripts(self) -> dict[str, Any]:
+        client = self.Client(connection_pool=self.pool)
+        return {name: client.register_script(text) for name, text in
+                (("record", _RECORD), ("discard", _DISCARD), ("recover", _RECOVER))}
+
+    def _processing_key(self, source: str) -> str:
+        return PROCESSING_KEY.format(consumer=self.consumer_id, source=source)
+
+    @property
+    def _heartbeat_key(self) -> str:
+        return HEARTBEAT_KEY.format(consumer=self.consumer_id)
+
+    # -- taking a message ------------------------------------------------------------------
+
+    def basic_consume(self, queue: str, no_ack: bool, *args: Any, **kwargs: Any) -> Any:
+        """As kombu; remembers no-ack queues (reply queues), whose messages get no unacked record."""
+        if no_ack:
+            self._no_ack_queues.add(queue)
+        return super().basic_consume(queue, no_ack, *args, **kwargs)
+
+    def _basic_cancel(self, consumer_tag: str) -> Any:
+        self._no_ack_queues.discard(self._tag_to_queue.get(consumer_tag))
+        return super()._basic_cancel(consumer_tag)
+
+    def _brpop_start(self, timeout: float | None = None) -> None:
+        """Send BLMOVE for the first non-empty list in kombu's order (queues fairly cycled, then priority)."""
+        if timeout is None:
+            timeout = self.brpop_timeout
+        queues = self._queue_cycle.consume(len(self.active_queues))
+        if not queues:
+            return
+        keys = list(dict.fromkeys(self._q_for_pri(queue, pri) for pri in self.priority_steps for queue in queues))
+        source = self._choose_source(keys)
+        self._blmove_source = source
+        self._in_poll = self.client.connection
+        self._brpop_sent_at = monotonic()
+        self.client.connection.send_command("BLMOVE", source, self._processing_key(source), "RIGHT", "LEFT", timeout or 0)
+
+    def _choose_source(self, keys: list[str]) -> str:
+        """One round trip: register new processing lists, renew the heartbeat, find a non-empty list.
+
+        BLMOVE watches one list; the others are checked here, so a message on any of them waits at
+        most one `brpop_timeout` (1 s) when all were empty at this check.
+        """
+        with self.conn_or_acquire() as client:
+            pipe = client.pipeline(transaction=False)
+            fresh = [key for key in keys if key not in self._sources]
+            self._sources.update(fresh)
+            if fresh or monotonic() - self._beat_at > self.consumer_ttl / 4:
+                self._beat(pipe)
+            for key in keys:
+                pipe.llen(key)
+            lengths = pipe.execute()[-len(keys):]
+        return next((key for key, length in zip(keys, lengths) if length), keys[0])
+
+    def _beat(self, pipe: Any) -> None:
+        """Queue the heartbeat and the (re-)registration of every processing list of this consumer."""
+        for source in self._sources:
+            owner = json.dumps({"consumer": self.consumer_id, "source": source})
+            pipe.hset(CONSUMERS_KEY, self._processing_key(source), owner)
+        pipe.set(self._heartbeat_key, 1, px=int(self.consumer_ttl * 1000))
+        self._beat_at = monotonic()
+
+    def _brpop_read(self, **options: Any) -> bool:
+        try:
+            try:
+                item = self.client.parse_response(self.client.connection, "BLMOVE", **options)
+            except self.connection_errors:
+                self.client.connection.disconnect()
+                raise
+            source = self._blmove_source
+            if not item or source is None:
+                raise kombu_redis.Empty()
+            queue = source.rsplit(self.sep, 1)[0]
+            self._queue_cycle.rotate(queue)
+            payload = self._claim(source, item, record=queue not in self._no_ack_queues)
+            self.connection._deliver(payload, queue)
+            return True
+        finally:
+            self._in_poll = None
+            self._flush_brpop_reauth()
+
+    def _claim(self, source: str, item: bytes, record: bool = True) -> dict[str, Any]:
+        """Record `item` as unacked and remove it from the processing list, atomically; or discard it.
+
+        With `record` False (a no-ack consumer, as kombu: nothing to acknowledge) it is only removed.
+        """
+        processing = self._processing_key(source)
+        try:
+            payload = loads(item.decode())
+        except (ValueError, UnicodeDecodeError):
+            payload, problem = None, "not JSON"
+        else:
+            problem = envelope_problem(payload, self.decode_body)
+        if problem is None and not record:
+            with self.conn_or_acquire() as client:
+                if client.lrem(processing, 1, item):
+                    return payload
+            raise kombu_redis.Empty()
+        if problem is None:
+            tag = payload["properties"]["delivery_tag"]
+            info = payload["properties"]["delivery_info"]
+            record = b"[%s, %s, %s]" % (item, json.dumps(info["exchange"]).encode(), json.dumps(info["routing_key"]).encode())
+            claimed = self._scripts["record"](keys=[processing, self.unacked_key, self.unacked_index_key],
+                                              args=[item, tag, record, time()])
+            if claimed == 1:
+                self.claimed_tags.add(tag)
+                return payload
+            if claimed == 0:  # a sweep already requeued it: whoever takes it next runs it
+                raise kombu_redis.Empty()
+            problem = "its delivery_tag is already in flight"
+        self._scripts["discard"](keys=[processing, MALFORMED_KEY], args=[item, item[:MALFORMED_BYTES], MALFORMED_KEEP])
+        log.error("discarded a malformed message from %r (%d bytes): %s; kept in the Redis list %s",
+                  source, len(item), problem, MALFORMED_KEY)
+        raise kombu_redis.Empty()
+
+    # -- consumers that died -----------------------------------------------------------------
+
+    def heartbeat(self) -> None:
+        """Renew this consumer's heartbeat and registration (only once it owns processing lists)."""
+        if self._sources and not self.closed:
+            with self.conn_or_acquire() as client:
+                pipe = client.pipeline(transaction=False)
+                self._beat(pipe)
+                pipe.execute()
+
+    def recover_orphans(self, own: bool = False) -> int:
+        """Requeue the processing lists of consumers whose heartbeat expired; returns messages requeued.
+
+        `own`: this channel's lists too (when it closes, after deleting its heartbeat).
+        """
+        moved = 0
+        with self.conn_or_acquire() as client:
+            for processing, raw in client.hgetall(CONSUMERS_KEY).items():
+                owner = json.loads(raw)
+                if owner["consumer"] == self.consumer_id and not own:
+                    continue
+                count = self._scripts["recover"](
+                    keys=[CONSUMERS_KEY, processing, HEARTBEAT_KEY.format(consumer=owner["consumer"]), owner["source"]],
+                    args=[processing], client=client)
+                if count > 0:
+                    log.warning("requeued %d message(s) that consumer %s took and died before recording", count, owner["consumer"])
+                    moved += count
+        return moved
+
+    def close(self) -> None:
+        """Put back a message a pending BLMOVE may have taken, and unregister, before kombu's close."""
+        if not self.closed:
+            try:
+                if self._in_poll:
+                    self._in_poll = None
+                    self.client.parse_response(self.client.connection, "BLMOVE")
+            except Exception:
+                pass  # its item (if any) stays in the processing list; the recovery below or a sweep requeues it
+            try:
+                if self._sources:
+                    with self.conn_or_acquire() as client:
+                        client.delete(self._heartbeat_key)
+                    self.recover_orphans(own=True)
+            except self.connection_errors:
+                pass  # Redis is down: the heartbeat expires and another consumer's sweep requeues
+        super().close()
+
+
+class Transport(kombu_redis.Transport):
+    """kombu's Redis transport with `Channel` above and a periodic heartbeat of its consumers."""
+
+    Channel = Channel
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        #: Delivery tags the claim script recorded, between the claim and kombu's `QoS.append`.
+        self.claimed_tags: set[str] = set()
+
+    def register_with_event_loop(self, connection: Any, loop: Any) -> None:
+        super().register_with_event_loop(connection, loop)
+        cycle = self.cycle
+        old = getattr(cycle, "_heartbeat_tref", None)
+        if old is not None:
+            old.cancel()
+        ttl = float(connection.client.transport_options.get("consumer_ttl", Channel.consumer_ttl))
+        cycle._heartbeat_tref = loop.call_repeatedly(max(0.1, ttl / 4), self._beat)
+
+    def _beat(self) -> None:
+        for channel in list(self.cycle._channels):
+            try:
+                channel.heartbeat()
+            except channel.connection_errors:
+                return  # broker down: kombu reconnects; a new channel gets a new heartbeat
