@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import math
+import re
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 from tokenmill.errors import InvalidRequestError
 
@@ -30,6 +33,11 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    # Structured output: at most one of these (see `structured`).
+    json_schema: dict[str, Any] | str | None = None
+    choice: list[str] | None = None
+    regex: str | None = None
+    json_object: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -37,6 +45,7 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self._check()
+        _check_structured(self)
 
     @classmethod
     def from_dict(cls, values: dict) -> SamplingParams:
@@ -75,6 +84,15 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def structured(self) -> tuple[str, Any] | None:
+        """The structured-output option as (field name, value), or None for free text."""
+        for name in STRUCTURED_FIELDS:
+            value = getattr(self, name)
+            if value is not None and value is not False:
+                return name, value
+        return None
+
 
 def _int(params: SamplingParams, name: str, low: int | None = None, high: int | None = None) -> None:
     value = getattr(params, name)
@@ -95,3 +113,69 @@ def _float(params: SamplingParams, name: str, low: float, high: float | None = N
     if high is not None and value > high:
         raise InvalidRequestError(name, f"must be <= {high}, got {value}")
     setattr(params, name, float(value))
+
+
+STRUCTURED_FIELDS = ("json_schema", "choice", "regex", "json_object")
+
+
+def _check_structured(params: SamplingParams) -> None:
+    """What can be checked without the model's tokenizer: JSON Schema against its metaschema (the
+    `jsonschema` package), choice shape, regex syntax (Python `re`). The engine compiles the grammar
+    with xgrammar too and rejects what that cannot handle (e.g. a lookahead) with the same field name."""
+    given = [name for name in STRUCTURED_FIELDS if getattr(params, name) not in (None, False)]
+    if len(given) > 1:
+        raise InvalidRequestError(given[-1], f"at most one of {', '.join(STRUCTURED_FIELDS)} may be given (got {' and '.join(given)})")
+    if not isinstance(params.json_object, bool):
+        raise InvalidRequestError("json_object", f"must be a boolean, got {params.json_object!r}")
+    if params.json_schema is not None:
+        params.json_schema = _schema_dict(params.json_schema)
+    if params.choice is not None:
+        params.choice = _choice_list(params.choice)
+    if params.regex is not None:
+        _check_regex(params.regex)
+
+
+def _schema_dict(schema: Any) -> dict[str, Any]:
+    """A JSON Schema as a dict: given as a dict, a JSON string, or a pydantic model class."""
+    if isinstance(schema, type) and hasattr(schema, "model_json_schema"):
+        schema = schema.model_json_schema()
+    elif isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError as exc:
+            raise InvalidRequestError("json_schema", f"is not valid JSON: {exc}") from None
+    if not isinstance(schema, dict):
+        raise InvalidRequestError("json_schema", f"must be a JSON Schema object (a dict, JSON string or pydantic model class), got {type(schema).__name__}")
+    from jsonschema.exceptions import SchemaError  # imported only when a schema is given
+    from jsonschema.validators import Draft202012Validator, validator_for
+
+    try:
+        validator_for(schema, default=Draft202012Validator).check_schema(schema)
+    except SchemaError as exc:
+        where = "/".join(str(part) for part in exc.path)
+        raise InvalidRequestError("json_schema", f"is not a valid JSON Schema{f' at {where}' if where else ''}: {exc.message}") from None
+    try:
+        json.dumps(schema)
+    except (TypeError, ValueError) as exc:
+        raise InvalidRequestError("json_schema", f"is not JSON-serialisable: {exc}") from None
+    return schema
+
+
+def _choice_list(choice: Any) -> list[str]:
+    if isinstance(choice, str) or not isinstance(choice, (list, tuple)):
+        raise InvalidRequestError("choice", f"must be a list of strings, got {type(choice).__name__}")
+    if not choice:
+        raise InvalidRequestError("choice", "must not be empty")
+    for index, item in enumerate(choice):
+        if not isinstance(item, str) or not item:
+            raise InvalidRequestError(f"choice[{index}]", f"must be a non-empty string, got {item!r}")
+    return list(choice)
+
+
+def _check_regex(pattern: Any) -> None:
+    if not isinstance(pattern, str) or not pattern:
+        raise InvalidRequestError("regex", f"must be a non-empty string, got {pattern!r}")
+    try:
+        re.compile(pattern)
+    except re.error as exc:
+        raise InvalidRequestError("regex", f"does not compile: {exc}") from None

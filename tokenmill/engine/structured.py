@@ -1,0 +1,222 @@
+"""Structured outputs: grammar-constrained decoding with xgrammar.
+
+A request with `json_schema`, `choice`, `regex` or `json_object` gets a `Constraint`: an xgrammar
+`GrammarMatcher` over a grammar compiled once per engine (`GrammarCache`). Each step the sampler asks the
+constrained rows, and only those, for a token bitmask and sets every other logit to -inf before any
+sampling filter (`apply_token_masks`), so greedy, seeds, penalties, top-k/p and min-p all act on the
+allowed tokens only; the engine then advances the matcher with the sampled token. Unconstrained rows pay a
+list scan, nothing more.
+
+Decisions:
+* JSON is compact (`any_whitespace=False`, separators "," and ":"): a weak or random model cannot spend its
+  `max_tokens` on free whitespace, and every completion has one canonical spelling.
+* `choice` is an EBNF alternation of the literal strings (JSON string escaping, which xgrammar's EBNF
+  literals share), so any character in a choice is matched literally.
+* A sequence finishes as soon as the grammar is complete and only a stop token could follow (the
+  closing brace of an object, the last character of a choice): the step that would only sample EOS is
+  saved. Where the grammar could go on (`\\d+`), the model decides between more and a stop token.
+* Special tokens (BOS, PAD, ...) are removed from the grammar's vocabulary: xgrammar would otherwise
+  treat "<s>" as the text "<s>", which decoding with `skip_special_tokens` drops, and the text would no
+  longer match the grammar.
+* Compiling happens at `add_request`, synchronously, and is cached by the grammar's text: in a batch job
+  one schema serves the whole dataset. Compile errors are cached too, so a bad schema repeated in every
+  job is rejected at dict-lookup cost.
+
+xgrammar is imported on first use, so an engine that never sees a structured request does not load it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from tokenmill.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from tokenmill.engine.sampler import SamplingRow
+    from tokenmill.engine.sampling_params import SamplingParams
+
+#: Compact JSON separators (item, key), as `json.dumps(separators=...)`.
+JSON_SEPARATORS = (",", ":")
+_BIT_SHIFTS = torch.arange(32, dtype=torch.int32)
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """A grammar in the form it is compiled from; equal specs share one compiled grammar."""
+
+    field: str  # the SamplingParams field it came from, named in errors
+    kind: str  # "json_schema" | "json_object" | "regex" | "ebnf"
+    source: str
+
+    @classmethod
+    def from_params(cls, params: SamplingParams) -> GrammarSpec | None:
+        structured = params.structured
+        if structured is None:
+            return None
+        name, value = structured
+        if name == "json_schema":
+            return cls(name, "json_schema", json.dumps(_bounded_strings_as_patterns(value)))  # key order kept
+        if name == "json_object":
+            return cls(name, "json_object", '{"type": "object"}')
+        if name == "regex":
+            return cls(name, "regex", value)
+        alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in dict.fromkeys(value))
+        return cls(name, "ebnf", f"root ::= {alternatives}")
+
+    @property
+    def is_json(self) -> bool:
+        return self.kind in ("json_schema", "json_object")
+
+
+class GrammarCache:
+    """One per engine: the tokenizer's vocabulary as xgrammar sees it, a compiler, and compiled grammars."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_ids: Sequence[int]) -> None:
+        import xgrammar as xgr
+
+        self.vocab_size = vocab_size
+        self.stop_ids = sorted(stop_ids)
+        self.info = _tokenizer_info(xgr, tokenizer, vocab_size, self.stop_ids)
+        self.compiler = xgr.GrammarCompiler(self.info, max_threads=2)
+        self._compiled: dict[GrammarSpec, Any] = {}
+
+    def compile(self, spec: GrammarSpec) -> Any:
+        """The compiled grammar for `spec`, or InvalidRequestError naming its field. Cached either way."""
+        compiled = self._compiled.get(spec)
+        if compiled is None:
+            try:
+                compiled = self._compile(spec)
+            except Exception as exc:  # xgrammar raises RuntimeError/ValueError with its parser's message
+                compiled = InvalidRequestError(spec.field, f"cannot be compiled into a grammar: {_message(exc)}")
+            self._compiled[spec] = compiled
+        if isinstance(compiled, InvalidRequestError):
+            raise compiled
+        return compiled
+
+    def _compile(self, spec: GrammarSpec) -> Any:
+        if spec.kind == "json_schema":
+            return self.compiler.compile_json_schema(spec.source, any_whitespace=False, separators=JSON_SEPARATORS)
+        if spec.kind == "json_object":  # any object: properties beyond the (empty) schema are allowed
+            return self.compiler.compile_json_schema(spec.source, any_whitespace=False, separators=JSON_SEPARATORS,
+                                                     strict_mode=False)
+        if spec.kind == "regex":
+            return self.compiler.compile_regex(spec.source)
+        return self.compiler.compile_grammar(spec.source)
+
+    def constraint(self, spec: GrammarSpec, stop_ids: Sequence[int]) -> Constraint:
+        """A fresh matcher for one request. `stop_ids` are the tokens that end it (the engine's EOS ids
+        unless the request has its own); empty means the request ignores EOS, so the grammar's stops are
+        banned and the request ends when nothing else can follow or at max_tokens."""
+        constraint = Constraint(self, spec, self.compile(spec), stop_ids)
+        if constraint.only_stops_allowed():
+            raise InvalidRequestError(spec.field, "matches only the empty string")
+        return constraint
+
+
+class Constraint:
+    """One request's grammar state: fills its row of the token bitmask, advances with each sampled token."""
+
+    def __init__(self, cache: GrammarCache, spec: GrammarSpec, compiled: Any, stop_ids: Sequence[int]) -> None:
+        import xgrammar as xgr
+
+        self.spec = spec
+        self.stop_ids = frozenset(stop_ids or cache.stop_ids)
+        self.banned_ids = [] if stop_ids else list(cache.stop_ids)  # ignore_eos: the grammar may not stop
+        self.matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=sorted(self.stop_ids))
+        self.vocab_size = cache.vocab_size
+        self.rejected_token: int | None = None
+
+    def fill(self, bitmask: torch.Tensor, index: int) -> None:
+        self.matcher.fill_next_token_bitmask(bitmask, index)
+
+    def accept(self, token_id: int) -> None:
+        """Advance by a sampled token. The mask makes a rejection impossible short of a bug; if it happens
+        the request is ended with an error rather than continued off-grammar."""
+        if self.rejected_token is None and not self.matcher.accept_token(token_id):
+            self.rejected_token = token_id
+
+    @property
+    def completed(self) -> bool:
+        """The output so far is a complete match (a stop token may or may not have been accepted)."""
+        return self.rejected_token is None and (self.matcher.is_terminated() or self.matcher.is_completed())
+
+    @property
+    def done(self) -> bool:
+        """Nothing but a stop token can follow: the sequence ends now."""
+        return self.rejected_token is not None or self.matcher.is_terminated() or (
+            self.matcher.is_completed() and self.only_stops_allowed())
+
+    def only_stops_allowed(self) -> bool:
+        import xgrammar as xgr
+
+        bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
+        self.matcher.fill_next_token_bitmask(bitmask, 0)
+        allowed = ((bitmask[0][:, None] >> _BIT_SHIFTS) & 1).flatten()[: self.vocab_size].nonzero()[:, 0].tolist()
+        return set(allowed) <= self.stop_ids
+
+    def error(self) -> str | None:
+        if self.rejected_token is None:
+            return None
+        return f"{self.spec.field}: the grammar rejected sampled token {self.rejected_token}"
+
+    def parse(self, text: str) -> Any:
+        """The JSON value of a JSON-constrained output (complete by the caller's check). `raw_decode`
+        because a sampled stop token may trail the value in the text (`skip_special_tokens=False`)."""
+        return json.JSONDecoder().raw_decode(text)[0] if self.spec.is_json else None
+
+
+def apply_token_masks(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """The sampler's hook: -inf on every token the grammar of a constrained row does not allow.
+    Called before any other logits processing; rows without a constraint are not touched."""
+    indices = [i for i, row in enumerate(rows) if row.constraint is not None]
+    if not indices:
+        return logits
+    import xgrammar as xgr
+
+    bitmask = xgr.allocate_token_bitmask(len(rows), logits.shape[1])
+    for i in indices:
+        rows[i].constraint.fill(bitmask, i)  # type: ignore[union-attr]
+    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), indices=indices)
+    return logits
+
+
+def _tokenizer_info(xgr: Any, tokenizer: Any, vocab_size: int, stop_ids: list[int]) -> Any:
+    """xgrammar's view of the vocabulary, with special tokens (other than the stops) made unusable as text."""
+    detected = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_ids or None)
+    special = set(getattr(tokenizer, "all_special_ids", [])) | set(stop_ids)
+    vocab = [b"" if index in special else token for index, token in enumerate(detected.decoded_vocab)]
+    return xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=vocab_size, stop_token_ids=stop_ids or None,
+                             add_prefix_space=detected.add_prefix_space)
+
+
+def _bounded_strings_as_patterns(schema: Any) -> Any:
+    """Work around xgrammar <= 0.2.9 (mlc-ai/xgrammar#800): a string with minLength/maxLength compiles to
+    `[^"\\\r\n]{min,max}`, which admits raw control characters (invalid JSON) and no escapes. The same
+    bound as a `pattern` goes through xgrammar's JSON-string-aware regex, which excludes control
+    characters and counts code points as JSON Schema does (it admits no escapes either). Only the copy
+    given to xgrammar is rewritten; the request keeps its schema."""
+    if isinstance(schema, list):
+        return [_bounded_strings_as_patterns(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: value if key in _LITERAL_KEYWORDS else _bounded_strings_as_patterns(value) for key, value in schema.items()}
+    bounded = "minLength" in out or "maxLength" in out
+    if out.get("type") == "string" and bounded and "pattern" not in out and "format" not in out:
+        low, high = out.pop("minLength", 0), out.pop("maxLength", None)
+        out["pattern"] = f"^.{{{low},{'' if high is None else high}}}$"
+    return out
+
+
+_LITERAL_KEYWORDS = frozenset({"enum", "const", "default", "examples"})
+
+
+def _message(exc: BaseException) -> str:
+    """xgrammar's message without its C++ log prefix ("[time] file.cc:line: ")."""
+    lines = [line for line in str(exc).splitlines() if line.strip()]
+    last = lines[-1] if lines else type(exc).__name__
+    return last.split(": ", 1)[1] if last.startswith("[") and ": " in last else last
