@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -146,19 +147,30 @@ def _schema_dict(schema: Any) -> dict[str, Any]:
             raise InvalidRequestError("json_schema", f"is not valid JSON: {exc}") from None
     if not isinstance(schema, dict):
         raise InvalidRequestError("json_schema", f"must be a JSON Schema object (a dict, JSON string or pydantic model class), got {type(schema).__name__}")
+    try:
+        text = json.dumps(schema)
+    except (TypeError, ValueError) as exc:
+        raise InvalidRequestError("json_schema", f"is not JSON-serialisable: {exc}") from None
+    error = _schema_error(text)
+    if error is not None:
+        raise InvalidRequestError("json_schema", error)
+    return schema
+
+
+@functools.lru_cache(maxsize=256)
+def _schema_error(text: str) -> str | None:
+    """The metaschema check, cached by the schema's text: a job is validated at the client, the worker and
+    the engine process, and a dataset's jobs usually share one schema."""
     from jsonschema.exceptions import SchemaError  # imported only when a schema is given
     from jsonschema.validators import Draft202012Validator, validator_for
 
+    schema = json.loads(text)
     try:
         validator_for(schema, default=Draft202012Validator).check_schema(schema)
     except SchemaError as exc:
         where = "/".join(str(part) for part in exc.path)
-        raise InvalidRequestError("json_schema", f"is not a valid JSON Schema{f' at {where}' if where else ''}: {exc.message}") from None
-    try:
-        json.dumps(schema)
-    except (TypeError, ValueError) as exc:
-        raise InvalidRequestError("json_schema", f"is not JSON-serialisable: {exc}") from None
-    return schema
+        return f"is not a valid JSON Schema{f' at {where}' if where else ''}: {exc.message}"
+    return None
 
 
 def _choice_list(choice: Any) -> list[str]:
