@@ -206,7 +206,10 @@ def _bounded_strings_as_patterns(schema: Any) -> Any:
         return schema
     out = {key: value if key in _LITERAL_KEYWORDS else _bounded_strings_as_patterns(value) for key, value in schema.items()}
     bounded = "minLength" in out or "maxLength" in out
-    if out.get("type") == "string" and bounded and "pattern" not in out and "format" not in out:
+    if bounded and ("pattern" in out or "format" in out):  # xgrammar would drop the bound and say so on stderr only
+        raise InvalidRequestError("json_schema", "a string with both pattern (or format) and minLength/maxLength "
+                                  "is not supported by xgrammar: put the length bound into the pattern")
+    if out.get("type") == "string" and bounded:
         low, high = out.pop("minLength", 0), out.pop("maxLength", None)
         out["pattern"] = f"^.{{{low},{'' if high is None else high}}}$"
     return out
