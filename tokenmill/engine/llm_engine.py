@@ -12,7 +12,7 @@ from tokenmill.engine.loader import load
 from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.engine.sampler import SamplingRow
 from tokenmill.engine.sampling_params import SamplingParams
-from tokenmill.engine.structured import Constraint, GrammarCache, GrammarSpec
+from tokenmill.engine.structured import Constraint, GrammarCache, GrammarSpec, advance
 from tokenmill.errors import InvalidRequestError
 from tokenmill.scheduler.scheduler import Scheduler, SchedulerConfig
 from tokenmill.scheduler.sequence import Sequence
@@ -178,6 +178,7 @@ class LLMEngine:
         result = self.runner.execute(batch, rows)
         self._totals["steps"] += 1
         grown = self.scheduler.update(batch, result.token_ids)
+        self._advance_grammars(grown)
         now = time.time()
         finished = []
         for seq, logprobs in zip(grown, result.logprobs):
@@ -185,14 +186,17 @@ class LLMEngine:
             request.first_token_time = request.first_token_time or now
             if logprobs is not None:
                 request.logprobs.append(logprobs)
-            if request.constraint is not None:
-                request.constraint.accept(seq.token_ids[-1])
             self._totals["generated"] += 1
             reason = self._finish_reason(request)
             if reason is not None:
                 self.scheduler.finish(seq, reason)
                 finished.append(self._output(self.requests.pop(seq.request_id), now))
         return finished
+
+    def _advance_grammars(self, grown: list[Sequence]) -> None:
+        constraints = [(c, seq.token_ids[-1]) for seq in grown if (c := self.requests[seq.request_id].constraint)]
+        if constraints:
+            advance(*zip(*constraints))
 
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
         request = self.requests[seq.request_id]

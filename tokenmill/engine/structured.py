@@ -27,11 +27,13 @@ xgrammar is imported on first use, so an engine that never sees a structured req
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from tokenmill.errors import InvalidRequestError
@@ -42,7 +44,6 @@ if TYPE_CHECKING:
 
 #: Compact JSON separators (item, key), as `json.dumps(separators=...)`.
 JSON_SEPARATORS = (",", ":")
-_BIT_SHIFTS = torch.arange(32, dtype=torch.int32)
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,7 @@ class GrammarSpec:
             return None
         name, value = structured
         if name == "json_schema":
-            return cls(name, "json_schema", json.dumps(_bounded_strings_as_patterns(value)))  # key order kept
+            return cls(name, "json_schema", _xgrammar_schema(json.dumps(value)))  # key order kept: it is the output's
         if name == "json_object":
             return cls(name, "json_object", '{"type": "object"}')
         if name == "regex":
@@ -83,7 +84,10 @@ class GrammarCache:
         self.stop_ids = sorted(stop_ids)
         self.info = _tokenizer_info(xgr, tokenizer, vocab_size, self.stop_ids)
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=2)
+        self.scratch = xgr.allocate_token_bitmask(1, vocab_size)  # for completion checks (one thread owns the engine)
         self._compiled: dict[GrammarSpec, Any] = {}
+        self._empty: dict[tuple[GrammarSpec, frozenset[int]], bool] = {}
+        self._non_stop: dict[frozenset[int], np.ndarray] = {}
 
     def compile(self, spec: GrammarSpec) -> Any:
         """The compiled grammar for `spec`, or InvalidRequestError naming its field. Cached either way."""
@@ -113,32 +117,37 @@ class GrammarCache:
         unless the request has its own); empty means the request ignores EOS, so the grammar's stops are
         banned and the request ends when nothing else can follow or at max_tokens."""
         constraint = Constraint(self, spec, self.compile(spec), stop_ids)
-        if constraint.only_stops_allowed():
+        key = (spec, constraint.stop_ids)
+        if key not in self._empty:  # every fresh matcher of a grammar starts in the same state
+            self._empty[key] = constraint.only_stops_allowed()
+        if self._empty[key]:
             raise InvalidRequestError(spec.field, "matches only the empty string")
         return constraint
 
+    def non_stop_words(self, stop_ids: frozenset[int]) -> np.ndarray:
+        """Bitmask words with a bit for every token in the vocabulary that is not one of `stop_ids`."""
+        words = self._non_stop.get(stop_ids)
+        if words is None:
+            allowed = np.ones(self.scratch.shape[1] * 32, dtype=bool)
+            allowed[self.vocab_size:] = False
+            allowed[list(stop_ids)] = False
+            words = np.packbits(allowed, bitorder="little").view(np.int32)
+            self._non_stop[stop_ids] = words
+        return words
+
 
 class Constraint:
-    """One request's grammar state: fills its row of the token bitmask, advances with each sampled token."""
+    """One request's grammar state: its matcher, advanced by each sampled token (`advance`)."""
 
     def __init__(self, cache: GrammarCache, spec: GrammarSpec, compiled: Any, stop_ids: Sequence[int]) -> None:
         import xgrammar as xgr
 
+        self.cache = cache
         self.spec = spec
         self.stop_ids = frozenset(stop_ids or cache.stop_ids)
         self.banned_ids = [] if stop_ids else list(cache.stop_ids)  # ignore_eos: the grammar may not stop
         self.matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=sorted(self.stop_ids))
-        self.vocab_size = cache.vocab_size
         self.rejected_token: int | None = None
-
-    def fill(self, bitmask: torch.Tensor, index: int) -> None:
-        self.matcher.fill_next_token_bitmask(bitmask, index)
-
-    def accept(self, token_id: int) -> None:
-        """Advance by a sampled token. The mask makes a rejection impossible short of a bug; if it happens
-        the request is ended with an error rather than continued off-grammar."""
-        if self.rejected_token is None and not self.matcher.accept_token(token_id):
-            self.rejected_token = token_id
 
     @property
     def completed(self) -> bool:
@@ -147,17 +156,15 @@ class Constraint:
 
     @property
     def done(self) -> bool:
-        """Nothing but a stop token can follow: the sequence ends now."""
+        """Nothing but a stop token can follow (or the grammar was broken): the sequence ends now."""
         return self.rejected_token is not None or self.matcher.is_terminated() or (
             self.matcher.is_completed() and self.only_stops_allowed())
 
     def only_stops_allowed(self) -> bool:
-        import xgrammar as xgr
-
-        bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
-        self.matcher.fill_next_token_bitmask(bitmask, 0)
-        allowed = ((bitmask[0][:, None] >> _BIT_SHIFTS) & 1).flatten()[: self.vocab_size].nonzero()[:, 0].tolist()
-        return set(allowed) <= self.stop_ids
+        """Asked only where the grammar is complete: at the end of a JSON value or choice, once; after every
+        token of an open-ended match such as `\\d+`."""
+        self.matcher.fill_next_token_bitmask(self.cache.scratch, 0)
+        return not np.any(self.cache.scratch.numpy()[0] & self.cache.non_stop_words(self.stop_ids))
 
     def error(self) -> str | None:
         if self.rejected_token is None:
@@ -170,6 +177,17 @@ class Constraint:
         return json.JSONDecoder().raw_decode(text)[0] if self.spec.is_json else None
 
 
+def advance(constraints: Sequence[Constraint], token_ids: Sequence[int]) -> None:
+    """Advance each matcher by its row's sampled token, all in one call into xgrammar. The mask makes a
+    rejection impossible short of a bug; if one happens the request ends with an error, never off-grammar."""
+    import xgrammar as xgr
+
+    accepted = xgr.BatchGrammarMatcher.batch_accept_token([c.matcher for c in constraints], list(token_ids))
+    for constraint, token_id, ok in zip(constraints, token_ids, accepted):
+        if not ok and constraint.rejected_token is None:
+            constraint.rejected_token = token_id
+
+
 def apply_token_masks(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """The sampler's hook: -inf on every token the grammar of a constrained row does not allow.
     Called before any other logits processing; rows without a constraint are not touched."""
@@ -179,10 +197,18 @@ def apply_token_masks(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Te
     import xgrammar as xgr
 
     bitmask = xgr.allocate_token_bitmask(len(rows), logits.shape[1])
-    for i in indices:
-        rows[i].constraint.fill(bitmask, i)  # type: ignore[union-attr]
+    _batch_matcher().batch_fill_next_token_bitmask([rows[i].constraint.matcher for i in indices],  # type: ignore[union-attr]
+                                                   bitmask, indices)
     xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), indices=indices)
     return logits
+
+
+@functools.cache
+def _batch_matcher() -> Any:
+    """xgrammar's batch filler: one call for all constrained rows (threads: half the cores, xgrammar's default)."""
+    import xgrammar as xgr
+
+    return xgr.BatchGrammarMatcher()
 
 
 def _tokenizer_info(xgr: Any, tokenizer: Any, vocab_size: int, stop_ids: list[int]) -> Any:
@@ -192,6 +218,12 @@ def _tokenizer_info(xgr: Any, tokenizer: Any, vocab_size: int, stop_ids: list[in
     vocab = [b"" if index in special else token for index, token in enumerate(detected.decoded_vocab)]
     return xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=vocab_size, stop_token_ids=stop_ids or None,
                              add_prefix_space=detected.add_prefix_space)
+
+
+@functools.lru_cache(maxsize=256)
+def _xgrammar_schema(text: str) -> str:
+    """The schema text xgrammar compiles, cached: in a batch job every request carries the same schema."""
+    return json.dumps(_bounded_strings_as_patterns(json.loads(text)))
 
 
 def _bounded_strings_as_patterns(schema: Any) -> Any:
