@@ -17,7 +17,7 @@ from tokenmill import LLM, InvalidRequestError, SamplingParams
 from tokenmill.jobs.schemas import Job
 
 # Nested objects, an array of objects, enums, bounded integers, an optional field, required fields, bounded
-# strings. Every value is bounded, so a random model must finish well within
+# strings (pattern, maxLength: random bytes there must still be valid UTF-8 of at most 5 characters). Every value is bounded, so a random model must finish well within
 # max_tokens: a "length" finish here would mean the grammar let it wander.
 SCHEMA = {
     "type": "object",
@@ -38,8 +38,9 @@ SCHEMA = {
                                                        "qty": {"type": "integer", "minimum": 1, "maximum": 99}},
                       "required": ["sku", "qty"]},
         },
+        "note": {"type": "string", "maxLength": 5},
     },
-    "required": ["id", "label", "tags", "owner", "items"],
+    "required": ["id", "label", "tags", "owner", "items", "note"],
 }
 CHOICES = ["positive", "negative", "neutral", 'n/a "quoted"', "größer"]
 REGEX = r"\d{4}-(0[1-9]|1[0-2])-[0-3]\d"
@@ -220,3 +221,25 @@ def test_length_bounded_strings_compile_to_valid_json_strings(tiny: LLM) -> None
     both = SamplingParams(max_tokens=8, json_schema={"type": "string", "pattern": "^[a-z]*$", "maxLength": 3})
     out = tiny.generate(["x"], both, use_tqdm=False)[0]
     assert out.finish_reason == "error" and out.error.startswith("json_schema: ") and "pattern" in out.error
+
+
+def test_masks_keep_byte_tokens_to_valid_utf8(tiny: LLM) -> None:
+    """xgrammar accepts overlong and surrogate UTF-8 (E0 80 AF, ED A0 80); random byte-level models emit them,
+    and they decode to U+FFFD. The mask allows after E0 only A0-BF, after ED only 80-9F, never C0/C1/F5-FF."""
+    import torch
+
+    from tokenmill.engine.sampler import SamplingRow
+    from tokenmill.engine.structured import GrammarCache, GrammarSpec, advance, apply_token_masks
+
+    cache = GrammarCache(tiny.tokenizer, tiny.engine.runner.vocab_size, sorted(tiny.engine.eos_ids))
+    spec = GrammarSpec.from_params(SamplingParams(json_schema={"type": "string"}))
+    rows = []
+    for lead in (None, 0xE0, 0xED):
+        constraint = cache.constraint(spec, sorted(tiny.engine.eos_ids))
+        advance([constraint], [ord('"')])
+        if lead is not None:
+            advance([constraint], [lead])
+        rows.append(SamplingRow(SamplingParams(), 0, 1, [1], [], constraint=constraint))
+    allowed = [set(torch.isfinite(row).nonzero()[:, 0].tolist()) for row in apply_token_masks(torch.zeros(3, 320), rows)]
+    assert {0xC0, 0xC1, 0xF5, 0xFF}.isdisjoint(allowed[0]) and {ord("a"), 0xE0, 0xED, 0xF0}.issubset(allowed[0])
+    assert allowed[1] == set(range(0xA0, 0xC0)) and allowed[2] == set(range(0x80, 0xA0))

@@ -82,9 +82,11 @@ class GrammarCache:
 
         self.vocab_size = vocab_size
         self.stop_ids = sorted(stop_ids)
-        self.info = _tokenizer_info(xgr, tokenizer, vocab_size, self.stop_ids)
+        self.info, vocab = _tokenizer_info(xgr, tokenizer, vocab_size, self.stop_ids)
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=2)
         self.scratch = xgr.allocate_token_bitmask(1, vocab_size)  # for completion checks (one thread owns the engine)
+        self.last_byte = [token[-1] if token else -1 for token in vocab]
+        self.after_lead = _after_lead_words(vocab, self.scratch.shape[1])
         self._compiled: dict[GrammarSpec, Any] = {}
         self._empty: dict[tuple[GrammarSpec, frozenset[int]], bool] = {}
         self._non_stop: dict[frozenset[int], np.ndarray] = {}
@@ -148,6 +150,7 @@ class Constraint:
         self.banned_ids = [] if stop_ids else list(cache.stop_ids)  # ignore_eos: the grammar may not stop
         self.matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=sorted(self.stop_ids))
         self.rejected_token: int | None = None
+        self.last_byte = -1  # of the output so far: restricts the next byte after some UTF-8 lead bytes
 
     @property
     def completed(self) -> bool:
@@ -186,6 +189,8 @@ def advance(constraints: Sequence[Constraint], token_ids: Sequence[int]) -> None
     for constraint, token_id, ok in zip(constraints, token_ids, accepted):
         if not ok and constraint.rejected_token is None:
             constraint.rejected_token = token_id
+        if token_id < len(constraint.cache.last_byte) and constraint.cache.last_byte[token_id] >= 0:
+            constraint.last_byte = constraint.cache.last_byte[token_id]
 
 
 def apply_token_masks(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -197,8 +202,12 @@ def apply_token_masks(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Te
     import xgrammar as xgr
 
     bitmask = xgr.allocate_token_bitmask(len(rows), logits.shape[1])
-    _batch_matcher().batch_fill_next_token_bitmask([rows[i].constraint.matcher for i in indices],  # type: ignore[union-attr]
-                                                   bitmask, indices)
+    constraints: list[Constraint] = [rows[i].constraint for i in indices]  # type: ignore[misc]
+    _batch_matcher().batch_fill_next_token_bitmask([c.matcher for c in constraints], bitmask, indices)
+    for i, constraint in zip(indices, constraints):
+        allowed = constraint.cache.after_lead.get(constraint.last_byte)
+        if allowed is not None:
+            bitmask[i] &= allowed
     xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), indices=indices)
     return logits
 
@@ -211,13 +220,40 @@ def _batch_matcher() -> Any:
     return xgr.BatchGrammarMatcher()
 
 
-def _tokenizer_info(xgr: Any, tokenizer: Any, vocab_size: int, stop_ids: list[int]) -> Any:
-    """xgrammar's view of the vocabulary, with special tokens (other than the stops) made unusable as text."""
+def _tokenizer_info(xgr: Any, tokenizer: Any, vocab_size: int, stop_ids: list[int]) -> tuple[Any, list[bytes]]:
+    """xgrammar's view of the vocabulary (and its token bytes): special tokens are made unusable as text, and
+    so are tokens that can never be part of valid UTF-8 (see `_utf8_invalid`)."""
     detected = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_ids or None)
     special = set(getattr(tokenizer, "all_special_ids", [])) | set(stop_ids)
-    vocab = [b"" if index in special else token for index, token in enumerate(detected.decoded_vocab)]
-    return xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=vocab_size, stop_token_ids=stop_ids or None,
+    vocab = [b"" if index in special or _utf8_invalid(token) else token for index, token in enumerate(detected.decoded_vocab)]
+    info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=vocab_size, stop_token_ids=stop_ids or None,
                              add_prefix_space=detected.add_prefix_space)
+    return info, vocab
+
+
+# xgrammar 0.2.9 decodes UTF-8 leniently: it accepts overlong forms (E0 80 AF for "/") and surrogates
+# (ED A0 80), which Python decodes to U+FFFD, so the text would no longer be what the grammar matched (a
+# maxLength would count three replacement characters). A real model practically never emits them, a random
+# byte-level one does. RFC 3629: these bytes never occur, and after these lead bytes the next byte is
+# restricted. Tokens holding a forbidden byte or pair are removed from the vocabulary; the pair across two
+# tokens is masked in `apply_token_masks` from the row's last byte.
+_NEVER_IN_UTF8 = frozenset([0xC0, 0xC1, *range(0xF5, 0x100)])
+_AFTER_LEAD = {0xE0: range(0xA0, 0xC0), 0xED: range(0x80, 0xA0), 0xF0: range(0x90, 0xC0), 0xF4: range(0x80, 0x90)}
+
+
+def _utf8_invalid(token: bytes) -> bool:
+    return any(b in _NEVER_IN_UTF8 for b in token) or any(
+        a in _AFTER_LEAD and b not in _AFTER_LEAD[a] for a, b in zip(token, token[1:]))
+
+
+def _after_lead_words(vocab: list[bytes], words: int) -> dict[int, torch.Tensor]:
+    """Per restricted lead byte: bitmask words of the tokens that may follow a text ending in that byte."""
+    out = {}
+    for lead, allowed_next in _AFTER_LEAD.items():
+        allowed = np.zeros(words * 32, dtype=bool)
+        allowed[[i for i, token in enumerate(vocab) if token and token[0] in allowed_next]] = True
+        out[lead] = torch.from_numpy(np.packbits(allowed, bitorder="little").view(np.int32).copy())
+    return out
 
 
 @functools.lru_cache(maxsize=256)
