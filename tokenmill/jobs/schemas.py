@@ -125,7 +125,7 @@ class Job(BaseModel):
 
     @field_serializer("sampling")
     def _dump_sampling(self, value: SamplingParams) -> dict[str, Any]:
-        return dataclasses.asdict(value)
+        return value.to_dict()
 
     @field_validator("output")
     @classmethod
