@@ -18,6 +18,9 @@ Decisions:
 * Special tokens (BOS, PAD, ...) are removed from the grammar's vocabulary: xgrammar would otherwise
   treat "<s>" as the text "<s>", which decoding with `skip_special_tokens` drops, and the text would no
   longer match the grammar.
+* Two xgrammar 0.2.9 flaws are worked around, each where its data lives: length-bounded strings are handed
+  over as patterns (`_bounded_strings_as_patterns`), and byte tokens are kept to valid UTF-8
+  (`_utf8_invalid`, `_AFTER_LEAD`).
 * Compiling happens at `add_request`, synchronously, and is cached by the grammar's text: in a batch job
   one schema serves the whole dataset. Compile errors are cached too, so a bad schema repeated in every
   job is rejected at dict-lookup cost.
