@@ -86,6 +86,14 @@ def test_choice_and_regex(llm: LLM) -> None:
     assert all(re.fullmatch(REGEX, o.text) and o.finish_reason == "stop" and o.parsed is None for o in dates)
 
 
+def test_stream_and_chat_take_constraints(tiny: LLM) -> None:
+    streamed = list(tiny.stream(random_prompts(6, 3, 20, seed=10), sampled(6, max_tokens=16, choice=CHOICES)))
+    assert sorted(int(o.request_id) for o in streamed) == list(range(6)) and all(o.text in CHOICES for o in streamed)
+    chats = tiny.chat([[{"role": "user", "content": f"rate {i}"}] for i in range(4)],
+                      sampled(4, max_tokens=192, json_schema=SCHEMA), use_tqdm=False)
+    assert all(o.finish_reason == "stop" and jsonschema.validate(o.parsed, SCHEMA) is None for o in chats)
+
+
 def test_json_object_is_an_object_and_compact(tiny: LLM) -> None:
     outs = tiny.generate(random_prompts(40, 3, 20, seed=3), sampled(40, max_tokens=48, json_object=True), use_tqdm=False)
     done = [o for o in outs if o.finish_reason == "stop"]
@@ -123,15 +131,20 @@ def test_greedy_is_deterministic_and_seeded_is_the_same_alone_and_in_a_batch_of_
         assert len(alone.logprobs) == len(alone.token_ids)  # logprobs work under the mask
 
 
-def test_preemption_with_a_small_kv_pool_gives_the_same_outputs() -> None:
-    prompts = random_prompts(16, 20, 60, seed=6)
+def test_preemption_prefix_caching_and_chunked_prefill_give_the_same_outputs() -> None:
+    """A small KV pool (preemptions, recomputation), a shared prompt prefix (prefix-cache hits) and a 64-token
+    budget (chunked prefill) against a large pool without prefix caching: the same tokens, all valid."""
+    shared = random_prompts(1, 40, 40, seed=60)[0]
+    prompts = [shared + tail for tail in random_prompts(16, 4, 30, seed=6)]
     params = [SamplingParams(max_tokens=128, temperature=0.0 if i % 3 == 0 else 1.0, seed=i,
                              **({"json_schema": SCHEMA} if i % 2 else {"regex": REGEX + r"( [a-z]{1,20}){0,4}"}))
               for i in range(16)]
-    large = LLM("builtin:tiny", num_kv_blocks=512, block_size=4).generate(prompts, params, use_tqdm=False)
-    small_llm = LLM("builtin:tiny", num_kv_blocks=48, block_size=4, max_num_batched_tokens=64)
+    plain = LLM("builtin:tiny", num_kv_blocks=512, block_size=4, enable_prefix_caching=False)
+    large = plain.generate(prompts, params, use_tqdm=False)
+    small_llm = LLM("builtin:tiny", num_kv_blocks=64, block_size=4, max_num_batched_tokens=64)
     small = small_llm.generate(prompts, params, use_tqdm=False)
-    assert small_llm.engine.stats().num_preemptions > 0
+    stats = small_llm.engine.stats()
+    assert stats.num_preemptions > 0 and stats.num_prefix_hit_tokens > 0
     assert [o.token_ids for o in small] == [o.token_ids for o in large]
     assert all(o.constraint_satisfied for o in small if o.finish_reason == "stop")
 
