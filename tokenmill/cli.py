@@ -57,6 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--dtype", default="auto")
+    structured = gen.add_mutually_exclusive_group()
+    structured.add_argument("--json-schema", metavar="FILE|JSON", help="force a JSON value matching this schema (a file or inline JSON)")
+    structured.add_argument("--choice", metavar="A,B,C", help="force the completion to be exactly one of these comma-separated strings")
+    structured.add_argument("--regex", metavar="R", help="force the whole completion to match this regular expression")
+    structured.add_argument("--json-object", action="store_true", help="force any JSON object")
     worker = commands.add_parser("worker", help="run a queue worker (Celery on Redis)")
     _add_settings_flags(worker)
     _add_dead_letter_commands(commands)
@@ -149,7 +154,8 @@ def _generate(args: argparse.Namespace) -> int:
     from tokenmill.errors import InvalidRequestError
 
     try:  # checked before the model loads, so a typo fails at once
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                                **_structured_options(args))
     except InvalidRequestError as exc:
         print(f"tokenmill generate: --{exc.field.replace('_', '-')}: {exc.message}", file=sys.stderr)
         return 2
@@ -162,8 +168,30 @@ def _generate(args: argparse.Namespace) -> int:
         line = {"index": index, "prompt": prompt, "text": out.text, "token_ids": list(out.token_ids), "finish_reason": out.finish_reason}
         if getattr(out, "error", None):
             line["error"] = out.error
+        if out.constraint_satisfied is not None:
+            line.update(constraint_satisfied=out.constraint_satisfied, parsed=out.parsed)
         print(json.dumps(line), flush=True)
     return 0
+
+
+def _structured_options(args: argparse.Namespace) -> dict[str, Any]:
+    """--json-schema (a file, or inline JSON when it is not a file), --choice a,b,c, --regex, --json-object."""
+    from tokenmill.errors import InvalidRequestError
+
+    options: dict[str, Any] = {}
+    if args.json_schema is not None:
+        inline = args.json_schema.lstrip().startswith("{")
+        path = Path(args.json_schema)
+        if not inline and not path.is_file():
+            raise InvalidRequestError("json_schema", f"{args.json_schema!r} is neither a file nor inline JSON")
+        options["json_schema"] = args.json_schema if inline else path.read_text()
+    if args.choice is not None:
+        options["choice"] = [c for c in args.choice.split(",")]
+    if args.regex is not None:
+        options["regex"] = args.regex
+    if args.json_object:
+        options["json_object"] = True
+    return options
 
 
 def _read_prompts(path: Path) -> list[str]:

@@ -53,3 +53,18 @@ def test_worker_flags_override_environment(monkeypatch: pytest.MonkeyPatch) -> N
     assert settings.broker_url == "redis://from-flag:6379/1"
     assert settings.queues == ["a", "b"] and settings.visibility_timeout == 7
     assert settings.max_num_seqs == 8 and settings.in_flight_capacity == 10
+
+
+def test_generate_structured_outputs(tmp_path: Path) -> None:
+    schema = {"type": "object", "properties": {"label": {"enum": ["cat", "dog"]}, "n": {"type": "integer", "minimum": 0,
+              "maximum": 99}}, "required": ["label", "n"]}
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+    lines = _generate("--prompt", "a", "--prompt", "b", "--temperature", "1", "--seed", "1", "--max-tokens", "40",
+                      "--json-schema", str(tmp_path / "schema.json"))
+    assert all(line["constraint_satisfied"] and line["parsed"] == json.loads(line["text"]) for line in lines)
+    assert all(line["parsed"]["label"] in ("cat", "dog") and 0 <= line["parsed"]["n"] <= 99 for line in lines)
+    for flags, named in ((["--choice", "a,,b"], "--choice"), (["--regex", "(x"], "--regex"),
+                         (["--json-schema", '{"type": 5}'], "--json-schema")):
+        done = subprocess.run([sys.executable, "-m", "tokenmill.cli", "generate", *flags], cwd=REPO,
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2 and named in done.stderr, done.stderr

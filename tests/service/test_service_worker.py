@@ -254,3 +254,31 @@ def test_logs_never_contain_prompt_text(service: Service) -> None:
     log = service.worker.log_text()
     assert ok.id in log or failing.id in log  # the log does talk about these jobs...
     assert secret not in log  # ...but never quotes them
+
+
+def test_structured_outputs_through_the_queue(service: Service, reference: object) -> None:
+    """json_schema / choice / regex travel as job fields (Client.submit, Celery kwargs); the result carries
+    the parsed JSON; what the client can check is refused before queueing, what only xgrammar can check
+    fails that job with the field named."""
+    import pydantic
+
+    from tokenmill.errors import InvalidRequestError
+
+    class Label(pydantic.BaseModel):
+        label: str = pydantic.Field(json_schema_extra={"enum": ["cat", "dog"]})
+        score: int = pydantic.Field(ge=0, le=9)
+
+    result = service.client.submit(prompt="label this", max_tokens=48, temperature=0.0, json_schema=Label).result(timeout=60)
+    expected = reference.generate(["label this"], SamplingParams(max_tokens=48, temperature=0.0, json_schema=Label),
+                                  use_tqdm=False)[0]
+    assert result.text == expected.text and result.constraint_satisfied is True
+    assert result.parsed == json.loads(result.text) and Label.model_validate(result.parsed)
+    app = create_app(QueueSettings(broker_url=service.redis.url))
+    picked = app.send_task(TASK_NAME, kwargs={"prompt": "pick", "max_tokens": 8, "choice": ["yes", "no"]}).get(timeout=60)
+    assert picked["text"] in ("yes", "no") and picked["constraint_satisfied"] is True and picked["parsed"] is None
+    with pytest.raises(InvalidRequestError) as error:
+        service.client.submit(prompt="x", regex="(unclosed")
+    assert error.value.field == "regex"
+    with pytest.raises(JobFailedError, match="regex") as failed:
+        service.client.submit(prompt="x", regex=r"(a)\1").result(timeout=60)  # Python compiles it, xgrammar cannot
+    assert (failed.value.result.error.code, failed.value.result.error.field) == ("invalid_request", "regex")

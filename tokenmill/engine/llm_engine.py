@@ -6,6 +6,7 @@ import random
 import time
 import traceback
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -15,6 +16,7 @@ from tokenmill.engine.loader import load
 from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.engine.sampler import SampleResult, SamplingRow
 from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.engine.structured import Constraint, GrammarCache, GrammarSpec, advance
 from tokenmill.errors import InvalidRequestError
 from tokenmill.scheduler.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from tokenmill.scheduler.sequence import Sequence
@@ -37,6 +39,10 @@ class RequestOutput:
     first_token_time: float | None = None
     finished_time: float = 0.0
     error: str | None = None
+    # Structured outputs: whether the text matches the request's grammar (None: no constraint; False:
+    # cut by max_tokens or a stop string), and the JSON value for json_schema/json_object when it does.
+    constraint_satisfied: bool | None = None
+    parsed: Any = None
 
 
 @dataclass
@@ -60,6 +66,7 @@ class _Request:
     first_token_time: float | None = None
     logprobs: list[dict] = field(default_factory=list)
     text: str | None = None  # set when a stop string cut the text short
+    constraint: Constraint | None = None  # the grammar of a structured-output request
 
 
 class LLMEngine:
@@ -84,6 +91,7 @@ class LLMEngine:
         self.requests: dict[str, _Request] = {}
         self._seed_source = random.Random(self.config.seed)
         self._totals = {"prompt": 0, "generated": 0, "preempted": 0, "steps": 0}
+        self._grammars: GrammarCache | None = None  # built on the first structured request
 
     def _max_model_len(self) -> int:
         """The configured length, capped by the model's positions and any sliding window (beyond which our
@@ -127,11 +135,12 @@ class LLMEngine:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
         token_ids = self.tokenize(prompt)
         self._check_prompt(token_ids)
+        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
+        constraint = self._constraint(params, stop_ids)
         seq = Sequence(request_id, token_ids, params)
         self.scheduler.add(seq)
         seed = params.seed if params.seed is not None else self._seed_source.getrandbits(63)
-        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
-        self.requests[request_id] = _Request(seq, seed, stop_ids)
+        self.requests[request_id] = _Request(seq, seed, stop_ids, constraint=constraint)
         self._totals["prompt"] += len(token_ids)
 
     def _check_prompt(self, token_ids: list[int]) -> None:
@@ -142,6 +151,18 @@ class LLMEngine:
                 raise InvalidRequestError(
                     "prompt_token_ids", f"token {token!r} at index {index} is outside the vocabulary [0, {self.runner.vocab_size})"
                 )
+
+    def _constraint(self, params: SamplingParams, stop_ids: frozenset[int]) -> Constraint | None:
+        """The request's grammar matcher (compiled once per distinct grammar), or None for free text."""
+        spec = GrammarSpec.from_params(params)
+        if spec is None:
+            return None
+        if self._grammars is None:
+            try:
+                self._grammars = GrammarCache(self.tokenizer, self.runner.vocab_size, self.eos_ids)
+            except ImportError as exc:
+                raise InvalidRequestError(spec.field, f"structured outputs need the xgrammar package ({exc})") from None
+        return self._grammars.constraint(spec, sorted(stop_ids))
 
     def abort_request(self, request_id: str) -> None:
         request = self.requests.pop(request_id, None)
@@ -166,6 +187,7 @@ class LLMEngine:
         result, failed = self._execute(batch)
         self._totals["steps"] += 1
         grown = self.scheduler.update(batch, result.token_ids)
+        self._advance_grammars(grown)
         now = time.time()
         finished = [self._fail(seq, error, now) for seq, error in failed]
         for seq, logprobs in zip(grown, result.logprobs):
@@ -223,15 +245,25 @@ class LLMEngine:
         return RequestOutput(seq.request_id, seq.prompt_token_ids, seq.output_token_ids, "", "error",
                              arrival_time=request.arrival_time, finished_time=now, error=str(error))
 
+    def _advance_grammars(self, grown: list[Sequence]) -> None:
+        constraints = [(c, seq.token_ids[-1]) for seq in grown if (c := self.requests[seq.request_id].constraint)]
+        if constraints:
+            advance(*zip(*constraints))
+
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
         request = self.requests[seq.request_id]
         below_min = seq.num_output_tokens < seq.params.min_tokens
-        return SamplingRow(seq.params, request.seed, seq.num_output_tokens, seq.token_ids,
-                           sorted(request.stop_ids) if below_min else [])
+        suppressed = sorted(request.stop_ids) if below_min else []
+        if request.constraint is not None:
+            suppressed += request.constraint.banned_ids
+        return SamplingRow(seq.params, request.seed, seq.num_output_tokens, seq.token_ids, suppressed,
+                           constraint=request.constraint)
 
     def _finish_reason(self, request: _Request) -> str | None:
         seq, params = request.seq, request.seq.params
-        if seq.num_output_tokens < params.min_tokens:
+        # A complete grammar after which only a stop token could follow ends the sequence, min_tokens or not.
+        grammar_done = request.constraint is not None and request.constraint.done
+        if seq.num_output_tokens < params.min_tokens and not grammar_done:
             return None
         if seq.token_ids[-1] in request.stop_ids:
             return "stop"
@@ -241,6 +273,8 @@ class LLMEngine:
             if hits:
                 request.text = text[: min(hits)]
                 return "stop"
+        if grammar_done:
+            return "error" if request.constraint.error() else "stop"  # type: ignore[union-attr]
         if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
         return None
@@ -249,18 +283,23 @@ class LLMEngine:
         return self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=seq.params.skip_special_tokens)
 
     def _output(self, request: _Request, now: float, reason: str) -> RequestOutput:
-        seq = request.seq
+        seq, constraint = request.seq, request.constraint
+        text = request.text if request.text is not None else self._decode(seq)
+        satisfied = None if constraint is None else constraint.completed and request.text is None
         return RequestOutput(
             request_id=seq.request_id,
             prompt_token_ids=seq.prompt_token_ids,
             token_ids=seq.output_token_ids,
-            text=request.text if request.text is not None else self._decode(seq),
+            text=text,
             finish_reason=reason,
             logprobs=request.logprobs if seq.params.logprobs is not None else None,
             num_cached_tokens=seq.num_cached_tokens,
             arrival_time=request.arrival_time,
             first_token_time=request.first_token_time,
             finished_time=now,
+            error=constraint.error() if constraint is not None else None,
+            constraint_satisfied=satisfied,
+            parsed=constraint.parse(text) if satisfied else None,
         )
 
     def stats(self) -> EngineStats:

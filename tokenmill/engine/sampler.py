@@ -9,10 +9,15 @@ which picks token i with probability p_i.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.engine.structured import apply_token_masks
+
+if TYPE_CHECKING:
+    from tokenmill.engine.structured import Constraint
 
 _MASK32 = 0xFFFFFFFF
 _INT64_SPAN = 1 << 64
@@ -28,6 +33,7 @@ class SamplingRow:
     num_output_tokens: int
     token_ids: list[int]  # prompt + output so far, for the repetition penalty
     suppressed_ids: list[int]  # EOS/stop ids banned while min_tokens is not reached
+    constraint: Constraint | None = None  # structured output: the grammar masks the logits first
 
 
 @dataclass
@@ -61,7 +67,9 @@ def exponential_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: 
     token_key = hash32(torch.arange(vocab_size, device=device, dtype=torch.int64) * 0x9E3779B1 & _MASK32)
     bits = hash32(row_key[:, None] ^ token_key[None, :]) >> 8  # 24 uniform bits
     uniform = (bits.to(torch.float32) + 0.5) * (1.0 / (1 << 24))
-    return -torch.log(uniform)
+    # The top draw rounds to 1.0 in float32, so E would be 0 and a masked token's p / E = 0 / 0 = NaN,
+    # which argmax picks (seen under grammar masks, about once per 2**24 draws): keep E > 0.
+    return (-torch.log(uniform)).clamp_min_(torch.finfo(torch.float32).tiny)
 
 
 class Sampler:
@@ -70,6 +78,7 @@ class Sampler:
         params = [row.params for row in rows]
         want_logprobs = [p.logprobs for p in params]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(n is not None for n in want_logprobs) else None
+        logits = apply_token_masks(logits, rows)  # before every other filter; logprobs stay the model's
         logits = self._suppress(logits, rows)
         logits = self._penalise(logits, rows)
         greedy = torch.tensor([p.greedy for p in params], device=logits.device)

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import functools
+import json
 import math
+import re
+import warnings
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 from tokenmill.errors import InvalidRequestError
 
@@ -39,6 +44,11 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    # Structured output: at most one of these (see `structured`).
+    json_schema: dict[str, Any] | str | None = None
+    choice: list[str] | None = None
+    regex: str | None = None
+    json_object: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -46,6 +56,7 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self._check()
+        _check_structured(self)
 
     @classmethod
     def from_dict(cls, values: dict) -> SamplingParams:
@@ -80,9 +91,23 @@ class SamplingParams:
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequestError(name, f"must be a boolean, got {getattr(self, name)!r}")
 
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as a plain dict, for the wire. Shallow on purpose: `dataclasses.asdict` deep-copies every
+        value and was the largest cost of validating a job (`Client.submit_many`)."""
+        return {name: getattr(self, name) for name in _FIELD_NAMES}
+
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def structured(self) -> tuple[str, Any] | None:
+        """The structured-output option as (field name, value), or None for free text."""
+        for name in STRUCTURED_FIELDS:
+            value = getattr(self, name)
+            if value is not None and value is not False:
+                return name, value
+        return None
 
 
 def _int(params: SamplingParams, name: str, low: int | None = None, high: int | None = None) -> None:
@@ -104,3 +129,83 @@ def _float(params: SamplingParams, name: str, low: float, high: float | None = N
     if high is not None and value > high:
         raise InvalidRequestError(name, f"must be <= {high}, got {value}")
     setattr(params, name, float(value))
+
+
+_FIELD_NAMES = tuple(f.name for f in fields(SamplingParams))
+STRUCTURED_FIELDS = ("json_schema", "choice", "regex", "json_object")
+
+
+def _check_structured(params: SamplingParams) -> None:
+    """What can be checked without the model's tokenizer: JSON Schema against its metaschema (the
+    `jsonschema` package), choice shape, regex syntax (Python `re`). The engine compiles the grammar
+    with xgrammar too and rejects what that cannot handle (e.g. a lookahead) with the same field name."""
+    given = [name for name in STRUCTURED_FIELDS if getattr(params, name) not in (None, False)]
+    if len(given) > 1:
+        raise InvalidRequestError(given[-1], f"at most one of {', '.join(STRUCTURED_FIELDS)} may be given (got {' and '.join(given)})")
+    if not isinstance(params.json_object, bool):
+        raise InvalidRequestError("json_object", f"must be a boolean, got {params.json_object!r}")
+    if params.json_schema is not None:
+        params.json_schema = _schema_dict(params.json_schema)
+    if params.choice is not None:
+        params.choice = _choice_list(params.choice)
+    if params.regex is not None:
+        _check_regex(params.regex)
+
+
+def _schema_dict(schema: Any) -> dict[str, Any]:
+    """A JSON Schema as a dict: given as a dict, a JSON string, or a pydantic model class."""
+    if isinstance(schema, type) and hasattr(schema, "model_json_schema"):
+        schema = schema.model_json_schema()
+    elif isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError as exc:
+            raise InvalidRequestError("json_schema", f"is not valid JSON: {exc}") from None
+    if not isinstance(schema, dict):
+        raise InvalidRequestError("json_schema", f"must be a JSON Schema object (a dict, JSON string or pydantic model class), got {type(schema).__name__}")
+    try:
+        text = json.dumps(schema)
+    except (TypeError, ValueError) as exc:
+        raise InvalidRequestError("json_schema", f"is not JSON-serialisable: {exc}") from None
+    error = _schema_error(text)
+    if error is not None:
+        raise InvalidRequestError("json_schema", error)
+    return schema
+
+
+@functools.lru_cache(maxsize=256)
+def _schema_error(text: str) -> str | None:
+    """The metaschema check, cached by the schema's text: a job is validated at the client, the worker and
+    the engine process, and a dataset's jobs usually share one schema."""
+    from jsonschema.exceptions import SchemaError  # imported only when a schema is given
+    from jsonschema.validators import Draft202012Validator, validator_for
+
+    schema = json.loads(text)
+    try:
+        validator_for(schema, default=Draft202012Validator).check_schema(schema)
+    except SchemaError as exc:
+        where = "/".join(str(part) for part in exc.path)
+        return f"is not a valid JSON Schema{f' at {where}' if where else ''}: {exc.message}"
+    return None
+
+
+def _choice_list(choice: Any) -> list[str]:
+    if isinstance(choice, str) or not isinstance(choice, (list, tuple)):
+        raise InvalidRequestError("choice", f"must be a list of strings, got {type(choice).__name__}")
+    if not choice:
+        raise InvalidRequestError("choice", "must not be empty")
+    for index, item in enumerate(choice):
+        if not isinstance(item, str) or not item:
+            raise InvalidRequestError(f"choice[{index}]", f"must be a non-empty string, got {item!r}")
+    return list(choice)
+
+
+def _check_regex(pattern: Any) -> None:
+    if not isinstance(pattern, str) or not pattern:
+        raise InvalidRequestError("regex", f"must be a non-empty string, got {pattern!r}")
+    try:
+        with warnings.catch_warnings():  # e.g. "possible nested set": valid, and xgrammar decides in the end
+            warnings.simplefilter("ignore")
+            re.compile(pattern)
+    except re.error as exc:
+        raise InvalidRequestError("regex", f"does not compile: {exc}") from None

@@ -126,7 +126,7 @@ class Job(BaseModel):
 
     @field_serializer("sampling")
     def _dump_sampling(self, value: SamplingParams) -> dict[str, Any]:
-        return dataclasses.asdict(value)
+        return value.to_dict()
 
     @field_validator("metadata", mode="after")
     @classmethod
@@ -239,6 +239,8 @@ class JobResult(BaseModel):
     token_ids: list[int] | None = None
     finish_reason: str | None = None  # "stop" (EOS, stop token or string) or "length"
     logprobs: list[Any] | None = None
+    parsed: Any = None  # json_schema / json_object: the completion's JSON value, when it satisfies the constraint
+    constraint_satisfied: bool | None = None  # structured outputs: False when cut by max_tokens or a stop string
     usage: Usage | None = None
     queued_at: Timestamp = None
     started_at: Timestamp = None
@@ -262,7 +264,8 @@ class JobResult(BaseModel):
 
     def stub(self, output_uri: str) -> JobResult:
         """The Redis copy of a result whose full JSON lives at `output_uri`."""
-        return self.model_copy(update={"output_uri": output_uri, "text": None, "token_ids": None, "logprobs": None})
+        return self.model_copy(update={"output_uri": output_uri, "text": None, "token_ids": None, "logprobs": None,
+                                       "parsed": None})
 
     def to_wire(self) -> dict[str, Any]:
         return self.model_dump(mode="json")

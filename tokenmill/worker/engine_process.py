@@ -60,6 +60,8 @@ class EngineOutput:
     logprobs: list[Any] | None
     first_token_time: float | None
     finished_time: float
+    parsed: Any = None
+    constraint_satisfied: bool | None = None
 
 
 @dataclass
@@ -364,6 +366,8 @@ def _output_fields(output: Any) -> dict[str, Any]:
         "logprobs": output.logprobs,
         "first_token_time": output.first_token_time,
         "finished_time": output.finished_time,
+        "parsed": output.parsed,
+        "constraint_satisfied": output.constraint_satisfied,
     }
 
 

@@ -270,6 +270,8 @@ def _result_from_output(job: Job, run: _Attempt, output: Any, worker: str) -> Jo
         token_ids=list(output.token_ids),
         finish_reason=output.finish_reason,
         logprobs=output.logprobs if job.sampling.logprobs is not None else None,
+        parsed=output.parsed,
+        constraint_satisfied=output.constraint_satisfied,
         usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens),
         first_token_at=output.first_token_time,
         attempt=run.attempt,

@@ -1,0 +1,296 @@
+"""Structured outputs: grammar-constrained decoding with xgrammar.
+
+A request with `json_schema`, `choice`, `regex` or `json_object` gets a `Constraint`: an xgrammar
+`GrammarMatcher` over a grammar compiled once per engine (`GrammarCache`). Each step the sampler asks the
+constrained rows, and only those, for a token bitmask and sets every other logit to -inf before any
+sampling filter (`apply_token_masks`), so greedy, seeds, penalties, top-k/p and min-p all act on the
+allowed tokens only; the engine then advances the matcher with the sampled token. Unconstrained rows pay a
+list scan, nothing more.
+
+Decisions:
+* JSON is compact (`any_whitespace=False`, separators "," and ":"): a weak or random model cannot spend its
+  `max_tokens` on free whitespace, and every completion has one canonical spelling.
+* `choice` is an EBNF alternation of the literal strings (JSON string escaping, which xgrammar's EBNF
+  literals share), so any character in a choice is matched literally.
+* A sequence finishes as soon as the grammar is complete and only a stop token could follow (the
+  closing brace of an object, the last character of a choice): the step that would only sample EOS is
+  saved. Where the grammar could go on (`\\d+`), the model decides between more and a stop token.
+* Special tokens (BOS, PAD, ...) are removed from the grammar's vocabulary: xgrammar would otherwise
+  treat "<s>" as the text "<s>", which decoding with `skip_special_tokens` drops, and the text would no
+  longer match the grammar.
+* Two xgrammar 0.2.9 flaws are worked around, each where its data lives: length-bounded strings are handed
+  over as patterns (`_bounded_strings_as_patterns`), and byte tokens are kept to valid UTF-8
+  (`_utf8_invalid`, `_AFTER_LEAD`).
+* Compiling happens at `add_request`, synchronously, and is cached by the grammar's text: in a batch job
+  one schema serves the whole dataset. Compile errors are cached too, so a bad schema repeated in every
+  job is rejected at dict-lookup cost.
+
+xgrammar is imported on first use, so an engine that never sees a structured request does not load it.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from tokenmill.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from tokenmill.engine.sampler import SamplingRow
+    from tokenmill.engine.sampling_params import SamplingParams
+
+#: Compact JSON separators (item, key), as `json.dumps(separators=...)`.
+JSON_SEPARATORS = (",", ":")
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """A grammar in the form it is compiled from; equal specs share one compiled grammar."""
+
+    field: str  # the SamplingParams field it came from, named in errors
+    kind: str  # "json_schema" | "json_object" | "regex" | "ebnf"
+    source: str
+
+    @classmethod
+    def from_params(cls, params: SamplingParams) -> GrammarSpec | None:
+        structured = params.structured
+        if structured is None:
+            return None
+        name, value = structured
+        if name == "json_schema":
+            return cls(name, "json_schema", _xgrammar_schema(json.dumps(value)))  # key order kept: it is the output's
+        if name == "json_object":
+            return cls(name, "json_object", '{"type": "object"}')
+        if name == "regex":
+            return cls(name, "regex", value)
+        alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in dict.fromkeys(value))
+        return cls(name, "ebnf", f"root ::= {alternatives}")
+
+    @property
+    def is_json(self) -> bool:
+        return self.kind in ("json_schema", "json_object")
+
+
+class GrammarCache:
+    """One per engine: the tokenizer's vocabulary as xgrammar sees it, a compiler, and compiled grammars."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_ids: Sequence[int]) -> None:
+        import xgrammar as xgr
+
+        self.vocab_size = vocab_size
+        self.stop_ids = sorted(stop_ids)
+        self.info, vocab = _tokenizer_info(xgr, tokenizer, vocab_size, self.stop_ids)
+        self.compiler = xgr.GrammarCompiler(self.info, max_threads=2)
+        self.scratch = xgr.allocate_token_bitmask(1, vocab_size)  # for completion checks (one thread owns the engine)
+        self.last_byte = [token[-1] if token else -1 for token in vocab]
+        self.after_lead = _after_lead_words(vocab, self.scratch.shape[1])
+        self._compiled: dict[GrammarSpec, Any] = {}
+        self._empty: dict[tuple[GrammarSpec, frozenset[int]], bool] = {}
+        self._non_stop: dict[frozenset[int], np.ndarray] = {}
+
+    def compile(self, spec: GrammarSpec) -> Any:
+        """The compiled grammar for `spec`, or InvalidRequestError naming its field. Cached either way."""
+        compiled = self._compiled.get(spec)
+        if compiled is None:
+            try:
+                compiled = self._compile(spec)
+            except Exception as exc:  # xgrammar raises RuntimeError/ValueError with its parser's message
+                compiled = InvalidRequestError(spec.field, f"cannot be compiled into a grammar: {_message(exc)}")
+            self._compiled[spec] = compiled
+        if isinstance(compiled, InvalidRequestError):
+            raise compiled
+        return compiled
+
+    def _compile(self, spec: GrammarSpec) -> Any:
+        if spec.kind == "json_schema":
+            return self.compiler.compile_json_schema(spec.source, any_whitespace=False, separators=JSON_SEPARATORS)
+        if spec.kind == "json_object":  # any object: properties beyond the (empty) schema are allowed
+            return self.compiler.compile_json_schema(spec.source, any_whitespace=False, separators=JSON_SEPARATORS,
+                                                     strict_mode=False)
+        if spec.kind == "regex":
+            return self.compiler.compile_regex(spec.source)
+        return self.compiler.compile_grammar(spec.source)
+
+    def constraint(self, spec: GrammarSpec, stop_ids: Sequence[int]) -> Constraint:
+        """A fresh matcher for one request. `stop_ids` are the tokens that end it (the engine's EOS ids
+        unless the request has its own); empty means the request ignores EOS, so the grammar's stops are
+        banned and the request ends when nothing else can follow or at max_tokens."""
+        constraint = Constraint(self, spec, self.compile(spec), stop_ids)
+        key = (spec, constraint.stop_ids)
+        if key not in self._empty:  # every fresh matcher of a grammar starts in the same state
+            self._empty[key] = constraint.only_stops_allowed()
+        if self._empty[key]:
+            raise InvalidRequestError(spec.field, "matches only the empty string")
+        return constraint
+
+    def non_stop_words(self, stop_ids: frozenset[int]) -> np.ndarray:
+        """Bitmask words with a bit for every token in the vocabulary that is not one of `stop_ids`."""
+        words = self._non_stop.get(stop_ids)
+        if words is None:
+            allowed = np.ones(self.scratch.shape[1] * 32, dtype=bool)
+            allowed[self.vocab_size:] = False
+            allowed[list(stop_ids)] = False
+            words = np.packbits(allowed, bitorder="little").view(np.int32)
+            self._non_stop[stop_ids] = words
+        return words
+
+
+class Constraint:
+    """One request's grammar state: its matcher, advanced by each sampled token (`advance`)."""
+
+    def __init__(self, cache: GrammarCache, spec: GrammarSpec, compiled: Any, stop_ids: Sequence[int]) -> None:
+        import xgrammar as xgr
+
+        self.cache = cache
+        self.spec = spec
+        self.stop_ids = frozenset(stop_ids or cache.stop_ids)
+        self.banned_ids = [] if stop_ids else list(cache.stop_ids)  # ignore_eos: the grammar may not stop
+        self.matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=sorted(self.stop_ids))
+        self.rejected_token: int | None = None
+        self.last_byte = -1  # of the output so far: restricts the next byte after some UTF-8 lead bytes
+
+    @property
+    def completed(self) -> bool:
+        """The output so far is a complete match (a stop token may or may not have been accepted)."""
+        return self.rejected_token is None and (self.matcher.is_terminated() or self.matcher.is_completed())
+
+    @property
+    def done(self) -> bool:
+        """Nothing but a stop token can follow (or the grammar was broken): the sequence ends now."""
+        return self.rejected_token is not None or self.matcher.is_terminated() or (
+            self.matcher.is_completed() and self.only_stops_allowed())
+
+    def only_stops_allowed(self) -> bool:
+        """Asked only where the grammar is complete: at the end of a JSON value or choice, once; after every
+        token of an open-ended match such as `\\d+`."""
+        self.matcher.fill_next_token_bitmask(self.cache.scratch, 0)
+        return not np.any(self.cache.scratch.numpy()[0] & self.cache.non_stop_words(self.stop_ids))
+
+    def error(self) -> str | None:
+        if self.rejected_token is None:
+            return None
+        return f"{self.spec.field}: the grammar rejected sampled token {self.rejected_token}"
+
+    def parse(self, text: str) -> Any:
+        """The JSON value of a JSON-constrained output (complete by the caller's check). `raw_decode`
+        because a sampled stop token may trail the value in the text (`skip_special_tokens=False`)."""
+        return json.JSONDecoder().raw_decode(text)[0] if self.spec.is_json else None
+
+
+def advance(constraints: Sequence[Constraint], token_ids: Sequence[int]) -> None:
+    """Advance each matcher by its row's sampled token, all in one call into xgrammar. The mask makes a
+    rejection impossible short of a bug; if one happens the request ends with an error, never off-grammar."""
+    import xgrammar as xgr
+
+    accepted = xgr.BatchGrammarMatcher.batch_accept_token([c.matcher for c in constraints], list(token_ids))
+    for constraint, token_id, ok in zip(constraints, token_ids, accepted):
+        if not ok and constraint.rejected_token is None:
+            constraint.rejected_token = token_id
+        if token_id < len(constraint.cache.last_byte) and constraint.cache.last_byte[token_id] >= 0:
+            constraint.last_byte = constraint.cache.last_byte[token_id]
+
+
+def apply_token_masks(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """The sampler's hook: -inf on every token the grammar of a constrained row does not allow.
+    Called before any other logits processing; rows without a constraint are not touched."""
+    indices = [i for i, row in enumerate(rows) if row.constraint is not None]
+    if not indices:
+        return logits
+    import xgrammar as xgr
+
+    bitmask = xgr.allocate_token_bitmask(len(rows), logits.shape[1])
+    constraints: list[Constraint] = [rows[i].constraint for i in indices]  # type: ignore[misc]
+    _batch_matcher().batch_fill_next_token_bitmask([c.matcher for c in constraints], bitmask, indices)
+    for i, constraint in zip(indices, constraints):
+        allowed = constraint.cache.after_lead.get(constraint.last_byte)
+        if allowed is not None:
+            bitmask[i] &= allowed
+    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), indices=indices)
+    return logits
+
+
+@functools.cache
+def _batch_matcher() -> Any:
+    """xgrammar's batch filler: one call for all constrained rows (threads: half the cores, xgrammar's default)."""
+    import xgrammar as xgr
+
+    return xgr.BatchGrammarMatcher()
+
+
+def _tokenizer_info(xgr: Any, tokenizer: Any, vocab_size: int, stop_ids: list[int]) -> tuple[Any, list[bytes]]:
+    """xgrammar's view of the vocabulary (and its token bytes): special tokens are made unusable as text, and
+    so are tokens that can never be part of valid UTF-8 (see `_utf8_invalid`)."""
+    detected = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_ids or None)
+    special = set(getattr(tokenizer, "all_special_ids", [])) | set(stop_ids)
+    vocab = [b"" if index in special or _utf8_invalid(token) else token for index, token in enumerate(detected.decoded_vocab)]
+    info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=vocab_size, stop_token_ids=stop_ids or None,
+                             add_prefix_space=detected.add_prefix_space)
+    return info, vocab
+
+
+# xgrammar 0.2.9 decodes UTF-8 leniently: it accepts overlong forms (E0 80 AF for "/") and surrogates
+# (ED A0 80), which Python decodes to U+FFFD, so the text would no longer be what the grammar matched (a
+# maxLength would count three replacement characters). A real model practically never emits them, a random
+# byte-level one does. RFC 3629: these bytes never occur, and after these lead bytes the next byte is
+# restricted. Tokens holding a forbidden byte or pair are removed from the vocabulary; the pair across two
+# tokens is masked in `apply_token_masks` from the row's last byte.
+_NEVER_IN_UTF8 = frozenset([0xC0, 0xC1, *range(0xF5, 0x100)])
+_AFTER_LEAD = {0xE0: range(0xA0, 0xC0), 0xED: range(0x80, 0xA0), 0xF0: range(0x90, 0xC0), 0xF4: range(0x80, 0x90)}
+
+
+def _utf8_invalid(token: bytes) -> bool:
+    return any(b in _NEVER_IN_UTF8 for b in token) or any(
+        a in _AFTER_LEAD and b not in _AFTER_LEAD[a] for a, b in zip(token, token[1:]))
+
+
+def _after_lead_words(vocab: list[bytes], words: int) -> dict[int, torch.Tensor]:
+    """Per restricted lead byte: bitmask words of the tokens that may follow a text ending in that byte."""
+    out = {}
+    for lead, allowed_next in _AFTER_LEAD.items():
+        allowed = np.zeros(words * 32, dtype=bool)
+        allowed[[i for i, token in enumerate(vocab) if token and token[0] in allowed_next]] = True
+        out[lead] = torch.from_numpy(np.packbits(allowed, bitorder="little").view(np.int32).copy())
+    return out
+
+
+@functools.lru_cache(maxsize=256)
+def _xgrammar_schema(text: str) -> str:
+    """The schema text xgrammar compiles, cached: in a batch job every request carries the same schema."""
+    return json.dumps(_bounded_strings_as_patterns(json.loads(text)))
+
+
+def _bounded_strings_as_patterns(schema: Any) -> Any:
+    """Work around xgrammar <= 0.2.9 (mlc-ai/xgrammar#800): a string with minLength/maxLength compiles to
+    `[^"\\\r\n]{min,max}`, which admits raw control characters (invalid JSON) and no escapes. The same
+    bound as a `pattern` goes through xgrammar's JSON-string-aware regex, which excludes control
+    characters and counts code points as JSON Schema does (it admits no escapes either). Only the copy
+    given to xgrammar is rewritten; the request keeps its schema."""
+    if isinstance(schema, list):
+        return [_bounded_strings_as_patterns(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: value if key in _LITERAL_KEYWORDS else _bounded_strings_as_patterns(value) for key, value in schema.items()}
+    bounded = "minLength" in out or "maxLength" in out
+    if bounded and ("pattern" in out or "format" in out):  # xgrammar would drop the bound and say so on stderr only
+        raise InvalidRequestError("json_schema", "a string with both pattern (or format) and minLength/maxLength "
+                                  "is not supported by xgrammar: put the length bound into the pattern")
+    if out.get("type") == "string" and bounded:
+        low, high = out.pop("minLength", 0), out.pop("maxLength", None)
+        out["pattern"] = f"^.{{{low},{'' if high is None else high}}}$"
+    return out
+
+
+_LITERAL_KEYWORDS = frozenset({"enum", "const", "default", "examples"})
+
+
+def _message(exc: BaseException) -> str:
+    """xgrammar's message without its C++ log prefix ("[time] file.cc:line: ")."""
+    lines = [line for line in str(exc).splitlines() if line.strip()]
+    last = lines[-1] if lines else type(exc).__name__
+    return last.split(": ", 1)[1] if last.startswith("[") and ": " in last else last
