@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from tokenmill.errors import InvalidRequestError
 from tokenmill.scheduler.block_manager import BlockManager
@@ -59,6 +60,13 @@ class ScheduledBatch:
         seq = self.seqs[index]
         return seq.num_computed_tokens + self.num_new_tokens[index] == seq.num_tokens
 
+    @cached_property
+    def sample_mask(self) -> list[bool]:
+        """`samples(i)` for every sequence, computed once for the engine and the runner alike. Read it
+        between `Scheduler.schedule` and `Scheduler.update` (which advances the sequences)."""
+        return [seq.num_computed_tokens + count == len(seq.token_ids)
+                for seq, count in zip(self.seqs, self.num_new_tokens)]
+
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
@@ -92,19 +100,24 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch(self.config.max_num_batched_tokens)
-        decoding = [s for s in self.running if s.num_uncomputed_tokens == 1]
-        prefilling = [s for s in self.running if s.num_uncomputed_tokens > 1]
+        block_size = self.config.block_size
+        decoding: list[Sequence] = []
+        prefilling: list[Sequence] = []
+        for seq in self.running:
+            (decoding if len(seq.token_ids) - seq.num_computed_tokens == 1 else prefilling).append(seq)
         for seq in decoding + prefilling:
             if batch.budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            count = min(seq.num_uncomputed_tokens, batch.budget)
-            if self._reserve(seq, count, batch):
+            count = min(len(seq.token_ids) - seq.num_computed_tokens, batch.budget)
+            # Most steps need no new block: skip the reservation (and its preemption search) then.
+            if seq.num_computed_tokens + count <= len(seq.block_table) * block_size or self._reserve(seq, count, batch):
                 batch.add(seq, count)
         # Only now, with no preemption left to undo it, publish the blocks this step fills.
+        cache_full_blocks = self.block_manager.cache_full_blocks
         for seq, count in zip(batch.seqs, batch.num_new_tokens):
-            self.block_manager.cache_full_blocks(seq, seq.num_computed_tokens + count)
+            cache_full_blocks(seq, seq.num_computed_tokens + count)
         self._admit(batch)
         return batch
 
@@ -148,10 +161,9 @@ class Scheduler:
         order. Returns the sequences that received a token (the caller decides whether they finish)."""
         grown = []
         tokens = iter(sampled)
-        for index, seq in enumerate(batch.seqs):
-            samples = batch.samples(index)
-            seq.num_computed_tokens += batch.num_new_tokens[index]
-            if samples:
+        for seq, count in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += count
+            if seq.num_computed_tokens == len(seq.token_ids):
                 seq.append_token(next(tokens))
                 grown.append(seq)
         return grown
