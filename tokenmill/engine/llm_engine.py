@@ -55,6 +55,7 @@ class _Request:
     first_token_time: float | None = None
     logprobs: list[dict] = field(default_factory=list)
     text: str | None = None  # set when a stop string cut the text short
+    row: SamplingRow | None = None  # built once, updated each step it samples
 
 
 class LLMEngine:
@@ -126,7 +127,8 @@ class LLMEngine:
         self.scheduler.add(seq)
         seed = params.seed if params.seed is not None else self._seed_source.getrandbits(63)
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
-        self.requests[request_id] = _Request(seq, seed, stop_ids)
+        row = SamplingRow(params, seed, 0, seq.token_ids, sorted(stop_ids) if params.min_tokens > 0 else [])
+        self.requests[request_id] = _Request(seq, seed, stop_ids, row=row)
         self._totals["prompt"] += len(token_ids)
 
     def _check_prompt(self, token_ids: list[int]) -> None:
@@ -153,7 +155,7 @@ class LLMEngine:
         self._totals["preempted"] += batch.num_preempted
         if not batch.seqs:
             return []
-        rows = [self._sampling_row(seq) for i, seq in enumerate(batch.seqs) if batch.samples(i)]
+        rows = [self._sampling_row(seq) for seq, samples in zip(batch.seqs, batch.sample_mask) if samples]
         result = self.runner.execute(batch, rows)
         self._totals["steps"] += 1
         grown = self.scheduler.update(batch, result.token_ids)
@@ -172,14 +174,17 @@ class LLMEngine:
         return finished
 
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
-        request = self.requests[seq.request_id]
-        below_min = seq.num_output_tokens < seq.params.min_tokens
-        return SamplingRow(seq.params, request.seed, seq.num_output_tokens, seq.token_ids,
-                           sorted(request.stop_ids) if below_min else [])
+        """The request's row, built at admission (it shares `seq.token_ids`), brought to this step."""
+        row = self.requests[seq.request_id].row
+        row.num_output_tokens = len(seq.token_ids) - seq.num_prompt_tokens
+        if row.suppressed_ids and row.num_output_tokens >= seq.params.min_tokens:
+            row.suppressed_ids = []
+        return row
 
     def _finish_reason(self, request: _Request) -> str | None:
         seq, params = request.seq, request.seq.params
-        if seq.num_output_tokens < params.min_tokens:
+        num_output_tokens = len(seq.token_ids) - seq.num_prompt_tokens
+        if num_output_tokens < params.min_tokens:
             return None
         if seq.token_ids[-1] in request.stop_ids:
             return "stop"
@@ -189,7 +194,7 @@ class LLMEngine:
             if hits:
                 request.text = text[: min(hits)]
                 return "stop"
-        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+        if num_output_tokens >= params.max_tokens or len(seq.token_ids) >= self.max_model_len:
             return "length"
         return None
 

@@ -117,7 +117,8 @@ class Scheduler:
         # Only now, with no preemption left to undo it, publish the blocks this step fills.
         cache_full_blocks = self.block_manager.cache_full_blocks
         for seq, count in zip(batch.seqs, batch.num_new_tokens):
-            cache_full_blocks(seq, seq.num_computed_tokens + count)
+            if (seq.num_computed_tokens + count) // block_size > seq.num_computed_tokens // block_size:  # fills one
+                cache_full_blocks(seq, seq.num_computed_tokens + count)
         self._admit(batch)
         return batch
 
