@@ -114,7 +114,7 @@ class Sampler:
         logits = self._penalise(logits, rows)
         # Greedy or not is known on the host: no device read decides which rows draw noise.
         sampled = [i for i, p in enumerate(params) if not p.greedy]
-        if len(sampled) == len(rows):
+        if sampled and len(sampled) == len(rows):
             tokens = self._sample(logits, rows)
         else:
             tokens = logits.argmax(dim=-1)

@@ -102,10 +102,11 @@ class StepInputBuilder:
         self.device, self.block_size = device, block_size
         self.pin = device.type == "cuda"
         self.mirror = BlockTableMirror(max_num_seqs + 1, 64)
-        self.staging = self._staging(4 * max_num_tokens + 3 * max_num_seqs + 1 + max_num_seqs * 64)
+        self._allocate_staging(4 * max_num_tokens + 3 * max_num_seqs + 1 + max_num_seqs * 64)
 
-    def _staging(self, size: int) -> torch.Tensor:
-        return torch.zeros(size, dtype=torch.int64, pin_memory=self.pin)
+    def _allocate_staging(self, size: int) -> None:
+        self.staging = torch.zeros(size, dtype=torch.int64, pin_memory=self.pin)
+        self.host = self.staging.numpy()  # the same memory, written with numpy
 
     def build(self, batch: ScheduledBatch) -> StepInputs:
         seqs, block_size = batch.seqs, self.block_size
@@ -133,8 +134,8 @@ class StepInputBuilder:
         sizes = [len(p) for p in parts]
         offsets = np.cumsum([0, *sizes])
         if offsets[-1] > self.staging.shape[0]:
-            self.staging = self._staging(2 * int(offsets[-1]))
-        host = self.staging.numpy()
+            self._allocate_staging(2 * int(offsets[-1]))
+        host = self.host
         for part, a, b in zip(parts, offsets[:-1], offsets[1:]):
             host[a:b] = part
         device = self.staging[: offsets[-1]].to(self.device, non_blocking=True)

@@ -1,7 +1,8 @@
 """Every host/device transfer of a step goes through here, so the step's syncs can be counted.
 
 `read_back` is the one place where the host waits for the device: the sampler calls it once per step,
-for the sampled tokens (and logprobs, packed into the same tensor). Tests count its calls, and a torch
+for the sampled tokens (and logprobs, packed into the same tensor), even when no row samples: that wait is
+also what makes reusing the pinned staging buffer of `step_inputs` safe on the next step. Tests count its calls, and a torch
 function mode in the tests catches any other tensor-to-Python conversion during a step.
 `to_device` copies host values without a sync: from pinned memory with `non_blocking` on CUDA (a copy
 from pageable memory would make the host wait for the stream).
