@@ -25,8 +25,8 @@ def test_profile_step_is_the_worst_case_under_inference_mode() -> None:
     model = runner.model
     assert any(p.requires_grad for p in model.parameters())  # so only inference mode keeps autograd out
     seen: dict[str, object] = {}
-    model.get_input_embeddings().register_forward_hook(lambda m, args, out: seen.setdefault("ids", args[0].shape))
-    model.lm_head.register_forward_hook(lambda m, args, out: seen.setdefault("logits", out))
+    model.get_input_embeddings().register_forward_hook(lambda m, args, out: seen.update(ids=args[0].shape))
+    model.lm_head.register_forward_hook(lambda m, args, out: seen.update(logits=out))
     sampler = runner.sampler
 
     def recording_sampler(logits: torch.Tensor, rows: list) -> object:
