@@ -9,8 +9,9 @@ tokens and 256 output tokens each (greedy, EOS ignored), in one run:
               the device (host clocks around the real engine methods), plus GPU kernel time over a few
               decode steps from torch.profiler;
   static      the same model object, `model.generate` over static batches (SDPA, no padding: equal prompts);
-  hf-cb       the same model object, `model.generate_batch` (transformers continuous batching with its own
-              defaults: CUDA graphs and async batching left on where that version has them).
+  hf-cb       the same model object, transformers continuous batching (the manager `generate_batch` runs,
+              built once and warmed up outside the timed region, with its own defaults: CUDA graphs and
+              async batching left on where that version has them).
 
 Output tokens/s, peak memory, and greedy agreement with tokenmill (bf16 kernels differ, so agreement is a
 sanity check, not parity: parity is tested in float32 on CPU). Rows are printed as each system finishes and
@@ -31,7 +32,6 @@ import inspect
 import json
 import os
 import random
-import re
 import sys
 import tempfile
 import time
@@ -171,6 +171,14 @@ def gpu_busy(engine, steps: int = 5) -> float | None:  # noqa: ANN001
     profiler slows the host)."""
     if not on_cuda() or not engine.has_unfinished():
         return None
+    try:
+        return _gpu_busy(engine, steps)
+    except Exception as error:  # noqa: BLE001  (profiler APIs differ across torch versions)
+        print(f"gpu_busy: {error!r}", flush=True)
+        return None
+
+
+def _gpu_busy(engine, steps: int) -> float:  # noqa: ANN001
     from torch.profiler import ProfilerActivity, profile
 
     sync()
@@ -230,7 +238,18 @@ def run_tokenmill(name: str, model_dir: str, prompts: list[list[int]], max_token
     return row, ordered, llm
 
 
-# -- transformers baselines -------------------------------------------------------------------------------
+# -- transformers baselines -----------------------------------------------------------------------------
+def baseline_model(model_dir: str, seed: int):  # noqa: ANN201
+    """The model tokenmill's dummy load would build (same config, seed, dtype, device), for when it failed."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    device = torch.device("cuda" if on_cuda() else "cpu")
+    with torch.device(device), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), attn_implementation="sdpa",
+                                                dtype=torch.bfloat16 if on_cuda() else torch.float32).eval()
+
+
 def run_static(name: str, model, prompts: list[list[int]], max_tokens: int,  # noqa: ANN001
                args: argparse.Namespace, reference: list[list[int]] | None) -> Row:
     from transformers import GenerationConfig
@@ -259,32 +278,64 @@ def run_static(name: str, model, prompts: list[list[int]], max_tokens: int,  # n
 
 def run_hf_cb(name: str, model, prompts: list[list[int]], max_tokens: int,  # noqa: ANN001
               args: argparse.Namespace, reference: list[list[int]] | None) -> Row:
+    """transformers' continuous batching manager, the engine behind `generate_batch`, with its defaults
+    (CUDA graphs, async batching where that version has them). The manager is built and warmed up once,
+    outside the timed region, as tokenmill's engine is; then every request is added and collected."""
+    import transformers
     from transformers import GenerationConfig
 
     reset_memory()
     model.set_attn_implementation("sdpa")
     config = GenerationConfig(max_new_tokens=max_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
-    accepted = inspect.signature(model.generate_batch).parameters
-    kwargs = {"progress_bar": False} if "progress_bar" in accepted else {}
-    model.generate_batch([prompts[0][:8]], generation_config=GenerationConfig(
-        max_new_tokens=4, do_sample=False, eos_token_id=-1, pad_token_id=0), **kwargs)  # warm-up
-    sync()
-    start = time.perf_counter()
+    options = {}
+    if "workload_hints" in inspect.signature(model.init_continuous_batching).parameters:
+        from transformers.generation.continuous_batching.utils import WorkloadHints
+
+        options["workload_hints"] = WorkloadHints(max_prompt_length=len(prompts[0]), max_generated_length=max_tokens,
+                                                  num_requests=len(prompts))
+    setup = time.perf_counter()
     with torch.inference_mode():
-        results = model.generate_batch(prompts, generation_config=config, **kwargs)
-    sync()
-    wall = time.perf_counter() - start
-    # Request ids are "req_<n>" in submission order; sort by the number, whatever the prefix.
-    keys = sorted(results, key=lambda k: int(re.sub(r"\D", "", str(k)) or 0))
-    outputs = [list(results[k].generated_tokens) for k in keys]
+        manager = model.init_continuous_batching(generation_config=config, **options)
+        manager.start()
+        try:
+            manager.add_request(prompts[0][:8], request_id="warmup", max_new_tokens=4)
+            _collect(manager, 1)
+            setup = time.perf_counter() - setup
+            sync()
+            start = time.perf_counter()
+            for i, prompt in enumerate(prompts):
+                manager.add_request(prompt, request_id=f"r{i}", max_new_tokens=max_tokens)
+            done = _collect(manager, len(prompts))
+            sync()
+            wall = time.perf_counter() - start
+        finally:
+            manager.stop(block=True)
+    outputs = [done[f"r{i}"] for i in range(len(prompts))]
     row = Row(name, "hf-cb", len(outputs), sum(map(len, outputs)), wall)
     row.tokens_per_s = row.output_tokens / wall
-    row.agreement = agreement(reference, outputs) if len(outputs) == len(prompts) else "request count differs"
-    import transformers
-
-    row.detail = {"transformers": transformers.__version__, "generate_batch_args": sorted(accepted)}
+    row.agreement = agreement(reference, outputs)
+    config_used = getattr(manager, "continuous_batching_config", None)
+    row.detail = {"transformers": transformers.__version__, "setup_and_warmup_s": round(setup, 2),
+                  "config": {k: getattr(config_used, k, None) for k in
+                             ("use_cuda_graph", "use_async_batching", "max_batch_tokens", "num_blocks", "page_size")}}
     memory(row)
     return row
+
+
+def _collect(manager, count: int) -> dict[str, list[int]]:  # noqa: ANN001
+    done: dict[str, list[int]] = {}
+    while len(done) < count:
+        result = manager.get_result(timeout=1)
+        if result is None:
+            if not manager.is_running():
+                raise RuntimeError("transformers' continuous batching thread stopped")
+            continue
+        if getattr(result, "error", None):
+            raise RuntimeError(f"hf-cb request {result.request_id}: {result.error}")
+        finished = result.is_finished() if hasattr(result, "is_finished") else str(result.status).endswith("FINISHED")
+        if finished:
+            done[result.request_id] = list(result.generated_tokens)
+    return done
 
 
 # -- main -------------------------------------------------------------------------------------------------
@@ -367,9 +418,9 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as error:  # noqa: BLE001
                 traceback.print_exc()
                 emit(Row(name, "tokenmill", error=repr(error)), rows, args.json)
-                continue
-        model = llm.engine.runner.model
-        llm.engine.runner.kv_caches = []  # give the baselines tokenmill's KV memory
+            model = llm.engine.runner.model if llm is not None else baseline_model(model_dir, args.seed)
+        if llm is not None:
+            llm.engine.runner.kv_caches = []  # give the baselines tokenmill's KV memory
         for system in [s for s in systems if s != "tokenmill"]:
             if time.perf_counter() - began > args.deadline:
                 emit(Row(name, system, error="skipped: deadline"), rows, args.json)
@@ -380,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as error:  # noqa: BLE001
                 traceback.print_exc()
                 emit(Row(name, system, error=repr(error)), rows, args.json)
-        del llm, model
+        llm = model = None
         reset_memory()
     print(table(rows), flush=True)
     print(f"total {time.perf_counter() - began:.0f} s", flush=True)
