@@ -159,6 +159,7 @@ class LLMEngine:
         result = self.runner.execute(batch, rows)
         self._totals["steps"] += 1
         grown = self.scheduler.update(batch, result.token_ids)
+        self._totals["generated"] += len(grown)
         now = time.time()
         finished = []
         for seq, logprobs in zip(grown, result.logprobs):
@@ -166,7 +167,6 @@ class LLMEngine:
             request.first_token_time = request.first_token_time or now
             if logprobs is not None:
                 request.logprobs.append(logprobs)
-            self._totals["generated"] += 1
             reason = self._finish_reason(request)
             if reason is not None:
                 self.scheduler.finish(seq, reason)

@@ -162,9 +162,9 @@ class Scheduler:
         order. Returns the sequences that received a token (the caller decides whether they finish)."""
         grown = []
         tokens = iter(sampled)
-        for seq, count in zip(batch.seqs, batch.num_new_tokens):
+        for seq, count, samples in zip(batch.seqs, batch.num_new_tokens, batch.sample_mask):
             seq.num_computed_tokens += count
-            if seq.num_computed_tokens == len(seq.token_ids):
+            if samples:
                 seq.append_token(next(tokens))
                 grown.append(seq)
         return grown
