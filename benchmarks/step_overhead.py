@@ -75,8 +75,34 @@ def build_engine(num_seqs: int, context: int, steps: int) -> llm_engine.LLMEngin
         llm_engine.load = real_load
 
 
+class Split:
+    """CPU seconds per phase, by wrapping engine methods on the instance (those that exist in this version)."""
+
+    PHASES = {"schedule": ("scheduler", "schedule"), "update": ("scheduler", "update"),
+              "inputs": ("runner.inputs", "build"), "model": ("runner", "forward"), "sampler": ("runner", "sampler")}
+
+    def __init__(self, engine: llm_engine.LLMEngine) -> None:
+        self.seconds: dict[str, float] = {}
+        for phase, (path, name) in self.PHASES.items():
+            owner = engine
+            for part in path.split("."):
+                owner = getattr(owner, part, None)
+            if owner is not None and hasattr(owner, name):
+                self.seconds[phase] = 0.0
+                setattr(owner, name, self._timed(phase, getattr(owner, name)))
+
+    def _timed(self, phase: str, function):  # noqa: ANN001, ANN202
+        def run(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            start = time.thread_time()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                self.seconds[phase] += time.thread_time() - start
+        return run
+
+
 def measure(num_seqs: int, context: int, steps: int, temperature: float,
-            profile: bool = False) -> tuple[float, float]:
+            profile: bool = False, split: bool = False) -> tuple[float, float]:
     """Median wall and CPU microseconds per running sequence per decode step."""
     engine = build_engine(num_seqs, context, steps)
     rng = random.Random(num_seqs)
@@ -90,6 +116,7 @@ def measure(num_seqs: int, context: int, steps: int, temperature: float,
         engine.step()
     assert len(engine.scheduler.running) == num_seqs
     walls, cpus = [], []
+    phases = Split(engine) if split else None
     profiler = cProfile.Profile() if profile else None
     for _ in range(steps):
         wall0, cpu0 = time.perf_counter(), time.thread_time()
@@ -104,6 +131,12 @@ def measure(num_seqs: int, context: int, steps: int, temperature: float,
     if profiler:
         pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
     scale = 1e6 / num_seqs
+    if phases:
+        total = sum(cpus)
+        parts = {k: v for k, v in phases.seconds.items()}
+        parts["engine (rest)"] = total - sum(parts.values())
+        print(f"  {num_seqs} seqs, CPU us/seq/step by phase (mean): "
+              + ", ".join(f"{k} {v / steps * scale:.2f}" for k, v in parts.items()), flush=True)
     return statistics.median(walls) * scale, statistics.median(cpus) * scale
 
 
@@ -114,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=60, help="timed decode steps")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy rows")
     parser.add_argument("--profile", action="store_true", help="cProfile the timed steps")
+    parser.add_argument("--split", action="store_true", help="CPU time per phase (schedule, inputs, ...)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     import tokenmill
@@ -122,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     print("| running seqs | context | us/seq/step (wall) | us/seq/step (CPU) | ms/step (wall) |")
     print("|---:|---:|---:|---:|---:|")
     for size in args.sizes:
-        wall, cpu = measure(size, args.context, args.steps, args.temperature, args.profile)
+        wall, cpu = measure(size, args.context, args.steps, args.temperature, args.profile, args.split)
         print(f"| {size} | ~{args.context} | {wall:.2f} | {cpu:.2f} | {wall * size / 1000:.2f} |", flush=True)
     return 0
 
