@@ -40,6 +40,7 @@ from tokenmill.engine.loader import LoadedModel  # noqa: E402
 from tokenmill.engine.tiny import tiny_tokenizer  # noqa: E402
 
 VOCAB = 64
+MAX_TOKENS = 2048  # never reached: no request finishes while the steps are timed
 
 
 class StubModel:
@@ -69,7 +70,7 @@ def build_engine(num_seqs: int, context: int, steps: int) -> llm_engine.LLMEngin
         longest = context + 40 + 5 + steps + num_seqs * (context + 40) // 8192 + 16
         blocks_per_seq = -(-longest // 16)
         return llm_engine.LLMEngine("builtin:tiny", max_num_seqs=num_seqs, max_num_batched_tokens=8192,
-                                    max_model_len=4096, num_kv_blocks=num_seqs * blocks_per_seq + 16,
+                                    max_model_len=4096, num_kv_blocks=max(num_seqs * blocks_per_seq, -(-(context + 40 + MAX_TOKENS) // 16)) + 16,
                                     block_size=16)
     finally:
         llm_engine.load = real_load
@@ -106,9 +107,10 @@ def measure(num_seqs: int, context: int, steps: int, temperature: float,
     """Median wall and CPU microseconds per running sequence per decode step."""
     engine = build_engine(num_seqs, context, steps)
     rng = random.Random(num_seqs)
-    params = SamplingParams(max_tokens=2048, temperature=temperature, ignore_eos=True)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=temperature, ignore_eos=True)
     for i in range(num_seqs):
-        prompt = [rng.randrange(4, VOCAB) for _ in range(context + rng.randint(-40, 40))]
+        jitter = min(40, context // 2)
+        prompt = [rng.randrange(4, VOCAB) for _ in range(context + rng.randint(-jitter, jitter))]
         engine.add_request(str(i), prompt, params)
     while engine.scheduler.waiting or any(s.num_uncomputed_tokens > 1 for s in engine.scheduler.running):
         engine.step()
