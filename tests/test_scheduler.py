@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.errors import InvalidRequestError
-from tokenmill.scheduler.block_manager import BlockManager
+from tokenmill.scheduler.block_manager import BlockManager, chain_hash
 from tokenmill.scheduler.scheduler import Scheduler, SchedulerConfig
 from tokenmill.scheduler.sequence import Sequence, SequenceStatus
 
@@ -48,6 +48,13 @@ def check_blocks(scheduler: Scheduler) -> None:
         assert len(seq.block_table) * manager.block_size >= seq.num_computed_tokens
     for seq in scheduler.waiting:
         assert seq.block_table == [] and seq.num_computed_tokens == 0
+    if manager.enable_prefix_caching:  # incremental hashing published every computed full block, chained
+        size = manager.block_size
+        for seq in scheduler.running:
+            parent = None
+            for index in range(seq.num_computed_tokens // size):
+                parent = chain_hash(parent, tuple(seq.token_ids[index * size : (index + 1) * size]))
+                assert manager.blocks[seq.block_table[index]].hash == parent, (seq, index)
 
 
 def test_scheduler_does_not_import_torch() -> None:

@@ -48,7 +48,7 @@ def paged_attention_forward(
     if meta is None:
         raise RuntimeError("the tokenmill attention needs tokenmill_meta: run the model through ModelRunner")
     k_cache, v_cache = meta.kv_caches[module.layer_idx]
-    q = query[0].transpose(0, 1).contiguous()
+    q = query[0].transpose(0, 1)  # a strided view: both backends take strides, a copy per layer buys nothing
     meta.backend.write_kv(key[0].transpose(0, 1), value[0].transpose(0, 1), k_cache, v_cache, meta.slot_mapping)
     out = meta.backend.paged_attention(
         q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.seq_lens,

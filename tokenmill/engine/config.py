@@ -9,9 +9,11 @@ from dataclasses import dataclass, fields
 class EngineConfig:
     """Engine options. Sizes left at None are derived from the model and the device at load time.
 
-    KV pool size: `num_kv_blocks` if given; else `kv_cache_memory` bytes if given; else on CUDA the share
-    `gpu_memory_utilization` of device memory left after weights and a profiled forward pass; on CPU,
-    enough for `max_num_seqs` full-length sequences capped at `cpu_kv_cache_cap` bytes.
+    KV pool size: `num_kv_blocks` if given; else `kv_cache_memory` bytes if given; else on CUDA
+    `gpu_memory_utilization` of the device's total memory less what is in use after a profiled worst-case
+    step (weights, activations and sampler of `max_num_batched_tokens` tokens and `max_num_seqs` rows,
+    memory outside torch); on CPU, enough for `max_num_seqs` full-length sequences capped at
+    `cpu_kv_cache_cap` bytes.
     """
 
     model: str = "builtin:tiny"

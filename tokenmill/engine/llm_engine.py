@@ -67,6 +67,7 @@ class _Request:
     logprobs: list[dict] = field(default_factory=list)
     text: str | None = None  # set when a stop string cut the text short
     constraint: Constraint | None = None  # the grammar of a structured-output request
+    row: SamplingRow | None = None  # built once, updated each step it samples
 
 
 class LLMEngine:
@@ -140,7 +141,14 @@ class LLMEngine:
         seq = Sequence(request_id, token_ids, params)
         self.scheduler.add(seq)
         seed = params.seed if params.seed is not None else self._seed_source.getrandbits(63)
-        self.requests[request_id] = _Request(seq, seed, stop_ids, constraint=constraint)
+        constraint = self._constraint(params, stop_ids)
+        seq = Sequence(request_id, token_ids, params)
+        self.scheduler.add(seq)
+        seed = params.seed if params.seed is not None else self._seed_source.getrandbits(63)
+        banned = constraint.banned_ids if constraint is not None else []
+        suppressed = (sorted(stop_ids) if params.min_tokens > 0 else []) + banned
+        row = SamplingRow(params, seed, 0, seq.token_ids, suppressed, constraint=constraint)
+        self.requests[request_id] = _Request(seq, seed, stop_ids, constraint=constraint, row=row)
         self._totals["prompt"] += len(token_ids)
 
     def _check_prompt(self, token_ids: list[int]) -> None:
@@ -187,6 +195,7 @@ class LLMEngine:
         result, failed = self._execute(batch)
         self._totals["steps"] += 1
         grown = self.scheduler.update(batch, result.token_ids)
+        self._totals["generated"] += len(grown)
         self._advance_grammars(grown)
         now = time.time()
         finished = [self._fail(seq, error, now) for seq, error in failed]
@@ -195,7 +204,6 @@ class LLMEngine:
             request.first_token_time = request.first_token_time or now
             if logprobs is not None:
                 request.logprobs.append(logprobs)
-            self._totals["generated"] += 1
             try:
                 reason = self._finish_reason(request)
                 output = None if reason is None else self._output(request, now, reason)
@@ -215,7 +223,7 @@ class LLMEngine:
         Rerunning is safe: nothing was updated yet, and the forward pass writes the same K/V to the same
         slots again. Returns the result for the batch without the failed requests, and those requests.
         """
-        rows = [self._sampling_row(seq) for i, seq in enumerate(batch.seqs) if batch.samples(i)]
+        rows = [self._sampling_row(seq) for seq, samples in zip(batch.seqs, batch.sample_mask) if samples]
         try:
             return self.runner.execute(batch, rows), []
         except Exception as exc:
@@ -235,7 +243,7 @@ class LLMEngine:
             batch.remove(seq)
         if not batch.seqs:
             return SampleResult([], []), failed
-        rows = [self._sampling_row(seq) for i, seq in enumerate(batch.seqs) if batch.samples(i)]
+        rows = [self._sampling_row(seq) for seq, samples in zip(batch.seqs, batch.sample_mask) if samples]
         return self.runner.execute(batch, rows), failed
 
     def _fail(self, seq: Sequence, error: InvalidRequestError, now: float) -> RequestOutput:
@@ -251,19 +259,20 @@ class LLMEngine:
             advance(*zip(*constraints))
 
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
+        """The request's row, built at admission (it shares `seq.token_ids`), brought to this step."""
         request = self.requests[seq.request_id]
-        below_min = seq.num_output_tokens < seq.params.min_tokens
-        suppressed = sorted(request.stop_ids) if below_min else []
-        if request.constraint is not None:
-            suppressed += request.constraint.banned_ids
-        return SamplingRow(seq.params, request.seed, seq.num_output_tokens, seq.token_ids, suppressed,
-                           constraint=request.constraint)
+        row = request.row
+        row.num_output_tokens = len(seq.token_ids) - seq.num_prompt_tokens
+        if seq.params.min_tokens and row.num_output_tokens >= seq.params.min_tokens:
+            row.suppressed_ids = request.constraint.banned_ids if request.constraint is not None else []
+        return row
 
     def _finish_reason(self, request: _Request) -> str | None:
         seq, params = request.seq, request.seq.params
+        num_output_tokens = len(seq.token_ids) - seq.num_prompt_tokens
         # A complete grammar after which only a stop token could follow ends the sequence, min_tokens or not.
         grammar_done = request.constraint is not None and request.constraint.done
-        if seq.num_output_tokens < params.min_tokens and not grammar_done:
+        if num_output_tokens < params.min_tokens and not grammar_done:
             return None
         if seq.token_ids[-1] in request.stop_ids:
             return "stop"
@@ -275,7 +284,7 @@ class LLMEngine:
                 return "stop"
         if grammar_done:
             return "error" if request.constraint.error() else "stop"  # type: ignore[union-attr]
-        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+        if num_output_tokens >= params.max_tokens or len(seq.token_ids) >= self.max_model_len:
             return "length"
         return None
 

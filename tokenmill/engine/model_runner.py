@@ -2,7 +2,8 @@
 
 No padding anywhere on the token path: the step's tokens are concatenated into a `[1, T]` batch, and the
 attention metadata (query boundaries, context lengths, block tables, cache slots) keeps sequences apart.
-Logits are computed only for the rows that sample.
+Logits are computed only for the rows that sample. Host-side inputs come from persistent buffers
+(`step_inputs.py`) in one host-to-device copy; the sampler's token read-back is the step's only sync.
 """
 
 from __future__ import annotations
@@ -15,8 +16,11 @@ from tokenmill.engine.attention import AttentionMetadata
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.loader import LoadedModel
 from tokenmill.engine.sampler import Sampler, SampleResult, SamplingRow
+from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.engine.step_inputs import StepInputBuilder, StepInputs
 from tokenmill.kernels import get_backend
 from tokenmill.scheduler.scheduler import ScheduledBatch
+from tokenmill.scheduler.sequence import Sequence
 
 log = logging.getLogger(__name__)
 
@@ -33,13 +37,10 @@ class ModelRunner:
         self.vocab_size = hf.vocab_size
         self.backend = get_backend(config.attention_backend, self.device)
         self.sampler = Sampler()
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.inputs = self._input_builder()
         self.num_blocks = self._num_kv_blocks()
-        shape = (self.num_blocks, config.block_size, self.num_kv_heads, self.head_dim)
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device),
-             torch.zeros(shape, dtype=self.dtype, device=self.device))
-            for _ in range(self.num_layers)
-        ]
+        self.kv_caches = self._allocate_kv_caches(self.num_blocks)
         log.info("KV cache: %d blocks of %d tokens (%.1f MiB), attention backend %s", self.num_blocks,
                  config.block_size, self.num_blocks * self.block_bytes / 2**20, self.backend.name)
 
@@ -48,6 +49,15 @@ class ModelRunner:
         """Bytes one block takes across all layers, K and V."""
         element = torch.empty((), dtype=self.dtype).element_size()
         return 2 * self.num_layers * self.config.block_size * self.num_kv_heads * self.head_dim * element
+
+    def _allocate_kv_caches(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        shape = (num_blocks, self.config.block_size, self.num_kv_heads, self.head_dim)
+        return [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                 torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(self.num_layers)]
+
+    def _input_builder(self) -> StepInputBuilder:
+        config = self.config
+        return StepInputBuilder(self.device, config.block_size, config.max_num_seqs, config.max_num_batched_tokens)
 
     def _num_kv_blocks(self) -> int:
         config = self.config
@@ -67,65 +77,77 @@ class ModelRunner:
         return int(blocks)
 
     def _profile_free_cuda_memory(self) -> int:
-        """Device memory left for the KV cache after weights and a full-budget forward pass's activations."""
+        """Bytes left for the KV cache: `gpu_memory_utilization` of the device's total memory, less what the
+        device is using after a worst-case step (weights, the step's peak, held by torch's caching
+        allocator, and whatever lives outside torch: CUDA context, library workspaces, other processes)."""
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        tokens = self.config.max_num_batched_tokens
-        block_size = self.config.block_size
-        blocks = -(-tokens // block_size)
-        shape = (blocks, block_size, self.num_kv_heads, self.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                           torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(self.num_layers)]
-        self.forward([0] * tokens, list(range(tokens)), [0, tokens], [tokens], [list(range(blocks))], [tokens - 1])
-        peak = torch.cuda.max_memory_allocated(self.device)
-        del self.kv_caches
+        profile_cache_bytes = self.profile_step()[1]
+        torch.cuda.synchronize(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)  # before empty_cache: the step's peak stays reserved
         torch.cuda.empty_cache()
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        return int(total * self.config.gpu_memory_utilization) - peak
+        # The throwaway cache is still counted as used (reserved) but is not kept: give it back.
+        return kv_cache_budget(total, free + profile_cache_bytes, self.config.gpu_memory_utilization)
+
+    def profile_step(self) -> tuple[SampleResult, int]:
+        """Run the largest step the scheduler can plan, sampler included, on a throwaway KV cache.
+
+        `max_num_batched_tokens` tokens (one long prefill chunk and `max_num_seqs - 1` one-token rows) of
+        which `max_num_seqs` sample with every filter on (temperature, top-k/p, min-p, repetition penalty,
+        top-20 logprobs), the sampler's costliest path. It runs through `execute`, under inference mode,
+        so its peak is a real step's peak. Returns the step's result and the throwaway cache's bytes.
+        """
+        config = self.config
+        tokens, block_size = config.max_num_batched_tokens, config.block_size
+        num_seqs = min(config.max_num_seqs, tokens)
+        params = SamplingParams(max_tokens=1, temperature=1.0, top_k=50, top_p=0.9, min_p=0.01,
+                                repetition_penalty=1.1, logprobs=20)
+        long = Sequence("profile-0", [0] * (tokens - num_seqs + 1), params)
+        long.block_table = list(range(-(-long.num_tokens // block_size)))
+        seqs = [long] + [Sequence(f"profile-{i}", [0], params, block_table=[0]) for i in range(1, num_seqs)]
+        batch = ScheduledBatch(tokens)
+        for seq in seqs:
+            batch.add(seq, seq.num_tokens)
+        rows = [SamplingRow(params, i, 0, seq.token_ids, []) for i, seq in enumerate(seqs)]
+        saved, self.kv_caches = self.kv_caches, self._allocate_kv_caches(len(long.block_table))
+        try:
+            return self.execute(batch, rows), len(long.block_table) * self.block_bytes
+        finally:
+            self.kv_caches = saved
+            self.inputs = self._input_builder()  # forget the profile's block-table rows
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, rows: list[SamplingRow]) -> SampleResult:
         """Run the step's forward pass and sample one token for each sequence that completes its tokens."""
-        input_ids: list[int] = []
-        positions: list[int] = []
-        cu_seqlens_q, seq_lens, sample_rows = [0], [], []
-        for index, (seq, count) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
-            start = seq.num_computed_tokens
-            input_ids += seq.token_ids[start : start + count]
-            positions += range(start, start + count)
-            cu_seqlens_q.append(cu_seqlens_q[-1] + count)
-            seq_lens.append(start + count)
-            if batch.samples(index):
-                sample_rows.append(cu_seqlens_q[-1] - 1)
-        logits = self.forward(input_ids, positions, cu_seqlens_q, seq_lens,
-                              [seq.block_table for seq in batch.seqs], sample_rows)
+        logits = self.forward(self.inputs.build(batch))
         return self.sampler(logits, rows)
 
-    def forward(self, input_ids: list[int], positions: list[int], cu_seqlens_q: list[int], seq_lens: list[int],
-                block_tables: list[list[int]], sample_rows: list[int]) -> torch.Tensor:
-        """Logits `[len(sample_rows), vocab]` for the flat batch described by host-side lists."""
-        device, block_size = self.device, self.config.block_size
-        width = max(len(row) for row in block_tables)
-        table = torch.tensor([row + [0] * (width - len(row)) for row in block_tables], dtype=torch.int32)
-        q_lens = torch.tensor(cu_seqlens_q[1:]) - torch.tensor(cu_seqlens_q[:-1])
-        seq_of_token = torch.repeat_interleave(torch.arange(len(seq_lens)), q_lens)
-        position_tensor = torch.tensor(positions, dtype=torch.int64)
-        slots = table[seq_of_token, position_tensor // block_size].long() * block_size + position_tensor % block_size
+    def forward(self, inputs: StepInputs) -> torch.Tensor:
+        """Logits `[len(sample_rows), vocab]` for one step's flat batch."""
         meta = AttentionMetadata(
-            cu_seqlens_q=torch.tensor(cu_seqlens_q, dtype=torch.int32).to(device, non_blocking=True),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(device, non_blocking=True),
-            block_tables=table.to(device, non_blocking=True),
-            slot_mapping=slots.to(device, non_blocking=True),
-            max_seqlen_q=int(q_lens.max()),
-            max_seq_len=max(seq_lens),
+            cu_seqlens_q=inputs.cu_seqlens_q,
+            seq_lens=inputs.seq_lens,
+            block_tables=inputs.block_tables,
+            slot_mapping=inputs.slot_mapping,
+            max_seqlen_q=inputs.max_seqlen_q,
+            max_seq_len=inputs.max_seq_len,
             kv_caches=self.kv_caches,
             backend=self.backend,
         )
-        output = self.model(
-            input_ids=torch.tensor([input_ids], device=device),
-            position_ids=position_tensor[None].to(device, non_blocking=True),
-            use_cache=False,
-            logits_to_keep=torch.tensor(sample_rows, dtype=torch.long, device=device),
-            tokenmill_meta=meta,
-        )
+        output = self.model(input_ids=inputs.input_ids, position_ids=inputs.positions, use_cache=False,
+                            logits_to_keep=inputs.sample_rows, tokenmill_meta=meta)
         return output.logits[0]
+
+
+def kv_cache_budget(total: int, free: int, utilization: float) -> int:
+    """Bytes the KV cache may take: `utilization` of `total` device memory, less what is in use (`total -
+    free`, measured after the worst-case step with nothing released). Raises when nothing is left."""
+    used = total - free
+    budget = int(total * utilization) - used
+    if budget <= 0:
+        gib = 2**30
+        raise ValueError(
+            f"gpu_memory_utilization: {utilization} of {total / gib:.2f} GiB leaves nothing for the KV cache: "
+            f"weights, a worst-case step's activations and memory outside torch already use {used / gib:.2f} "
+            f"GiB. Raise gpu_memory_utilization, or lower max_num_batched_tokens or max_num_seqs."
+        )
+    return budget

@@ -4,17 +4,24 @@ Random draws come from a counter-based hash of (request seed, output position, t
 shared generator: a request's noise is then the same whether it runs alone or in any batch, which is what
 makes seeded sampling reproducible. Sampling uses the exponential race (argmax of p / E, E ~ Exp(1)),
 which picks token i with probability p_i.
+
+Cost: greedy rows never draw noise, and which rows are greedy is read from the host-side parameters, not
+from the device. The noise is hashed in place over reused int64 buffers (the token half of the key is
+computed once per vocabulary), a few rows at a time on CPU so the temporaries stay in cache. The tokens
+and any logprobs come back to the host in one read (`transfer.read_back`), the step's only sync.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import TYPE_CHECKING
 
 import torch
 
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.engine.structured import apply_token_masks
+from tokenmill.engine.transfer import read_back, to_device
 
 if TYPE_CHECKING:
     from tokenmill.engine.structured import Constraint
@@ -60,80 +67,138 @@ def fold_seed(seed: int) -> int:
     return seed - _INT64_SPAN if seed > _INT64_MAX else seed
 
 
-def exponential_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Exp(1) draws [rows, vocab] that depend only on each row's (seed, position) and the token id."""
-    device = seeds.device
-    row_key = hash32((seeds & _MASK32) ^ hash32(((seeds >> 32) & _MASK32) ^ hash32(positions & _MASK32)))
-    token_key = hash32(torch.arange(vocab_size, device=device, dtype=torch.int64) * 0x9E3779B1 & _MASK32)
-    bits = hash32(row_key[:, None] ^ token_key[None, :]) >> 8  # 24 uniform bits
-    uniform = (bits.to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+def _hash32_(x: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
+    """`hash32` in place on `x`, with `scratch` (same shape) for the shifts: no allocation."""
+    for multiplier, shift in ((0x7FEB352D, 16), (0x846CA68B, 15)):
+        x.bitwise_xor_(torch.bitwise_right_shift(x, shift, out=scratch))
+        x.mul_(multiplier).bitwise_and_(_MASK32)
+    return x.bitwise_xor_(torch.bitwise_right_shift(x, 16, out=scratch))
+
+
+_token_keys_cache: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _token_keys(vocab_size: int, device: torch.device) -> torch.Tensor:
+    """Each token id's hashed key [vocab]: the same every step, so computed once per vocabulary and device."""
+    keys = _token_keys_cache.get((vocab_size, device))
+    if keys is None:
+        ids = torch.arange(vocab_size, device=device, dtype=torch.int64)
+        keys = _token_keys_cache[(vocab_size, device)] = hash32(ids * 0x9E3779B1 & _MASK32)
+    return keys
+
+
+def _row_keys(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Each row's key [rows] from its request seed (64 bits) and output position."""
+    return hash32((seeds & _MASK32) ^ hash32(((seeds >> 32) & _MASK32) ^ hash32(positions & _MASK32)))
+
+
+def _noise_(keys: torch.Tensor) -> torch.Tensor:
+    """Exp(1) draws from `row_key ^ token_key` values (consumed): hash, top 24 bits, -log of their uniform.
+
+    Float32 `(bits + 0.5) * 2**-24` then `-log`, in place, exactly as the unfused formula computes it."""
+    _hash32_(keys, torch.empty_like(keys)).bitwise_right_shift_(8)  # 24 uniform bits
+    uniform = keys.to(torch.float32)
     # The top draw rounds to 1.0 in float32, so E would be 0 and a masked token's p / E = 0 / 0 = NaN,
     # which argmax picks (seen under grammar masks, about once per 2**24 draws): keep E > 0.
-    return (-torch.log(uniform)).clamp_min_(torch.finfo(torch.float32).tiny)
+    return uniform.add_(0.5).mul_(1.0 / (1 << 24)).log_().neg_().clamp_min_(torch.finfo(torch.float32).tiny)
+
+
+def exponential_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Exp(1) draws [rows, vocab] that depend only on each row's (seed, position) and the token id."""
+    keys = _row_keys(seeds, positions)[:, None] ^ _token_keys(vocab_size, seeds.device)[None, :]
+    return _noise_(keys)
+
+
+def _race(probs: torch.Tensor, row_keys: torch.Tensor, token_ids: torch.Tensor | None) -> torch.Tensor:
+    """argmax over each row of `probs / noise`, the noise of token `token_ids[r, j]` at column j (or of
+    token j when `token_ids` is None). On CPU a few rows at a time, so the int64 temporaries of the
+    noise stay in cache; on a GPU in one go (each chunk would cost a launch per operation)."""
+    rows, vocab = probs.shape
+    token_keys = _token_keys(vocab, probs.device)
+    step = rows if probs.is_cuda else max(1, (1 << 17) // vocab)
+    choices = []
+    for a in range(0, rows, step):
+        keys = token_keys[token_ids[a : a + step]] if token_ids is not None else token_keys[None, :]
+        noise = _noise_(row_keys[a : a + step, None] ^ keys)
+        choices.append(torch.div(probs[a : a + step], noise, out=noise).argmax(dim=-1))
+    return choices[0] if len(choices) == 1 else torch.cat(choices)
+
+
+# Per-row host reads through C-level map(attrgetter): a step reads each row's parameters a few times, and at
+# a thousand rows per step Python list comprehensions over them cost microseconds per row.
+_params, _logprobs_n = attrgetter("params"), attrgetter("logprobs")
+_suppressed, _penalty = attrgetter("suppressed_ids"), attrgetter("params.repetition_penalty")
 
 
 class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
         logits = logits.float()
-        params = [row.params for row in rows]
-        want_logprobs = [p.logprobs for p in params]
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(n is not None for n in want_logprobs) else None
+        params = list(map(_params, rows))
+        want_logprobs = list(map(_logprobs_n, params))
+        wants = want_logprobs.count(None) != len(want_logprobs)
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if wants else None
         logits = apply_token_masks(logits, rows)  # before every other filter; logprobs stay the model's
         logits = self._suppress(logits, rows)
         logits = self._penalise(logits, rows)
-        greedy = torch.tensor([p.greedy for p in params], device=logits.device)
-        tokens = logits.argmax(dim=-1)
-        if not bool(greedy.all()):
-            tokens = torch.where(greedy, tokens, self._sample(logits, rows))
-        token_list = tokens.tolist()
-        return SampleResult(token_list, _logprobs(raw_logprobs, token_list, want_logprobs))
+        # Greedy or not is known on the host: no device read decides which rows draw noise.
+        greedy = [p.greedy for p in params]
+        sampled = [] if all(greedy) else [i for i, g in enumerate(greedy) if not g]
+        if sampled and len(sampled) == len(rows):
+            tokens = self._sample(logits, rows)
+        else:
+            tokens = logits.argmax(dim=-1)
+            if sampled:
+                index = to_device(sampled, torch.int64, logits.device)
+                drawn = self._sample(logits.index_select(0, index), [rows[i] for i in sampled])
+                tokens = tokens.index_put((index,), drawn)
+        return _read_back(tokens, raw_logprobs, want_logprobs)
 
     @staticmethod
     def _suppress(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        if not any(map(_suppressed, rows)):
+            return logits
         pairs = [(i, t) for i, row in enumerate(rows) for t in row.suppressed_ids if t < logits.shape[1]]
         if pairs:
-            index = torch.tensor(pairs, device=logits.device).T
+            index = to_device(pairs, torch.int64, logits.device).T
             logits = logits.index_put((index[0], index[1]), torch.tensor(float("-inf"), device=logits.device))
         return logits
 
     @staticmethod
     def _penalise(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """Repetition penalty as in transformers: divide positive logits of seen tokens, multiply negative."""
-        penalties = [row.params.repetition_penalty for row in rows]
-        if all(p == 1.0 for p in penalties):
+        penalties = list(map(_penalty, rows))
+        if penalties.count(1.0) == len(penalties):
             return logits
         device = logits.device
         seen = torch.zeros_like(logits, dtype=torch.bool)
-        row_index = torch.cat([torch.full((len(r.token_ids),), i, dtype=torch.long) for i, r in enumerate(rows)])
-        token_index = torch.tensor([t for r in rows for t in r.token_ids], dtype=torch.long)
-        seen[row_index.to(device), token_index.to(device)] = True
-        penalty = torch.tensor(penalties, device=device, dtype=logits.dtype)[:, None]
+        row_index = to_device([i for i, r in enumerate(rows) for _ in r.token_ids], torch.int64, device)
+        token_index = to_device([t for r in rows for t in r.token_ids], torch.int64, device)
+        seen[row_index, token_index] = True
+        penalty = to_device(penalties, logits.dtype, device)[:, None]
         penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
         return torch.where(seen, penalised, logits)
 
     @staticmethod
     def _sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        device, vocab = logits.device, logits.shape[1]
+        device = logits.device
         params = [row.params for row in rows]
-        temperature = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=device)
+        temperature = to_device([1.0 if p.greedy else p.temperature for p in params], torch.float32, device)
         probs = torch.softmax(logits / temperature[:, None], dim=-1)
-        seeds = torch.tensor([fold_seed(row.seed) for row in rows], device=device, dtype=torch.int64)
-        positions = torch.tensor([row.num_output_tokens for row in rows], device=device, dtype=torch.int64)
-        noise = exponential_noise(seeds, positions, vocab)
+        keys = to_device([[fold_seed(row.seed), row.num_output_tokens] for row in rows], torch.int64, device)
+        row_keys = _row_keys(keys[:, 0], keys[:, 1])
         if all(p.top_k <= 0 and p.top_p >= 1.0 and p.min_p <= 0.0 for p in params):
-            return (probs / noise).argmax(dim=-1)
+            return _race(probs, row_keys, None)
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         sorted_probs = sorted_probs.masked_fill(_filtered(sorted_probs, params), 0.0)
-        choice = (sorted_probs / noise.gather(1, order)).argmax(dim=-1, keepdim=True)
-        return order.gather(1, choice)[:, 0]
+        choice = _race(sorted_probs, row_keys, order)
+        return order.gather(1, choice[:, None])[:, 0]
 
 
 def _filtered(sorted_probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Mask of sorted positions removed by top-k, top-p and min-p. The top token always survives."""
     device, vocab = sorted_probs.device, sorted_probs.shape[1]
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
-    top_p = torch.tensor([p.top_p for p in params], device=device)
-    min_p = torch.tensor([p.min_p for p in params], device=device)
+    top_k = to_device([p.top_k if p.top_k > 0 else vocab for p in params], torch.int64, device)
+    top_p, min_p = to_device([[p.top_p, p.min_p] for p in params], torch.float32, device).unbind(1)
     rank = torch.arange(vocab, device=device)[None, :]
     removed = rank >= top_k[:, None]
     removed |= (sorted_probs.cumsum(dim=-1) - sorted_probs) > top_p[:, None]
@@ -142,18 +207,22 @@ def _filtered(sorted_probs: torch.Tensor, params: list[SamplingParams]) -> torch
     return removed
 
 
-def _logprobs(raw: torch.Tensor | None, tokens: list[int], wanted: list[int | None]) -> list[dict | None]:
+def _read_back(tokens: torch.Tensor, raw: torch.Tensor | None, wanted: list[int | None]) -> SampleResult:
+    """The step's one device read: the tokens, and the logprobs packed into the same float64 tensor
+    (token ids are exact in float64, float32 logprobs widen exactly)."""
     if raw is None:
-        return [None] * len(tokens)
+        return SampleResult(read_back(tokens), [None] * len(wanted))
     top_n = max(n for n in wanted if n is not None)
     top_values, top_ids = raw.topk(top_n, dim=-1) if top_n else (raw[:, :0], raw[:, :0].long())
-    chosen = raw.gather(1, torch.tensor(tokens, device=raw.device)[:, None])[:, 0].tolist()
-    top_values, top_ids = top_values.tolist(), top_ids.tolist()
-    return [
+    chosen = raw.gather(1, tokens[:, None])
+    packed = torch.cat([tokens[:, None].double(), chosen.double(), top_ids.double(), top_values.double()], dim=1)
+    values = read_back(packed)
+    token_list = [int(row[0]) for row in values]
+    return SampleResult(token_list, [
         None if n is None else {
-            "token_id": tokens[i],
-            "logprob": chosen[i],
-            "top_logprobs": [[top_ids[i][k], top_values[i][k]] for k in range(n)],
+            "token_id": token_list[i],
+            "logprob": values[i][1],
+            "top_logprobs": [[int(values[i][2 + k]), values[i][2 + top_n + k]] for k in range(n)],
         }
         for i, n in enumerate(wanted)
-    ]
+    ])

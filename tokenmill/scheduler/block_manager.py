@@ -85,15 +85,23 @@ class BlockManager:
         """Register the blocks that the first `num_tokens` tokens of `seq` fill, so later requests reuse them.
 
         Called when a step is planned, before its forward pass: a request admitted later in the same step may
-        already share these blocks, since every layer writes the step's K/V before it attends.
+        already share these blocks, since every layer writes the step's K/V before it attends. Only blocks
+        completed by this step are hashed: every full block of the `num_computed_tokens` already in the
+        cache was registered by the step that planned it (or came from the prefix cache, hash and all), so
+        the cost per step follows the new tokens, not the context length.
         """
         if not self.enable_prefix_caching:
             return
-        parent = None
-        for index in range(num_tokens // self.block_size):
-            block = self.blocks[seq.block_table[index]]
+        block_size = self.block_size
+        first, end = seq.num_computed_tokens // block_size, num_tokens // block_size
+        if first >= end:
+            return
+        table, blocks = seq.block_table, self.blocks
+        parent = blocks[table[first - 1]].hash if first else None
+        for index in range(first, end):
+            block = blocks[table[index]]
             if block.hash is None:
-                tokens = tuple(seq.token_ids[index * self.block_size : (index + 1) * self.block_size])
+                tokens = tuple(seq.token_ids[index * block_size : (index + 1) * block_size])
                 block.hash, block.token_ids = chain_hash(parent, tokens), tokens
                 self.cached_blocks.setdefault(block.hash, block.block_id)
             parent = block.hash

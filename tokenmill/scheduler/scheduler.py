@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from tokenmill.errors import InvalidRequestError
 from tokenmill.scheduler.block_manager import BlockManager
@@ -53,11 +54,19 @@ class ScheduledBatch:
             index = self.seqs.index(seq)
             self.budget += self.num_new_tokens.pop(index)
             del self.seqs[index]
+            self.__dict__.pop("sample_mask", None)  # cached for the old batch
 
     def samples(self, index: int) -> bool:
         """Whether sequence `index` reaches its last token this step, and so samples the next one."""
         seq = self.seqs[index]
         return seq.num_computed_tokens + self.num_new_tokens[index] == seq.num_tokens
+
+    @cached_property
+    def sample_mask(self) -> list[bool]:
+        """`samples(i)` for every sequence, computed once for the engine and the runner alike. Read it
+        between `Scheduler.schedule` and `Scheduler.update` (which advances the sequences)."""
+        return [seq.num_computed_tokens + count == len(seq.token_ids)
+                for seq, count in zip(self.seqs, self.num_new_tokens)]
 
 
 class Scheduler:
@@ -92,19 +101,25 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch(self.config.max_num_batched_tokens)
-        decoding = [s for s in self.running if s.num_uncomputed_tokens == 1]
-        prefilling = [s for s in self.running if s.num_uncomputed_tokens > 1]
+        block_size = self.config.block_size
+        decoding: list[Sequence] = []
+        prefilling: list[Sequence] = []
+        for seq in self.running:
+            (decoding if len(seq.token_ids) - seq.num_computed_tokens == 1 else prefilling).append(seq)
         for seq in decoding + prefilling:
             if batch.budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            count = min(seq.num_uncomputed_tokens, batch.budget)
-            if self._reserve(seq, count, batch):
+            count = min(len(seq.token_ids) - seq.num_computed_tokens, batch.budget)
+            # Most steps need no new block: skip the reservation (and its preemption search) then.
+            if seq.num_computed_tokens + count <= len(seq.block_table) * block_size or self._reserve(seq, count, batch):
                 batch.add(seq, count)
         # Only now, with no preemption left to undo it, publish the blocks this step fills.
+        cache_full_blocks = self.block_manager.cache_full_blocks
         for seq, count in zip(batch.seqs, batch.num_new_tokens):
-            self.block_manager.cache_full_blocks(seq, seq.num_computed_tokens + count)
+            if (seq.num_computed_tokens + count) // block_size > seq.num_computed_tokens // block_size:  # fills one
+                cache_full_blocks(seq, seq.num_computed_tokens + count)
         self._admit(batch)
         return batch
 
@@ -148,9 +163,8 @@ class Scheduler:
         order. Returns the sequences that received a token (the caller decides whether they finish)."""
         grown = []
         tokens = iter(sampled)
-        for index, seq in enumerate(batch.seqs):
-            samples = batch.samples(index)
-            seq.num_computed_tokens += batch.num_new_tokens[index]
+        for seq, count, samples in zip(batch.seqs, batch.num_new_tokens, batch.sample_mask):
+            seq.num_computed_tokens += count
             if samples:
                 seq.append_token(next(tokens))
                 grown.append(seq)

@@ -1,0 +1,167 @@
+#!/usr/bin/env python
+"""Host time per decode step: the real scheduler, runner, sampler and engine loop around a stub model.
+
+The model is replaced by a stub that returns a fixed logits tensor (no forward pass), so what is timed is
+everything the host does around the model in `LLMEngine.step()`: scheduling, block bookkeeping and prefix
+hashing, building the ragged batch and its attention metadata, sampling (greedy argmax over a small
+vocabulary, so the sampler's device work is negligible) and finishing. Every request has a ~680-token
+prompt of its own (no prefix sharing) and decodes with EOS ignored; after all prompts are prefilled, the
+benchmark times `--steps` decode steps and reports microseconds of host time per running sequence per step.
+
+    python benchmarks/step_overhead.py                       # 256 and 1,024 running sequences
+    PYTHONPATH=/path/to/other/checkout python benchmarks/step_overhead.py   # the same on another version
+    python benchmarks/step_overhead.py --profile 1024        # cProfile of the decode steps, top functions
+
+It only uses `LLMEngine`, `tokenmill.engine.llm_engine.load` and the model call convention of the runner,
+so it runs unchanged against older checkouts (how the "before" column of the README table was measured).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import random
+import statistics
+import sys
+import time
+from types import SimpleNamespace
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+
+import torch  # noqa: E402
+from transformers import LlamaConfig  # noqa: E402
+
+import tokenmill.engine.llm_engine as llm_engine  # noqa: E402
+from tokenmill import SamplingParams  # noqa: E402
+from tokenmill.engine.loader import LoadedModel  # noqa: E402
+from tokenmill.engine.tiny import tiny_tokenizer  # noqa: E402
+
+VOCAB = 64
+MAX_TOKENS = 2048  # never reached: no request finishes while the steps are timed
+
+
+class StubModel:
+    """Called like the HF model by the runner; returns `[1, rows, VOCAB]` logits without computing anything."""
+
+    generation_config = None
+
+    def __init__(self, max_rows: int) -> None:
+        generator = torch.Generator().manual_seed(0)
+        self.logits = torch.randn(1, max_rows, VOCAB, generator=generator)
+
+    def __call__(self, *, logits_to_keep: torch.Tensor, **kwargs: object) -> SimpleNamespace:
+        return SimpleNamespace(logits=self.logits[:, : logits_to_keep.shape[0]])
+
+
+def build_engine(num_seqs: int, context: int, steps: int) -> llm_engine.LLMEngine:
+    """An engine whose model is the stub, with a 1-layer, 1-head KV cache sized for the whole run."""
+    hf_config = LlamaConfig(vocab_size=VOCAB, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
+                            num_attention_heads=1, num_key_value_heads=1, max_position_embeddings=4096,
+                            bos_token_id=1, eos_token_id=2, pad_token_id=3)
+    loaded = LoadedModel(StubModel(max(num_seqs, 8192)), tiny_tokenizer(), hf_config, torch.device("cpu"),
+                         torch.float32)
+    real_load = llm_engine.load
+    llm_engine.load = lambda config: loaded
+    try:
+        # Sequences admitted first decode while the others prefill (about num_seqs * context / 8192 steps).
+        longest = context + 40 + 5 + steps + num_seqs * (context + 40) // 8192 + 16
+        blocks_per_seq = -(-longest // 16)
+        return llm_engine.LLMEngine("builtin:tiny", max_num_seqs=num_seqs, max_num_batched_tokens=8192,
+                                    max_model_len=4096, num_kv_blocks=max(num_seqs * blocks_per_seq, -(-(context + 40 + MAX_TOKENS) // 16)) + 16,
+                                    block_size=16)
+    finally:
+        llm_engine.load = real_load
+
+
+class Split:
+    """CPU seconds per phase, by wrapping engine methods on the instance (those that exist in this version)."""
+
+    PHASES = {"schedule": ("scheduler", "schedule"), "update": ("scheduler", "update"),
+              "inputs": ("runner.inputs", "build"), "model": ("runner", "forward"), "sampler": ("runner", "sampler")}
+
+    def __init__(self, engine: llm_engine.LLMEngine) -> None:
+        self.seconds: dict[str, float] = {}
+        for phase, (path, name) in self.PHASES.items():
+            owner = engine
+            for part in path.split("."):
+                owner = getattr(owner, part, None)
+            if owner is not None and hasattr(owner, name):
+                self.seconds[phase] = 0.0
+                setattr(owner, name, self._timed(phase, getattr(owner, name)))
+
+    def _timed(self, phase: str, function):  # noqa: ANN001, ANN202
+        def run(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            start = time.thread_time()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                self.seconds[phase] += time.thread_time() - start
+        return run
+
+
+def measure(num_seqs: int, context: int, steps: int, temperature: float,
+            profile: bool = False, split: bool = False) -> tuple[float, float]:
+    """Median wall and CPU microseconds per running sequence per decode step."""
+    engine = build_engine(num_seqs, context, steps)
+    rng = random.Random(num_seqs)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=temperature, ignore_eos=True)
+    for i in range(num_seqs):
+        jitter = min(40, context // 2)
+        prompt = [rng.randrange(4, VOCAB) for _ in range(context + rng.randint(-jitter, jitter))]
+        engine.add_request(str(i), prompt, params)
+    while engine.scheduler.waiting or any(s.num_uncomputed_tokens > 1 for s in engine.scheduler.running):
+        engine.step()
+    for _ in range(5):  # warm-up decode steps
+        engine.step()
+    assert len(engine.scheduler.running) == num_seqs
+    walls, cpus = [], []
+    phases = Split(engine) if split else None
+    profiler = cProfile.Profile() if profile else None
+    for _ in range(steps):
+        wall0, cpu0 = time.perf_counter(), time.thread_time()
+        if profiler:
+            profiler.enable()
+        finished = engine.step()
+        if profiler:
+            profiler.disable()
+        walls.append(time.perf_counter() - wall0)
+        cpus.append(time.thread_time() - cpu0)
+        assert not finished, [(f.finish_reason, len(f.token_ids)) for f in finished[:3]]
+    if profiler:
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+    scale = 1e6 / num_seqs
+    if phases:
+        total = sum(cpus)
+        parts = {k: v for k, v in phases.seconds.items()}
+        parts["engine (rest)"] = total - sum(parts.values())
+        print(f"  {num_seqs} seqs, CPU us/seq/step by phase (mean): "
+              + ", ".join(f"{k} {v / steps * scale:.2f}" for k, v in parts.items()), flush=True)
+    return statistics.median(walls) * scale, statistics.median(cpus) * scale
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("sizes", nargs="*", type=int, default=[256, 1024], help="running sequences")
+    parser.add_argument("--context", type=int, default=680, help="mean prompt length (tokens)")
+    parser.add_argument("--steps", type=int, default=60, help="timed decode steps")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy rows")
+    parser.add_argument("--profile", action="store_true", help="cProfile the timed steps")
+    parser.add_argument("--split", action="store_true", help="CPU time per phase (schedule, inputs, ...)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    import tokenmill
+
+    print(f"tokenmill from {os.path.dirname(tokenmill.__file__)}; load average {os.getloadavg()[0]:.2f}")
+    print("| running seqs | context | us/seq/step (wall) | us/seq/step (CPU) | ms/step (wall) |")
+    print("|---:|---:|---:|---:|---:|")
+    for size in args.sizes:
+        wall, cpu = measure(size, args.context, args.steps, args.temperature, args.profile, args.split)
+        print(f"| {size} | ~{args.context} | {wall:.2f} | {cpu:.2f} | {wall * size / 1000:.2f} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

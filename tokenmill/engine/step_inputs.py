@@ -1,0 +1,148 @@
+"""One step's model inputs, built on the host in persistent buffers and sent to the device in one copy.
+
+The host work per step follows what changed, not batch x context: each live sequence's block table is
+mirrored in a row of a persistent array and only appended to when the sequence gains a block; ids,
+positions, slots, query boundaries, context lengths, sampling rows and the step's block-table rows are
+computed with numpy into one persistent int64 staging buffer (pinned on CUDA) and copied to the device
+with a single non-blocking transfer.
+
+Reusing the staging buffer is safe because every step ends with the host reading the sampled tokens
+back, which waits for the stream that carried the previous step's copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tokenmill.scheduler.scheduler import ScheduledBatch
+from tokenmill.scheduler.sequence import Sequence
+
+
+@dataclass
+class StepInputs:
+    """Device tensors of one step (views of one transferred buffer) and the host ints the kernels need."""
+
+    input_ids: torch.Tensor  # int64 [1, T]
+    positions: torch.Tensor  # int64 [1, T]
+    slot_mapping: torch.Tensor  # int64 [T]
+    sample_rows: torch.Tensor  # int64 [R]: the query rows whose logits are sampled
+    cu_seqlens_q: torch.Tensor  # int32 [S+1]
+    seq_lens: torch.Tensor  # int32 [S]
+    block_tables: torch.Tensor  # int32 [S, W]
+    max_seqlen_q: int
+    max_seq_len: int
+
+
+class BlockTableMirror:
+    """Block tables of live sequences as rows of a host array, written only where a table grew.
+
+    A row remembers the Python list it mirrors: `BlockManager.free` gives a sequence a new, empty list, so
+    a preempted and readmitted sequence is recognised by identity and rewritten whole. Rows of sequences
+    absent from a step are reclaimed only when the rows run out.
+    """
+
+    def __init__(self, rows: int, width: int) -> None:
+        self.table = np.zeros((rows, width), dtype=np.int64)
+        self.row_of: dict[int, int] = {}
+        self.mirrored: list[list[int] | None] = [None] * rows
+        self.lengths = [0] * rows
+        self.free_rows = list(range(rows - 1, -1, -1))
+
+    def rows(self, seqs: list[Sequence]) -> list[int]:
+        """The row of each sequence of the step, brought up to date with its block table."""
+        row_of, mirrored, lengths = self.row_of, self.mirrored, self.lengths
+        out = []
+        for seq in seqs:
+            row = row_of.get(seq.seq_id)
+            if row is None:
+                row = self._claim(seq, seqs)
+            table = seq.block_table
+            if mirrored[row] is not table or lengths[row] != len(table):
+                self._write(row, table)
+            out.append(row)
+        return out
+
+    def _claim(self, seq: Sequence, step_seqs: list[Sequence]) -> int:
+        if not self.free_rows:
+            live = {s.seq_id for s in step_seqs}
+            for seq_id in [i for i in self.row_of if i not in live]:
+                row = self.row_of.pop(seq_id)
+                self.mirrored[row], self.lengths[row] = None, 0
+                self.free_rows.append(row)
+        if not self.free_rows:
+            self._grow(rows=2 * self.table.shape[0])
+        row = self.row_of[seq.seq_id] = self.free_rows.pop()
+        self.table[row] = 0  # padding past a table's end reads as block 0, as a fresh table would
+        return row
+
+    def _write(self, row: int, table: list[int]) -> None:
+        start = self.lengths[row] if self.mirrored[row] is table else 0
+        if len(table) > self.table.shape[1]:
+            self._grow(width=max(len(table), 2 * self.table.shape[1]))
+        self.table[row, start : len(table)] = table[start:]
+        self.mirrored[row], self.lengths[row] = table, len(table)
+
+    def _grow(self, rows: int | None = None, width: int | None = None) -> None:
+        old = self.table
+        self.table = np.zeros((rows or old.shape[0], width or old.shape[1]), dtype=np.int64)
+        self.table[: old.shape[0], : old.shape[1]] = old
+        extra = self.table.shape[0] - old.shape[0]
+        self.mirrored += [None] * extra
+        self.lengths += [0] * extra
+        self.free_rows[:0] = range(self.table.shape[0] - 1, old.shape[0] - 1, -1)
+
+
+class StepInputBuilder:
+    """Builds `StepInputs` for a `ScheduledBatch` (see the module docstring)."""
+
+    def __init__(self, device: torch.device, block_size: int, max_num_seqs: int, max_num_tokens: int) -> None:
+        self.device, self.block_size = device, block_size
+        self.pin = device.type == "cuda"
+        self.mirror = BlockTableMirror(max_num_seqs + 1, 64)
+        self._allocate_staging(4 * max_num_tokens + 3 * max_num_seqs + 1 + max_num_seqs * 64)
+
+    def _allocate_staging(self, size: int) -> None:
+        self.staging = torch.zeros(size, dtype=torch.int64, pin_memory=self.pin)
+        self.host = self.staging.numpy()  # the same memory, written with numpy
+
+    def build(self, batch: ScheduledBatch) -> StepInputs:
+        seqs, block_size = batch.seqs, self.block_size
+        count = np.array(batch.num_new_tokens, dtype=np.int64)
+        start = np.array([seq.num_computed_tokens for seq in seqs], dtype=np.int64)
+        rows = np.array(self.mirror.rows(seqs), dtype=np.int64)
+        num_seqs = len(seqs)
+        cu = np.zeros(num_seqs + 1, dtype=np.int64)
+        np.cumsum(count, out=cu[1:])
+        num_tokens = int(cu[-1])
+        end = start + count
+        if num_tokens == num_seqs:  # decode only: one token per sequence
+            ids = [seq.token_ids[s] for seq, s in zip(seqs, start.tolist())]
+            positions, token_rows = start, rows
+        else:
+            ids = [t for seq, s, e in zip(seqs, start.tolist(), end.tolist()) for t in seq.token_ids[s:e]]
+            first = np.repeat(start - cu[:-1], count)
+            positions = np.arange(num_tokens, dtype=np.int64) + first
+            token_rows = np.repeat(rows, count)
+        width = -(-int(end.max()) // block_size)
+        table = self.mirror.table
+        slots = table[token_rows, positions // block_size] * block_size + positions % block_size
+        sample_rows = cu[1:][np.array(batch.sample_mask, dtype=bool)] - 1
+        parts = (ids, positions, slots, sample_rows, cu, end, table[rows, :width].reshape(-1))
+        sizes = [len(p) for p in parts]
+        offsets = np.cumsum([0, *sizes])
+        if offsets[-1] > self.staging.shape[0]:
+            self._allocate_staging(2 * int(offsets[-1]))
+        host = self.host
+        for part, a, b in zip(parts, offsets[:-1], offsets[1:]):
+            host[a:b] = part
+        device = self.staging[: offsets[-1]].to(self.device, non_blocking=True)
+        views = [device[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
+        return StepInputs(
+            input_ids=views[0][None], positions=views[1][None], slot_mapping=views[2], sample_rows=views[3],
+            cu_seqlens_q=views[4].to(torch.int32), seq_lens=views[5].to(torch.int32),
+            block_tables=views[6].view(num_seqs, width).to(torch.int32),
+            max_seqlen_q=int(count.max()), max_seq_len=int(end.max()),
+        )
