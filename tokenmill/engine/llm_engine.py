@@ -141,10 +141,6 @@ class LLMEngine:
         seq = Sequence(request_id, token_ids, params)
         self.scheduler.add(seq)
         seed = params.seed if params.seed is not None else self._seed_source.getrandbits(63)
-        constraint = self._constraint(params, stop_ids)
-        seq = Sequence(request_id, token_ids, params)
-        self.scheduler.add(seq)
-        seed = params.seed if params.seed is not None else self._seed_source.getrandbits(63)
         banned = constraint.banned_ids if constraint is not None else []
         suppressed = (sorted(stop_ids) if params.min_tokens > 0 else []) + banned
         row = SamplingRow(params, seed, 0, seq.token_ids, suppressed, constraint=constraint)
