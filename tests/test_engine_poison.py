@@ -77,17 +77,17 @@ def test_tiny_temperatures_are_greedy(llm: LLM, temperature: float) -> None:
 def test_a_sampling_failure_fails_that_request_only(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
     """Fault injection: the sampler raises for rows of one seed, as it once did for seed 2**63."""
     poison_seed = 424242
-    real_noise = sampler_module.exponential_noise
+    real_row_keys = sampler_module._row_keys
 
-    def noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    def row_keys(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         if bool((seeds == poison_seed).any()):
             raise RuntimeError("Overflow when unpacking long long")
-        return real_noise(seeds, positions, vocab_size)
+        return real_row_keys(seeds, positions)
 
     prompts = random_prompts(5, 5, 40, seed=11)
     good = SamplingParams(max_tokens=8, temperature=0.8, seed=9)
     expected = llm.generate(prompts, good, use_tqdm=False)
-    monkeypatch.setattr(sampler_module, "exponential_noise", noise)
+    monkeypatch.setattr(sampler_module, "_row_keys", row_keys)
     params = [good, good, SamplingParams(max_tokens=8, temperature=0.8, seed=poison_seed), good, good]
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert outs[2].finish_reason == "error" and outs[2].error.startswith("sampling: ")
@@ -181,14 +181,14 @@ def test_the_engine_loop_refuses_a_request_that_failed_while_running(llm: LLM, m
 
     from tokenmill.worker.engine_process import _Loop
 
-    real_noise = sampler_module.exponential_noise
+    real_row_keys = sampler_module._row_keys
 
-    def noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    def row_keys(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         if bool((seeds == 777).any()):
             raise OverflowError("Overflow when unpacking long long")
-        return real_noise(seeds, positions, vocab_size)
+        return real_row_keys(seeds, positions)
 
-    monkeypatch.setattr(sampler_module, "exponential_noise", noise)
+    monkeypatch.setattr(sampler_module, "_row_keys", row_keys)
     worker_end, engine_end = multiprocessing.Pipe()
     loop = _Loop(llm.engine, engine_end)
     for request_id, seed in (("good", 1), ("poison", 777), ("also-good", 2)):
