@@ -2,6 +2,8 @@
 
     tokenmill generate [--model builtin:tiny] [--prompt TEXT ...] [--input prompts.jsonl] [--max-tokens N]
     tokenmill worker --model M --broker redis://... [--queues a,b] [--concurrency N] [...]
+    tokenmill annotate INPUT -o OUTPUT --template '...{{ column }}...' [--broker ...]   (tokenmill.jobs.annotate_cli)
+    tokenmill batch -i requests.jsonl -o results.jsonl [--errors errors.jsonl] [--broker ...]
 
 `generate` runs prompts offline through `tokenmill.LLM` and prints one JSON line per completion; with no
 arguments it completes a few demo prompts on the built-in tiny model (the README's quick start).
@@ -38,6 +40,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "worker":
         return _worker(args)
+    if args.command in ("annotate", "batch"):
+        from tokenmill.jobs.annotate_cli import run
+
+        return run(args)
     return _generate(args)
 
 
@@ -55,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", default="auto")
     worker = commands.add_parser("worker", help="run a queue worker (Celery on Redis)")
     _add_settings_flags(worker)
+    from tokenmill.jobs.annotate_cli import add_parsers as add_annotate_parsers
+
+    add_annotate_parsers(commands)  # `annotate` and `batch`
     return parser
 
 

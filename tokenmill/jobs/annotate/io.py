@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import fnmatch
 import glob
+import io
 import json
 import os
 from collections.abc import Iterator
@@ -139,9 +140,8 @@ def read_lines(uri: str, endpoint: str | None = None) -> Iterator[bytes]:
         stream = fs.open_input_stream(path)
     except (pa.ArrowException, OSError) as exc:
         raise DatasetError(f"input {uri!r} cannot be read: {exc}") from None
-    with stream, pa.PythonFile(stream, mode="r") as handle:
-        for line in handle:
-            yield line
+    with io.BufferedReader(stream, buffer_size=1 << 20) as handle:  # pyarrow streams have no readline
+        yield from handle
 
 
 class Writer:
