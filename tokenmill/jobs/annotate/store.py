@@ -46,10 +46,25 @@ class Outcome:
 _COLUMNS = [f.name for f in fields(Outcome)]
 
 
+def _canonical(parts: dict[str, Any]) -> bytes:
+    return json.dumps(parts, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str).encode()
+
+
 def content_key(**parts: Any) -> str:
     """A stable hash of everything that determines a completion (JSON with sorted keys, SHA-256)."""
-    text = json.dumps(parts, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:32]
+    return hashlib.sha256(_canonical(parts)).hexdigest()[:32]
+
+
+class KeyHasher:
+    """`content_key` for many rows that share most parts (model, sampling): those are hashed once."""
+
+    def __init__(self, **shared: Any) -> None:
+        self._state = hashlib.sha256(_canonical(shared))
+
+    def __call__(self, prompt: str | None = None, **parts: Any) -> str:
+        state = self._state.copy()
+        state.update(b"\0prompt\0" + prompt.encode() if prompt is not None else _canonical(parts))
+        return state.hexdigest()[:32]
 
 
 class Checkpoint:
