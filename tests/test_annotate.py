@@ -94,15 +94,20 @@ def test_parquet_schema_is_the_same_whether_rows_fail_or_not(llm, tmp_path: Path
     assert (mixed.ok, mixed.failed) == (1, 2)
 
 
-def test_missing_column_fails_only_that_row_and_sets_the_exit_status(tmp_path: Path) -> None:
+def test_missing_column_fails_only_that_row_and_sets_the_exit_status(tmp_path: Path, capfd: pytest.CaptureFixture) -> None:
+    from tokenmill.cli import main
+
     src = write_jsonl(tmp_path / "in.jsonl", [{"text": "a"}, {"other": "b"}, {"text": "c"}])
-    done = cli("annotate", str(src), "-o", str(tmp_path / "out.jsonl"), "--template", "T: {{ text }}", "--max-tokens", "3",
-               "--num-kv-blocks", "64")
-    assert done.returncode == 1, done.stderr
+    status = main(["annotate", str(src), "-o", str(tmp_path / "out.jsonl"), "--template", "T: {{ text }}", "--max-tokens", "3",
+                   "--num-kv-blocks", "64"])
+    stderr = capfd.readouterr().err
+    assert status == 1, stderr
     out = read_jsonl(tmp_path / "out.jsonl")
     assert [r["error"] is None for r in out] == [True, False, True]
     assert "column 'text' is undefined" in out[1]["error"] and out[1]["other"] == "b"
-    assert "rows failed" in done.stderr and "rows ok" in done.stderr  # the summary table
+    assert "rows failed" in stderr and "rows ok" in stderr  # the summary table
+    assert main(["annotate", str(tmp_path / "none.csv"), "-o", str(tmp_path / "x.jsonl"), "--template", "{{ a }}"]) == 2
+    assert "no such file" in capfd.readouterr().err
 
 
 @pytest.mark.parametrize("case", ["bad_template", "missing_file", "wrong_extension", "corrupt_parquet", "bad_json_line",

@@ -136,7 +136,8 @@ class Parser:
         return prompt, None
 
     def _sampling(self, url: str, body: dict[str, Any]) -> tuple[dict[str, Any], int | None]:
-        params: dict[str, Any] = {"max_tokens": body.get("max_completion_tokens", body.get("max_tokens", self.default_max_tokens))}
+        limit = next((body[k] for k in ("max_completion_tokens", "max_tokens") if body.get(k) is not None), self.default_max_tokens)
+        params: dict[str, Any] = {"max_tokens": limit}
         for name in ("temperature", "top_p", "seed"):
             if body.get(name) is not None:
                 params[name] = body[name]
