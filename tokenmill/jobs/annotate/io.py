@@ -44,6 +44,7 @@ def filesystem(uri: str, endpoint: str | None = None) -> tuple[pafs.FileSystem, 
         endpoint = s3_endpoint(endpoint)
         if endpoint:
             options["endpoint_override"] = endpoint
+        options["allow_delayed_open"] = True  # small objects go up in one PutObject, not a multipart upload
         options["region"] = os.environ.get("AWS_DEFAULT_REGION") or os.environ.get("AWS_REGION") or "us-east-1"
         return pafs.S3FileSystem(**options), uri.removeprefix("s3://")
     return pafs.LocalFileSystem(), os.path.abspath(uri)
