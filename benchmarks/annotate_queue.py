@@ -9,7 +9,7 @@ generated JSONL dataset (distinct rows, EOS ignored so both paths generate exact
 * embedded: the engine in this process (`llm=`);
 * distributed: `broker=...`, rows grouped `--rows-per-message` per `tokenmill.generate_batch` message.
 
-Each run starts from an empty checkpoint and is timed end to end (read, render, compute, checkpoint, write
+Each run starts from an empty checkpoint and a template no earlier run used and is timed end to end (read, render, compute, checkpoint, write
 the output). The ratio embedded wall / distributed wall is the distributed throughput relative to embedded
 (goal >= 0.9). Rounds alternate the two paths; the machine load (`os.getloadavg`) is printed with the table.
 """
@@ -50,25 +50,29 @@ def main() -> None:
         load_before = os.getloadavg()
         queue = QueuePath(directory, args.max_num_seqs, args.threads, None)
         local = LocalPath(args.max_num_seqs, args.threads)
-        options = dict(template="Classify the sentiment of: {{ text }}", max_tokens=args.max_tokens, ignore_eos=True, quiet=True)
+        options = dict(max_tokens=args.max_tokens, ignore_eos=True, quiet=True)
 
+        # Each round has its own template: job ids are row keys, and a key computed in an earlier round would be
+        # answered from its stored result (idempotency) instead of being generated.
         def embedded(name: str, rows: str = str(data)) -> float:
-            return tokenmill.annotate(rows, str(directory / f"{name}.jsonl"), llm=local.llm, **options).wall_s
+            template = f"[{name[1:]}] Classify the sentiment of: {{{{ text }}}}"
+            return tokenmill.annotate(rows, str(directory / f"{name}.jsonl"), template, llm=local.llm, **options).wall_s
 
         def distributed(name: str, rows: str = str(data)) -> float:
-            return tokenmill.annotate(rows, str(directory / f"{name}.jsonl"), broker=queue.broker,
+            template = f"[{name[1:]}] Classify the sentiment of: {{{{ text }}}}"
+            return tokenmill.annotate(rows, str(directory / f"{name}.jsonl"), template, broker=queue.broker,
                                       rows_per_message=args.rows_per_message, **options).wall_s
 
         try:
             warm = directory / "warm.jsonl"
             warm.write_text("".join(json.dumps({"text": f"warm {i}"}) + "\n" for i in range(600)))
-            embedded("warm-e", str(warm))
-            distributed("warm-d", str(warm))
+            embedded("ewarm", str(warm))
+            distributed("dwarm", str(warm))
             walls: dict[str, list[float]] = {"embedded": [], "distributed": []}
             for r in range(args.rounds):
                 walls["embedded"].append(embedded(f"e{r}"))
                 walls["distributed"].append(distributed(f"d{r}"))
-            same = (directory / "e0.jsonl").read_text() == (directory / "d0.jsonl").read_text()
+            same = all((directory / f"e{r}.jsonl").read_text() == (directory / f"d{r}.jsonl").read_text() for r in range(args.rounds))
         finally:
             queue.close()
         load_after = os.getloadavg()

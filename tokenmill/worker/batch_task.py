@@ -9,7 +9,8 @@ guarantees of a single `tokenmill.generate` job:
   group runs only the jobs that have no result yet);
 * it gets exactly one result, under its own Celery result key, so `Client.get`/`as_completed` read it like
   any job's. Results are written with `SET NX` (never overwriting a stored one) and announced on the key's
-  pub/sub channel as Celery does, in one pipelined round trip per group;
+  pub/sub channel as Celery does, in one pipelined round trip per group. (After a broker outage a group may
+  run on two workers at once, as a single job may; `SET NX` still keeps exactly one result per job);
 * a group's deliveries are counted like a job's; a group that has killed `max_deliveries` workers
   dead-letters the jobs in it that have no result;
 * the message is acknowledged only after all of its results are stored (late ack); at shutdown, past the
