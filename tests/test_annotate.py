@@ -250,4 +250,12 @@ def test_memory_does_not_grow_with_the_input(tmp_path: Path) -> None:
         assert done.returncode == 0, done.stderr[-3000:]
         peaks[count] = int(done.stdout.split()[-1]) / 1024  # ru_maxrss is KiB on Linux
         assert pq.read_metadata(tmp_path / f"out{count}.parquet").num_rows == count
+    print(f"peak RSS (MiB): {peaks}")
     assert abs(peaks[200_000] - peaks[20_000]) < 64, peaks
+
+
+def test_a_shared_instruction_is_served_from_the_prefix_cache(llm, tmp_path: Path) -> None:
+    src = write_jsonl(tmp_path / "in.jsonl", rows(16))
+    instruction = "You are a careful annotator. Read the item and answer with one word only. " * 4
+    summary = run(llm, src, tmp_path / "out.jsonl", template=instruction + "Item: {{ text }}")
+    assert summary.prefix_hit_rate is not None and summary.prefix_hit_rate > 0.6, summary.prefix_hit_rate

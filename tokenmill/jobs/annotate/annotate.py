@@ -109,8 +109,7 @@ def annotate(
     structured = {"json_schema": json_schema, "choice": choice, "regex": regex}
     params = sampling_dict({"temperature": 0.0, **sampling, **{k: v for k, v in structured.items() if v is not None}})
     mode = "queue" if broker else "embedded"
-    label = model or (llm.engine.config.model if llm is not None else None) or ("builtin:tiny" if not broker else f"queue:{queue or 'tokenmill'}")
-    prompter = Prompter(template, system, chat, label, params)
+    prompter = Prompter(template, system, chat, model_label(model, llm, broker, queue), params)
     dataset = open_dataset(input, input_format, s3_endpoint_url)
     schema = dataset.schema
     out_format = format_of(output, output_format, "output")
@@ -133,6 +132,15 @@ def annotate(
     if not quiet:
         summary.print()
     return summary
+
+
+def model_label(model: str | None, llm: Any, broker: str | None, queue: str | None) -> str:
+    """The model's name in result keys. Distributed without `--model`, the queue stands for the workers' model."""
+    if model:
+        return model
+    if llm is not None:
+        return llm.engine.config.model
+    return f"queue:{queue or 'tokenmill'}" if broker else "builtin:tiny"
 
 
 def default_state_dir(output: str) -> str:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.errors import InvalidRequestError
-from tokenmill.jobs.annotate.annotate import _runner, default_state_dir
+from tokenmill.jobs.annotate.annotate import _runner, default_state_dir, model_label
 from tokenmill.jobs.annotate.io import Writer, read_lines
 from tokenmill.jobs.annotate.pipeline import Progress, Summary, compute, stored
 from tokenmill.jobs.annotate.runners import Unit, sampling_dict
@@ -206,7 +206,7 @@ def batch(
     started = time.perf_counter()
     errors = errors or os.path.splitext(output)[0] + ".errors.jsonl"
     mode = "queue" if broker else "embedded"
-    label = model or (llm.engine.config.model if llm is not None else None) or ("builtin:tiny" if not broker else f"queue:{queue or 'tokenmill'}")
+    label = model_label(model, llm, broker, queue)
     total = check_custom_ids(input, s3_endpoint_url)
     checkpoint = Checkpoint(os.path.join(state_dir or default_state_dir(output), "checkpoint.sqlite"))
     summary = Summary(output=output, errors_output=errors)

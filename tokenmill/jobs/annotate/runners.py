@@ -42,6 +42,8 @@ class EmbeddedRunner:
         self.engine = llm.engine
         self.window = window
         self._prefix = f"annotate-{uuid.uuid4().hex[:8]}-"
+        stats = self.engine.stats()
+        self._before = (stats.num_prefix_hit_tokens, stats.num_prompt_tokens)  # the engine may have served before
 
     def run(self, units: Iterable[Unit]) -> Iterator[tuple[Unit, Outcome]]:
         pending = iter(units)
@@ -83,7 +85,8 @@ class EmbeddedRunner:
 
     def prefix_hit_rate(self) -> float | None:
         stats = self.engine.stats()
-        return stats.num_prefix_hit_tokens / stats.num_prompt_tokens if stats.num_prompt_tokens else None
+        hits, prompt = stats.num_prefix_hit_tokens - self._before[0], stats.num_prompt_tokens - self._before[1]
+        return hits / prompt if prompt else None
 
 
 def outcome_from_output(output: Any) -> Outcome:
