@@ -49,25 +49,26 @@ def rows(count: int, distinct: int | None = None) -> list[dict]:
 def test_rows_become_grouped_jobs_with_one_result_each_and_match_embedded(llm, tmp_path, redis_server, start_worker,
                                                                            result_log) -> None:
     start_worker(redis_server.url).wait_ready()
-    data = rows(90, distinct=60) + [{"id": 90, "other": "no text column"}]
+    data = rows(90, distinct=60) + [{"id": 90, "other": "no text column"}, {"id": 91, "text": "z" * 5000}]
     src = write_jsonl(tmp_path / "in.jsonl", data)
     options = dict(max_tokens=8, quiet=True, rows_per_message=7)
     summary = tokenmill.annotate(str(src), str(tmp_path / "queue.jsonl"), TEMPLATE, broker=redis_server.url, **options)
-    assert (summary.rows, summary.ok, summary.failed, summary.computed, summary.deduplicated) == (91, 90, 1, 60, 30)
+    assert (summary.rows, summary.ok, summary.failed, summary.computed, summary.deduplicated) == (92, 90, 2, 61, 30)
     embedded = tokenmill.annotate(str(src), str(tmp_path / "local.jsonl"), TEMPLATE, llm=llm, **options)
-    assert embedded.computed == 60
+    assert embedded.computed == 61
     queue_rows, local_rows = read_jsonl(tmp_path / "queue.jsonl"), read_jsonl(tmp_path / "local.jsonl")
     assert queue_rows == local_rows
     assert "column 'text' is undefined" in queue_rows[90]["error"]
-    wait_until(lambda: len(result_log.counts) >= 60, 30, "every job's result announced")
+    assert queue_rows[91]["error"].startswith("invalid_request: ") and "(field: prompt" in queue_rows[91]["error"]
+    wait_until(lambda: len(result_log.counts) >= 61, 30, "every job's result announced")
     keys = checkpoint_keys(Path(str(tmp_path / "queue.jsonl") + ".tokenmill-state"))
-    assert len(keys) == 60 and {result_log.counts.get(key) for key in keys} == {1}  # one result per distinct row
+    assert len(keys) == 61 and {result_log.counts.get(key) for key in keys} == {1}  # one result per distinct row
     groups = set(result_log.counts) - keys
-    assert len(groups) == 9  # ceil(60 / 7) messages, each with its own small summary result
+    assert len(groups) == 9  # ceil(61 / 7) messages, each with its own small summary result
 
     # the same file again: every row comes from the checkpoint, nothing goes to the queue
     again = tokenmill.annotate(str(src), str(tmp_path / "queue.jsonl"), TEMPLATE, broker=redis_server.url, **options)
-    assert (again.computed, again.reused) == (0, 90)
+    assert (again.computed, again.reused) == (0, 91)
     assert read_jsonl(tmp_path / "queue.jsonl") == queue_rows
 
     # OpenAI batch files through the same queue

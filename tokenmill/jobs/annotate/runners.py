@@ -78,15 +78,21 @@ class EmbeddedRunner:
             prompt = unit.prompt if unit.messages is None else self.engine.apply_chat_template(unit.messages)
             self.engine.add_request(request_id, prompt, params)
         except InvalidRequestError as exc:
-            return Outcome.failed(f"invalid_request: {exc}")
+            return Outcome.failed(error_text("invalid_request", exc.message, exc.field))
         except Exception as exc:  # e.g. the chat template cannot render these messages: this unit only
-            return Outcome.failed(f"invalid_request: {type(exc).__name__}: {exc}")
+            field = "prompt" if unit.messages is None else "messages"
+            return Outcome.failed(error_text("invalid_request", f"{type(exc).__name__}: {exc}", field))
         return None
 
     def prefix_hit_rate(self) -> float | None:
         stats = self.engine.stats()
         hits, prompt = stats.num_prefix_hit_tokens - self._before[0], stats.num_prompt_tokens - self._before[1]
         return hits / prompt if prompt else None
+
+
+def error_text(code: str, message: str, field: str | None) -> str:
+    """A row's error column: the same text whichever mode computed it (a rerun in the other mode matches)."""
+    return f"{code}: {message}" + (f" (field: {field})" if field else "")
 
 
 def outcome_from_output(output: Any) -> Outcome:
@@ -109,8 +115,7 @@ def outcome_from_result(result: Any) -> Outcome:
     """A worker's `JobResult` as an `Outcome`."""
     if not result.ok:
         error = result.error
-        detail = f"{error.code}: {error.message}" if error else "failed"
-        return Outcome.failed(detail + (f" (field: {error.field})" if error and error.field else ""))
+        return Outcome.failed(error_text(error.code, error.message, error.field) if error else "failed")
     parsed = getattr(result, "parsed", None)
     usage = result.usage
     return Outcome(
