@@ -22,7 +22,6 @@ worker service is imported when a group arrives).
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 import uuid
