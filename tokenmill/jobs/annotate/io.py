@@ -76,7 +76,10 @@ class Dataset:
     fs: pafs.FileSystem
 
     def _dataset(self) -> ds.Dataset:
-        return ds.dataset(self.files, format=self.format, filesystem=self.fs)
+        fmt: Any = self.format
+        if fmt == "parquet":  # pre-buffering reads a whole file's column chunks at once: memory would grow with it
+            fmt = ds.ParquetFileFormat(default_fragment_scan_options=ds.ParquetFragmentScanOptions(pre_buffer=False))
+        return ds.dataset(self.files, format=fmt, filesystem=self.fs)
 
     @property
     def schema(self) -> pa.Schema:
@@ -92,7 +95,7 @@ class Dataset:
         dataset = self._guard(self._dataset)
         schema = dataset.schema
         for fragment in self._guard(lambda: list(dataset.get_fragments())):
-            reader = self._guard(lambda: fragment.to_batches(schema=schema, batch_size=BATCH_ROWS, use_threads=False))
+            reader = self._guard(lambda: fragment.to_batches(schema=schema, batch_size=BATCH_ROWS, batch_readahead=2, use_threads=False))
             while True:
                 batch = self._guard(lambda: next(reader, None))
                 if batch is None:
