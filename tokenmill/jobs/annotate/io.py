@@ -18,13 +18,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.csv as pacsv
 import pyarrow.dataset as ds
 import pyarrow.fs as pafs
+import pyarrow.json as pajson
 import pyarrow.parquet as pq
 
 FORMATS = {".jsonl": "json", ".ndjson": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet", ".pq": "parquet"}
 #: Rows per record batch handed to the pipeline (Parquet; JSON/CSV batches follow their block size).
 BATCH_ROWS = 4096
+_BLOCK_BYTES = 1 << 20  # CSV/JSON read block
 _ENDPOINT_ENV = ("TOKENMILL_S3_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
 
 
@@ -76,32 +79,61 @@ class Dataset:
     fs: pafs.FileSystem
 
     def _dataset(self) -> ds.Dataset:
+        return self._dataset_of(self.files)
+
+    def _dataset_of(self, files: list[str]) -> ds.Dataset:
         fmt: Any = self.format
         if fmt == "parquet":  # pre-buffering reads a whole file's column chunks at once: memory would grow with it
             fmt = ds.ParquetFileFormat(default_fragment_scan_options=ds.ParquetFragmentScanOptions(pre_buffer=False))
-        return ds.dataset(self.files, format=fmt, filesystem=self.fs)
+        elif fmt == "json":  # the schema comes from the first block only
+            fmt = ds.JsonFileFormat(read_options=pajson.ReadOptions(block_size=_BLOCK_BYTES))
+        return ds.dataset(files, format=fmt, filesystem=self.fs)
 
     @property
     def schema(self) -> pa.Schema:
         return self._guard(lambda: self._dataset().schema)
 
     def count_rows(self) -> int:
-        """Parquet: from the footers. CSV/JSONL: one streaming scan (which also finds a corrupt file
-        before any work starts)."""
-        return self._guard(lambda: self._dataset().count_rows())
+        """Parquet: from the footers. CSV/JSONL: one streaming pass (which also finds a corrupt file before any
+        work starts)."""
+        if self.format == "parquet":
+            return self._guard(lambda: self._dataset().count_rows())
+        return sum(batch.num_rows for batch in self.batches())
 
     def batches(self) -> Iterator[pa.RecordBatch]:
-        """The rows in file order, then row order, as record batches."""
-        dataset = self._guard(self._dataset)
-        schema = dataset.schema
-        for fragment in self._guard(lambda: list(dataset.get_fragments())):
-            reader = self._guard(lambda: fragment.to_batches(schema=schema, batch_size=BATCH_ROWS, batch_readahead=2, use_threads=False))
+        """The rows in file order, then row order, as record batches of bounded size."""
+        schema = self.schema
+        for path in self.files:
+            reader = self._guard(lambda: self._reader(path, schema))
             while True:
                 batch = self._guard(lambda: next(reader, None))
                 if batch is None:
                     break
                 if batch.num_rows:
                     yield batch
+
+    def _reader(self, path: str, schema: pa.Schema) -> Iterator[pa.RecordBatch]:
+        """Streaming readers: Parquet without pre-buffering, CSV/JSON block by block (the dataset scanner's
+        JSON reader loads a whole file, so memory would grow with the file)."""
+        if self.format == "parquet":
+            fragment = next(iter(self._dataset_of([path]).get_fragments()))
+            return iter(fragment.to_batches(schema=schema, batch_size=BATCH_ROWS, batch_readahead=1, use_threads=False))
+        stream = self.fs.open_input_stream(path)
+        if self.format == "json":
+            return self._json_blocks(stream, schema)
+        types = {field.name: field.type for field in schema}
+        return iter(pacsv.open_csv(stream, read_options=pacsv.ReadOptions(block_size=_BLOCK_BYTES, use_threads=False),
+                                   convert_options=pacsv.ConvertOptions(column_types=types)))
+
+    def _json_blocks(self, stream: Any, schema: pa.Schema) -> Iterator[pa.RecordBatch]:
+        """JSONL parsed by pyarrow one ~1 MiB block of whole lines at a time. (`pyarrow.json.open_json` reads
+        ahead about half of a file, so its memory grows with the file.) A field the first block did not have is
+        an error naming it, not a silently dropped column."""
+        options = pajson.ParseOptions(explicit_schema=schema, unexpected_field_behavior="error")
+        with io.BufferedReader(stream, buffer_size=_BLOCK_BYTES) as handle:
+            while lines := handle.readlines(_BLOCK_BYTES):
+                table = pajson.read_json(pa.BufferReader(b"".join(lines)), pajson.ReadOptions(use_threads=False), options)
+                yield from table.to_batches(BATCH_ROWS)
 
     def _guard(self, call: Any) -> Any:
         try:
