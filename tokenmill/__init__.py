@@ -12,15 +12,17 @@ from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.errors import InvalidRequestError
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "Client", "InvalidRequestError", "__version__"]
+__all__ = ["LLM", "SamplingParams", "Client", "InvalidRequestError", "annotate", "__version__"]
 
 _LAZY = {
     "LLM": "tokenmill.engine.llm",
     "Client": "tokenmill.jobs.client",
+    "annotate": "tokenmill.jobs.annotate",
 }
 
 if TYPE_CHECKING:
     from tokenmill.engine.llm import LLM
+    from tokenmill.jobs.annotate import annotate
     from tokenmill.jobs.client import Client
 
 

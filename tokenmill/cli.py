@@ -3,6 +3,8 @@
     tokenmill generate [--model builtin:tiny] [--prompt TEXT ...] [--input prompts.jsonl] [--max-tokens N]
     tokenmill worker --model M --broker redis://... [--queues a,b] [--concurrency N] [...]
     tokenmill dead-letters [--broker URL] list [--full] | requeue (ID ... | --all) | purge (ID ... | --all)
+    tokenmill annotate INPUT -o OUTPUT --template '...{{ column }}...' [--broker ...]   (tokenmill.jobs.annotate_cli)
+    tokenmill batch -i requests.jsonl -o results.jsonl [--errors errors.jsonl] [--broker ...]
 
 `generate` runs prompts offline through `tokenmill.LLM` and prints one JSON line per completion; with no
 arguments it completes a few demo prompts on the built-in tiny model (the README's quick start).
@@ -42,6 +44,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _worker(args)
     if args.command == "dead-letters":
         return _dead_letters(args)
+    if args.command in ("annotate", "batch"):
+        from tokenmill.jobs.annotate_cli import run
+
+        return run(args)
     return _generate(args)
 
 
@@ -65,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     worker = commands.add_parser("worker", help="run a queue worker (Celery on Redis)")
     _add_settings_flags(worker)
     _add_dead_letter_commands(commands)
+    from tokenmill.jobs.annotate_cli import add_parsers as add_annotate_parsers
+
+    add_annotate_parsers(commands)  # `annotate` and `batch`
     return parser
 
 

@@ -61,6 +61,7 @@ from typing import Any
 
 from celery import Celery
 
+from tokenmill.worker.batch_task import register as register_batch_task
 from tokenmill.worker.leases import LeaseRenewal
 from tokenmill.worker.settings import DEFAULT_QUEUE, QueueSettings
 
@@ -139,6 +140,7 @@ def create_app(settings: QueueSettings | None = None) -> Celery:
     new.task(
         name=TASK_NAME, bind=True, acks_late=True, reject_on_worker_lost=True, resultrepr_maxsize=RESULT_REPR_MAXSIZE
     )(_generate)
+    register_batch_task(new)  # tokenmill.generate_batch: several jobs per message (tokenmill annotate --broker)
     return new
 
 

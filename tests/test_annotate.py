@@ -1,0 +1,268 @@
+"""`tokenmill annotate` in embedded mode: real files in tmp dirs, the built-in tiny model, real subprocesses
+for kill -9 and the CLI. (Distributed mode and S3: tests/service/test_annotate_distributed.py.)"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.csv as pacsv
+import pyarrow.parquet as pq
+import pytest
+
+from annotate_helpers import ENGINE, REPO, checkpointed, cli, read_jsonl, wait_until, write_jsonl
+from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.errors import InvalidRequestError
+from tokenmill.jobs.annotate import DatasetError, annotate
+
+STRUCTURED = {f.name for f in dataclasses.fields(SamplingParams)} >= {"json_schema", "choice", "regex"}
+
+
+@pytest.fixture(scope="module")
+def llm():
+    import torch
+
+    torch.set_num_threads(1)
+    from tokenmill import LLM
+
+    return LLM("builtin:tiny", **ENGINE)
+
+
+def rows(count: int, distinct: int | None = None) -> list[dict]:
+    distinct = distinct or count
+    return [{"id": f"r{i}", "text": f"item number {i % distinct}", "n": i} for i in range(count)]
+
+
+def run(llm, src: Path, out: Path, template: str = "Say: {{ text }}", **kw):
+    kw.setdefault("max_tokens", 6)
+    return annotate(str(src), str(out), template, llm=llm, quiet=True, **kw)
+
+
+def test_jsonl_rows_keep_order_and_columns_and_duplicates_are_computed_once(llm, tmp_path: Path) -> None:
+    src = write_jsonl(tmp_path / "in.jsonl", rows(40, distinct=10))
+    summary = run(llm, src, tmp_path / "out.jsonl")
+    out = read_jsonl(tmp_path / "out.jsonl")
+    assert [r["id"] for r in out] == [f"r{i}" for i in range(40)]
+    assert all(r["text"] == f"item number {i % 10}" and r["n"] == i for i, r in enumerate(out))
+    assert set(out[0]) == {"id", "text", "n", "annotation", "parsed", "finish_reason", "prompt_tokens", "completion_tokens", "error"}
+    assert all(r["error"] is None and r["finish_reason"] in ("stop", "length") and r["prompt_tokens"] > 0 for r in out)
+    assert (summary.rows, summary.ok, summary.failed, summary.computed, summary.deduplicated) == (40, 40, 0, 10, 30)
+    for i in range(10, 40):  # duplicates share the one completion
+        assert out[i]["annotation"] == out[i % 10]["annotation"]
+    direct = llm.generate([f"Say: item number {i}" for i in range(10)], SamplingParams(max_tokens=6, temperature=0.0), use_tqdm=False)
+    assert [r["annotation"] for r in out[:10]] == [o.text for o in direct]
+    assert summary.completion_tokens == sum(len(o.token_ids) for o in direct)
+
+
+def test_parquet_shards_and_csv_inputs_give_the_same_parquet_output(llm, tmp_path: Path) -> None:
+    table = pa.Table.from_pylist(rows(12))
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    pq.write_table(table.slice(0, 5), shards / "part-0.parquet")
+    pq.write_table(table.slice(5), shards / "part-1.parquet")
+    pacsv.write_csv(table, tmp_path / "in.csv")
+    run(llm, shards, tmp_path / "a.parquet")
+    run(llm, tmp_path / "in.csv", tmp_path / "b.parquet", state_dir=str(tmp_path / "state-b"))
+    run(llm, str(shards / "*.parquet"), tmp_path / "c.parquet", state_dir=str(tmp_path / "state-c"))
+    a, b, c = (pq.read_table(tmp_path / f"{x}.parquet") for x in "abc")
+    assert a.column("id").to_pylist() == [f"r{i}" for i in range(12)]
+    assert a.equals(b) and a.equals(c)
+    assert a.column("annotation").null_count == 0
+
+
+def test_parquet_schema_is_the_same_whether_rows_fail_or_not(llm, tmp_path: Path) -> None:
+    data = [{"id": "a", "text": "fine"}, {"id": "b", "text": None}, {"id": "c", "text": "x" * 5000}]
+    src = tmp_path / "in.parquet"
+    pq.write_table(pa.Table.from_pylist(data), src)
+    pq.write_table(pa.Table.from_pylist(data[:1]), tmp_path / "ok.parquet")
+    mixed = run(llm, src, tmp_path / "mixed.parquet")
+    run(llm, tmp_path / "ok.parquet", tmp_path / "allok.parquet")
+    run(llm, tmp_path / "ok.parquet", tmp_path / "allbad.parquet", template="{{ missing }}")
+    schemas = [pq.read_schema(tmp_path / f"{name}.parquet") for name in ("mixed", "allok", "allbad")]
+    assert schemas[0] == schemas[1] == schemas[2]
+    assert schemas[0].field("error").type == pa.string() and schemas[0].field("error").nullable
+    assert schemas[0].field("prompt_tokens").type == pa.int64()
+    out = pq.read_table(tmp_path / "mixed.parquet").to_pylist()
+    assert out[0]["error"] is None and out[0]["annotation"]
+    assert "column 'text' is undefined" in out[1]["error"] and out[1]["annotation"] is None
+    assert "max_model_len" in out[2]["error"] or "long" in out[2]["error"], out[2]["error"]  # prompt over the model's length
+    assert (mixed.ok, mixed.failed) == (1, 2)
+
+
+def test_missing_column_fails_only_that_row_and_sets_the_exit_status(tmp_path: Path, capfd: pytest.CaptureFixture) -> None:
+    from tokenmill.cli import main
+
+    src = write_jsonl(tmp_path / "in.jsonl", [{"text": "a"}, {"other": "b"}, {"text": "c"}])
+    status = main(["annotate", str(src), "-o", str(tmp_path / "out.jsonl"), "--template", "T: {{ text }}", "--max-tokens", "3",
+                   "--num-kv-blocks", "64"])
+    stderr = capfd.readouterr().err
+    assert status == 1, stderr
+    out = read_jsonl(tmp_path / "out.jsonl")
+    assert [r["error"] is None for r in out] == [True, False, True]
+    assert "column 'text' is undefined" in out[1]["error"] and out[1]["other"] == "b"
+    assert "rows failed" in stderr and "rows ok" in stderr  # the summary table
+    assert main(["annotate", str(tmp_path / "none.csv"), "-o", str(tmp_path / "x.jsonl"), "--template", "{{ a }}"]) == 2
+    assert "no such file" in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("case", ["bad_template", "missing_file", "wrong_extension", "corrupt_parquet", "bad_json_line",
+                                  "unknown_id_column", "bad_sampling"])
+def test_unusable_input_is_refused_up_front_with_a_clear_error(llm, tmp_path: Path, case: str) -> None:
+    src = write_jsonl(tmp_path / "in.jsonl", rows(3))
+    template, options, expected = "{{ text }}", {}, None
+    if case == "bad_template":
+        template, expected = "{{ text ", (InvalidRequestError, "template: line 1")
+    elif case == "missing_file":
+        src, expected = tmp_path / "nope.jsonl", (DatasetError, "no such file")
+    elif case == "wrong_extension":
+        src = tmp_path / "in.txt"
+        src.write_text('{"text": "a"}\n')
+        expected = (DatasetError, "--input-format")
+    elif case == "corrupt_parquet":
+        src = tmp_path / "in.parquet"
+        src.write_bytes(b"PAR1 this is not a parquet file at all")
+        expected = (DatasetError, "in.parquet")
+    elif case == "bad_json_line":
+        src.write_text('{"text": "a"}\n{"text": oops}\n')
+        expected = (DatasetError, "cannot be read")
+    elif case == "unknown_id_column":
+        options, expected = {"id_column": "nope"}, (InvalidRequestError, "id_column")
+    elif case == "bad_sampling":
+        options, expected = {"top_p": 7.0}, (InvalidRequestError, "top_p")
+    with pytest.raises(expected[0], match=expected[1].replace("-", "\\-")):
+        run(llm, src, tmp_path / "out.jsonl", template=template, **options)
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_template_edit_and_appended_rows_recompute_only_what_changed(llm, tmp_path: Path) -> None:
+    data = [{"kind": "a" if i % 3 == 0 else "b", "text": f"t{i}"} for i in range(30)]
+    src = write_jsonl(tmp_path / "in.jsonl", data)
+    first = "{% if kind == 'a' %}A: {{ text }}{% else %}B: {{ text }}{% endif %}"
+    assert run(llm, src, tmp_path / "out.jsonl", template=first).computed == 30
+    edited = "{% if kind == 'a' %}Changed A: {{ text }}{% else %}B: {{ text }}{% endif %}"
+    summary = run(llm, src, tmp_path / "out.jsonl", template=edited)
+    assert (summary.computed, summary.reused) == (10, 20)
+    write_jsonl(src, data + [{"kind": "b", "text": f"new{i}"} for i in range(5)])
+    summary = run(llm, src, tmp_path / "out.jsonl", template=edited)
+    assert (summary.computed, summary.reused, summary.rows) == (5, 30, 35)
+    fresh = run(llm, src, tmp_path / "fresh.jsonl", template=edited)  # from scratch: the same output
+    assert fresh.computed == 35
+    assert read_jsonl(tmp_path / "out.jsonl") == read_jsonl(tmp_path / "fresh.jsonl")
+
+
+def test_retry_failed_recomputes_only_failed_rows(llm, tmp_path: Path) -> None:
+    src = write_jsonl(tmp_path / "in.jsonl", [{"text": "short"}, {"text": "y" * 5000}])
+    assert run(llm, src, tmp_path / "out.jsonl").failed == 1
+    again = run(llm, src, tmp_path / "out.jsonl")
+    assert (again.computed, again.reused) == (0, 2)
+    retried = run(llm, src, tmp_path / "out.jsonl", retry_failed=True)
+    assert (retried.computed, retried.reused, retried.failed) == (1, 1, 1)
+
+
+def test_chat_mode_renders_system_and_template_as_messages(llm, tmp_path: Path) -> None:
+    src = write_jsonl(tmp_path / "in.jsonl", rows(3))
+    run(llm, src, tmp_path / "plain.jsonl")
+    run(llm, src, tmp_path / "chat.jsonl", chat=True, system="You label {{ id }}.")
+    plain, chat = read_jsonl(tmp_path / "plain.jsonl"), read_jsonl(tmp_path / "chat.jsonl")
+    expected = llm.chat([[{"role": "system", "content": f"You label r{i}."}, {"role": "user", "content": f"Say: item number {i}"}]
+                         for i in range(3)], SamplingParams(max_tokens=6, temperature=0.0), use_tqdm=False)
+    assert [r["annotation"] for r in chat] == [o.text for o in expected]
+    assert [r["prompt_tokens"] for r in chat] == [len(o.prompt_token_ids) for o in expected]
+    assert all(c["prompt_tokens"] > p["prompt_tokens"] for c, p in zip(chat, plain))
+
+
+def test_structured_output_options(llm, tmp_path: Path) -> None:
+    """Active once structured outputs (SamplingParams.json_schema/choice/regex) are merged; before, the option
+    is refused up front naming the field."""
+    src = write_jsonl(tmp_path / "in.jsonl", rows(4))
+    schema = {"type": "object", "properties": {"label": {"type": "string", "enum": ["pos", "neg"]}}, "required": ["label"]}
+    if not STRUCTURED:
+        with pytest.raises(InvalidRequestError, match="json_schema"):
+            run(llm, src, tmp_path / "out.jsonl", json_schema=schema)
+        return
+    run(llm, src, tmp_path / "out.jsonl", json_schema=schema, max_tokens=32)
+    for row in read_jsonl(tmp_path / "out.jsonl"):
+        assert row["error"] is None, row["error"]
+        assert row["parsed"]["label"] in ("pos", "neg") and json.loads(row["annotation"]) == row["parsed"]
+    run(llm, src, tmp_path / "choice.parquet", choice=["yes", "no"], max_tokens=8)
+    table = pq.read_table(tmp_path / "choice.parquet")
+    assert set(table.column("annotation").to_pylist()) <= {"yes", "no"}
+
+
+def test_kill_9_mid_run_then_rerun_gives_the_uninterrupted_output(llm, tmp_path: Path) -> None:
+    src = write_jsonl(tmp_path / "in.jsonl", rows(400))
+    out, state = tmp_path / "out.jsonl", tmp_path / "state"
+    args = ["annotate", str(src), "-o", str(out), "--template", "Say: {{ text }}", "--max-tokens", "24", "--window", "8",
+            "--state-dir", str(state), "--num-kv-blocks", str(ENGINE["num_kv_blocks"]), "--quiet"]
+    process = cli(*args, wait=False)
+    try:
+        wait_until(lambda: checkpointed(state) >= 16 or process.poll() is not None, 300, "some results checkpointed")
+        process.send_signal(signal.SIGKILL)
+        process.wait(10)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    done_before = checkpointed(state)
+    assert 16 <= done_before < 400, f"the run was not killed mid-way ({done_before} rows done)"
+    assert not out.exists()
+    resumed = run(llm, src, out, max_tokens=24, window=8, state_dir=str(state))
+    assert resumed.reused == done_before and resumed.computed == 400 - done_before
+    reference = run(llm, src, tmp_path / "reference.jsonl", max_tokens=24, window=8)
+    assert reference.computed == 400
+    assert out.read_text() == (tmp_path / "reference.jsonl").read_text()
+
+
+def test_import_tokenmill_stays_torch_free_with_annotate() -> None:
+    code = "import sys, tokenmill; tokenmill.annotate; print('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={"PYTHONPATH": str(REPO)}, timeout=120)
+    assert done.stdout.strip() == "False", done.stderr
+
+
+#: Peak RSS of the annotate run itself: the model load's own peak varies from run to run by ~100 MiB (allocator
+#: timing), so the high-water mark (VmHWM) is reset after loading (`5 > /proc/self/clear_refs`, Linux).
+_MEMORY_SCRIPT = """
+import gc, sys, torch
+torch.set_num_threads(1)
+import tokenmill
+from tokenmill import LLM
+llm = LLM("builtin:tiny", num_kv_blocks=256)
+gc.collect()
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")
+summary = tokenmill.annotate(sys.argv[1], sys.argv[2], "Label: {{ text }}", llm=llm, max_tokens=1, quiet=True)
+assert summary.rows == int(sys.argv[3]) and summary.failed == 0, summary
+status = open("/proc/self/status").read()
+print(next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM:")))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="resets the peak RSS through /proc (Linux)")
+def test_memory_does_not_grow_with_the_input(tmp_path: Path) -> None:
+    """Peak RSS over 20,000 and 200,000 rows (generated, 1,000 distinct prompts, max_tokens 1) within 32 MiB."""
+    peaks = {}
+    for count in (20_000, 200_000):
+        src = tmp_path / f"in{count}.parquet"
+        table = pa.table({"id": list(range(count)), "text": [f"item {i % 1000}" for i in range(count)],
+                          "payload": [f"{i:08d}" * 16 for i in range(count)]})
+        pq.write_table(table, src, row_group_size=8192)
+        del table
+        done = subprocess.run([sys.executable, "-c", _MEMORY_SCRIPT, str(src), str(tmp_path / f"out{count}.parquet"), str(count)],
+                              capture_output=True, text=True, env={"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        peaks[count] = int(done.stdout.split()[-1]) / 1024  # VmHWM is in kB
+        assert pq.read_metadata(tmp_path / f"out{count}.parquet").num_rows == count
+    print(f"peak RSS (MiB): {peaks}")
+    assert abs(peaks[200_000] - peaks[20_000]) < 32, peaks
+
+
+def test_a_shared_instruction_is_served_from_the_prefix_cache(llm, tmp_path: Path) -> None:
+    src = write_jsonl(tmp_path / "in.jsonl", rows(16))
+    instruction = "You are a careful annotator. Read the item and answer with one word only. " * 4
+    summary = run(llm, src, tmp_path / "out.jsonl", template=instruction + "Item: {{ text }}")
+    assert summary.prefix_hit_rate is not None and summary.prefix_hit_rate > 0.6, summary.prefix_hit_rate

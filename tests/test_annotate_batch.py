@@ -1,0 +1,133 @@
+"""`tokenmill batch`: OpenAI Batch API files, checked with the official `openai` SDK's response types."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+from openai.types import Completion
+from openai.types.chat import ChatCompletion
+
+from annotate_helpers import ENGINE, read_jsonl, write_jsonl
+from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.errors import InvalidRequestError
+from tokenmill.jobs.annotate.batch import batch
+
+STRUCTURED = "json_schema" in {f.name for f in dataclasses.fields(SamplingParams)}
+
+
+@pytest.fixture(scope="module")
+def llm():
+    import torch
+
+    torch.set_num_threads(1)
+    from tokenmill import LLM
+
+    return LLM("builtin:tiny", **ENGINE)
+
+
+def chat(custom_id: str, content: str, **body) -> dict:
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": "tiny-chat", "messages": [{"role": "user", "content": content}], "max_tokens": 5, **body}}
+
+
+def completion(custom_id: str, prompt: str, **body) -> dict:
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/completions",
+            "body": {"model": "tiny-text", "prompt": prompt, "max_tokens": 5, **body}}
+
+
+def run(llm, src: Path, out: Path, **kw):
+    return batch(str(src), str(out), llm=llm, quiet=True, **kw)
+
+
+def test_results_load_with_the_openai_sdk_types(llm, tmp_path: Path) -> None:
+    requests = [
+        chat("c1", "hello", temperature=0),
+        completion("t1", "Once upon", temperature=0, logprobs=2, stop=["\n"]),
+        chat("c2", "sample twice", n=2, seed=7, temperature=0.8, top_p=0.9, logprobs=True, top_logprobs=2),
+        chat("c3", "hello", temperature=0, max_completion_tokens=5, max_tokens=None),
+    ]
+    src = write_jsonl(tmp_path / "in.jsonl", requests)
+    summary = run(llm, src, tmp_path / "out.jsonl")
+    assert (summary.rows, summary.ok, summary.failed) == (4, 4, 0)
+    lines = read_jsonl(tmp_path / "out.jsonl")
+    assert [line["custom_id"] for line in lines] == ["c1", "t1", "c2", "c3"]
+    assert read_jsonl(tmp_path / "out.errors.jsonl") == []
+    for line in lines:
+        assert line["error"] is None and line["response"]["status_code"] == 200 and line["response"]["request_id"]
+    c1 = ChatCompletion.model_validate(lines[0]["response"]["body"])
+    expected = llm.chat([{"role": "user", "content": "hello"}], SamplingParams(max_tokens=5, temperature=0.0), use_tqdm=False)[0]
+    assert c1.object == "chat.completion" and c1.model == "tiny-chat"
+    assert c1.choices[0].message.content == expected.text and c1.choices[0].message.role == "assistant"
+    assert c1.choices[0].finish_reason == expected.finish_reason
+    assert c1.usage.prompt_tokens == len(expected.prompt_token_ids) and c1.usage.completion_tokens == len(expected.token_ids)
+    t1 = Completion.model_validate(lines[1]["response"]["body"])
+    assert t1.object == "text_completion" and len(t1.choices[0].logprobs.tokens) == t1.usage.completion_tokens
+    assert all(len(top) <= 2 for top in t1.choices[0].logprobs.top_logprobs)
+    c2 = ChatCompletion.model_validate(lines[2]["response"]["body"])
+    assert [c.index for c in c2.choices] == [0, 1]
+    assert c2.usage.completion_tokens == sum(len(c.logprobs.content) for c in c2.choices)
+    assert all(len(t.top_logprobs) == 2 for c in c2.choices for t in c.logprobs.content)
+    c3 = ChatCompletion.model_validate(lines[3]["response"]["body"])
+    assert c3.choices[0].message.content == c1.choices[0].message.content
+    assert summary.deduplicated == 1  # c3 asks exactly what c1 asks
+
+
+def test_malformed_lines_and_unsupported_fields_are_error_lines(llm, tmp_path: Path) -> None:
+    lines = [
+        json.dumps(chat("ok", "fine")),
+        "{not json",
+        json.dumps({**chat("u", "x"), "url": "/v1/embeddings"}),
+        json.dumps(chat("f", "x", frequency_penalty=0.5)),
+        json.dumps({"method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}),
+        json.dumps({**completion("m", "x"), "method": "GET"}),
+        json.dumps(completion("long", "z" * 5000)),
+        json.dumps(chat("bad", "x", temperature=-1)),
+    ]
+    src = write_jsonl(tmp_path / "in.jsonl", lines)
+    summary = run(llm, src, tmp_path / "out.jsonl", errors=str(tmp_path / "errors.jsonl"))
+    assert (summary.ok, summary.failed) == (1, 7)
+    assert [line["custom_id"] for line in read_jsonl(tmp_path / "out.jsonl")] == ["ok"]
+    errors = read_jsonl(tmp_path / "errors.jsonl")
+    assert [e["custom_id"] for e in errors] == [None, "u", "f", None, "m", "long", "bad"]
+    assert all(e["response"] is None and set(e["error"]) == {"code", "message"} for e in errors)
+    messages = [e["error"]["message"] for e in errors]
+    assert errors[0]["error"]["code"] == "invalid_json" and messages[0].startswith("line 2:")
+    assert "url: unsupported '/v1/embeddings'" in messages[1]
+    assert "body.frequency_penalty: unsupported field" in messages[2]
+    assert "custom_id" in messages[3] and "method" in messages[4]
+    assert errors[5]["error"]["code"] == "invalid_request" and "prompt" in messages[5]
+    assert "body.temperature" in messages[6]
+
+
+def test_duplicate_custom_ids_refuse_the_file_with_line_numbers(llm, tmp_path: Path) -> None:
+    src = write_jsonl(tmp_path / "in.jsonl", [chat("a", "1"), chat("b", "2"), chat("a", "3"), "", chat("b", "4")])
+    with pytest.raises(InvalidRequestError, match=r"'a' on lines 1 and 3; 'b' on lines 2 and 5"):
+        run(llm, src, tmp_path / "out.jsonl")
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_rerun_reuses_the_checkpoint_and_gives_the_same_file(llm, tmp_path: Path) -> None:
+    src = write_jsonl(tmp_path / "in.jsonl", [chat(f"r{i}", f"row {i}", seed=i) for i in range(12)])
+    first = run(llm, src, tmp_path / "out.jsonl")
+    before = (tmp_path / "out.jsonl").read_text()
+    again = run(llm, src, tmp_path / "out.jsonl")
+    assert (first.computed, again.computed, again.reused) == (12, 0, 12)
+    assert (tmp_path / "out.jsonl").read_text() == before
+
+
+def test_response_format_json_schema(llm, tmp_path: Path) -> None:
+    """Active once structured outputs are merged; before, the request is an error line naming the field."""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "r", "schema": schema, "strict": True}}
+    src = write_jsonl(tmp_path / "in.jsonl", [chat("s", "answer", response_format=fmt, max_tokens=24)])
+    run(llm, src, tmp_path / "out.jsonl")
+    if not STRUCTURED:
+        [error] = read_jsonl(tmp_path / "out.errors.jsonl")
+        assert "json_schema" in error["error"]["message"]
+        return
+    [line] = read_jsonl(tmp_path / "out.jsonl")
+    body = ChatCompletion.model_validate(line["response"]["body"])
+    assert isinstance(json.loads(body.choices[0].message.content)["ok"], bool)

@@ -1,0 +1,242 @@
+"""`tokenmill annotate` / `tokenmill.annotate(...)`: one prompt template over a whole dataset.
+
+Each row is rendered with Jinja2 (StrictUndefined: a column the template names that the row lacks, or holds
+null, is that row's error), completed in this process or by queue workers, checkpointed, and written back
+with its input columns unchanged plus the result columns, in input order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import jinja2
+import jinja2.meta
+import pyarrow as pa
+
+from tokenmill.errors import InvalidRequestError
+from tokenmill.jobs.annotate.io import Dataset, DatasetError, Writer, format_of, open_dataset
+from tokenmill.jobs.annotate.pipeline import Progress, Summary, compute, stored
+from tokenmill.jobs.annotate.runners import EmbeddedRunner, QueueRunner, Unit, sampling_dict
+from tokenmill.jobs.annotate.store import Checkpoint, KeyHasher, Outcome
+
+#: The result columns after the text column, with their Parquet types (all nullable: a failed row has nulls).
+RESULT_COLUMNS = {"parsed": pa.string(), "finish_reason": pa.string(), "prompt_tokens": pa.int64(),
+                  "completion_tokens": pa.int64(), "error": pa.string()}
+DEFAULT_WINDOW = {"embedded": 1024, "queue": 4096}
+
+
+class Prompter:
+    """Renders a row into a unit (or an error): the template, the optional system prompt, chat or not."""
+
+    def __init__(self, template: str, system: str | None, chat: bool, model: str, sampling: dict[str, Any]) -> None:
+        self.env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True, autoescape=False)
+        self.template = self._compile(template, "template")
+        self.system = self._compile(system, "system") if system else None
+        #: only the columns the templates name go into their context (rows can be wide)
+        self.names = sorted(set().union(*(jinja2.meta.find_undeclared_variables(self.env.parse(src))
+                                          for src in (template, system or ""))))
+        self.chat = chat
+        self.sampling = sampling
+        self._key = KeyHasher(model=model, sampling=sampling)
+
+    def _compile(self, source: str, what: str) -> jinja2.Template:
+        try:
+            return self.env.from_string(source)
+        except jinja2.TemplateSyntaxError as exc:
+            raise InvalidRequestError(what, f"line {exc.lineno}: {exc.message}") from None
+
+    def _render(self, template: jinja2.Template, context: dict[str, Any]) -> str:
+        # `Template.render` rebuilds its globals chain per call; a shared context is half the cost per row
+        return "".join(template.root_render_func(template.new_context({**self.env.globals, **context}, shared=True)))
+
+    def unit(self, row: dict[str, Any], label: str) -> Unit | str:
+        context = {k: row[k] for k in self.names if row.get(k) is not None}  # a null column counts as missing
+        try:
+            text = self._render(self.template, context)
+            system = self._render(self.system, context) if self.system else None
+        except jinja2.UndefinedError as exc:
+            return f"template: column {exc.message} or null in this row (columns: {', '.join(row)})"
+        except Exception as exc:  # e.g. a filter failing on this row's value: this row only
+            return f"template: {type(exc).__name__}: {exc}"
+        if self.chat:
+            messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+            return Unit(self._key(messages=messages), None, messages, self.sampling, label=label)
+        prompt = f"{system}\n\n{text}" if system else text
+        return Unit(self._key(prompt=prompt), prompt, None, self.sampling, label=label)
+
+
+def annotate(
+    input: str,
+    output: str,
+    template: str,
+    *,
+    system: str | None = None,
+    chat: bool = False,
+    model: str | None = None,
+    broker: str | None = None,
+    queue: str | None = None,
+    llm: Any = None,
+    engine_options: dict[str, Any] | None = None,
+    json_schema: dict[str, Any] | str | None = None,
+    choice: list[str] | None = None,
+    regex: str | None = None,
+    id_column: str | None = None,
+    column: str = "annotation",
+    input_format: str | None = None,
+    output_format: str | None = None,
+    state_dir: str | None = None,
+    retry_failed: bool = False,
+    s3_endpoint_url: str | None = None,
+    window: int | None = None,
+    rows_per_message: int = 32,
+    quiet: bool = False,
+    **sampling: Any,
+) -> Summary:
+    """Annotate every row of `input` into `output`; returns the run's `Summary` (also printed unless `quiet`).
+
+    Embedded (default): the engine runs here (`model`, default builtin:tiny, with `engine_options`; or pass
+    a loaded `tokenmill.LLM` as `llm`). Distributed: `broker="redis://..."` sends rows to queue workers.
+    `**sampling` are `SamplingParams` fields (`max_tokens`, `temperature` (default 0), `seed`, ...).
+    Raises `InvalidRequestError` (bad option or template) or `DatasetError` (unusable input/output) before
+    any work; a row that fails gets its error in the output instead.
+    """
+    started = time.perf_counter()
+    structured = {"json_schema": json_schema, "choice": choice, "regex": regex}
+    params = sampling_dict({"temperature": 0.0, **sampling, **{k: v for k, v in structured.items() if v is not None}})
+    mode = "queue" if broker else "embedded"
+    prompter = Prompter(template, system, chat, model_label(model, llm, broker, queue), params)
+    dataset = open_dataset(input, input_format, s3_endpoint_url)
+    schema = dataset.schema
+    out_format = format_of(output, output_format, "output")
+    _check_columns(schema, id_column, column, out_format)
+    total = dataset.count_rows()
+    checkpoint = Checkpoint(os.path.join(state_dir or default_state_dir(output), "checkpoint.sqlite"))
+    summary = Summary(output=output)
+    try:
+        runner = _runner(mode, model, llm, engine_options, broker, queue, window, rows_per_message)
+        progress = Progress(total, "annotate", quiet)
+        try:
+            compute(_units(dataset, prompter, id_column), checkpoint, runner, progress, summary, retry_failed)
+        finally:
+            progress.close()
+        summary.prefix_hit_rate = runner.prefix_hit_rate()
+        _write(dataset, schema, prompter, id_column, column, checkpoint, Writer(output, out_format, s3_endpoint_url), summary)
+    finally:
+        checkpoint.close()
+    summary.wall_s = time.perf_counter() - started
+    if not quiet:
+        summary.print()
+    return summary
+
+
+def model_label(model: str | None, llm: Any, broker: str | None, queue: str | None) -> str:
+    """The model's name in result keys. Distributed without `--model`, the queue stands for the workers' model."""
+    if model:
+        return model
+    if llm is not None:
+        return llm.engine.config.model
+    return f"queue:{queue or 'tokenmill'}" if broker else "builtin:tiny"
+
+
+def default_state_dir(output: str) -> str:
+    """Next to a local output; for an S3 output, under ~/.cache/tokenmill (one directory per output URI)."""
+    if output.startswith("s3://"):
+        name = hashlib.sha256(output.encode()).hexdigest()[:16]
+        return os.path.join(os.path.expanduser("~/.cache/tokenmill/state"), name)
+    return os.path.abspath(output) + ".tokenmill-state"
+
+
+def _check_columns(schema: pa.Schema, id_column: str | None, column: str, out_format: str) -> None:
+    if out_format == "csv":
+        raise DatasetError("output format: must be jsonl or parquet (results can hold nested values), got csv")
+    if id_column is not None and id_column not in schema.names:
+        raise InvalidRequestError("id_column", f"no column {id_column!r} in the input (columns: {', '.join(schema.names)})")
+    for name in [column, *RESULT_COLUMNS]:
+        if name in schema.names:
+            raise InvalidRequestError("column", f"the input already has a column {name!r}; name the result column "
+                                                f"with --column, or rename the input column")
+
+
+def _runner(mode: str, model: str | None, llm: Any, engine_options: dict[str, Any] | None, broker: str | None,
+            queue: str | None, window: int | None, rows_per_message: int) -> Any:
+    window = window or DEFAULT_WINDOW[mode]
+    if mode == "queue":
+        from tokenmill.jobs.client import Client
+
+        return QueueRunner(Client(broker, queue=queue), window, rows_per_message)
+    if llm is None:
+        from tokenmill.engine.llm import LLM
+
+        llm = LLM(model or "builtin:tiny", **(engine_options or {}))
+    return EmbeddedRunner(llm, window)
+
+
+def _rows(dataset: Dataset, id_column: str | None) -> Iterator[tuple[pa.RecordBatch, list[tuple[str, dict[str, Any]]]]]:
+    """Each record batch with its rows as (row id, dict): the id column's value, else the row's position."""
+    position = 0
+    for batch in dataset.batches():
+        rows = batch.to_pylist()
+        ids = [str(r[id_column]) for r in rows] if id_column else [str(position + i) for i in range(len(rows))]
+        position += len(rows)
+        yield batch, list(zip(ids, rows))
+
+
+def _units(dataset: Dataset, prompter: Prompter, id_column: str | None) -> Iterator[list[Unit]]:
+    for _, rows in _rows(dataset, id_column):
+        for row_id, row in rows:
+            unit = prompter.unit(row, row_id)
+            yield [unit] if isinstance(unit, Unit) else []
+
+
+def _write(dataset: Dataset, schema: pa.Schema, prompter: Prompter, id_column: str | None, column: str,
+           checkpoint: Checkpoint, writer: Writer, summary: Summary) -> None:
+    """Pass 2: the input again, each row with its result from the checkpoint, in input order."""
+    out_schema = pa.schema([*schema, pa.field(column, pa.string()), *(pa.field(n, t) for n, t in RESULT_COLUMNS.items())])
+    try:
+        if writer.format == "parquet":
+            writer.start_parquet(out_schema)
+        for batch, rows in _rows(dataset, id_column):
+            results = []
+            for row_id, row in rows:
+                unit = prompter.unit(row, row_id)
+                outcome = stored(checkpoint, unit.key) if isinstance(unit, Unit) else Outcome(error=unit)
+                summary.count_row(row_id, outcome.error)
+                results.append(outcome)
+            if writer.format == "parquet":
+                writer.write_batch(_with_results(batch, results, out_schema))
+            else:
+                writer.write_rows([{**row, **_columns(o, column)} for (_, row), o in zip(rows, results)])
+        writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+
+
+def _columns(outcome: Outcome, column: str) -> dict[str, Any]:
+    return {
+        column: outcome.text,
+        "parsed": None if outcome.parsed is None else json.loads(outcome.parsed),
+        "finish_reason": outcome.finish_reason,
+        "prompt_tokens": outcome.prompt_tokens if outcome.ok else None,
+        "completion_tokens": outcome.completion_tokens if outcome.ok else None,
+        "error": outcome.error,
+    }
+
+
+def _with_results(batch: pa.RecordBatch, results: list[Outcome], schema: pa.Schema) -> pa.RecordBatch:
+    extra = [
+        [o.text for o in results],
+        [o.parsed for o in results],  # JSON text in Parquet: one stable string type whatever the values
+        [o.finish_reason for o in results],
+        [o.prompt_tokens if o.ok else None for o in results],
+        [o.completion_tokens if o.ok else None for o in results],
+        [o.error for o in results],
+    ]
+    fields = list(schema)[batch.num_columns :]
+    arrays = [*batch.columns, *(pa.array(values, type=f.type) for values, f in zip(extra, fields))]
+    return pa.RecordBatch.from_arrays(arrays, schema=schema)

@@ -1,0 +1,137 @@
+"""The part `annotate` and `batch` share: compute what the checkpoint lacks, with progress and a summary.
+
+A run makes two streaming passes over its input. Pass 1 turns each row into units, skips the units whose key
+is in the checkpoint (`reused`) or already computed or in flight in this run (`deduplicated`), and feeds the
+rest to a runner; every outcome goes into the checkpoint as it arrives. Pass 2 (in `annotate`/`batch`) reads
+the input again and writes the output from the checkpoint, in input order. Neither pass holds more than a
+window of rows, so memory does not grow with the dataset.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from tokenmill.jobs.annotate.runners import Unit
+from tokenmill.jobs.annotate.store import Checkpoint, Outcome
+
+
+@dataclass
+class Summary:
+    """What a run did. `failed` rows have their error in the output; `failed_ids` shows the first few."""
+
+    rows: int = 0
+    ok: int = 0
+    failed: int = 0
+    reused: int = 0
+    deduplicated: int = 0
+    computed: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    prefix_hit_rate: float | None = None
+    wall_s: float = 0.0
+    output: str = ""
+    errors_output: str | None = None
+    failed_ids: list[str] = field(default_factory=list)
+
+    def count_row(self, row_id: Any, error: str | None) -> None:
+        self.rows += 1
+        if error is None:
+            self.ok += 1
+        else:
+            self.failed += 1
+            if len(self.failed_ids) < 5:
+                self.failed_ids.append(f"{row_id}: {error[:120]}")
+
+    def table(self) -> Any:
+        from rich.table import Table
+
+        table = Table(title=f"tokenmill: {self.output}", show_header=False)
+        rate = "n/a (see the workers' metrics)" if self.prefix_hit_rate is None else f"{self.prefix_hit_rate:.1%}"
+        for name, value in [
+            ("rows ok", self.ok), ("rows failed", self.failed), ("reused from checkpoint", self.reused),
+            ("deduplicated (computed once)", self.deduplicated), ("computed now", self.computed),
+            ("prompt tokens (computed now)", self.prompt_tokens), ("completion tokens (computed now)", self.completion_tokens),
+            ("prefix-cache hit rate", rate), ("wall time", f"{self.wall_s:.2f} s"),
+            ("throughput", f"{self.rows / max(self.wall_s, 1e-9):.1f} rows/s, "
+                           f"{self.completion_tokens / max(self.wall_s, 1e-9):.1f} generated tok/s"),
+        ]:
+            table.add_row(name, str(value))
+        for line in self.failed_ids:
+            table.add_row("failed", line)
+        return table
+
+    def print(self) -> None:
+        from rich.console import Console
+
+        Console(file=sys.stderr).print(self.table())
+
+
+class Progress:
+    """A live bar: rows done / total, generated tokens per second, ETA (tqdm's). Off with `quiet`."""
+
+    def __init__(self, total: int, what: str, quiet: bool) -> None:
+        self.bar = tqdm(total=total, desc=what, unit="row", disable=quiet, dynamic_ncols=True, file=sys.stderr)
+        self.start = time.perf_counter()
+        self.tokens = 0
+
+    def advance(self, rows: float, tokens: int = 0) -> None:
+        self.tokens += tokens
+        self.bar.update(rows)
+        if tokens:
+            self.bar.set_postfix_str(f"{self.tokens / (time.perf_counter() - self.start):.1f} gen tok/s", refresh=False)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def compute(rows: Iterable[list[Unit]], checkpoint: Checkpoint, runner: Any, progress: Progress, summary: Summary,
+            retry_failed: bool) -> None:
+    """Pass 1. Each item of `rows` is one row's units (empty when the row failed before any unit, e.g. its
+    template did not render); `Unit.weight` is the share of a row a unit stands for."""
+    inflight: set[str] = set()
+    fresh = _fresh_units(rows, checkpoint, inflight, progress, summary, retry_failed)
+    for unit, outcome in runner.run(fresh):
+        checkpoint.put(unit.key, outcome)
+        inflight.discard(unit.key)
+        summary.computed += 1
+        summary.prompt_tokens += outcome.prompt_tokens
+        summary.completion_tokens += outcome.completion_tokens
+        progress.advance(unit.weight, outcome.completion_tokens)
+    checkpoint.flush()
+
+
+def _fresh_units(rows: Iterable[list[Unit]], checkpoint: Checkpoint, inflight: set[str], progress: Progress,
+                 summary: Summary, retry_failed: bool) -> Iterator[Unit]:
+    for units in rows:
+        if not units:
+            progress.advance(1)
+        for unit in units:
+            if unit.key in inflight:
+                summary.deduplicated += 1
+                progress.advance(unit.weight)
+                continue
+            found = checkpoint.get(unit.key)
+            retry = found is not None and retry_failed and not found[0].ok and found[1]
+            if found is not None and not retry:
+                if found[1]:
+                    summary.reused += 1
+                else:
+                    summary.deduplicated += 1
+                progress.advance(unit.weight)
+                continue
+            # a retried job needs a new queue id: the failed result stays stored under the old one
+            unit.job_id = f"{unit.key}.{checkpoint.run[:8]}" if retry else unit.key
+            inflight.add(unit.key)
+            yield unit
+
+
+def stored(checkpoint: Checkpoint, key: str) -> Outcome:
+    """A unit's outcome for pass 2 (always there after pass 1, unless the checkpoint was tampered with)."""
+    found = checkpoint.get(key)
+    return found[0] if found is not None else Outcome.failed("internal: no result in the checkpoint for this row")

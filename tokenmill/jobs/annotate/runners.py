@@ -1,0 +1,193 @@
+"""Where completions are computed: in this process (`EmbeddedRunner`) or by queue workers (`QueueRunner`).
+
+Both take a lazy iterator of `Unit`s and yield `(unit, Outcome)` as each finishes, pulling new units only
+while fewer than `window` are in flight: the input is never read ahead further than that, which is what
+keeps a run's memory bounded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+import uuid
+from collections import deque
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.errors import InvalidRequestError
+from tokenmill.jobs.annotate.store import Outcome
+
+
+@dataclass
+class Unit:
+    """One completion to compute: `key` is its checkpoint key; `job_id` its queue id (idempotency key)."""
+
+    key: str
+    prompt: str | None
+    messages: list[dict[str, str]] | None
+    sampling: dict[str, Any]
+    job_id: str = ""
+    label: str = ""  # the row or request it belongs to, for the worker's logs
+    weight: float = 1.0  # the share of its row it stands for (an OpenAI request with n=2 has two units)
+
+
+class EmbeddedRunner:
+    """The engine in this process (`tokenmill.LLM`), fed through `add_request`/`step`."""
+
+    def __init__(self, llm: Any, window: int = 1024) -> None:
+        self.llm = llm
+        self.engine = llm.engine
+        self.window = window
+        self._prefix = f"annotate-{uuid.uuid4().hex[:8]}-"
+        stats = self.engine.stats()
+        self._before = (stats.num_prefix_hit_tokens, stats.num_prompt_tokens)  # the engine may have served before
+
+    def run(self, units: Iterable[Unit]) -> Iterator[tuple[Unit, Outcome]]:
+        pending = iter(units)
+        inflight: dict[str, Unit] = {}
+        counter = 0
+        exhausted = False
+        try:
+            while True:
+                while not exhausted and len(inflight) < self.window:
+                    unit = next(pending, None)
+                    if unit is None:
+                        exhausted = True
+                        break
+                    counter += 1
+                    request_id = f"{self._prefix}{counter}"
+                    refused = self._add(request_id, unit)
+                    if refused is None:
+                        inflight[request_id] = unit
+                    else:
+                        yield unit, refused
+                if not inflight:
+                    return
+                for output in self.engine.step():
+                    yield inflight.pop(output.request_id), outcome_from_output(output)
+        finally:
+            for request_id in inflight:  # a consumer that stops early must not leave requests running
+                self.engine.abort_request(request_id)
+
+    def _add(self, request_id: str, unit: Unit) -> Outcome | None:
+        try:
+            params = SamplingParams.from_dict(unit.sampling)
+            prompt = unit.prompt if unit.messages is None else self.engine.apply_chat_template(unit.messages)
+            self.engine.add_request(request_id, prompt, params)
+        except InvalidRequestError as exc:
+            return Outcome.failed(error_text("invalid_request", exc.message, exc.field))
+        except Exception as exc:  # e.g. the chat template cannot render these messages: this unit only
+            field = "prompt" if unit.messages is None else "messages"
+            return Outcome.failed(error_text("invalid_request", f"{type(exc).__name__}: {exc}", field))
+        return None
+
+    def prefix_hit_rate(self) -> float | None:
+        stats = self.engine.stats()
+        hits, prompt = stats.num_prefix_hit_tokens - self._before[0], stats.num_prompt_tokens - self._before[1]
+        return hits / prompt if prompt else None
+
+
+def error_text(code: str, message: str, field: str | None) -> str:
+    """A row's error column: the same text whichever mode computed it (a rerun in the other mode matches)."""
+    return f"{code}: {message}" + (f" (field: {field})" if field else "")
+
+
+def outcome_from_output(output: Any) -> Outcome:
+    """An engine `RequestOutput` as an `Outcome`."""
+    if output.finish_reason == "error":
+        return Outcome.failed(f"invalid_request: {output.error}")
+    parsed = getattr(output, "parsed", None)  # set by structured outputs
+    return Outcome(
+        text=output.text,
+        parsed=None if parsed is None else json.dumps(parsed, ensure_ascii=False),
+        finish_reason=output.finish_reason,
+        prompt_tokens=len(output.prompt_token_ids),
+        completion_tokens=len(output.token_ids),
+        logprobs=None if output.logprobs is None else json.dumps(output.logprobs),
+        created=int(output.finished_time or time.time()),
+    )
+
+
+def outcome_from_result(result: Any) -> Outcome:
+    """A worker's `JobResult` as an `Outcome`."""
+    if not result.ok:
+        error = result.error
+        return Outcome.failed(error_text(error.code, error.message, error.field) if error else "failed")
+    parsed = getattr(result, "parsed", None)
+    usage = result.usage
+    return Outcome(
+        text=result.text,
+        parsed=None if parsed is None else json.dumps(parsed, ensure_ascii=False),
+        finish_reason=result.finish_reason,
+        prompt_tokens=usage.prompt_tokens if usage else 0,
+        completion_tokens=usage.completion_tokens if usage else 0,
+        logprobs=None if result.logprobs is None else json.dumps(result.logprobs),
+        created=int(result.finished_at or time.time()),
+    )
+
+
+class QueueRunner:
+    """Units become jobs of `tokenmill.generate_batch` messages (`rows_per_message` jobs each).
+
+    A job keeps its own id and its own result, so idempotency and exactly-one-result hold per row, while the
+    broker, Celery and the worker's Python pay their per-message cost once per group. Two waves of
+    `window / 2` units are in flight: the workers start on the next wave while this side collects one.
+    """
+
+    def __init__(self, client: Any, window: int = 4096, rows_per_message: int = 32) -> None:
+        self.client = client
+        self.wave = max(1, window // 2)
+        self.rows_per_message = rows_per_message
+
+    def run(self, units: Iterable[Unit]) -> Iterator[tuple[Unit, Outcome]]:
+        pending = iter(units)
+        waves: deque[dict[str, Unit]] = deque()
+        while True:
+            chunk = [u for _, u in zip(range(self.wave), pending)]
+            if chunk:
+                submitted, refused = self._submit(chunk)
+                yield from refused
+                waves.append(submitted)
+            if waves and (len(waves) >= 2 or not chunk):
+                yield from self._collect(waves.popleft())
+            if not chunk and not waves:
+                return
+
+    def _submit(self, units: list[Unit]) -> tuple[dict[str, Unit], list[tuple[Unit, Outcome]]]:
+        """Validate every unit as a `Job` (refusals come back at once), then publish the groups."""
+        from tokenmill.worker.batch_task import BATCH_TASK_NAME
+
+        wires, submitted, refused = [], {}, []
+        for unit in units:
+            fields = {"id": unit.job_id, "sampling": unit.sampling, "metadata": {"row": unit.label}}
+            fields.update({"messages": unit.messages} if unit.messages is not None else {"prompt": unit.prompt})
+            try:
+                wires.append(self.client.prepare(fields))
+                submitted[unit.job_id] = unit
+            except InvalidRequestError as exc:
+                refused.append((unit, Outcome.failed(f"invalid_job: {exc}")))
+        amqp = self.client.app.amqp
+        with self.client.app.producer_or_acquire() as producer, producer.batch(max_size=1000):
+            for start in range(0, len(wires), self.rows_per_message):
+                group = wires[start : start + self.rows_per_message]
+                task_id = uuid.uuid4().hex
+                message = amqp.as_task_v2(task_id, BATCH_TASK_NAME, args=[{"jobs": group}], kwargs={},
+                                          argsrepr=f"[<{len(group)} jobs>]", kwargsrepr="{}")
+                amqp.send_task_message(producer, BATCH_TASK_NAME, message, queue=self.client.queue, retry=False)
+        return submitted, refused
+
+    def _collect(self, submitted: dict[str, Unit]) -> Iterator[tuple[Unit, Outcome]]:
+        for result in self.client.as_completed(list(submitted)):
+            yield submitted[result.id], outcome_from_result(result)
+
+    def prefix_hit_rate(self) -> float | None:
+        return None  # the workers' engines know it (their metrics endpoint), not this process
+
+
+def sampling_dict(values: dict[str, Any]) -> dict[str, Any]:
+    """All sampling fields with defaults filled in, checked by `SamplingParams` itself: the canonical form
+    hashed into keys (so `max_tokens=16` and leaving the default give the same key)."""
+    return dataclasses.asdict(SamplingParams.from_dict(values))

@@ -1,0 +1,128 @@
+"""The checkpoint: every finished completion, keyed by what determines it, in SQLite on local disk.
+
+Why SQLite: it is in the standard library, keeps the key -> result index on disk (so memory does not grow
+with the dataset), and its write-ahead log survives `kill -9`: a transaction is either in the file or not.
+Results are committed at least every `flush_interval` seconds, so a killed run loses at most that much work.
+
+The key is a hash of the rendered prompt (or messages), the model and every sampling and structured-output
+option: two rows with the same key would get the same completion, so it is computed once and shared, and a
+rerun recomputes exactly the rows whose key is not stored yet (new rows, rows whose prompt changed).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sqlite3
+import time
+import uuid
+from dataclasses import astuple, dataclass, fields
+from typing import Any
+
+
+@dataclass
+class Outcome:
+    """One completion (or why there is none). `parsed` is the structured-output value as JSON text."""
+
+    text: str | None = None
+    parsed: str | None = None
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    error: str | None = None
+    logprobs: str | None = None  # JSON text of the engine's per-position logprobs, when asked for
+    created: int = 0  # unix time it finished: part of OpenAI batch output, so stored, not recomputed
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    @classmethod
+    def failed(cls, message: str) -> Outcome:
+        return cls(error=message, created=int(time.time()))
+
+
+_COLUMNS = [f.name for f in fields(Outcome)]
+
+
+def _canonical(parts: dict[str, Any]) -> bytes:
+    return json.dumps(parts, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str).encode()
+
+
+def content_key(**parts: Any) -> str:
+    """A stable hash of everything that determines a completion (JSON with sorted keys, SHA-256)."""
+    return hashlib.sha256(_canonical(parts)).hexdigest()[:32]
+
+
+class KeyHasher:
+    """`content_key` for many rows that share most parts (model, sampling): those are hashed once."""
+
+    def __init__(self, **shared: Any) -> None:
+        self._state = hashlib.sha256(_canonical(shared))
+
+    def __call__(self, prompt: str | None = None, **parts: Any) -> str:
+        state = self._state.copy()
+        state.update(b"\0prompt\0" + prompt.encode() if prompt is not None else _canonical(parts))
+        return state.hexdigest()[:32]
+
+
+class Checkpoint:
+    """Results by key. `run` marks which results this process wrote (the rest were reused)."""
+
+    def __init__(self, path: str, flush_interval: float = 2.0) -> None:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        self.path = path
+        self.flush_interval = flush_interval
+        self.run = uuid.uuid4().hex
+        self.db = sqlite3.connect(path, isolation_level=None)
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA synchronous=NORMAL")
+        columns = ", ".join(f"{name} {'INTEGER' if name in ('prompt_tokens', 'completion_tokens', 'created') else 'TEXT'}"
+                            for name in _COLUMNS)
+        self.db.execute(f"CREATE TABLE IF NOT EXISTS results (key TEXT PRIMARY KEY, run TEXT, {columns})")
+        self._last_flush = time.monotonic()
+        self.db.execute("BEGIN")
+
+    def get(self, key: str) -> tuple[Outcome, bool] | None:
+        """The stored outcome and whether it was written by an earlier run."""
+        row = self.db.execute(f"SELECT run, {', '.join(_COLUMNS)} FROM results WHERE key = ?", (key,)).fetchone()
+        if row is None:
+            return None
+        return Outcome(*row[1:]), row[0] != self.run
+
+    def put(self, key: str, outcome: Outcome) -> None:
+        placeholders = ", ".join("?" * (len(_COLUMNS) + 2))
+        self.db.execute(f"INSERT OR REPLACE INTO results (key, run, {', '.join(_COLUMNS)}) VALUES ({placeholders})",
+                        (key, self.run, *astuple(outcome)))
+        if time.monotonic() - self._last_flush >= self.flush_interval:
+            self.flush()
+
+    def flush(self) -> None:
+        self.db.execute("COMMIT")
+        self.db.execute("BEGIN")
+        self._last_flush = time.monotonic()
+
+    def close(self) -> None:
+        self.db.execute("COMMIT")
+        self.db.close()
+
+
+class SeenSet:
+    """Membership on disk (a temporary SQLite table): duplicate custom_ids among millions of lines."""
+
+    def __init__(self) -> None:
+        self.db = sqlite3.connect("", isolation_level=None)  # "" = a private temporary database on disk
+        self.db.execute("CREATE TABLE seen (name TEXT PRIMARY KEY, line INTEGER)")
+        self.db.execute("BEGIN")
+
+    def add(self, name: str, line: int) -> int | None:
+        """Record `name` at `line`; if it was seen before, the line where it was first seen."""
+        try:
+            self.db.execute("INSERT INTO seen VALUES (?, ?)", (name, line))
+            return None
+        except sqlite3.IntegrityError:
+            return self.db.execute("SELECT line FROM seen WHERE name = ?", (name,)).fetchone()[0]
+
+    def close(self) -> None:
+        self.db.close()
