@@ -61,6 +61,7 @@ from typing import Any
 
 from celery import Celery
 
+from tokenmill.worker.batch_task import BATCH_TASK_NAME
 from tokenmill.worker.batch_task import register as register_batch_task
 from tokenmill.worker.leases import LeaseRenewal
 from tokenmill.worker.settings import DEFAULT_QUEUE, QueueSettings
@@ -73,7 +74,7 @@ TASK_ROUTES = {TASK_NAME: {"queue": DEFAULT_QUEUE}}
 #: The only tasks a tokenmill worker executes. A message for any other task (Celery's built-ins such as
 #: `celery.chord_unlock` included) is refused by the consumer (`tokenmill.worker.guard`) and marked
 #: failed. To add a task, register it in `create_app` and name it here.
-ALLOWED_TASKS: frozenset[str] = frozenset({TASK_NAME})
+ALLOWED_TASKS: frozenset[str] = frozenset({TASK_NAME, BATCH_TASK_NAME})
 #: kombu transport of every tokenmill app: kombu's Redis transport with an atomic take-and-record of
 #: each message (`tokenmill.worker.transport`). Producers publish exactly as with plain `redis://`.
 BROKER_TRANSPORT = "tokenmill.worker.transport:Transport"
