@@ -7,6 +7,11 @@ SIGTERM, half kill -9) at random points of the run.
 Prints one table row per run: jobs, faults, lost (must be 0), failed, reruns (job starts beyond the
 first: the jobs a killed worker held start again elsewhere), wall time, throughput and machine load.
 Exits 1 if any job was lost or failed. Uses the service tests' real components (tests/service).
+
+    python benchmarks/soak.py --recovery 3 12
+
+instead measures, for each visibility timeout, how long after a `kill -9` the jobs the killed worker held
+start again on the other worker.
 """
 
 from __future__ import annotations
@@ -15,12 +20,42 @@ import argparse
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "service"))
 
-from service_fixtures import RedisServer, Worker, run_with_faults  # noqa: E402
+from service_fixtures import RedisServer, Worker, run_with_faults, wait_for  # noqa: E402
+
+
+def measure_recovery(visibility_timeout: float, jobs: int = 40, tokens: int = 300) -> tuple[int, float]:
+    """kill -9 one of two workers with all jobs in flight; returns (jobs rerun, seconds until the first rerun)."""
+    from tokenmill.jobs.client import Client
+
+    with tempfile.TemporaryDirectory(prefix="tokenmill-recovery-") as tmp:
+        root = Path(tmp)
+        server = RedisServer(root / "redis")
+        server.start()
+        options = {"visibility-timeout": visibility_timeout}
+        doomed, survivor = (Worker(server.url, root / f"{name}.log", name, options) for name in ("doomed", "survivor"))
+        try:
+            doomed.wait_ready(180)
+            survivor.wait_ready(180)
+            client = Client(server.url)
+            handles = client.submit_many([{"prompt": f"recovery {i}", "max_tokens": tokens, "ignore_eos": True}
+                                          for i in range(jobs)])
+            broker = server.client()
+            wait_for(lambda: broker.zcard("unacked_index") == jobs, 120, "all jobs in flight")
+            doomed.kill()
+            killed_at = time.time()
+            rerun = [r for r in client.results(handles, timeout=600) if r.attempt >= 2]
+            client.close()
+            return len(rerun), min((r.started_at for r in rerun), default=float("nan")) - killed_at
+        finally:
+            doomed.close()
+            survivor.close()
+            server.kill()
 
 
 def main() -> int:
@@ -33,7 +68,16 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-tokens", type=int, default=32, help="jobs generate 8..max-tokens tokens")
     parser.add_argument("--visibility-timeout", type=float, default=3.0)
+    parser.add_argument("--recovery", type=float, nargs="+", metavar="TIMEOUT",
+                        help="measure kill -9 recovery for these visibility timeouts instead")
     args = parser.parse_args()
+    if args.recovery:
+        print("| visibility timeout (s) | jobs rerun | first rerun started after kill -9 (s) | load (1 min) |")
+        print("|---|---|---|---|")
+        for timeout in args.recovery:
+            count, seconds = measure_recovery(timeout)
+            print(f"| {timeout:g} | {count} | {seconds:.1f} | {os.getloadavg()[0]:.1f} |", flush=True)
+        return 0
 
     rows = []
     failed = False

@@ -26,15 +26,16 @@ Every setting below is chosen for "a crash loses nothing, a slow job is not run 
   message once it has been unacked for longer than this. Kombu measures it from the delivery, not
   from the last sign of life, so on its own a short timeout would rerun slow jobs while they still
   run; the worker therefore renews the delivery time of every message it holds
-  (`tokenmill.worker.leases`) every `visibility_timeout / 4` seconds. The timeout then only bounds
+  (`tokenmill.worker.leases`) every `visibility_timeout / 8` seconds. The timeout then only bounds
   how long a *crashed* worker's jobs wait, and can be short (`TOKENMILL_VISIBILITY_TIMEOUT`).
-* `unacked_restore_interval` = visibility_timeout / 4 (at most 10 s) and `unacked_restore_throttle`
-  = 1: how often each worker sweeps for expired messages (a worker also sweeps once when it starts).
-  Kombu's defaults (every 10 s, but scanning only every 10th time) add up to 100 s to a recovery:
-  measured with a 3 s visibility timeout, a kill -9'd worker's jobs restarted elsewhere after 99.5 s
-  with kombu's defaults and after 3.1 s with these. Since the last lease renewal happened at most
-  visibility_timeout / 4 before a crash, the jobs of a crashed worker run again between 0.75 x and
-  1 x visibility_timeout + one sweep interval after it died (45-70 s for the default 60 s).
+* `unacked_restore_interval` = visibility_timeout / 8 (at most 5 s) and `unacked_restore_throttle`
+  = 1: how often each worker sweeps for expired messages and dead consumers' processing lists (a
+  worker also sweeps once when it starts). Kombu's defaults (every 10 s, but scanning only every
+  10th time) add up to 100 s to a recovery: measured with a 3 s visibility timeout, a kill -9'd
+  worker's jobs restarted elsewhere after 99.5 s with kombu's defaults and after 3.1 s with a
+  timeout / 4 sweep. Since the last lease renewal happened at most visibility_timeout / 8 before a
+  crash, the jobs of a crashed worker run again between 0.875 x and 1 x visibility_timeout + one
+  sweep interval after it died (52-65 s for the default 60 s; measured in README).
 * `unacked_mutex_expire`: the lock a sweep holds; a worker killed during a sweep would block all
   sweeps for kombu's default 300 s, so it is bounded by the visibility timeout (at least 5 s).
 * `worker_prefetch_multiplier=1`: with late acks the prefetch window counts running jobs, so the
@@ -93,7 +94,7 @@ def transport_options(visibility_timeout: float) -> dict[str, Any]:
     return {
         "visibility_timeout": visibility_timeout,
         "consumer_ttl": max(1.0, visibility_timeout),
-        "unacked_restore_interval": min(10.0, max(0.25, visibility_timeout / 4)),
+        "unacked_restore_interval": min(5.0, max(0.25, visibility_timeout / 8)),
         "unacked_restore_throttle": 1,
         "unacked_mutex_expire": int(max(5, min(300, visibility_timeout))),
     }

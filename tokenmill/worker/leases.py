@@ -8,7 +8,7 @@ visibility timeout would be delivered to a second worker and run twice.
 
 This consumer bootstep re-stamps the score of every message this worker holds (received, running or
 writing its result, on the current channel or on one from before a broker reconnect, whose jobs keep
-running and ack through it) every `visibility_timeout / 4` seconds, with `ZADD XX` so a message acked in
+running and ack through it) every `visibility_timeout / 8` seconds, with `ZADD XX` so a message acked in
 between is never put back. A worker killed with `kill -9` stops renewing and its messages are
 redelivered `visibility_timeout` (plus at most one sweep interval) after its last renewal.
 
@@ -41,7 +41,8 @@ class LeaseRenewal(bootsteps.StartStopStep):
 
     def start(self, parent: Any) -> None:
         options = parent.app.conf.broker_transport_options or {}
-        interval = max(0.1, float(options.get("visibility_timeout", 3600)) / 4)
+        # 1/8: a worker whose loop stalls for up to 7/8 of the timeout keeps its jobs
+        interval = max(0.1, float(options.get("visibility_timeout", 3600)) / 8)
         self._timer_entry = parent.timer.call_repeatedly(interval, self.renew, (parent,), priority=0)
 
     def stop(self, parent: Any) -> None:
