@@ -82,11 +82,12 @@ class BatchRun:
         return {"jobs": len(raw_jobs), "ran": len(todo), "skipped": len(jobs) - len(todo)}
 
     def _parse(self, raw_jobs: list[dict[str, Any]]) -> tuple[list[Job], dict[str, dict[str, Any]]]:
-        from tokenmill.jobs.schemas import Job, JobResult
+        from tokenmill.jobs.schemas import Job, JobResult, check_size
 
         jobs, failed = [], {}
         for raw in raw_jobs:
             try:
+                check_size(raw, self.service.settings.max_job_bytes)  # per job, as for a single job
                 jobs.append(Job.from_wire(raw))
             except InvalidRequestError as exc:
                 job_id = raw.get("id")
