@@ -16,7 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from model_fixtures import CONFIGS, build_model_dir
+# One torch thread, before torch is imported (subprocesses inherit it). The test models are tiny: extra
+# intra-op threads only add overhead, and on a loaded machine their spin-waits multiply it (measured here,
+# load ~6 on 2 cores: test_token_budgets_and_block_sizes[1-1] took 16.6 s of CPU with 2 threads, 3.3 s with 1).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+from model_fixtures import CONFIGS, build_model_dir  # noqa: E402
 
 SEEDS_VARIABLE = "TOKENMILL_TEST_SEEDS"
 DEFAULT_SEEDS = "1846882154,fresh"
