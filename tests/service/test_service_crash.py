@@ -3,6 +3,7 @@ and a job that keeps killing workers is dead-lettered after a bounded number of 
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import time
@@ -12,8 +13,10 @@ from pathlib import Path
 import redis
 from service_fixtures import TEST_VISIBILITY_TIMEOUT, RedisServer, ResultLog, Worker, child_pids, wait_for
 
+from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.jobs.client import Client
 from tokenmill.worker.app import DELIVERIES_KEY
+from tokenmill.worker.engine_process import EngineFailure, EngineProcess
 from tokenmill.worker.service import FATAL_EXIT_CODE
 
 
@@ -115,3 +118,18 @@ def test_engine_process_death_stops_the_worker_and_its_jobs_are_redelivered(redi
     results = client.results(handles, timeout=120)
     assert all(r.ok and r.usage.completion_tokens == 8 for r in results), [r.error for r in results if not r.ok]
     assert [(r.attempt, r.worker.split("@")[0]) for r in results] == [(2, "next")] * len(handles)
+
+
+def test_engine_loss_reaches_on_fatal_before_any_request_fails() -> None:
+    """The order that keeps a dead engine's jobs from ending as failed results: `on_fatal` (which exits the
+    worker) runs while every request in flight is still pending; only after it do they fail."""
+    seen: list[tuple[BaseException, bool]] = []
+    engine = EngineProcess("builtin:tiny", {}, on_fatal=lambda exc: seen.append((exc, future.done())))
+    engine.start(timeout=300)
+    (process,) = multiprocessing.active_children()
+    os.kill(process.pid, signal.SIGSTOP)  # the request below cannot finish
+    future = engine.submit("doomed-request", SamplingParams(max_tokens=8))
+    os.kill(process.pid, signal.SIGKILL)
+
+    assert isinstance(future.exception(timeout=60), EngineFailure)
+    assert [(type(exc), done) for exc, done in seen] == [(EngineFailure, False)]
