@@ -87,7 +87,8 @@ def _freeze_engine(worker: Worker) -> int:
 
 
 def _long_jobs(prefix: str, count: int) -> list[dict]:
-    return [{"prompt": f"{prefix} {i}", "max_tokens": 300, "ignore_eos": True, "temperature": 0.0} for i in range(count)]
+    return [{"prompt": f"{prefix} {i}", "max_tokens": 300, "ignore_eos": True, "temperature": 0.0}
+            for i in range(count)]
 
 
 def _all_delivered(broker: redis.Redis, handles: list) -> bool:
@@ -107,7 +108,8 @@ def test_engine_process_death_stops_the_worker_and_its_jobs_are_redelivered(redi
     broker = redis_server.client()
     doomed = start_worker(redis_server.url, "doomed").wait_ready()
     engine = _freeze_engine(doomed)
-    handles = client.submit_many([{"prompt": f"engine dies {i}", "max_tokens": 8, "ignore_eos": True} for i in range(10)])
+    handles = client.submit_many([{"prompt": f"engine dies {i}", "max_tokens": 8, "ignore_eos": True}
+                                  for i in range(10)])
     wait_for(lambda: _all_delivered(broker, handles), 60, "doomed holding the 10 jobs")
 
     os.kill(engine, signal.SIGKILL)
