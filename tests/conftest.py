@@ -1,6 +1,6 @@
 """Shared fixtures for the engine tests (helpers live in model_fixtures.py, importable by test modules).
 
-Seeds. A test that draws random inputs takes the `seed` fixture and runs once per seed of the run:
+Seeds. A test that draws random inputs takes the `random_seed` fixture and runs once per seed of the run:
 `TOKENMILL_TEST_SEEDS`, comma-separated integers where `fresh` stands for a newly drawn one. The
 default, `DEFAULT_SEEDS`, is what CI runs: fixed seeds (a failure there is a bug that stays reproducible)
 and one fresh seed (new inputs every run, to find bugs; a failing fresh seed is a bug too, never a
@@ -63,9 +63,9 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: p
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    if "seed" in metafunc.fixturenames:
+    if "random_seed" in metafunc.fixturenames:
         seeds = metafunc.config.stash[_seeds]
-        metafunc.parametrize("seed", seeds, ids=[f"seed={s}" for s in seeds])
+        metafunc.parametrize("random_seed", seeds, ids=[f"seed={s}" for s in seeds])
 
 
 @pytest.fixture(scope="session")

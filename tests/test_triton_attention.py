@@ -40,9 +40,9 @@ Span = tuple[int, int, int]  # (sequence, first query position, end position = K
 
 
 @pytest.fixture
-def gen(seed: int) -> torch.Generator:
+def gen(random_seed: int) -> torch.Generator:
     """Random inputs from the run's seeds (see tests/conftest.py): each test runs once per seed."""
-    return torch.Generator().manual_seed(seed)
+    return torch.Generator().manual_seed(random_seed)
 
 
 class Workload:
