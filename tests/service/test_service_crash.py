@@ -3,43 +3,52 @@ and a job that keeps killing workers is dead-lettered after a bounded number of 
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import time
 import uuid
 from pathlib import Path
 
-from service_fixtures import TEST_VISIBILITY_TIMEOUT, RedisServer, ResultLog, child_pids, wait_for
+import redis
+from service_fixtures import TEST_VISIBILITY_TIMEOUT, RedisServer, ResultLog, Worker, child_pids, wait_for
 
+from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.jobs.client import Client
 from tokenmill.worker.app import DELIVERIES_KEY
+from tokenmill.worker.engine_process import EngineFailure, EngineProcess
 from tokenmill.worker.service import FATAL_EXIT_CODE
 
 
 def test_kill_9_with_jobs_in_flight_loses_nothing(redis_server: RedisServer, start_worker, result_log: ResultLog) -> None:
+    """`doomed` holds 20 jobs (its engine frozen, so none can finish first) and `survivor` 20 more when
+    `doomed` is killed: the survivor runs all 40, each once more at most, with exactly one result each."""
     client = Client(redis_server.url)
-    doomed = start_worker(redis_server.url, "doomed").wait_ready()
-    survivor = start_worker(redis_server.url, "survivor").wait_ready()
-    jobs = [{"prompt": f"crash test {i}", "max_tokens": 300, "ignore_eos": True, "temperature": 0.0} for i in range(40)]
-    handles = client.submit_many(jobs)
     broker = redis_server.client()
-    wait_for(lambda: broker.llen("tokenmill") == 0 and broker.zcard("unacked_index") == len(jobs), 30, "all jobs in flight")
+    doomed = start_worker(redis_server.url, "doomed", concurrency=20).wait_ready()
+    engine = _freeze_engine(doomed)
+    held = client.submit_many(_long_jobs("held by doomed", 20))
+    wait_for(lambda: _all_delivered(broker, held), 60, "doomed holding its 20 jobs")
+    survivor = start_worker(redis_server.url, "survivor").wait_ready()
+    own = client.submit_many(_long_jobs("survivor's own", 20))  # doomed is full: only the survivor takes these
+    wait_for(lambda: _all_delivered(broker, own), 60, "the survivor running its 20 jobs")
 
     doomed.kill()
+    os.kill(engine, signal.SIGKILL)  # frozen, it would outlive its worker
     killed_at = time.time()
-    results = client.results(handles, timeout=180)
+    results = client.results(held + own, timeout=180)
 
-    assert all(r.ok for r in results), [r.error for r in results if not r.ok]
-    assert all(r.usage.completion_tokens == 300 for r in results)
-    rerun = [r for r in results if r.attempt == 2]
-    assert rerun, "the killed worker held no job: the test did not exercise recovery"
-    assert {r.worker.split("@")[0] for r in rerun} == {"survivor"}
-    recovery = min(r.started_at for r in rerun) - killed_at
-    print(f"\nkill -9 recovery: {len(rerun)} jobs restarted on the survivor {recovery:.2f}s after the kill "
+    assert all(r.ok and r.usage.completion_tokens == 300 for r in results), [r.error for r in results if not r.ok]
+    assert {r.worker.split("@")[0] for r in results} == {"survivor"}
+    assert [r.attempt for r in results] == [2] * len(held) + [1] * len(own)
+    recovery = min(r.started_at for r in results[: len(held)]) - killed_at
+    print(f"\nkill -9 recovery: {len(held)} jobs restarted on the survivor {recovery:.2f}s after the kill "
           f"(visibility timeout {TEST_VISIBILITY_TIMEOUT}s)")
-    assert recovery < 2 * TEST_VISIBILITY_TIMEOUT + 2
-    wait_for(lambda: all(h.id in result_log.counts for h in handles), 10, "every result notification")
-    assert {h.id: result_log.counts[h.id] for h in handles} == {h.id: 1 for h in handles}
+    # Typically 0.75-1x the timeout plus a sweep interval; kombu's default sweeps would take ~100 s. The bound
+    # is loose so that only a lost sweep setting fails it, not a loaded machine.
+    assert recovery < 15 * TEST_VISIBILITY_TIMEOUT
+    wait_for(lambda: all(h.id in result_log.counts for h in held + own), 10, "every result notification")
+    assert {h.id: result_log.counts[h.id] for h in held + own} == {h.id: 1 for h in held + own}
     wait_for(lambda: broker.hlen("unacked") == 0, 10, "every message acked")
 
 
@@ -70,16 +79,59 @@ def _engine_pid(worker_pid: int) -> int:
     return pids[0]
 
 
+def _freeze_engine(worker: Worker) -> int:
+    """SIGSTOP the worker's engine process, so that no job it is given can finish, however slow the machine."""
+    pid = _engine_pid(worker.process.pid)
+    os.kill(pid, signal.SIGSTOP)
+    return pid
+
+
+def _long_jobs(prefix: str, count: int) -> list[dict]:
+    return [{"prompt": f"{prefix} {i}", "max_tokens": 300, "ignore_eos": True, "temperature": 0.0}
+            for i in range(count)]
+
+
+def _all_delivered(broker: redis.Redis, handles: list) -> bool:
+    """Every job counted its delivery (a worker's job thread took it) and the queue is empty."""
+    counts = broker.mget([DELIVERIES_KEY.format(job_id=h.id) for h in handles])
+    return broker.llen("tokenmill") == 0 and all(c is not None for c in counts)
+
+
 def test_engine_process_death_stops_the_worker_and_its_jobs_are_redelivered(redis_server: RedisServer, start_worker) -> None:
+    """The engine dies while the worker holds 10 jobs: the worker exits at once (a worker without an engine
+    must not hold jobs), none of them ends failed, and a new worker runs each of them, on its second delivery.
+
+    The engine is frozen before the jobs arrive and killed while frozen, so no job can finish on `doomed`
+    whatever the machine's load.
+    """
     client = Client(redis_server.url)
     broker = redis_server.client()
     doomed = start_worker(redis_server.url, "doomed").wait_ready()
-    handles = client.submit_many([{"prompt": f"engine dies {i}", "max_tokens": 400, "ignore_eos": True} for i in range(10)])
-    wait_for(lambda: broker.zcard("unacked_index") == 10, 30, "jobs in flight")
+    engine = _freeze_engine(doomed)
+    handles = client.submit_many([{"prompt": f"engine dies {i}", "max_tokens": 8, "ignore_eos": True}
+                                  for i in range(10)])
+    wait_for(lambda: _all_delivered(broker, handles), 60, "doomed holding the 10 jobs")
 
-    os.kill(_engine_pid(doomed.process.pid), signal.SIGKILL)
+    os.kill(engine, signal.SIGKILL)
 
-    assert doomed.process.wait(timeout=30) == FATAL_EXIT_CODE  # no half-alive worker holding jobs
+    assert doomed.process.wait(timeout=60) == FATAL_EXIT_CODE  # no half-alive worker holding jobs
+    assert all(client.get(h.id) is None for h in handles), "a job ended on the worker whose engine died"
     start_worker(redis_server.url, "next").wait_ready()
     results = client.results(handles, timeout=120)
-    assert all(r.ok and r.attempt == 2 and r.worker.startswith("next@") for r in results)
+    assert all(r.ok and r.usage.completion_tokens == 8 for r in results), [r.error for r in results if not r.ok]
+    assert [(r.attempt, r.worker.split("@")[0]) for r in results] == [(2, "next")] * len(handles)
+
+
+def test_engine_loss_reaches_on_fatal_before_any_request_fails() -> None:
+    """The order that keeps a dead engine's jobs from ending as failed results: `on_fatal` (which exits the
+    worker) runs while every request in flight is still pending; only after it do they fail."""
+    seen: list[tuple[BaseException, bool]] = []
+    engine = EngineProcess("builtin:tiny", {}, on_fatal=lambda exc: seen.append((exc, future.done())))
+    engine.start(timeout=300)
+    (process,) = multiprocessing.active_children()
+    os.kill(process.pid, signal.SIGSTOP)  # the request below cannot finish
+    future = engine.submit("doomed-request", SamplingParams(max_tokens=8))
+    os.kill(process.pid, signal.SIGKILL)
+
+    assert isinstance(future.exception(timeout=60), EngineFailure)
+    assert [(type(exc), done) for exc, done in seen] == [(EngineFailure, False)]

