@@ -198,7 +198,8 @@ def test_kill_9_mid_run_then_rerun_gives_the_uninterrupted_output(llm, tmp_path:
     src = write_jsonl(tmp_path / "in.jsonl", rows(400))
     out, state = tmp_path / "out.jsonl", tmp_path / "state"
     args = ["annotate", str(src), "-o", str(out), "--template", "Say: {{ text }}", "--max-tokens", "24", "--window", "8",
-            "--state-dir", str(state), "--num-kv-blocks", str(ENGINE["num_kv_blocks"]), "--quiet"]
+            "--state-dir", str(state), "--checkpoint-interval", "0", "--num-kv-blocks", str(ENGINE["num_kv_blocks"]),
+            "--quiet"]
     process = cli(*args, wait=False)
     try:
         wait_until(lambda: checkpointed(state) >= 16 or process.poll() is not None, 300, "some results checkpointed")

@@ -94,7 +94,7 @@ def test_kill_9_mid_run_then_rerun_gives_the_uninterrupted_output(llm, tmp_path,
     out, state = tmp_path / "out.jsonl", tmp_path / "state"
     command = [sys.executable, "-m", "tokenmill.cli", "annotate", str(src), "-o", str(out), "--template", TEMPLATE,
                "--max-tokens", "24", "--broker", redis_server.url, "--window", "16", "--rows-per-message", "4",
-               "--state-dir", str(state), "--quiet"]
+               "--state-dir", str(state), "--checkpoint-interval", "0", "--quiet"]
     process = subprocess.Popen(command, env={"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}, stderr=subprocess.PIPE)
     try:
         wait_until(lambda: checkpointed(state) >= 16 or process.poll() is not None, 120, "some rows checkpointed")

@@ -52,6 +52,8 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--broker", help="redis://... : distributed mode, rows go to queue workers")
     parser.add_argument("--queue", help="queue name (default tokenmill)")
     parser.add_argument("--state-dir", help="checkpoint directory (default: <output>.tokenmill-state)")
+    parser.add_argument("--checkpoint-interval", type=float, default=2.0, metavar="SECONDS",
+                        help="commit finished rows to the checkpoint at least this often (0: after every row)")
     parser.add_argument("--retry-failed", action="store_true", help="recompute rows that ended in error")
     parser.add_argument("--s3-endpoint-url", default=None, help="S3-compatible endpoint (MinIO...) [env TOKENMILL_S3_ENDPOINT_URL]")
     parser.add_argument("--window", type=int, help="rows in flight at most (default 1024 embedded, 4096 distributed)")
@@ -79,7 +81,8 @@ def _shared(args: argparse.Namespace) -> dict[str, Any]:
     if args.no_prefix_caching:
         options["enable_prefix_caching"] = False
     return {"model": args.model, "broker": args.broker, "queue": args.queue, "engine_options": options,
-            "state_dir": args.state_dir, "retry_failed": args.retry_failed, "s3_endpoint_url": args.s3_endpoint_url,
+            "state_dir": args.state_dir, "checkpoint_interval": args.checkpoint_interval,
+            "retry_failed": args.retry_failed, "s3_endpoint_url": args.s3_endpoint_url,
             "window": args.window, "rows_per_message": args.rows_per_message, "quiet": args.quiet}
 
 

@@ -90,6 +90,7 @@ def annotate(
     input_format: str | None = None,
     output_format: str | None = None,
     state_dir: str | None = None,
+    checkpoint_interval: float = 2.0,
     retry_failed: bool = False,
     s3_endpoint_url: str | None = None,
     window: int | None = None,
@@ -115,7 +116,8 @@ def annotate(
     out_format = format_of(output, output_format, "output")
     _check_columns(schema, id_column, column, out_format)
     total = dataset.count_rows()
-    checkpoint = Checkpoint(os.path.join(state_dir or default_state_dir(output), "checkpoint.sqlite"))
+    checkpoint = Checkpoint(os.path.join(state_dir or default_state_dir(output), "checkpoint.sqlite"),
+                            checkpoint_interval)
     summary = Summary(output=output)
     try:
         runner = _runner(mode, model, llm, engine_options, broker, queue, window, rows_per_message)

@@ -195,6 +195,7 @@ def batch(
     engine_options: dict[str, Any] | None = None,
     default_max_tokens: int = 256,
     state_dir: str | None = None,
+    checkpoint_interval: float = 2.0,
     retry_failed: bool = False,
     s3_endpoint_url: str | None = None,
     window: int | None = None,
@@ -208,7 +209,8 @@ def batch(
     mode = "queue" if broker else "embedded"
     label = model_label(model, llm, broker, queue)
     total = check_custom_ids(input, s3_endpoint_url)
-    checkpoint = Checkpoint(os.path.join(state_dir or default_state_dir(output), "checkpoint.sqlite"))
+    checkpoint = Checkpoint(os.path.join(state_dir or default_state_dir(output), "checkpoint.sqlite"),
+                            checkpoint_interval)
     summary = Summary(output=output, errors_output=errors)
     try:
         runner = _runner(mode, model, llm, engine_options, broker, queue, window, rows_per_message)
