@@ -2,11 +2,13 @@
 
     tokenmill generate [--model builtin:tiny] [--prompt TEXT ...] [--input prompts.jsonl] [--max-tokens N]
     tokenmill worker --model M --broker redis://... [--queues a,b] [--concurrency N] [...]
+    tokenmill health [--url http://127.0.0.1:9400/metrics] [--max-age 60]
 
 `generate` runs prompts offline through `tokenmill.LLM` and prints one JSON line per completion; with no
 arguments it completes a few demo prompts on the built-in tiny model (the README's quick start).
 `worker` flags are generated from `WorkerSettings`, so each has a `TOKENMILL_<NAME>` environment
-variable twin; a flag wins over the variable.
+variable twin; a flag wins over the variable. `health` exits 0 only while a worker's engine is serving
+(the Docker healthcheck; `tokenmill.worker.health`).
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "worker":
         return _worker(args)
+    if args.command == "health":
+        return _health(args)
     return _generate(args)
 
 
@@ -55,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", default="auto")
     worker = commands.add_parser("worker", help="run a queue worker (Celery on Redis)")
     _add_settings_flags(worker)
+    health = commands.add_parser("health", help="exit 0 only while a worker's engine is serving (container healthcheck)")
+    health.add_argument("--url", default=None, help="metrics URL (default: http://127.0.0.1:$TOKENMILL_METRICS_PORT/metrics)")
+    health.add_argument("--max-age", type=float, default=60.0, help="seconds without an engine status report that count as down")
     return parser
 
 
@@ -99,6 +106,25 @@ def _worker(args: argparse.Namespace) -> int:
     from tokenmill.worker.main import run_worker
 
     return run_worker(settings)
+
+
+def _health(args: argparse.Namespace) -> int:
+    from tokenmill.worker.health import engine_problem
+    from tokenmill.worker.settings import WorkerSettings
+
+    url = args.url
+    if url is None:
+        port = WorkerSettings().metrics_port
+        if not port:
+            print("tokenmill health: the metrics endpoint is off (TOKENMILL_METRICS_PORT=0); nothing to ask", file=sys.stderr)
+            return 2
+        url = f"http://127.0.0.1:{port}/metrics"
+    problem = engine_problem(url, args.max_age)
+    if problem:
+        print(f"tokenmill health: unhealthy: {problem}", file=sys.stderr)
+        return 1
+    print("tokenmill health: engine serving")
+    return 0
 
 
 def _generate(args: argparse.Namespace) -> int:
