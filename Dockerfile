@@ -11,7 +11,8 @@
 # Wheels put in docker/wheels/ are used before any index (e.g. a local CPU torch wheel; set
 # TORCH_CPU_INDEX= to not ask PyTorch's index at all). Model weights are never baked in: they are
 # downloaded at run time into $HF_HOME (a volume in docker-compose.yml).
-# No `# syntax=` line: the file builds with BuildKit and with the classic builder alike.
+# No `# syntax=` line: the file builds with BuildKit and with the classic builder alike. The classic
+# builder runs every stage before the target, so the flower stages come before the worker's.
 
 ARG BASE_IMAGE=python:3.11-slim-bookworm
 
@@ -31,26 +32,6 @@ ENV PIP_NO_CACHE_DIR=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     PATH=/opt/venv/bin:$PATH
 
-# -- build: the worker's virtual environment -------------------------------------------------------
-FROM python AS build
-ARG TORCH_VARIANT=cpu
-ARG TORCH_VERSION=2.13.0
-ARG TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu
-COPY docker/requirements.lock /tmp/requirements.lock
-COPY docker/wheels/ /wheels/
-# torch first, in its own layer: it is most of the image and changes least.
-RUN python3 -m venv /opt/venv \
-    && case "$TORCH_VARIANT" in \
-        cpu) pip install --find-links /wheels -c /tmp/requirements.lock \
-                 ${TORCH_CPU_INDEX:+--extra-index-url "$TORCH_CPU_INDEX"} "torch==${TORCH_VERSION}+cpu" ;; \
-        cuda) pip install --find-links /wheels -c /tmp/requirements.lock "torch==${TORCH_VERSION}" ;; \
-        *) echo "TORCH_VARIANT must be cpu or cuda, not '${TORCH_VARIANT}'" >&2; exit 1 ;; \
-    esac
-RUN pip install --find-links /wheels -r /tmp/requirements.lock
-COPY pyproject.toml README.md /src/
-COPY tokenmill /src/tokenmill
-RUN pip install --no-deps --no-build-isolation /src && pip check && tokenmill --help >/dev/null
-
 # -- flower: Celery's monitoring UI on the same broker (no torch, no model) ------------------------
 FROM python AS flower-build
 COPY docker/requirements.lock /tmp/requirements.lock
@@ -66,12 +47,33 @@ HEALTHCHECK --interval=15s --timeout=5s --start-period=30s --retries=3 \
 ENTRYPOINT ["celery"]
 CMD ["flower"]
 
+# -- build: the worker's dependencies in a virtual environment ------------------------------------
+FROM python AS build
+ARG TORCH_VARIANT=cpu
+ARG TORCH_VERSION=2.13.0
+ARG TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu
+COPY docker/requirements.lock /tmp/requirements.lock
+COPY docker/wheels/ /wheels/
+# torch first, in its own layer: it is most of the image and changes least.
+RUN python3 -m venv /opt/venv \
+    && case "$TORCH_VARIANT" in \
+        cpu) pip install --find-links /wheels -c /tmp/requirements.lock \
+                 ${TORCH_CPU_INDEX:+--extra-index-url "$TORCH_CPU_INDEX"} "torch==${TORCH_VERSION}+cpu" ;; \
+        cuda) pip install --find-links /wheels -c /tmp/requirements.lock "torch==${TORCH_VERSION}" ;; \
+        *) echo "TORCH_VARIANT must be cpu or cuda, not '${TORCH_VARIANT}'" >&2; exit 1 ;; \
+    esac
+RUN pip install --find-links /wheels -r /tmp/requirements.lock
+
 # -- worker (the default target) -------------------------------------------------------------------
 FROM python AS worker
 ARG TORCH_VARIANT=cpu
 LABEL org.opencontainers.image.title="tokenmill" \
       org.opencontainers.image.description="Queue-driven LLM batch-job worker (torch: ${TORCH_VARIANT})"
 COPY --from=build /opt/venv /opt/venv
+# tokenmill itself last and apart from its dependencies: a code change rebuilds only these small layers.
+COPY pyproject.toml README.md /tmp/src/
+COPY tokenmill /tmp/src/tokenmill
+RUN pip install --no-deps --no-build-isolation /tmp/src && rm -rf /tmp/src && pip check && tokenmill --help >/dev/null
 COPY examples /app/examples
 ENV HF_HOME=/home/tokenmill/.cache/huggingface \
     TOKENMILL_TORCH_VARIANT=${TORCH_VARIANT}

@@ -159,7 +159,7 @@ build_images() {
         || fail "no CPU wheel of torch ${TORCH_VERSION} reachable by pip here"
     local started=$SECONDS
     build tokenmill:cpu . --target worker --build-arg TORCH_VARIANT=cpu --build-arg TORCH_CPU_INDEX=
-    build tokenmill:flower . --target flower
+    build tokenmill:flower . --target flower --build-arg TORCH_VARIANT=cpu --build-arg TORCH_CPU_INDEX=
     build tokenmill-smoke/redis:bookworm scripts/compose-smoke -f scripts/compose-smoke/redis.Dockerfile
     build tokenmill-smoke/s3:bookworm scripts/compose-smoke -f scripts/compose-smoke/s3.Dockerfile
     log "images built in $((SECONDS - started))s"
@@ -170,9 +170,10 @@ build() {
     local tag=$1 context=$2 started=$SECONDS
     shift 2
     log "building $tag"
-    "$DOCKER" build -q --network host --build-arg "BASE_IMAGE=$BASE_IMAGE" -t "$tag" "$@" "$context" > "$CACHE/build.log" 2>&1 \
-        || { tail -30 "$CACHE/build.log" >&2; fail "docker build of $tag failed"; }
-    log "built $tag in $((SECONDS - started))s"
+    local out="$CACHE/build-${tag//[:\/]/-}.log"
+    "$DOCKER" build --network host --build-arg "BASE_IMAGE=$BASE_IMAGE" -t "$tag" "$@" "$context" > "$out" 2>&1 \
+        || { tail -30 "$out" >&2; fail "docker build of $tag failed (log: $out)"; }
+    log "built $tag in $((SECONDS - started))s ($(grep -c 'Using cache' "$out") of $(grep -c '^Step ' "$out") steps from the cache)"
 }
 
 check_ports_free() {
