@@ -8,11 +8,12 @@
 # are mirrored: --build-arg BASE_IMAGE=registry.example/python:3.11-slim-bookworm. A base without
 # Python (plain Debian bookworm) gets Debian's python3, which is 3.11 as well. Versions are pinned:
 # torch by TORCH_VERSION, everything else by docker/requirements.lock (scripts/lock_image_deps.sh).
-# Wheels put in docker/wheels/ are used before any index (e.g. a local CPU torch wheel; set
-# TORCH_CPU_INDEX= to not ask PyTorch's index at all). Model weights are never baked in: they are
-# downloaded at run time into $HF_HOME (a volume in docker-compose.yml).
+# PIP_FIND_LINKS (a build argument, e.g. http://127.0.0.1:8000/ serving a local CPU torch wheel; build
+# with --network host) is searched before any index; TORCH_CPU_INDEX= stops pip asking PyTorch's index.
+# Model weights are never baked in: they are downloaded at run time into $HF_HOME (a volume in
+# docker-compose.yml).
 # No `# syntax=` line: the file builds with BuildKit and with the classic builder alike. The classic
-# builder runs every stage before the target, so the flower stages come before the worker's.
+# builder runs every stage before its target, so the order is: python, flower, wheel, worker.
 
 ARG BASE_IMAGE=python:3.11-slim-bookworm
 
@@ -31,14 +32,11 @@ ENV PIP_NO_CACHE_DIR=1 \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     PATH=/opt/venv/bin:$PATH
+COPY docker/requirements.lock /opt/requirements.lock
 
 # -- flower: Celery's monitoring UI on the same broker (no torch, no model) ------------------------
-FROM python AS flower-build
-COPY docker/requirements.lock /tmp/requirements.lock
-RUN python3 -m venv /opt/venv && pip install -c /tmp/requirements.lock "celery[redis]" flower && pip check
-
 FROM python AS flower
-COPY --from=flower-build /opt/venv /opt/venv
+RUN python3 -m venv /opt/venv && pip install -c /opt/requirements.lock "celery[redis]" flower && pip check
 USER tokenmill
 WORKDIR /home/tokenmill
 EXPOSE 5555
@@ -47,33 +45,32 @@ HEALTHCHECK --interval=15s --timeout=5s --start-period=30s --retries=3 \
 ENTRYPOINT ["celery"]
 CMD ["flower"]
 
-# -- build: the worker's dependencies in a virtual environment ------------------------------------
-FROM python AS build
-ARG TORCH_VARIANT=cpu
-ARG TORCH_VERSION=2.13.0
-ARG TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu
-COPY docker/requirements.lock /tmp/requirements.lock
-COPY docker/wheels/ /wheels/
-# torch first, in its own layer: it is most of the image and changes least.
-RUN python3 -m venv /opt/venv \
-    && case "$TORCH_VARIANT" in \
-        cpu) pip install --find-links /wheels -c /tmp/requirements.lock \
-                 ${TORCH_CPU_INDEX:+--extra-index-url "$TORCH_CPU_INDEX"} "torch==${TORCH_VERSION}+cpu" ;; \
-        cuda) pip install --find-links /wheels -c /tmp/requirements.lock "torch==${TORCH_VERSION}" ;; \
-        *) echo "TORCH_VARIANT must be cpu or cuda, not '${TORCH_VARIANT}'" >&2; exit 1 ;; \
-    esac
-RUN pip install --find-links /wheels -r /tmp/requirements.lock
+# -- wheel: tokenmill built into a wheel; its sources and build tools stay in this stage -------------
+FROM python AS wheel
+COPY pyproject.toml README.md /src/
+COPY tokenmill /src/tokenmill
+RUN python3 -m venv /opt/build && /opt/build/bin/pip wheel --no-deps --wheel-dir /dist /src
 
 # -- worker (the default target) -------------------------------------------------------------------
 FROM python AS worker
 ARG TORCH_VARIANT=cpu
+ARG TORCH_VERSION=2.13.0
+ARG TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu
+ARG PIP_FIND_LINKS=
 LABEL org.opencontainers.image.title="tokenmill" \
       org.opencontainers.image.description="Queue-driven LLM batch-job worker (torch: ${TORCH_VARIANT})"
-COPY --from=build /opt/venv /opt/venv
-# tokenmill itself last and apart from its dependencies: a code change rebuilds only these small layers.
-COPY pyproject.toml README.md /tmp/src/
-COPY tokenmill /tmp/src/tokenmill
-RUN pip install --no-deps --no-build-isolation /tmp/src && rm -rf /tmp/src && pip check && tokenmill --help >/dev/null
+# torch first, in its own layer: it is most of the image and changes least. Then the pinned rest; then
+# tokenmill itself, so a code change rebuilds only the small last layers.
+RUN python3 -m venv /opt/venv \
+    && case "$TORCH_VARIANT" in \
+        cpu) pip install -c /opt/requirements.lock \
+                 ${TORCH_CPU_INDEX:+--extra-index-url "$TORCH_CPU_INDEX"} "torch==${TORCH_VERSION}+cpu" ;; \
+        cuda) pip install -c /opt/requirements.lock "torch==${TORCH_VERSION}" ;; \
+        *) echo "TORCH_VARIANT must be cpu or cuda, not '${TORCH_VARIANT}'" >&2; exit 1 ;; \
+    esac
+RUN pip install -r /opt/requirements.lock
+COPY --from=wheel /dist /tmp/dist
+RUN pip install --no-deps /tmp/dist/*.whl && rm -rf /tmp/dist && pip check && tokenmill --help >/dev/null
 COPY examples /app/examples
 ENV HF_HOME=/home/tokenmill/.cache/huggingface \
     TOKENMILL_TORCH_VARIANT=${TORCH_VARIANT}

@@ -10,14 +10,16 @@
 #    bridge: the test uses host networking only) and stops it on exit.
 # 3. Makes the base image from Debian packages (debootstrap, `docker import`): no image is ever pulled.
 # 4. Builds tokenmill:cpu and tokenmill:flower from the Dockerfile on that base (torch from the CPU wheel
-#    this machine's pip finds locally, the rest from PyPI), plus Redis and S3 (moto) stand-ins.
+#    this machine's pip finds locally, served on loopback; the rest from PyPI), plus Redis and S3 (moto)
+#    stand-ins. Builds use the host network (`--network host`).
 # 5. `compose -f docker-compose.yml -f scripts/compose-smoke/compose.smoke.yml --profile cpu up -d`, waits
 #    for health, and runs scripts/compose_smoke_check.py from the host (see there for the checks).
 # 6. `compose down -v`, and checks that nothing is left.
 #
 # Everything built is cached in $TOKENMILL_COMPOSE_CACHE (default /var/cache/tokenmill-compose): the base
-# rootfs tarball and Docker's data root with its layers, so a rerun on the same machine rebuilds only what
-# changed. Ports (loopback only): SMOKE_{REDIS,S3,METRICS,FLOWER}_PORT, defaults 36379, 39000, 39400, 35555.
+# rootfs tarball, the torch wheel and Docker's data root with its layers, so a rerun on the same machine rebuilds only what
+# changed. Ports (loopback only): SMOKE_{REDIS,S3,METRICS,FLOWER,WHEELS}_PORT, defaults 36379, 39000,
+# 39400, 35555, 38000.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REPO="$PWD"
@@ -30,12 +32,14 @@ export DOCKER_HOST="unix://$RUN_DIR/docker.sock"
 DOCKER=/usr/bin/docker
 export SMOKE_REDIS_PORT="${SMOKE_REDIS_PORT:-36379}" SMOKE_S3_PORT="${SMOKE_S3_PORT:-39000}"
 export SMOKE_METRICS_PORT="${SMOKE_METRICS_PORT:-39400}" SMOKE_FLOWER_PORT="${SMOKE_FLOWER_PORT:-35555}"
+SMOKE_WHEELS_PORT="${SMOKE_WHEELS_PORT:-38000}"
 export COMPOSE_PROJECT_NAME=tokenmill-smoke DOCKER_BUILDKIT=0 COMPOSE_DOCKER_CLI_BUILD=0
 BASE_IMAGE=tokenmill-base:bookworm
 TORCH_VERSION=2.13.0
 COMPOSE=()
 STARTED_DAEMON=0
 STACK_UP=0
+WHEEL_SERVER=
 T0=$SECONDS
 
 log() { echo "[compose-smoke +$((SECONDS - T0))s] $*"; }
@@ -51,7 +55,7 @@ cleanup() {
         fi
         "${COMPOSE[@]}" down -v --remove-orphans >/dev/null 2>&1 || true
     fi
-    rm -f docker/wheels/torch-*.whl
+    if [ -n "$WHEEL_SERVER" ]; then kill "$WHEEL_SERVER" 2>/dev/null || true; fi
     if [ "$STARTED_DAEMON" = 1 ] && [ -f "$RUN_DIR/dockerd.pid" ]; then
         kill "$(cat "$RUN_DIR/dockerd.pid")" 2>/dev/null || true
         for _ in $(seq 30); do [ -e "$RUN_DIR/dockerd.pid" ] || break; sleep 0.5; done
@@ -152,18 +156,30 @@ make_base_image() {
 }
 
 build_images() {
-    # The CPU torch wheel: pip finds it where this machine keeps it (find-links, local indexes); it is
-    # copied into the build context (docker/wheels, ignored by git) so the image never downloads torch.
-    rm -f docker/wheels/torch-*.whl
-    python3 -m pip download -q --no-deps --only-binary=:all: -d docker/wheels "torch==${TORCH_VERSION}+cpu" \
-        || fail "no CPU wheel of torch ${TORCH_VERSION} reachable by pip here"
+    # The CPU torch wheel: pip finds it where this machine keeps it (find-links, local indexes), into the
+    # cache; a loopback HTTP server hands it to the builds as PIP_FIND_LINKS, so no image downloads torch
+    # and no layer keeps a copy of the wheel.
+    local wheels="$CACHE/wheels"
+    mkdir -p "$wheels"
+    if ! compgen -G "$wheels/torch-${TORCH_VERSION}+cpu-*.whl" >/dev/null; then
+        python3 -m pip download -q --no-deps --only-binary=:all: -d "$wheels" "torch==${TORCH_VERSION}+cpu" 2>&1 \
+            | grep -v "is ignored: it is neither a file nor a directory" || true
+        compgen -G "$wheels/torch-${TORCH_VERSION}+cpu-*.whl" >/dev/null \
+            || fail "no CPU wheel of torch ${TORCH_VERSION} reachable by pip here"
+    fi
+    python3 -m http.server --bind 127.0.0.1 --directory "$wheels" "$SMOKE_WHEELS_PORT" > "$CACHE/wheel-server.log" 2>&1 &
+    WHEEL_SERVER=$!
+    for _ in $(seq 50); do (exec 3<>"/dev/tcp/127.0.0.1/$SMOKE_WHEELS_PORT") 2>/dev/null && break; sleep 0.2; done
+    kill -0 "$WHEEL_SERVER" 2>/dev/null || { cat "$CACHE/wheel-server.log" >&2; fail "the wheel server did not start"; }
     local started=$SECONDS
-    build tokenmill:cpu . --target worker --build-arg TORCH_VARIANT=cpu --build-arg TORCH_CPU_INDEX=
-    build tokenmill:flower . --target flower --build-arg TORCH_VARIANT=cpu --build-arg TORCH_CPU_INDEX=
+    build tokenmill:cpu . --target worker --build-arg TORCH_VARIANT=cpu --build-arg TORCH_CPU_INDEX= \
+        --build-arg "PIP_FIND_LINKS=http://127.0.0.1:$SMOKE_WHEELS_PORT/"
+    build tokenmill:flower . --target flower
     build tokenmill-smoke/redis:bookworm scripts/compose-smoke -f scripts/compose-smoke/redis.Dockerfile
     build tokenmill-smoke/s3:bookworm scripts/compose-smoke -f scripts/compose-smoke/s3.Dockerfile
     log "images built in $((SECONDS - started))s"
-    rm -f docker/wheels/torch-*.whl
+    kill "$WHEEL_SERVER" 2>/dev/null || true
+    WHEEL_SERVER=
 }
 
 build() {
@@ -178,7 +194,7 @@ build() {
 
 check_ports_free() {
     local port
-    for port in "$SMOKE_REDIS_PORT" "$SMOKE_S3_PORT" "$SMOKE_METRICS_PORT" "$SMOKE_FLOWER_PORT"; do
+    for port in "$@"; do
         if (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then fail "port $port on 127.0.0.1 is taken; set SMOKE_*_PORT"; fi
     done
 }
@@ -200,8 +216,9 @@ install_packages
 pick_compose
 start_daemon
 make_base_image
+check_ports_free "$SMOKE_WHEELS_PORT"
 build_images
-check_ports_free
+check_ports_free "$SMOKE_REDIS_PORT" "$SMOKE_S3_PORT" "$SMOKE_METRICS_PORT" "$SMOKE_FLOWER_PORT"
 
 "${COMPOSE[@]}" down -v --remove-orphans >/dev/null 2>&1 || true   # leftovers of an interrupted run
 log "compose up"
