@@ -86,7 +86,29 @@ pick_compose() {
     if "$DOCKER" compose version >/dev/null 2>&1; then COMPOSE=("$DOCKER" compose); else COMPOSE=(docker-compose); fi
     log "compose: $("${COMPOSE[@]}" version --short 2>/dev/null || echo '?') (${COMPOSE[*]})"
     # --env-file: a developer's own .env in the checkout must not change what the test runs.
-    COMPOSE+=(--env-file scripts/compose-smoke/smoke.env -f docker-compose.yml -f scripts/compose-smoke/compose.smoke.yml --profile cpu)
+    COMPOSE+=(--env-file scripts/compose-smoke/smoke.env)
+}
+
+render_compose() {
+    # docker-compose.yml + the test override, merged and resolved by compose itself; then the published
+    # ports are dropped from the host-network services and the GPU worker is left out (with host networking nothing is published, and
+    # compose refuses the combination; compose v1 has no way to remove a list entry in an override).
+    local rendered="$RUN_DIR/compose.smoke.rendered.yml"
+    "${COMPOSE[@]}" -f docker-compose.yml -f scripts/compose-smoke/compose.smoke.yml --profile cpu config > "$rendered.tmp" \
+        || fail "compose config failed"
+    python3 - "$rendered.tmp" > "$rendered" <<'PY'
+import sys, yaml
+config = yaml.safe_load(open(sys.argv[1]))
+for name, service in list(config["services"].items()):
+    if service.get("profiles") and "cpu" not in service["profiles"]:
+        del config["services"][name]  # the GPU worker: not part of this run
+        continue
+    assert service.get("network_mode") == "host", "every service of the test runs on the host network"
+    service.pop("ports", None)
+yaml.safe_dump(config, sys.stdout, sort_keys=False)
+PY
+    rm -f "$rendered.tmp"
+    COMPOSE+=(-f "$rendered" --profile cpu)
 }
 
 start_daemon() {
@@ -215,6 +237,7 @@ wait_healthy() {
 install_packages
 pick_compose
 start_daemon
+render_compose
 make_base_image
 check_ports_free "$SMOKE_WHEELS_PORT"
 build_images

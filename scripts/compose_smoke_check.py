@@ -37,6 +37,8 @@ from tokenmill import Client
 from tokenmill.jobs.schemas import JobResult
 
 BUCKET, PREFIX = "results", "run1"
+#: Tokens per job of the batches killed mid-run: long enough that jobs are still running at the kill.
+MID_RUN_TOKENS = 128
 
 
 def log(message: str) -> None:
@@ -146,7 +148,7 @@ def step_flower(stack: Stack) -> None:
 
 
 def kill_mid_run(stack: Stack, tag: str, kill: Callable[[], None]) -> tuple[list, int]:
-    handles = stack.submit(tag, 32, 256)
+    handles = stack.submit(tag, 24, MID_RUN_TOKENS)
     wait_for("the first results of the batch", lambda: stack.done(handles) >= 2, timeout=120, interval=0.1)
     done = stack.done(handles)
     assert done < len(handles), f"all {len(handles)} jobs finished before the kill: nothing was in flight"
@@ -166,7 +168,7 @@ def step_process_kill(stack: Stack) -> None:
              lambda: stack.restart_count() > before and stack.state()["Running"], timeout=60)
     log(f"worker exited 137 and was restarted by its restart policy (RestartCount {before} -> {stack.restart_count()})")
     results = stack.results(handles, timeout=300)
-    check_results(results, 256)
+    check_results(results, MID_RUN_TOKENS)
     retried = [r.id for r in results.values() if (r.attempt or 1) > 1]
     assert retried, "no job was redelivered: the kill did not hit a running job"
     log(f"all {len(handles)} jobs finished; {len(retried)} were redelivered after the crash")
@@ -186,7 +188,7 @@ def step_docker_kill(stack: Stack) -> None:
             "for manual stops); starting it again with `compose start worker-cpu`")
         stack.sh(*shlex.split(stack.args.compose), "start", "worker-cpu")
     results = stack.results(handles, timeout=300)
-    check_results(results, 256)
+    check_results(results, MID_RUN_TOKENS)
     log(f"all {len(handles)} jobs finished after the docker kill")
 
 
