@@ -51,7 +51,9 @@ cleanup() {
         if [ "$rc" != 0 ]; then
             log "failure: last worker log lines and container states"
             "${COMPOSE[@]}" ps || true
-            "${COMPOSE[@]}" logs --tail=40 worker-cpu flower minio-init || true
+            "${COMPOSE[@]}" logs --no-color > "$CACHE/compose-failure.log" 2>&1 || true
+            grep -v "pidbox received" "$CACHE/compose-failure.log" | tail -40 || true
+            log "all container logs: $CACHE/compose-failure.log"
         fi
         "${COMPOSE[@]}" down -v --remove-orphans >/dev/null 2>&1 || true
     fi
@@ -167,7 +169,7 @@ make_base_image() {
         # registries, pip and apt in the builds need its CA, which this machine has in its local CA store.
         if compgen -G "/usr/local/share/ca-certificates/*.crt" >/dev/null; then
             cp /usr/local/share/ca-certificates/*.crt "$root/usr/local/share/ca-certificates/"
-            chroot "$root" update-ca-certificates >/dev/null
+            chroot "$root" update-ca-certificates >/dev/null 2>&1
         fi
         rm -rf "$root"/var/cache/apt/archives/*.deb "$root"/var/lib/apt/lists/* "$root"/tmp/*
         tar -C "$root" -c . > "$tarball.tmp" && mv "$tarball.tmp" "$tarball"
