@@ -18,8 +18,9 @@
 #
 # Everything built is cached in $TOKENMILL_COMPOSE_CACHE (default /var/cache/tokenmill-compose): the base
 # rootfs tarball, the torch wheel and Docker's data root with its layers, so a rerun on the same machine rebuilds only what
-# changed. Ports (loopback only): SMOKE_{REDIS,S3,METRICS,FLOWER,WHEELS}_PORT, defaults 36379, 39000,
-# 39400, 35555, 38000.
+# changed. Ports (loopback only): SMOKE_{REDIS,S3,METRICS,FLOWER,WHEELS}_PORT, defaults 16379, 19000,
+# 19400, 15555, 18000: below Linux's ephemeral range (32768-60999), where the outgoing connections and
+# "free port" picks of other processes on the machine could take them mid-run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REPO="$PWD"
@@ -30,9 +31,9 @@ export DOCKER_HOST="unix://$RUN_DIR/docker.sock"
 # Debian's client, the same version as Debian's daemon (another `docker` earlier on PATH may be a client
 # of a different version, or a client without the classic builder).
 DOCKER=/usr/bin/docker
-export SMOKE_REDIS_PORT="${SMOKE_REDIS_PORT:-36379}" SMOKE_S3_PORT="${SMOKE_S3_PORT:-39000}"
-export SMOKE_METRICS_PORT="${SMOKE_METRICS_PORT:-39400}" SMOKE_FLOWER_PORT="${SMOKE_FLOWER_PORT:-35555}"
-SMOKE_WHEELS_PORT="${SMOKE_WHEELS_PORT:-38000}"
+export SMOKE_REDIS_PORT="${SMOKE_REDIS_PORT:-16379}" SMOKE_S3_PORT="${SMOKE_S3_PORT:-19000}"
+export SMOKE_METRICS_PORT="${SMOKE_METRICS_PORT:-19400}" SMOKE_FLOWER_PORT="${SMOKE_FLOWER_PORT:-15555}"
+SMOKE_WHEELS_PORT="${SMOKE_WHEELS_PORT:-18000}"
 export COMPOSE_PROJECT_NAME=tokenmill-smoke DOCKER_BUILDKIT=0 COMPOSE_DOCKER_CLI_BUILD=0
 BASE_IMAGE=tokenmill-base:bookworm
 TORCH_VERSION=2.13.0
