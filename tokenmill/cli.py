@@ -5,12 +5,14 @@
     tokenmill dead-letters [--broker URL] list [--full] | requeue (ID ... | --all) | purge (ID ... | --all)
     tokenmill annotate INPUT -o OUTPUT --template '...{{ column }}...' [--broker ...]   (tokenmill.jobs.annotate_cli)
     tokenmill batch -i requests.jsonl -o results.jsonl [--errors errors.jsonl] [--broker ...]
+    tokenmill health [--url http://127.0.0.1:9400/metrics] [--max-age 60]
 
 `generate` runs prompts offline through `tokenmill.LLM` and prints one JSON line per completion; with no
 arguments it completes a few demo prompts on the built-in tiny model (the README's quick start).
 `worker` flags are generated from `WorkerSettings`, so each has a `TOKENMILL_<NAME>` environment
 variable twin; a flag wins over the variable. `dead-letters` lists the jobs workers gave up on (one JSON
-line each), queues them again with their delivery count reset, or drops them.
+line each), queues them again with their delivery count reset, or drops them. `health` exits 0 only
+while a worker's engine is serving (the Docker healthcheck; `tokenmill.worker.health`).
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from tokenmill.jobs.annotate_cli import run
 
         return run(args)
+    if args.command == "health":
+        return _health(args)
     return _generate(args)
 
 
@@ -74,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     from tokenmill.jobs.annotate_cli import add_parsers as add_annotate_parsers
 
     add_annotate_parsers(commands)  # `annotate` and `batch`
+    health = commands.add_parser("health", help="exit 0 only while a worker's engine is serving (container healthcheck)")
+    health.add_argument("--url", default=None, help="metrics URL (default: http://127.0.0.1:$TOKENMILL_METRICS_PORT/metrics)")
+    health.add_argument("--max-age", type=float, default=60.0, help="seconds without an engine status report that count as down")
     return parser
 
 
@@ -156,6 +163,23 @@ def _dead_letters(args: argparse.Namespace) -> int:
     for job_id in missing:
         print(f"tokenmill dead-letters {args.action}: no dead letter for job {job_id}", file=sys.stderr)
     return 1 if missing else 0
+def _health(args: argparse.Namespace) -> int:
+    from tokenmill.worker.health import engine_problem
+    from tokenmill.worker.settings import WorkerSettings
+
+    url = args.url
+    if url is None:
+        port = WorkerSettings().metrics_port
+        if not port:
+            print("tokenmill health: the metrics endpoint is off (TOKENMILL_METRICS_PORT=0); nothing to ask", file=sys.stderr)
+            return 2
+        url = f"http://127.0.0.1:{port}/metrics"
+    problem = engine_problem(url, args.max_age)
+    if problem:
+        print(f"tokenmill health: unhealthy: {problem}", file=sys.stderr)
+        return 1
+    print("tokenmill health: engine serving")
+    return 0
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -54,6 +54,11 @@ class WorkerMetrics:
         self.waiting = Gauge("tokenmill_waiting_sequences", "Sequences waiting for KV cache space.", registry=registry)
         self.kv_usage = Gauge("tokenmill_kv_cache_usage_ratio", "Fraction of KV cache blocks in use.", registry=registry)
         self.engine_steps = Counter("tokenmill_engine_steps", "Engine steps (one forward pass each).", registry=registry)
+        self.engine_last_status = Gauge(
+            "tokenmill_engine_last_status_timestamp_seconds",
+            "Unix time of the engine process's last status report (every 0.5 s while it serves; `tokenmill health`).",
+            registry=registry,
+        )
         self.output_retries = Counter(
             "tokenmill_output_write_retries", "Failed attempts to write a result to S3 (retried).", registry=registry
         )
@@ -87,3 +92,4 @@ class WorkerMetrics:
         self.kv_usage.set(stats.kv_cache_usage)
         self.tokens_per_second.set(stats.generated_tokens_per_s)
         self.engine_steps.inc(stats.new_steps)
+        self.engine_last_status.set_to_current_time()

@@ -24,7 +24,9 @@ DEFAULT_QUEUE = "tokenmill"
 class QueueSettings(BaseSettings):
     """Broker-side settings shared by producers and workers."""
 
-    model_config = SettingsConfigDict(env_prefix="TOKENMILL_", extra="ignore")
+    # An empty variable counts as unset, so `TOKENMILL_X: ${TOKENMILL_X:-}` in docker-compose.yml passes a
+    # value through when .env sets one and leaves the default here otherwise.
+    model_config = SettingsConfigDict(env_prefix="TOKENMILL_", extra="ignore", env_ignore_empty=True)
 
     broker_url: str = Field("redis://localhost:6379/0", description="Redis URL of the Celery broker.")
     result_backend: str | None = Field(None, description="Redis URL for results; defaults to the broker URL.")
