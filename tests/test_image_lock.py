@@ -1,0 +1,31 @@
+"""The Docker image's lock (docker/requirements.lock) pins every package pyproject.toml asks for.
+
+The image installs the lock, then tokenmill's wheel with `--no-deps` and `pip check`: a dependency added to
+pyproject.toml but not to the lock fails the image build (it did once: jsonschema and xgrammar). This catches
+it in the suite; `scripts/lock_image_deps.sh` regenerates the lock.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+IMAGE_EXTRAS = ("worker", "flower", "annotate")  # what scripts/lock_image_deps.sh resolves
+
+
+def _name(requirement: str) -> str:
+    return re.split(r"[\s\[<>=!~;]", requirement, maxsplit=1)[0].lower().replace("_", "-")
+
+
+def test_the_image_lock_pins_every_dependency_of_the_image() -> None:
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    wanted = {_name(r) for r in project["dependencies"]}
+    for extra in IMAGE_EXTRAS:
+        wanted |= {_name(r) for r in project["optional-dependencies"][extra] if not r.startswith("tokenmill")}
+    lines = (REPO / "docker" / "requirements.lock").read_text().splitlines()
+    pinned = {_name(line) for line in lines if line and not line.startswith("#")}
+    assert all("==" in line for line in lines if line and not line.startswith("#")), "every lock line pins a version"
+    missing = sorted(wanted - pinned - {"torch"})  # torch is installed by variant, before the lock
+    assert not missing, f"docker/requirements.lock lacks {missing}: run scripts/lock_image_deps.sh"
