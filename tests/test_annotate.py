@@ -267,3 +267,16 @@ def test_a_shared_instruction_is_served_from_the_prefix_cache(llm, tmp_path: Pat
     instruction = "You are a careful annotator. Read the item and answer with one word only. " * 4
     summary = run(llm, src, tmp_path / "out.jsonl", template=instruction + "Item: {{ text }}")
     assert summary.prefix_hit_rate is not None and summary.prefix_hit_rate > 0.6, summary.prefix_hit_rate
+
+
+def test_the_cli_takes_the_template_from_a_file(tmp_path: Path) -> None:
+    """`--template FILE` renders the file's text (as `--json-schema FILE` reads its file): same output as inline."""
+    src = write_jsonl(tmp_path / "in.jsonl", rows(12))  # texts of two lengths
+    template = "Review: {{ text }}\nSentiment:"
+    (tmp_path / "t.jinja").write_text(template)
+    common = ["--max-tokens", "4", "--num-kv-blocks", str(ENGINE["num_kv_blocks"]), "--quiet"]
+    from_file = cli("annotate", str(src), "-o", str(tmp_path / "file.jsonl"), "--template", str(tmp_path / "t.jinja"), *common)
+    inline = cli("annotate", str(src), "-o", str(tmp_path / "inline.jsonl"), "--template", template, *common)
+    assert from_file.returncode == inline.returncode == 0, from_file.stderr + inline.stderr
+    by_file, by_text = read_jsonl(tmp_path / "file.jsonl"), read_jsonl(tmp_path / "inline.jsonl")
+    assert by_file == by_text and len({r["prompt_tokens"] for r in by_file}) > 1

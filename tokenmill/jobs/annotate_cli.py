@@ -22,7 +22,8 @@ def add_parsers(commands: Any) -> None:
     ann = commands.add_parser("annotate", help="run one prompt template over a JSONL/CSV/Parquet dataset")
     ann.add_argument("input", help="file, directory, glob of shards or s3:// URI (JSONL, CSV or Parquet)")
     ann.add_argument("-o", "--output", required=True, help="output path or s3:// URI (.jsonl or .parquet)")
-    ann.add_argument("--template", required=True, help="Jinja2 template over the row's columns, e.g. 'Classify: {{ text }}'")
+    ann.add_argument("--template", required=True, metavar="TEXT|FILE",
+                     help="Jinja2 template over the row's columns, e.g. 'Classify: {{ text }}', or a file holding one")
     ann.add_argument("--system", help="system prompt (also a template)")
     ann.add_argument("--chat", action="store_true", help="system + template as chat messages, with the model's chat template")
     ann.add_argument("--json-schema", help="JSON schema (a file or inline JSON): structured output, parsed into 'parsed'")
@@ -93,17 +94,25 @@ def _annotate(args: argparse.Namespace) -> Any:
     sampling = {name: getattr(args, name) for name in ("top_p", "top_k", "seed", "stop") if getattr(args, name) is not None}
     schema = None
     if args.json_schema:
-        text = open(args.json_schema).read() if os.path.isfile(args.json_schema) else args.json_schema
+        text = _text_or_file(args.json_schema)
         try:
             schema = json.loads(text)
         except ValueError as exc:
             raise InvalidRequestError("json_schema", f"not a JSON file or inline JSON: {exc}") from None
     return annotate(
-        args.input, args.output, args.template, system=args.system, chat=args.chat, json_schema=schema,
+        args.input, args.output, _text_or_file(args.template), system=args.system, chat=args.chat, json_schema=schema,
         choice=[c.strip() for c in args.choice.split(",")] if args.choice else None, regex=args.regex,
         id_column=args.id_column, column=args.column, input_format=args.input_format, output_format=args.output_format,
         max_tokens=args.max_tokens, temperature=args.temperature, **sampling, **_shared(args),
     )
+
+
+def _text_or_file(value: str) -> str:
+    """`value` itself, or the text of the file it names (as `--json-schema` takes FILE|JSON)."""
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as file:
+            return file.read()
+    return value
 
 
 def _batch(args: argparse.Namespace) -> Any:
