@@ -70,6 +70,8 @@ MALFORMED: dict[str, Callable[[Client], bytes]] = {
     "headers as a list": _with(lambda m: m.update(headers=[SECRET])),
     "{}": lambda client: b"{}",
     "no delivery_tag": _with(lambda m: m["properties"].pop("delivery_tag")),
+    "JSON nested too deep to decode": lambda client: b"[" * 1100 + b"]" * 1100,
+    "a kombu __type__ with a bad value": lambda client: b'{"__type__": "bytes", "__value__": 1}',
 }
 
 
@@ -183,3 +185,14 @@ def test_task_id_that_is_not_a_valid_job_id_is_refused(lone_worker, task_id: str
     assert "the task id does not match" in worker.log_text()
     assert broker.keys(f"*{task_id}*") == []
     wait_for(lambda: broker.hlen("unacked") == 0, 10, "nothing left in flight")  # the next job acks after its result
+
+
+@pytest.mark.parametrize("timelimit", [5, [1, 2, 3], "soon"])
+def test_task_with_a_bad_timelimit_header_is_refused(lone_worker, timelimit) -> None:
+    """Celery unpacks `timelimit` only when the job starts, outside any guard: a bad one stopped the worker."""
+    server, worker, client = lone_worker
+    message = _genuine(client)
+    message["headers"]["timelimit"] = timelimit
+    server.client().lpush(client.queue, json.dumps(message))
+    assert client.submit(prompt="the next job runs", max_tokens=2).result(timeout=60).ok
+    assert "the 'timelimit' header is not" in worker.log_text() and worker.process.poll() is None

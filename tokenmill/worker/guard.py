@@ -47,6 +47,8 @@ def protocol_problem(message: Any) -> str | None:
         return "the 'id' header is missing or not a string"
     if not re.fullmatch(JOB_ID_PATTERN, headers["id"]):
         return f"the task id does not match {JOB_ID_PATTERN}"
+    if not _time_limits_ok(headers.get("timelimit")):  # Celery unpacks it when the job starts, outside any guard
+        return "the 'timelimit' header is not [hard or null, soft or null]"
     try:
         body = message.decode()
     except Exception:  # refused by content type or undecodable: Celery reports it
@@ -57,6 +59,13 @@ def protocol_problem(message: Any) -> str | None:
     if not isinstance(args, list | tuple) or not isinstance(kwargs, dict) or not isinstance(embed, dict | None):
         return "the body is not [list of args, dict of kwargs, dict or null embed]"
     return None
+
+
+def _time_limits_ok(value: Any) -> bool:
+    if value is None:
+        return True
+    return isinstance(value, list | tuple) and len(value) == 2 and all(
+        v is None or (isinstance(v, int | float) and not isinstance(v, bool)) for v in value)
 
 
 class GuardedConsumer(Consumer):

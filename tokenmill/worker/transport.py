@@ -298,10 +298,13 @@ class Channel(kombu_redis.Channel):
         processing = self._processing_key(source)
         try:
             payload = loads(item.decode())
-        except (ValueError, UnicodeDecodeError):
-            payload, problem = None, "not JSON"
+        except Exception:  # not JSON, too deeply nested, or kombu's object hook refused a "__type__" value
+            payload, problem = None, "not JSON kombu can decode"
         else:
-            problem = envelope_problem(payload, self.decode_body)
+            try:
+                problem = envelope_problem(payload, self.decode_body)
+            except Exception as exc:  # whatever the envelope holds, it must not stop the consumer
+                problem = f"unusable envelope ({type(exc).__name__})"
         if problem is None and not record:
             with self.conn_or_acquire() as client:
                 if client.lrem(processing, 1, item):
