@@ -11,8 +11,11 @@ guarantees of a single `tokenmill.generate` job:
   any job's. Results are written with `SET NX` (never overwriting a stored one) and announced on the key's
   pub/sub channel as Celery does, in one pipelined round trip per group. (After a broker outage a group may
   run on two workers at once, as a single job may; `SET NX` still keeps exactly one result per job);
-* a group's deliveries are counted like a job's; a group that has killed `max_deliveries` workers
-  dead-letters the jobs in it that have no result;
+* deliveries are counted per job, through the same `WorkerService` methods as a single job: only when
+  the job starts on a worker that does not already run it (as a single job or in another group); a job
+  started more than `max_deliveries` times is dead-lettered; ids must match the job-id pattern, and a
+  repeated id in a group runs once;
+* any failure of the group requeues it with its unfinished jobs aborted and its finished results stored;
 * the message is acknowledged only after all of its results are stored (late ack); at shutdown, past the
   grace period, finished jobs' results are stored and the group is requeued for the rest.
 
@@ -23,8 +26,8 @@ worker service is imported when a group arrives).
 from __future__ import annotations
 
 import logging
+import re
 import time
-import uuid
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import TYPE_CHECKING, Any
 
@@ -68,90 +71,95 @@ class BatchRun:
         if not isinstance(raw_jobs, list) or not all(isinstance(j, dict) for j in raw_jobs):
             log.error("group %s discarded: 'jobs' must be a list of job objects", self.task_id)
             return {"jobs": 0, "ran": 0, "error": "'jobs' must be a list of job objects"}
-        from tokenmill.worker.service import _is_final
-
         jobs, done = self._parse(raw_jobs)
-        stored, attempt = self._check_in([job.id for job in jobs])
-        todo = [job for job, final in zip(jobs, stored) if not _is_final(final)]
-        if attempt > self.service.settings.max_deliveries:
-            for job in todo:
+        # A job already running here (as a single job or in another group) is that run's to finish and store.
+        mine, running = self.service._claim(jobs)
+        try:
+            ran = self._run_mine([job for job, _ in mine], done)
+        except BaseException as exc:
+            for _, future in mine:
+                future.set_exception(exc)
+            raise
+        else:
+            for job, future in mine:
+                future.set_result(done.get(job.id))
+        finally:
+            self.service._release([job for job, _ in mine])
+        return {"jobs": len(raw_jobs), "ran": ran, "skipped": len(jobs) - ran}
+
+    def _run_mine(self, jobs: list[Job], done: dict[str, dict[str, Any]]) -> int:
+        """Check in (a delivery counted per job), dead-letter or run, store; returns how many ran."""
+        from tokenmill.worker.service import _Attempt, _is_final
+
+        checked = self.service._check_in([job.id for job in jobs], [self.backend.get_key_for_task(j.id) for j in jobs])
+        todo = []
+        for job, (stored, attempt) in zip(jobs, checked):
+            if _is_final(stored):
+                continue
+            if attempt > self.service.settings.max_deliveries:
                 done[job.id] = self.service._dead_letter(job, attempt, self.started_at)
-        elif todo:
-            done.update(self._generate(todo, attempt))
-        self._store(done)
-        return {"jobs": len(raw_jobs), "ran": len(todo), "skipped": len(jobs) - len(todo)}
+            else:
+                todo.append(_Attempt(job, self.started_at, attempt))
+        try:
+            self._generate(todo, done)
+        finally:
+            self._store(done)  # whatever finished, also when the rest is requeued
+        return len(todo)
 
     def _parse(self, raw_jobs: list[dict[str, Any]]) -> tuple[list[Job], dict[str, dict[str, Any]]]:
-        from tokenmill.jobs.schemas import Job, JobResult, check_size
+        """The group's jobs, each checked as a single job is; a bad one gets its failed result, if its id is usable."""
+        from tokenmill.jobs.schemas import JOB_ID_PATTERN, Job, JobResult, check_size
 
-        jobs, failed = [], {}
+        jobs, failed, seen = [], {}, set()
         for raw in raw_jobs:
+            job_id = raw.get("id")
+            if not isinstance(job_id, str) or not re.fullmatch(JOB_ID_PATTERN, job_id) or job_id in seen:
+                log.error("group %s: a job without a usable, unique id was discarded", self.task_id)
+                continue
+            seen.add(job_id)
             try:
                 check_size(raw, self.service.settings.max_job_bytes)  # per job, as for a single job
                 jobs.append(Job.from_wire(raw))
             except InvalidRequestError as exc:
-                job_id = raw.get("id")
-                if isinstance(job_id, str) and job_id:
-                    failed[job_id] = self.service._failed(
-                        JobResult.failure(job_id, "invalid_job", exc.message, exc.field, started_at=self.started_at))
-                else:
-                    log.error("group %s: a job without a usable id was discarded: %s", self.task_id, exc)
+                failed[job_id] = self.service._failed(
+                    JobResult.failure(job_id, "invalid_job", exc.message, exc.field, started_at=self.started_at))
         return jobs, failed
 
-    def _check_in(self, job_ids: list[str]) -> tuple[list[bytes | None], int]:
-        """One round trip: each job's stored result and this group delivery's number."""
-        from tokenmill.worker.app import DELIVERIES_KEY
+    def _generate(self, runs: list[Any], done: dict[str, dict[str, Any]]) -> None:
+        """Submit every job to the engine at once (they join its running batch), then wait for all.
 
-        key = DELIVERIES_KEY.format(job_id=self.task_id)
-        with self.service.redis.pipeline(transaction=False) as pipe:
-            pipe.mget([self.backend.get_key_for_task(i) for i in job_ids]) if job_ids else pipe.echo("")
-            pipe.incr(key).expire(key, self.service.settings.result_expires)
-            stored, attempt, _ = pipe.execute()
-        return (stored if job_ids else []), int(attempt)
-
-    def _generate(self, jobs: list[Job], attempt: int) -> dict[str, dict[str, Any]]:
-        """Submit every job to the engine at once (they join its running batch), then wait for all."""
-        from tokenmill.worker.service import _Attempt
-
-        futures: dict[Future, tuple[Job, str]] = {}
-        done: dict[str, dict[str, Any]] = {}
-        for job in jobs:
-            request_id = f"{job.id}#{uuid.uuid4().hex[:8]}"
-            messages = [m.model_dump() for m in job.messages] if job.messages else None
-            future = self.service.engine.submit(request_id, job.sampling, prompt=job.prompt or job.prompt_token_ids,
-                                                messages=messages)
-            futures[future] = (job, request_id)
-        self.service.metrics.jobs_in_flight.inc(len(jobs))
+        On any error, or when the shutdown grace runs out, the unfinished requests are aborted and the group
+        is requeued (finished results are stored by the caller; a redelivered group runs only the rest).
+        """
+        futures = {}
+        for run in runs:
+            future, request_id = self.service._submit(run)
+            futures[future] = (run, request_id)
+        self.service.metrics.jobs_in_flight.inc(len(runs))
+        pending = set(futures)
         try:
-            pending = set(futures)
             while pending:
                 finished, pending = wait(pending, timeout=_WAIT_INTERVAL, return_when=FIRST_COMPLETED)
                 for future in finished:
-                    job = futures[future][0]
-                    done[job.id] = self._finish(job, future, _Attempt(job, self.started_at, attempt))
+                    run = futures[future][0]
+                    try:
+                        done[run.job.id] = self.service._complete(run, output=future.result())
+                    except InvalidRequestError as exc:
+                        done[run.job.id] = self.service._complete(run, error=exc)
                 if pending and self.service._abandon.is_set():
-                    for future in pending:
-                        self.service.engine.abort(futures[future][1])
-                    self._store(done)
                     log.warning("group %s: %d jobs not finished when the shutdown grace ran out; requeueing it",
                                 self.task_id, len(pending))
                     raise Reject("worker shutting down", requeue=True)
+        except Reject:
+            raise
+        except Exception as exc:
+            log.exception("group %s failed (%s); requeueing it for its %d unfinished jobs", self.task_id,
+                          type(exc).__name__, len(pending))
+            raise Reject(f"group failed: {type(exc).__name__}", requeue=True) from exc
         finally:
-            self.service.metrics.jobs_in_flight.dec(len(jobs))
-        return done
-
-    def _finish(self, job: Job, future: Future, run: Any) -> dict[str, Any]:
-        from tokenmill.jobs.schemas import JobResult
-        from tokenmill.worker.service import _result_from_output, _times
-
-        try:
-            output = future.result()
-        except InvalidRequestError as exc:
-            return self.service._failed(JobResult.failure(job.id, "invalid_request", exc.message, exc.field, **_times(job, run)))
-        result = _result_from_output(job, run, output, self.service.hostname)
-        if job.output:
-            return self.service._write_output(job, result)
-        return self.service._succeeded(result)
+            for future in pending:
+                self.service.engine.abort(futures[future][1])
+            self.service.metrics.jobs_in_flight.dec(len(runs))
 
     def _store(self, results: dict[str, dict[str, Any]]) -> None:
         """Each job's result under its own Celery key, unless one is stored already; then announce the new ones."""

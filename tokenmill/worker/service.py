@@ -140,28 +140,43 @@ class WorkerService:
             job = Job.from_wire(raw)
         except InvalidRequestError as exc:
             return self._failed(JobResult.failure(_safe_id(raw, task_id), "invalid_job", exc.message, exc.field, started_at=started_at))
-        with self._lock:
-            running = self._running.get(job.id)
-            if running is None:
-                mine: Future = Future()
-                self._running[job.id] = mine
-        if running is not None:  # not a new delivery to count: the run in progress answers it
+        mine, running = self._claim([job])
+        if running:  # not a new delivery to count: the run in progress answers it
             log.info("job %s is already running here; waiting for that run", job.id)
-            return self._wait(running, job, abort_id=None)
+            return self._wait(running[0][1], job, abort_id=None)
+        future = mine[0][1]
         try:
             result = self._run_once(job, result_key, started_at)
-            mine.set_result(result)
+            future.set_result(result)
             return result
         except BaseException as exc:
-            mine.set_exception(exc)
+            future.set_exception(exc)
             raise
         finally:
-            with self._lock:
+            self._release([job])
+
+    def _claim(self, jobs: list[Job]) -> tuple[list[tuple[Job, Future]], list[tuple[Job, Future]]]:
+        """Register `jobs` as running here; returns (jobs now mine, with the future their callers wait on;
+        jobs already running here, with that run's future). Only jobs now mine count as deliveries."""
+        mine, running = [], []
+        with self._lock:
+            for job in jobs:
+                current = self._running.get(job.id)
+                if current is None:
+                    current = self._running[job.id] = Future()
+                    mine.append((job, current))
+                else:
+                    running.append((job, current))
+        return mine, running
+
+    def _release(self, jobs: list[Job]) -> None:
+        with self._lock:
+            for job in jobs:
                 self._running.pop(job.id, None)
 
     def _run_once(self, job: Job, result_key: bytes, started_at: float) -> dict[str, Any]:
         """Steps 3-7 for a job that is not already running in this process."""
-        stored, attempt = self._check_in(job.id, result_key)
+        [(stored, attempt)] = self._check_in([job.id], [result_key])
         if _is_final(stored):
             log.info("job %s already has a result; acknowledging without running it again", job.id)
             raise Ignore()
@@ -174,16 +189,27 @@ class WorkerService:
             self.metrics.jobs_in_flight.dec()
 
     def _execute(self, run: _Attempt) -> dict[str, Any]:
+        future, request_id = self._submit(run)
+        try:
+            output = self._wait(future, run.job, abort_id=request_id)
+        except InvalidRequestError as exc:
+            return self._complete(run, error=exc)
+        return self._complete(run, output=output)
+
+    def _submit(self, run: _Attempt) -> tuple[Future, str]:
+        """Hand the job to the engine; returns the engine's future and request id (to abort it)."""
         job = run.job
         if job.submitted_at is not None:
             self.metrics.queue_wait.observe(max(0.0, run.started_at - job.submitted_at))
         request_id = f"{job.id}#{uuid.uuid4().hex[:8]}"
         messages = [m.model_dump() for m in job.messages] if job.messages else None
-        future = self.engine.submit(request_id, job.sampling, prompt=job.prompt or job.prompt_token_ids, messages=messages)
-        try:
-            output = self._wait(future, job, abort_id=request_id)
-        except InvalidRequestError as exc:
-            return self._failed(JobResult.failure(job.id, "invalid_request", exc.message, exc.field, **_times(job, run)))
+        return self.engine.submit(request_id, job.sampling, prompt=job.prompt or job.prompt_token_ids, messages=messages), request_id
+
+    def _complete(self, run: _Attempt, output: Any = None, error: InvalidRequestError | None = None) -> dict[str, Any]:
+        """The job's final result from the engine's output (or its refusal), written to S3 if asked."""
+        job = run.job
+        if error is not None:
+            return self._failed(JobResult.failure(job.id, "invalid_request", error.message, error.field, **_times(job, run)))
         result = _result_from_output(job, run, output, self.hostname)
         if self.settings.log_prompts:
             log.debug("job %s prompt=%r text=%r", job.id, job.prompt or job.messages or job.prompt_token_ids, result.text)
@@ -222,12 +248,14 @@ class WorkerService:
 
     # -- bookkeeping ---------------------------------------------------------------------------
 
-    def _check_in(self, job_id: str, result_key: bytes) -> tuple[bytes | None, int]:
-        """One round trip: the stored result (if any) and this delivery's number (INCR of the counter)."""
-        key = DELIVERIES_KEY.format(job_id=job_id)
+    def _check_in(self, job_ids: list[str], result_keys: list[bytes]) -> list[tuple[bytes | None, int]]:
+        """One round trip for all: each job's stored result (if any) and this delivery's number (INCR)."""
         with self.redis.pipeline(transaction=False) as pipe:
-            stored, attempt, _ = pipe.get(result_key).incr(key).expire(key, self.settings.result_expires).execute()
-        return stored, int(attempt)
+            for job_id, result_key in zip(job_ids, result_keys):
+                key = DELIVERIES_KEY.format(job_id=job_id)
+                pipe.get(result_key).incr(key).expire(key, self.settings.result_expires)
+            replies = pipe.execute()
+        return [(replies[i], int(replies[i + 1])) for i in range(0, len(replies), 3)]
 
     def _dead_letter(self, job: Job, attempt: int, started_at: float) -> dict[str, Any]:
         message = (
