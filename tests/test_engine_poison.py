@@ -203,3 +203,24 @@ def test_the_engine_loop_refuses_a_request_that_failed_while_running(llm: LLM, m
     done = [o["request_id"] for m in messages if m["op"] == "done" for o in m["outputs"]]
     assert [(m["id"], m["field"]) for m in refused] == [("poison", "sampling")] and "Overflow" in refused[0]["message"]
     assert sorted(done) == ["also-good", "good"] and not loop.live
+
+
+def test_a_sampling_failure_only_in_a_batch_mix_does_not_jam_the_engine(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fault injection: the sampler fails for any batch of two or more sampled rows and for no row alone.
+
+    Every request must still finish with the tokens of a clean run (the rows' results alone are the step's)."""
+    prompts = random_prompts(4, 5, 30, seed=13)
+    params = SamplingParams(max_tokens=6, temperature=0.8, seed=5)
+    expected = llm.generate(prompts, params, use_tqdm=False)
+    real_row_keys = sampler_module._row_keys
+
+    def row_keys(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if seeds.numel() > 1:
+            raise RuntimeError("fails only in company")
+        return real_row_keys(seeds, positions)
+
+    monkeypatch.setattr(sampler_module, "_row_keys", row_keys)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.finish_reason for o in outs] == [o.finish_reason for o in expected]
+    assert [o.token_ids for o in outs] == [o.token_ids for o in expected]
+    assert not llm.engine.has_unfinished() and llm.engine.scheduler.block_manager.usage() == 0.0

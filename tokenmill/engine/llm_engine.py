@@ -216,8 +216,8 @@ class LLMEngine:
     def _execute(self, batch: ScheduledBatch) -> tuple[SampleResult, list[tuple[Sequence, InvalidRequestError]]]:
         """Run the batch; if sampling fails, find the requests it fails for by running each one alone.
 
-        Rerunning is safe: nothing was updated yet, and the forward pass writes the same K/V to the same
-        slots again. Returns the result for the batch without the failed requests, and those requests.
+        Rerunning is safe: nothing was updated yet. Returns the result for the batch without the failed
+        requests, and those requests.
         """
         rows = [self._sampling_row(seq) for seq, samples in zip(batch.seqs, batch.sample_mask) if samples]
         try:
@@ -225,22 +225,24 @@ class LLMEngine:
         except Exception as exc:
             if not _raised_in_sampler(exc):
                 raise
-        failed = []
-        for seq, count in list(zip(batch.seqs, batch.num_new_tokens)):
+        # Each request alone: a request samples the same token alone as in any batch, and its forward pass
+        # writes the same K/V to the same slots, so the results of the ones that pass are this step's.
+        failed, tokens, logprobs = [], [], []
+        for seq, count, samples in list(zip(batch.seqs, batch.num_new_tokens, batch.sample_mask)):
             alone = ScheduledBatch(count)
             alone.add(seq, count)
             try:
-                self.runner.execute(alone, [self._sampling_row(seq)] if alone.samples(0) else [])
+                result = self.runner.execute(alone, [self._sampling_row(seq)] if samples else [])
             except Exception as exc:
                 if not _raised_in_sampler(exc):
                     raise
                 failed.append((seq, InvalidRequestError("sampling", f"sampling failed for this request: {exc!r}")))
+                continue
+            tokens += result.token_ids
+            logprobs += result.logprobs
         for seq, _ in failed:
             batch.remove(seq)
-        if not batch.seqs:
-            return SampleResult([], []), failed
-        rows = [self._sampling_row(seq) for seq, samples in zip(batch.seqs, batch.sample_mask) if samples]
-        return self.runner.execute(batch, rows), failed
+        return SampleResult(tokens, logprobs), failed
 
     def _fail(self, seq: Sequence, error: InvalidRequestError, now: float) -> RequestOutput:
         """Finish one request with `finish_reason="error"`, releasing its blocks."""

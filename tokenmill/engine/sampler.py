@@ -160,7 +160,7 @@ class Sampler:
         pairs = [(i, t) for i, row in enumerate(rows) for t in row.suppressed_ids if t < logits.shape[1]]
         if pairs:
             index = to_device(pairs, torch.int64, logits.device).T
-            logits = logits.index_put((index[0], index[1]), torch.tensor(float("-inf"), device=logits.device))
+            logits = logits.index_put((index[0], index[1]), logits.new_full((), float("-inf")))  # no host copy
         return logits
 
     @staticmethod

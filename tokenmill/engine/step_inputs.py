@@ -6,8 +6,10 @@ positions, slots, query boundaries, context lengths, sampling rows and the step'
 computed with numpy into one persistent int64 staging buffer (pinned on CUDA) and copied to the device
 with a single non-blocking transfer.
 
-Reusing the staging buffer is safe because every step ends with the host reading the sampled tokens
-back, which waits for the stream that carried the previous step's copy.
+Reusing the staging buffer is safe: a step normally ends with the host reading the sampled tokens back,
+which waits for the stream that carried its copy; a step that read nothing back (the engine reruns requests
+alone after a sampler failure) is covered by an event recorded after each copy and waited on (a no-op when
+already passed) before the buffer is written again.
 """
 
 from __future__ import annotations
@@ -100,6 +102,7 @@ class StepInputBuilder:
 
     def __init__(self, device: torch.device, block_size: int, max_num_seqs: int, max_num_tokens: int) -> None:
         self.device, self.block_size = device, block_size
+        self._copied: torch.cuda.Event | None = None  # recorded after each copy on CUDA
         self.pin = device.type == "cuda"
         self.mirror = BlockTableMirror(max_num_seqs + 1, 64)
         self._allocate_staging(4 * max_num_tokens + 3 * max_num_seqs + 1 + max_num_seqs * 64)
@@ -135,10 +138,15 @@ class StepInputBuilder:
         offsets = np.cumsum([0, *sizes])
         if offsets[-1] > self.staging.shape[0]:
             self._allocate_staging(2 * int(offsets[-1]))
+        if self._copied is not None:  # the last copy out of the buffer (a step that read nothing back)
+            self._copied.synchronize()
         host = self.host
         for part, a, b in zip(parts, offsets[:-1], offsets[1:]):
             host[a:b] = part
         device = self.staging[: offsets[-1]].to(self.device, non_blocking=True)
+        if self.device.type == "cuda":
+            self._copied = torch.cuda.Event()
+            self._copied.record()
         views = [device[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
         return StepInputs(
             input_ids=views[0][None], positions=views[1][None], slot_mapping=views[2], sample_rows=views[3],
