@@ -39,8 +39,9 @@ from tokenmill import Client
 from tokenmill.jobs.schemas import JobResult
 
 BUCKET, PREFIX = "results", "run1"
-#: Tokens per job of the batches killed mid-run: long enough that jobs are still running at the kill.
-MID_RUN_TOKENS = 128
+#: Tokens per job of the batches killed mid-run: long enough (seconds on an idle machine) that every job is
+#: still running at the kill, which comes as soon as all of them have started.
+MID_RUN_TOKENS = 2048
 
 
 def log(message: str) -> None:
@@ -160,7 +161,9 @@ def step_flower(stack: Stack) -> None:
 
 def kill_mid_run(stack: Stack, tag: str, kill: Callable[[], None]) -> tuple[list, int]:
     handles = stack.submit(tag, 24, MID_RUN_TOKENS)
-    wait_for("the first results of the batch", lambda: stack.done(handles) >= 2, timeout=120, interval=0.1)
+    started = [DELIVERIES_KEY.format(job_id=h.id) for h in handles]  # set when a job starts running on a worker
+    wait_for("every job of the batch to start", lambda: stack.redis.exists(*started) == len(started), timeout=120,
+             interval=0.1)
     done = stack.done(handles)
     assert done < len(handles), f"all {len(handles)} jobs finished before the kill: nothing was in flight"
     before = stack.restart_count()
