@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -34,21 +33,10 @@ from tokenmill.jobs import dead_letters  # noqa: E402
 from tokenmill.jobs.client import Client  # noqa: E402
 from tokenmill.worker.app import DEAD_LETTER_KEY, DELIVERIES_KEY  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from job_queue import free_port, wait_until  # noqa: E402  (one copy of the benchmarks' process helpers)
+
 WORDS = "the mill grinds tokens from prompts while workers keep the batch full and results flow back".split()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def wait_until(check, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            sys.exit(f"timed out waiting for {what}")
-        time.sleep(0.1)
 
 
 def prompt(index: int, chars: int) -> str:
