@@ -110,7 +110,7 @@ class Job(BaseModel):
             return data
         nested = data.get("sampling")
         if isinstance(nested, SamplingParams):
-            nested = dataclasses.asdict(nested)
+            nested = nested.to_dict()
         rest = {k: v for k, v in data.items() if k not in _SAMPLING_FIELDS}
         rest["sampling"] = {**(nested or {}), **flat}
         return rest
@@ -119,7 +119,7 @@ class Job(BaseModel):
     @classmethod
     def _check_sampling(cls, value: Any) -> SamplingParams:
         if isinstance(value, SamplingParams):
-            return SamplingParams.from_dict(dataclasses.asdict(value))
+            return SamplingParams.from_dict(value.to_dict())
         if isinstance(value, dict):
             return SamplingParams.from_dict(value)
         raise InvalidRequestError("sampling", f"must be an object of sampling parameters, got {type(value).__name__}")

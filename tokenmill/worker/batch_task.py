@@ -131,10 +131,7 @@ class BatchRun:
         On any error, or when the shutdown grace runs out, the unfinished requests are aborted and the group
         is requeued (finished results are stored by the caller; a redelivered group runs only the rest).
         """
-        futures = {}
-        for run in runs:
-            future, request_id = self.service._submit(run)
-            futures[future] = (run, request_id)
+        futures = {future: (run, request_id) for run, (future, request_id) in zip(runs, self.service._submit_many(runs))}
         self.service.metrics.jobs_in_flight.inc(len(runs))
         pending = set(futures)
         try:

@@ -198,12 +198,19 @@ class WorkerService:
 
     def _submit(self, run: _Attempt) -> tuple[Future, str]:
         """Hand the job to the engine; returns the engine's future and request id (to abort it)."""
-        job = run.job
-        if job.submitted_at is not None:
-            self.metrics.queue_wait.observe(max(0.0, run.started_at - job.submitted_at))
-        request_id = f"{job.id}#{uuid.uuid4().hex[:8]}"
-        messages = [m.model_dump() for m in job.messages] if job.messages else None
-        return self.engine.submit(request_id, job.sampling, prompt=job.prompt or job.prompt_token_ids, messages=messages), request_id
+        return self._submit_many([run])[0]
+
+    def _submit_many(self, runs: list[_Attempt]) -> list[tuple[Future, str]]:
+        """`_submit` for several jobs in one message to the engine process (a group's jobs)."""
+        requests = []
+        for run in runs:
+            job = run.job
+            if job.submitted_at is not None:
+                self.metrics.queue_wait.observe(max(0.0, run.started_at - job.submitted_at))
+            messages = [m.model_dump() for m in job.messages] if job.messages else None
+            requests.append((f"{job.id}#{uuid.uuid4().hex[:8]}", job.sampling, job.prompt or job.prompt_token_ids, messages))
+        futures = self.engine.submit_many(requests) if requests else []
+        return [(future, request[0]) for future, request in zip(futures, requests)]
 
     def _complete(self, run: _Attempt, output: Any = None, error: InvalidRequestError | None = None) -> dict[str, Any]:
         """The job's final result from the engine's output (or its refusal), written to S3 if asked."""

@@ -7,7 +7,6 @@ keeps a run's memory bounded.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 import uuid
@@ -190,4 +189,4 @@ class QueueRunner:
 def sampling_dict(values: dict[str, Any]) -> dict[str, Any]:
     """All sampling fields with defaults filled in, checked by `SamplingParams` itself: the canonical form
     hashed into keys (so `max_tokens=16` and leaving the default give the same key)."""
-    return dataclasses.asdict(SamplingParams.from_dict(values))
+    return SamplingParams.from_dict(values).to_dict()
