@@ -143,7 +143,10 @@ class WorkerService:
         mine, running = self._claim([job])
         if running:  # not a new delivery to count: the run in progress answers it
             log.info("job %s is already running here; waiting for that run", job.id)
-            return self._wait(running[0][1], job, abort_id=None)
+            result = self._wait(running[0][1], job, abort_id=None)
+            if result is None:  # that run (a group) found the job's result already stored: store nothing
+                raise Ignore()
+            return result
         future = mine[0][1]
         try:
             result = self._run_once(job, result_key, started_at)
