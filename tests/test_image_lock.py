@@ -7,16 +7,18 @@ it in the suite; `scripts/lock_image_deps.sh` regenerates the lock.
 
 from __future__ import annotations
 
-import re
 import tomllib
 from pathlib import Path
+
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 REPO = Path(__file__).resolve().parents[1]
 IMAGE_EXTRAS = ("worker", "flower", "annotate")  # what scripts/lock_image_deps.sh resolves
 
 
 def _name(requirement: str) -> str:
-    return re.split(r"[\s\[<>=!~;]", requirement, maxsplit=1)[0].lower().replace("_", "-")
+    return canonicalize_name(Requirement(requirement).name)
 
 
 def test_the_image_lock_pins_every_dependency_of_the_image() -> None:

@@ -40,7 +40,6 @@ if TYPE_CHECKING:
     from tokenmill.jobs.schemas import Job
 
 BATCH_TASK_NAME = "tokenmill.generate_batch"
-_WAIT_INTERVAL = 2.0  # seconds between shutdown checks while a group runs
 
 log = logging.getLogger("tokenmill.worker")
 
@@ -131,12 +130,14 @@ class BatchRun:
         On any error, or when the shutdown grace runs out, the unfinished requests are aborted and the group
         is requeued (finished results are stored by the caller; a redelivered group runs only the rest).
         """
+        from tokenmill.worker.service import _SHUTDOWN_CHECK_INTERVAL
+
         futures = {future: (run, request_id) for run, (future, request_id) in zip(runs, self.service._submit_many(runs))}
         self.service.metrics.jobs_in_flight.inc(len(runs))
         pending = set(futures)
         try:
             while pending:
-                finished, pending = wait(pending, timeout=_WAIT_INTERVAL, return_when=FIRST_COMPLETED)
+                finished, pending = wait(pending, timeout=_SHUTDOWN_CHECK_INTERVAL, return_when=FIRST_COMPLETED)
                 for future in finished:
                     run = futures[future][0]
                     try:
