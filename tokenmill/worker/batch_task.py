@@ -9,7 +9,7 @@ guarantees of a single `tokenmill.generate` job:
   group runs only the jobs that have no result yet);
 * it gets exactly one result, under its own Celery result key, so `Client.get`/`as_completed` read it like
   any job's. Results are written with `SET NX` (never overwriting a stored one) and announced on the key's
-  pub/sub channel as Celery does, in one pipelined round trip per group. (After a broker outage a group may
+  pub/sub channel as Celery does, in one script call per group. (After a broker outage a group may
   run on two workers at once, as a single job may; `SET NX` still keeps exactly one result per job);
 * deliveries are counted per job, through the same `WorkerService` methods as a single job: only when
   the job starts on a worker that does not already run it (as a single job or in another group); a job
@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import re
 import time
-from concurrent.futures import FIRST_COMPLETED, Future, wait
+from concurrent.futures import ALL_COMPLETED, Future, wait
 from typing import TYPE_CHECKING, Any
 
 from celery import states
@@ -137,7 +137,8 @@ class BatchRun:
         pending = set(futures)
         try:
             while pending:
-                finished, pending = wait(pending, timeout=_SHUTDOWN_CHECK_INTERVAL, return_when=FIRST_COMPLETED)
+                # one wake-up when all are done (results are stored together anyway), else each check interval
+                finished, pending = wait(pending, timeout=_SHUTDOWN_CHECK_INTERVAL, return_when=ALL_COMPLETED)
                 for future in finished:
                     run = futures[future][0]
                     try:
@@ -160,23 +161,11 @@ class BatchRun:
             self.service.metrics.jobs_in_flight.dec(len(runs))
 
     def _store(self, results: dict[str, dict[str, Any]]) -> None:
-        """Each job's result under its own Celery key, unless one is stored already; then announce the new ones."""
+        """Each job's result under its own Celery key (as Celery's meta), unless one is stored already."""
         if not results:
             return
-        encoded = {}
-        for job_id, wire in results.items():
-            meta = self.backend._get_result_meta(result=wire, state=states.SUCCESS, traceback=None, request=None)
-            meta["task_id"] = job_id
-            encoded[self.backend.get_key_for_task(job_id)] = self.backend.encode(meta)
-        expires = int(self.service.settings.result_expires)
-        redis = self.service.redis
-        with redis.pipeline(transaction=False) as pipe:
-            for key, value in encoded.items():
-                pipe.set(key, value, ex=expires, nx=True)
-            written = pipe.execute()
-        with redis.pipeline(transaction=False) as pipe:
-            for (key, value), new in zip(encoded.items(), written):
-                if new:
-                    pipe.publish(key, value)
-            pipe.execute()
-
+        # the meta's other fields (date_done, children) are the same for every job stored now
+        meta = self.backend._get_result_meta(result=None, state=states.SUCCESS, traceback=None, request=None)
+        encode, key = self.backend.encode, self.backend.get_key_for_task
+        self.service._store_results({key(job_id): encode({**meta, "result": wire, "task_id": job_id})
+                                     for job_id, wire in results.items()})

@@ -39,6 +39,7 @@ import uuid
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import redis
@@ -60,6 +61,32 @@ log = logging.getLogger("tokenmill.worker")
 
 FATAL_EXIT_CODE = 70  # EX_SOFTWARE: the engine failed; a supervisor restarts the worker
 _SHUTDOWN_CHECK_INTERVAL = 2.0  # seconds
+
+# KEYS: n result keys, then the n jobs' delivery-count keys; ARGV[1]: the counts' expiry in seconds.
+# Returns, per job, its stored result (nil if none) and its delivery number after this one.
+_CHECK_IN = """
+local n = #KEYS / 2
+local replies = {}
+for i = 1, n do
+  replies[2 * i - 1] = redis.call('GET', KEYS[i])
+  replies[2 * i] = redis.call('INCR', KEYS[n + i])
+  redis.call('EXPIRE', KEYS[n + i], ARGV[1])
+end
+return replies
+"""
+
+# KEYS: result keys; ARGV[1]: their expiry in seconds, ARGV[1 + i]: the encoded result for KEYS[i].
+# SET NX never overwrites a stored result; only a newly stored one is published.
+_STORE = """
+local new = 0
+for i, key in ipairs(KEYS) do
+  if redis.call('SET', key, ARGV[i + 1], 'EX', ARGV[1], 'NX') then
+    redis.call('PUBLISH', key, ARGV[i + 1])
+    new = new + 1
+  end
+end
+return new
+"""
 
 
 @dataclass
@@ -259,13 +286,21 @@ class WorkerService:
     # -- bookkeeping ---------------------------------------------------------------------------
 
     def _check_in(self, job_ids: list[str], result_keys: list[bytes]) -> list[tuple[bytes | None, int]]:
-        """One round trip for all: each job's stored result (if any) and this delivery's number (INCR)."""
-        with self.redis.pipeline(transaction=False) as pipe:
-            for job_id, result_key in zip(job_ids, result_keys):
-                key = DELIVERIES_KEY.format(job_id=job_id)
-                pipe.get(result_key).incr(key).expire(key, self.settings.result_expires)
-            replies = pipe.execute()
-        return [(replies[i], int(replies[i + 1])) for i in range(0, len(replies), 3)]
+        """One script call for all: each job's stored result (if any) and this delivery's number (INCR)."""
+        keys = [*result_keys, *(DELIVERIES_KEY.format(job_id=job_id) for job_id in job_ids)]
+        replies = self._scripts["check_in"](keys=keys, args=[int(self.settings.result_expires)])
+        return [(replies[i], int(replies[i + 1])) for i in range(0, len(replies), 2)]
+
+    def _store_results(self, encoded: dict[bytes, bytes]) -> int:
+        """Store each encoded Celery result under its key unless one is there already, and announce the new
+        ones on the key's channel as Celery does: one round trip for a whole group. Returns how many were new."""
+        if not encoded:
+            return 0
+        return self._scripts["store"](keys=list(encoded), args=[int(self.settings.result_expires), *encoded.values()])
+
+    @cached_property
+    def _scripts(self) -> dict[str, Any]:
+        return {"check_in": self.redis.register_script(_CHECK_IN), "store": self.redis.register_script(_STORE)}
 
     def _dead_letter(self, job: Job, attempt: int, started_at: float) -> dict[str, Any]:
         message = (
