@@ -15,6 +15,7 @@ import sys
 
 from tokenmill.worker import runtime
 from tokenmill.worker.app import app, configure
+from tokenmill.worker.engine_process import freeze_startup_objects
 from tokenmill.worker.service import WorkerService
 from tokenmill.worker.settings import WorkerSettings
 
@@ -58,6 +59,7 @@ def run_worker(settings: WorkerSettings) -> int:
         without_gossip=True,
         quiet=True,
     )
+    freeze_startup_objects()  # Celery, kombu, redis and pydantic's objects too
     try:
         worker.start()
     finally:
