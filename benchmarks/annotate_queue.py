@@ -85,6 +85,8 @@ def main() -> None:
     print(f"| generated tok / s | {tokens / best['embedded']:.0f} | {tokens / best['distributed']:.0f} |")
     print(f"\nratio distributed / embedded throughput: {best['embedded'] / best['distributed']:.2f} (goal >= 0.9); "
           f"outputs identical: {same}")
+    print("per round, wall s (embedded / distributed): "
+          + ", ".join(f"{e:.2f} / {d:.2f}" for e, d in zip(walls["embedded"], walls["distributed"])))
     print(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f}")
 
 

@@ -7,6 +7,7 @@ keeps a run's memory bounded.
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 import uuid
@@ -132,8 +133,10 @@ class QueueRunner:
     """Units become jobs of `tokenmill.generate_batch` messages (`rows_per_message` jobs each).
 
     A job keeps its own id and its own result, so idempotency and exactly-one-result hold per row, while the
-    broker, Celery and the worker's Python pay their per-message cost once per group. Two waves of
-    `window / 2` units are in flight: the workers start on the next wave while this side collects one.
+    broker, Celery and the worker's Python pay their per-message cost once per group. Each group is published
+    as soon as it is full, so workers start on the first rows while later ones are still being read and
+    rendered. Two waves of `window / 2` units are in flight: workers compute one while this side collects
+    the other.
     """
 
     def __init__(self, client: Any, window: int = 4096, rows_per_message: int = 32) -> None:
@@ -145,38 +148,44 @@ class QueueRunner:
         pending = iter(units)
         waves: deque[dict[str, Unit]] = deque()
         while True:
-            chunk = [u for _, u in zip(range(self.wave), pending)]
-            if chunk:
-                submitted, refused = self._submit(chunk)
-                yield from refused
+            submitted, refused = self._submit(itertools.islice(pending, self.wave))
+            yield from refused
+            if submitted:
                 waves.append(submitted)
-            if waves and (len(waves) >= 2 or not chunk):
+            exhausted = len(submitted) + len(refused) < self.wave
+            if waves and (len(waves) >= 2 or exhausted):
                 yield from self._collect(waves.popleft())
-            if not chunk and not waves:
+            if exhausted and not waves:
                 return
 
-    def _submit(self, units: list[Unit]) -> tuple[dict[str, Unit], list[tuple[Unit, Outcome]]]:
-        """Validate every unit as a `Job` (refusals come back at once), then publish the groups."""
+    def _submit(self, units: Iterable[Unit]) -> tuple[dict[str, Unit], list[tuple[Unit, Outcome]]]:
+        """Validate each unit as a `Job` (refusals come back, not sent) and publish every full group at once."""
+        submitted: dict[str, Unit] = {}
+        refused: list[tuple[Unit, Outcome]] = []
+        group: list[dict[str, Any]] = []
+        with self.client.app.producer_or_acquire() as producer:
+            for unit in units:
+                fields = {"id": unit.job_id, "sampling": unit.sampling, "metadata": {"row": unit.label}}
+                fields.update({"messages": unit.messages} if unit.messages is not None else {"prompt": unit.prompt})
+                try:
+                    group.append(self.client.prepare(fields))
+                    submitted[unit.job_id] = unit
+                except InvalidRequestError as exc:
+                    refused.append((unit, Outcome.failed(f"invalid_job: {exc}")))
+                if len(group) == self.rows_per_message:
+                    self._publish(producer, group)
+                    group = []
+            if group:
+                self._publish(producer, group)
+        return submitted, refused
+
+    def _publish(self, producer: Any, group: list[dict[str, Any]]) -> None:
         from tokenmill.worker.batch_task import BATCH_TASK_NAME
 
-        wires, submitted, refused = [], {}, []
-        for unit in units:
-            fields = {"id": unit.job_id, "sampling": unit.sampling, "metadata": {"row": unit.label}}
-            fields.update({"messages": unit.messages} if unit.messages is not None else {"prompt": unit.prompt})
-            try:
-                wires.append(self.client.prepare(fields))
-                submitted[unit.job_id] = unit
-            except InvalidRequestError as exc:
-                refused.append((unit, Outcome.failed(f"invalid_job: {exc}")))
         amqp = self.client.app.amqp
-        with self.client.app.producer_or_acquire() as producer, producer.batch(max_size=1000):
-            for start in range(0, len(wires), self.rows_per_message):
-                group = wires[start : start + self.rows_per_message]
-                task_id = uuid.uuid4().hex
-                message = amqp.as_task_v2(task_id, BATCH_TASK_NAME, args=[{"jobs": group}], kwargs={},
-                                          argsrepr=f"[<{len(group)} jobs>]", kwargsrepr="{}")
-                amqp.send_task_message(producer, BATCH_TASK_NAME, message, queue=self.client.queue, retry=False)
-        return submitted, refused
+        message = amqp.as_task_v2(uuid.uuid4().hex, BATCH_TASK_NAME, args=[{"jobs": group}], kwargs={},
+                                  argsrepr=f"[<{len(group)} jobs>]", kwargsrepr="{}")
+        amqp.send_task_message(producer, BATCH_TASK_NAME, message, queue=self.client.queue, retry=False)
 
     def _collect(self, submitted: dict[str, Unit]) -> Iterator[tuple[Unit, Outcome]]:
         for result in self.client.as_completed(list(submitted)):

@@ -17,7 +17,7 @@ import os
 import sqlite3
 import time
 import uuid
-from dataclasses import astuple, dataclass, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 
@@ -94,7 +94,7 @@ class Checkpoint:
     def put(self, key: str, outcome: Outcome) -> None:
         placeholders = ", ".join("?" * (len(_COLUMNS) + 2))
         self.db.execute(f"INSERT OR REPLACE INTO results (key, run, {', '.join(_COLUMNS)}) VALUES ({placeholders})",
-                        (key, self.run, *astuple(outcome)))
+                        (key, self.run, *(getattr(outcome, name) for name in _COLUMNS)))
         if time.monotonic() - self._last_flush >= self.flush_interval:
             self.flush()
 
