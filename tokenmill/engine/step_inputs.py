@@ -81,10 +81,13 @@ class BlockTableMirror:
         return row
 
     def _write(self, row: int, table: list[int]) -> None:
-        start = self.lengths[row] if self.mirrored[row] is table else 0
+        old = self.lengths[row]
+        start = old if self.mirrored[row] is table and old <= len(table) else 0
         if len(table) > self.table.shape[1]:
             self._grow(width=max(len(table), 2 * self.table.shape[1]))
         self.table[row, start : len(table)] = table[start:]
+        if old > len(table):  # a readmitted sequence's new table is shorter: no stale blocks past its end
+            self.table[row, len(table) : old] = 0
         self.mirrored[row], self.lengths[row] = table, len(table)
 
     def _grow(self, rows: int | None = None, width: int | None = None) -> None:
