@@ -183,8 +183,9 @@ class QueueRunner:
         from tokenmill.worker.batch_task import BATCH_TASK_NAME
 
         amqp = self.client.app.amqp
+        # ignore_result: each job's result is stored under its own id; the group's own would be a wasted key
         message = amqp.as_task_v2(uuid.uuid4().hex, BATCH_TASK_NAME, args=[{"jobs": group}], kwargs={},
-                                  argsrepr=f"[<{len(group)} jobs>]", kwargsrepr="{}")
+                                  argsrepr=f"[<{len(group)} jobs>]", kwargsrepr="{}", ignore_result=True)
         amqp.send_task_message(producer, BATCH_TASK_NAME, message, queue=self.client.queue, retry=False)
 
     def _collect(self, submitted: dict[str, Unit]) -> Iterator[tuple[Unit, Outcome]]:
