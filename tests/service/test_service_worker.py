@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from celery import chord, group
-from service_fixtures import S3_BUCKET, RedisServer, ResultLog, S3Server, Worker, wait_for
+from service_fixtures import S3_BUCKET, RedisServer, ResultLog, S3Server, Worker, child_pids, wait_for
 
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.jobs.client import Client, JobFailedError
@@ -282,3 +282,22 @@ def test_structured_outputs_through_the_queue(service: Service, reference: objec
     with pytest.raises(JobFailedError, match="regex") as failed:
         service.client.submit(prompt="x", regex=r"(a)\1").result(timeout=60)  # Python compiles it, xgrammar cannot
     assert (failed.value.result.error.code, failed.value.result.error.field) == ("invalid_request", "regex")
+
+
+
+def _nice_values(pid: int) -> dict[int, int]:
+    """Each thread's nice value by thread id (/proc: the 19th field of a task's stat)."""
+    return {int(task.name): int((task / "stat").read_text().rsplit(")", 1)[1].split()[16])
+            for task in Path(f"/proc/{pid}/task").iterdir()}
+
+
+def test_the_worker_yields_the_cpu_to_its_engine(service: Service) -> None:
+    """The worker's main thread and the Celery threads it starts run at `--worker-nice` (10) below the engine
+    process, which keeps the normal priority: on busy cores the engine, which the whole batch waits on, runs first."""
+    worker_pid = service.worker.process.pid
+    [engine_pid] = [pid for pid in child_pids(worker_pid)
+                    if b"resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    service.client.submit(prompt="start the pool threads", max_tokens=2).result(timeout=60)
+    worker_threads, engine_threads = _nice_values(worker_pid), _nice_values(engine_pid)
+    assert worker_threads[worker_pid] == 10 and sum(nice == 10 for nice in worker_threads.values()) >= 2, worker_threads
+    assert set(engine_threads.values()) == {0}, engine_threads

@@ -68,6 +68,11 @@ class WorkerSettings(QueueSettings):
     dead_letter_expires: int = Field(
         30 * 86400, ge=0, description="Seconds the dead-letter list lives after its last new entry (0: no expiry)."
     )
+    worker_nice: int = Field(
+        10, ge=0, le=19, description="How much lower the CPU priority of the worker's own threads (Celery, job "
+        "bookkeeping, result writes) is than its engine process's (a Unix nice increment): when cores are short, "
+        "the engine, which every job in the batch waits on, runs first. 0: the same priority.",
+    )
     shutdown_grace: float = Field(
         60.0, ge=0, description="Seconds after SIGTERM that in-flight jobs may take to finish before they are requeued."
     )
