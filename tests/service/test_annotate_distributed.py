@@ -105,8 +105,9 @@ def test_kill_9_mid_run_then_rerun_gives_the_uninterrupted_output(llm, tmp_path,
             process.kill()
     done_before = checkpointed(state)
     assert 16 <= done_before < 300, f"the run was not killed mid-way ({done_before} rows done)"
+    # waves of 5 units in groups of 3: full and partial groups, the last wave short or empty
     resumed = tokenmill.annotate(str(src), str(out), TEMPLATE, broker=redis_server.url, max_tokens=24, state_dir=str(state),
-                                 quiet=True)
+                                 window=10, rows_per_message=3, quiet=True)
     assert resumed.reused == done_before and resumed.computed == 300 - done_before and resumed.failed == 0
     reference = tokenmill.annotate(str(src), str(tmp_path / "reference.jsonl"), TEMPLATE, llm=llm, max_tokens=24, quiet=True)
     assert reference.computed == 300

@@ -148,23 +148,26 @@ class QueueRunner:
         pending = iter(units)
         waves: deque[dict[str, Unit]] = deque()
         while True:
-            submitted, refused = self._submit(itertools.islice(pending, self.wave))
+            submitted, refused, taken = self._submit(itertools.islice(pending, self.wave))
             yield from refused
             if submitted:
                 waves.append(submitted)
-            exhausted = len(submitted) + len(refused) < self.wave
+            exhausted = taken < self.wave
             if waves and (len(waves) >= 2 or exhausted):
                 yield from self._collect(waves.popleft())
             if exhausted and not waves:
                 return
 
-    def _submit(self, units: Iterable[Unit]) -> tuple[dict[str, Unit], list[tuple[Unit, Outcome]]]:
-        """Validate each unit as a `Job` (refusals come back, not sent) and publish every full group at once."""
+    def _submit(self, units: Iterable[Unit]) -> tuple[dict[str, Unit], list[tuple[Unit, Outcome]], int]:
+        """Validate each unit as a `Job` (refusals come back, not sent) and publish every full group at once;
+        returns the submitted units by job id, the refused ones, and how many units were taken."""
         submitted: dict[str, Unit] = {}
         refused: list[tuple[Unit, Outcome]] = []
         group: list[dict[str, Any]] = []
+        taken = 0
         with self.client.app.producer_or_acquire() as producer:
             for unit in units:
+                taken += 1
                 fields = {"id": unit.job_id, "sampling": unit.sampling, "metadata": {"row": unit.label}}
                 fields.update({"messages": unit.messages} if unit.messages is not None else {"prompt": unit.prompt})
                 try:
@@ -177,7 +180,7 @@ class QueueRunner:
                     group = []
             if group:
                 self._publish(producer, group)
-        return submitted, refused
+        return submitted, refused, taken
 
     def _publish(self, producer: Any, group: list[dict[str, Any]]) -> None:
         from tokenmill.worker.batch_task import BATCH_TASK_NAME
