@@ -118,3 +118,15 @@ def test_closing_a_channel_after_its_connection_was_collected(redis_server: Redi
     message.ack()  # the job finished after the reconnect: it acks through the old channel
     client = redis_server.client()
     assert client.hlen("unacked") == 0 and client.llen(queue.name) == 0  # acked, not requeued
+
+
+def test_a_channel_reuses_one_client_per_pool(redis_server: RedisServer) -> None:
+    """Commands outside the poll share one `redis.Redis` per connection pool (kombu made one per call); when
+    kombu drops the pool after a connection error, the next command gets a client of the new pool."""
+    with _connection(redis_server) as connection:
+        channel = connection.channel()
+        with channel.conn_or_acquire() as first, channel.conn_or_acquire() as second:
+            assert first is second and first.ping()
+        channel._disconnect_pools()
+        with channel.conn_or_acquire() as third:
+            assert third is not first and third.connection_pool is channel.pool and third.ping()
