@@ -299,13 +299,13 @@ def run_hf_cb(name: str, model, prompts: list[list[int]], max_tokens: int,  # no
         manager.start()
         try:
             manager.add_request(prompts[0][:8], request_id="warmup", max_new_tokens=4)
-            _collect(manager, 1)
+            collect_hf_cb(manager, 1)
             setup = time.perf_counter() - setup
             sync()
             start = time.perf_counter()
             for i, prompt in enumerate(prompts):
                 manager.add_request(prompt, request_id=f"r{i}", max_new_tokens=max_tokens)
-            done = _collect(manager, len(prompts))
+            done = collect_hf_cb(manager, len(prompts))
             sync()
             wall = time.perf_counter() - start
         finally:
@@ -322,7 +322,9 @@ def run_hf_cb(name: str, model, prompts: list[list[int]], max_tokens: int,  # no
     return row
 
 
-def _collect(manager, count: int) -> dict[str, list[int]]:  # noqa: ANN001
+def collect_hf_cb(manager, count: int) -> dict[str, list[int]]:  # noqa: ANN001
+    """Generated tokens by request id of `count` requests finished by transformers' continuous-batching
+    manager (also used by throughput.py); tolerant of the result API of other transformers versions."""
     done: dict[str, list[int]] = {}
     while len(done) < count:
         result = manager.get_result(timeout=1)

@@ -51,6 +51,9 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 
 import torch  # noqa: E402
 
+sys.path.append(_HERE)  # after the standard library: sibling scripts importable, none shadowing a standard module
+from gpu_throughput import collect_hf_cb  # noqa: E402
+
 SYSTEMS = ("static", "hf-cb", "tokenmill")
 LABELS = {"static": "(a) HF generate, static batches", "hf-cb": "(b) HF continuous batching",
           "tokenmill": "(c) tokenmill"}
@@ -204,28 +207,14 @@ def run_hf_cb(model, workload: Workload, args: argparse.Namespace) -> Result:  #
         manager = model.init_continuous_batching(generation_config=gen_config, continuous_batching_config=cb_config)
         manager.start()
         try:
-            def collect(count: int) -> dict[str, list[int]]:
-                done: dict[str, list[int]] = {}
-                while len(done) < count:
-                    result = manager.get_result(timeout=1)
-                    if result is None:
-                        if not manager.is_running():
-                            raise RuntimeError("transformers' continuous batching thread stopped")
-                        continue
-                    if result.error is not None:
-                        raise RuntimeError(f"hf-cb request {result.request_id}: {result.error}")
-                    if result.is_finished():
-                        done[result.request_id] = list(result.generated_tokens)
-                return done
-
             for i, (prompt, n) in enumerate(WARMUP):
                 manager.add_request(prompt, request_id=f"warmup{i}", max_new_tokens=n)
-            collect(len(WARMUP))
+            collect_hf_cb(manager, len(WARMUP))
             counter = ForwardCounter(model)
             with Timer() as timer:
                 for i, (prompt, n) in enumerate(zip(workload.prompts, workload.max_tokens)):
                     manager.add_request(prompt, request_id=f"r{i}", max_new_tokens=n)
-                done = collect(len(workload.prompts))
+                done = collect_hf_cb(manager, len(workload.prompts))
             counter.remove()
         finally:
             manager.stop(block=True)  # also restores the model's attention implementation
