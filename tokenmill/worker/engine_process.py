@@ -161,17 +161,15 @@ class EngineProcess:
         """Each text prompt as token ids, or the error refusing it; other prompts (token ids, None) as given."""
         if self._tokenizer is None:
             return prompts
-        out: list[Any] = list(prompts)
-        texts = []
-        for index, prompt in enumerate(prompts):
+        out: list[Any] = []
+        for prompt in prompts:  # one at a time: `encode_batch` would start a thread pool beside the engine
             if isinstance(prompt, str):
                 try:
                     check_prompt_chars(prompt, *self._prompt_limits)
-                    texts.append(index)
+                    prompt = self._tokenizer.encode(prompt, add_special_tokens=True).ids
                 except InvalidRequestError as exc:
-                    out[index] = exc
-        for index in texts:  # one at a time: `encode_batch` would start a thread pool beside the engine
-            out[index] = self._tokenizer.encode(prompts[index], add_special_tokens=True).ids
+                    prompt = exc
+            out.append(prompt)
         return out
 
     def abort(self, request_id: str) -> None:
