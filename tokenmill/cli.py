@@ -210,14 +210,14 @@ def _generate(args: argparse.Namespace) -> int:
 def _structured_options(args: argparse.Namespace) -> dict[str, Any]:
     """--json-schema (a file, or inline JSON when it is not a file), --choice a,b,c, --regex, --json-object."""
     from tokenmill.errors import InvalidRequestError
+    from tokenmill.jobs.annotate_cli import text_or_file
 
     options: dict[str, Any] = {}
     if args.json_schema is not None:
-        inline = args.json_schema.lstrip().startswith("{")
-        path = Path(args.json_schema)
-        if not inline and not path.is_file():
+        text = text_or_file(args.json_schema)
+        if text is args.json_schema and not text.lstrip().startswith("{"):
             raise InvalidRequestError("json_schema", f"{args.json_schema!r} is neither a file nor inline JSON")
-        options["json_schema"] = args.json_schema if inline else path.read_text()
+        options["json_schema"] = text
     if args.choice is not None:
         options["choice"] = [c for c in args.choice.split(",")]
     if args.regex is not None:

@@ -94,21 +94,22 @@ def _annotate(args: argparse.Namespace) -> Any:
     sampling = {name: getattr(args, name) for name in ("top_p", "top_k", "seed", "stop") if getattr(args, name) is not None}
     schema = None
     if args.json_schema:
-        text = _text_or_file(args.json_schema)
+        text = text_or_file(args.json_schema)
         try:
             schema = json.loads(text)
         except ValueError as exc:
             raise InvalidRequestError("json_schema", f"not a JSON file or inline JSON: {exc}") from None
     return annotate(
-        args.input, args.output, _text_or_file(args.template), system=args.system, chat=args.chat, json_schema=schema,
+        args.input, args.output, text_or_file(args.template), system=args.system, chat=args.chat, json_schema=schema,
         choice=[c.strip() for c in args.choice.split(",")] if args.choice else None, regex=args.regex,
         id_column=args.id_column, column=args.column, input_format=args.input_format, output_format=args.output_format,
         max_tokens=args.max_tokens, temperature=args.temperature, **sampling, **_shared(args),
     )
 
 
-def _text_or_file(value: str) -> str:
-    """`value` itself, or the text of the file it names (as `--json-schema` takes FILE|JSON)."""
+def text_or_file(value: str) -> str:
+    """`value` itself, or the text of the file it names (as `--json-schema` takes FILE|JSON, here and in
+    `tokenmill generate`)."""
     if os.path.isfile(value):
         with open(value, encoding="utf-8") as file:
             return file.read()
