@@ -43,8 +43,8 @@ from pathlib import Path  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tokenmill.engine.sampling_params import SamplingParams  # noqa: E402
-from tokenmill.jobs.client import Client  # noqa: E402
+from tokenmill.client import Client  # noqa: E402
+from tokenmill.sampling_params import SamplingParams  # noqa: E402
 
 WARMUP_JOBS = 600  # enough for the worker to start all its pool threads, as a long-running worker has
 

@@ -29,8 +29,8 @@ import redis
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tokenmill.jobs import dead_letters  # noqa: E402
-from tokenmill.jobs.client import Client  # noqa: E402
+from tokenmill.client import Client  # noqa: E402
+from tokenmill.queue import dead_letters  # noqa: E402
 from tokenmill.worker.app import DEAD_LETTER_KEY, DELIVERIES_KEY  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

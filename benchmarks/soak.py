@@ -31,7 +31,7 @@ from service_fixtures import RedisServer, Worker, run_with_faults, wait_for  # n
 
 def measure_recovery(visibility_timeout: float, jobs: int = 40, tokens: int = 300) -> tuple[int, float]:
     """kill -9 one of two workers with all jobs in flight; returns (jobs rerun, seconds until the first rerun)."""
-    from tokenmill.jobs.client import Client
+    from tokenmill.client import Client
 
     with tempfile.TemporaryDirectory(prefix="tokenmill-recovery-") as tmp:
         root = Path(tmp)

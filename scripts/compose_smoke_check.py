@@ -36,7 +36,7 @@ import redis
 from prometheus_client.parser import text_string_to_metric_families
 
 from tokenmill import Client
-from tokenmill.jobs.schemas import JobResult
+from tokenmill.queue.schemas import JobResult
 from tokenmill.worker.app import DELIVERIES_KEY
 
 BUCKET, PREFIX = "results", "run1"

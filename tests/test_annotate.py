@@ -14,11 +14,12 @@ import pyarrow as pa
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 import pytest
-
 from annotate_helpers import ENGINE, REPO, checkpointed, cli, read_jsonl, wait_until, write_jsonl
-from tokenmill.engine.sampling_params import SamplingParams
+
+from tokenmill.apps.annotate import annotate
+from tokenmill.apps.datasets import DatasetError
 from tokenmill.errors import InvalidRequestError
-from tokenmill.jobs.annotate import DatasetError, annotate
+from tokenmill.sampling_params import SamplingParams
 
 STRUCTURED = {f.name for f in dataclasses.fields(SamplingParams)} >= {"json_schema", "choice", "regex"}
 

@@ -7,13 +7,13 @@ import json
 from pathlib import Path
 
 import pytest
+from annotate_helpers import ENGINE, read_jsonl, write_jsonl
 from openai.types import Completion
 from openai.types.chat import ChatCompletion
 
-from annotate_helpers import ENGINE, read_jsonl, write_jsonl
-from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.apps.batch import batch
 from tokenmill.errors import InvalidRequestError
-from tokenmill.jobs.annotate.batch import batch
+from tokenmill.sampling_params import SamplingParams
 
 STRUCTURED = "json_schema" in {f.name for f in dataclasses.fields(SamplingParams)}
 

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.errors import InvalidRequestError
+from tokenmill.sampling_params import SamplingParams
 from tokenmill.scheduler.block_manager import BlockManager, chain_hash
 from tokenmill.scheduler.scheduler import Scheduler, SchedulerConfig
 from tokenmill.scheduler.sequence import Sequence, SequenceStatus

@@ -9,8 +9,8 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.engine.step_inputs import StepInputBuilder
+from tokenmill.sampling_params import SamplingParams
 from tokenmill.scheduler.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from tokenmill.scheduler.sequence import Sequence
 

@@ -10,11 +10,11 @@ from pathlib import Path
 import jsonschema
 import pydantic
 import pytest
-
 from model_fixtures import random_prompts
 from subword_model import build_subword_model_dir
+
 from tokenmill import LLM, InvalidRequestError, SamplingParams
-from tokenmill.jobs.schemas import Job
+from tokenmill.queue.schemas import Job
 
 # Nested objects, an array of objects, enums, bounded integers, an optional field, required fields, bounded
 # strings (pattern, maxLength: random bytes there must still be valid UTF-8 of at most 5 characters). Every value is bounded, so a random model must finish well within

@@ -14,9 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from subword_model import subword_tokenizer
 
-from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.engine.tiny import tiny_tokenizer
 from tokenmill.errors import InvalidRequestError
+from tokenmill.sampling_params import SamplingParams
 from tokenmill.worker.engine_process import EngineProcess, frontend_tokenizer, tokenizer_for_frontend
 
 TOKENIZERS = {"tiny": tiny_tokenizer(), "subword": subword_tokenizer()}

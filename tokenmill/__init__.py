@@ -8,22 +8,22 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.errors import InvalidRequestError
+from tokenmill.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "Client", "InvalidRequestError", "annotate", "__version__"]
 
 _LAZY = {
     "LLM": "tokenmill.engine.llm",
-    "Client": "tokenmill.jobs.client",
-    "annotate": "tokenmill.jobs.annotate",
+    "Client": "tokenmill.client",
+    "annotate": "tokenmill.apps.annotate",
 }
 
 if TYPE_CHECKING:
+    from tokenmill.apps.annotate import annotate
+    from tokenmill.client import Client
     from tokenmill.engine.llm import LLM
-    from tokenmill.jobs.annotate import annotate
-    from tokenmill.jobs.client import Client
 
 
 def __getattr__(name: str) -> Any:

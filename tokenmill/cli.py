@@ -3,7 +3,7 @@
     tokenmill generate [--model builtin:tiny] [--prompt TEXT ...] [--input prompts.jsonl] [--max-tokens N]
     tokenmill worker --model M --broker redis://... [--queues a,b] [--concurrency N] [...]
     tokenmill dead-letters [--broker URL] list [--full] | requeue (ID ... | --all) | purge (ID ... | --all)
-    tokenmill annotate INPUT -o OUTPUT --template '...{{ column }}...' [--broker ...]   (tokenmill.jobs.annotate_cli)
+    tokenmill annotate INPUT -o OUTPUT --template '...{{ column }}...' [--broker ...]   (tokenmill.apps.cli)
     tokenmill batch -i requests.jsonl -o results.jsonl [--errors errors.jsonl] [--broker ...]
     tokenmill health [--url http://127.0.0.1:9400/metrics] [--max-age 60]
 
@@ -47,7 +47,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "dead-letters":
         return _dead_letters(args)
     if args.command in ("annotate", "batch"):
-        from tokenmill.jobs.annotate_cli import run
+        from tokenmill.apps.cli import run
 
         return run(args)
     if args.command == "health":
@@ -75,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker = commands.add_parser("worker", help="run a queue worker (Celery on Redis)")
     _add_settings_flags(worker)
     _add_dead_letter_commands(commands)
-    from tokenmill.jobs.annotate_cli import add_parsers as add_annotate_parsers
+    from tokenmill.apps.cli import add_parsers as add_annotate_parsers
 
     add_annotate_parsers(commands)  # `annotate` and `batch`
     health = commands.add_parser("health", help="exit 0 only while a worker's engine is serving (container healthcheck)")
@@ -142,8 +142,8 @@ def _worker(args: argparse.Namespace) -> int:
 
 
 def _dead_letters(args: argparse.Namespace) -> int:
-    from tokenmill.jobs import dead_letters
-    from tokenmill.jobs.client import Client
+    from tokenmill.client import Client
+    from tokenmill.queue import dead_letters
 
     if args.action != "list" and bool(args.ids) == bool(args.all):
         print(f"tokenmill dead-letters {args.action}: give job ids or --all (not both)", file=sys.stderr)
@@ -209,8 +209,8 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _structured_options(args: argparse.Namespace) -> dict[str, Any]:
     """--json-schema (a file, or inline JSON when it is not a file), --choice a,b,c, --regex, --json-object."""
+    from tokenmill.apps.cli import text_or_file
     from tokenmill.errors import InvalidRequestError
-    from tokenmill.jobs.annotate_cli import text_or_file
 
     options: dict[str, Any] = {}
     if args.json_schema is not None:

@@ -343,7 +343,7 @@ def run_with_faults(server: RedisServer, start_worker: Callable[..., Worker], jo
     """
     import random
 
-    from tokenmill.jobs.client import Client, JobTimeoutError
+    from tokenmill.client import Client, JobTimeoutError
     from tokenmill.worker.app import DELIVERIES_KEY
 
     rng = random.Random(seed)

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from annotate_helpers import ENGINE, checkpointed, read_jsonl, wait_until, write_jsonl  # noqa: E402
 
 import tokenmill  # noqa: E402
-from tokenmill.jobs.annotate.batch import batch  # noqa: E402
+from tokenmill.apps.batch import batch  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 TEMPLATE = "Say: {{ text }}"
@@ -152,6 +152,6 @@ def test_s3_input_and_output(llm, tmp_path, s3_server) -> None:
     local = llm.generate([f"Say: line {i}" for i in range(10)], tokenmill.SamplingParams(max_tokens=5, temperature=0.0),
                          use_tqdm=False)
     assert table.column("annotation").to_pylist() == [o.text for o in local]
-    with pytest.raises(tokenmill.jobs.annotate.DatasetError, match="no such file"):
+    with pytest.raises(tokenmill.apps.datasets.DatasetError, match="no such file"):
         tokenmill.annotate(f"s3://{S3_BUCKET}/missing.jsonl", str(tmp_path / "x.jsonl"), TEMPLATE, llm=llm, quiet=True,
                            s3_endpoint_url=s3_server.endpoint)

@@ -10,8 +10,8 @@ import sys
 import pytest
 from service_fixtures import REPO, RedisServer
 
+from tokenmill.client import Client, JobTimeoutError
 from tokenmill.errors import InvalidRequestError
-from tokenmill.jobs.client import Client, JobTimeoutError
 
 
 def _queued(server: RedisServer, queue: str = "tokenmill") -> list[dict]:
@@ -22,7 +22,7 @@ def test_importing_the_client_does_not_import_torch() -> None:
     code = (
         "import sys\n"
         "from tokenmill import Client\n"
-        "import tokenmill.jobs, tokenmill.worker.app\n"
+        "import tokenmill.client, tokenmill.worker.app\n"
         "Client('redis://127.0.0.1:1/0')\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
         "assert 'transformers' not in sys.modules, 'transformers was imported'\n"
@@ -100,7 +100,7 @@ def test_a_waiting_client_rides_out_a_redis_restart(redis_server: RedisServer) -
     import time
     from concurrent.futures import ThreadPoolExecutor
 
-    from tokenmill.jobs.schemas import JobResult
+    from tokenmill.queue.schemas import JobResult
 
     client = Client(redis_server.url)
     handle = client.submit(prompt="x")

@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.errors import InvalidRequestError
-from tokenmill.jobs.schemas import SCHEMA_VERSION, Job, JobResult, S3Location
+from tokenmill.queue.schemas import SCHEMA_VERSION, Job, JobResult, S3Location
+from tokenmill.sampling_params import SamplingParams
 
 
 def test_flat_and_nested_sampling_give_the_same_job() -> None:

@@ -11,7 +11,7 @@ import pytest
 from kombu import Connection, Consumer, Exchange, Producer, Queue
 from service_fixtures import RedisServer, wait_for
 
-from tokenmill.worker import transport as tm_transport
+from tokenmill.queue import transport as tm_transport
 from tokenmill.worker.app import BROKER_TRANSPORT
 
 EXCHANGE = Exchange("jobs", type="direct")

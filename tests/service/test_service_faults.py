@@ -21,9 +21,9 @@ from service_fixtures import (
     wait_for,
 )
 
-from tokenmill.jobs.client import Client
+from tokenmill.client import Client
+from tokenmill.queue.transport import CONSUMERS_KEY, MALFORMED_KEY
 from tokenmill.worker.app import DELIVERIES_KEY
-from tokenmill.worker.transport import CONSUMERS_KEY, MALFORMED_KEY
 
 SECRET = f"never-logged-{uuid.uuid4().hex}"
 
@@ -152,7 +152,7 @@ def test_job_from_a_plain_celery_app_goes_through_the_reliable_transport(lone_wo
     result = plain.send_task("tokenmill.generate", kwargs={"prompt": "from a plain Celery app", "max_tokens": 4},
                              queue="tokenmill").get(timeout=60)
     assert result["status"] == "succeeded" and result["usage"]["completion_tokens"] == 4
-    assert "Connected to tokenmill.worker.transport:Transport" in worker.log_text()
+    assert "Connected to tokenmill.queue.transport:Transport" in worker.log_text()
     assert server.client().hlen(CONSUMERS_KEY) >= 1  # the worker's processing list, registered
     plain.close()
 

@@ -8,7 +8,7 @@ import urllib.request
 
 from service_fixtures import RedisServer, free_port, logged_metrics_port
 
-from tokenmill.jobs.client import Client
+from tokenmill.client import Client
 
 
 def _succeeded(port: int) -> float:

@@ -18,9 +18,9 @@ import pytest
 from celery import Celery
 from service_fixtures import REPO, RedisServer, Worker
 
+from tokenmill.client import Client
 from tokenmill.errors import InvalidRequestError
-from tokenmill.jobs import dead_letters
-from tokenmill.jobs.client import Client
+from tokenmill.queue import dead_letters
 from tokenmill.worker.app import DEAD_LETTER_KEY, DELIVERIES_KEY, TASK_NAME, TASK_ROUTES
 
 MAX_DELIVERIES = 2

@@ -6,7 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from service_fixtures import RedisServer, wait_for
 
-from tokenmill.jobs.client import Client
+from tokenmill.client import Client
 
 
 def test_redis_restart_with_jobs_queued_and_in_flight_loses_none(redis_server: RedisServer, start_worker) -> None:

@@ -8,7 +8,7 @@ import time
 
 from service_fixtures import S3_BUCKET, TEST_VISIBILITY_TIMEOUT, RedisServer, S3Server, wait_for
 
-from tokenmill.jobs.client import Client
+from tokenmill.client import Client
 from tokenmill.worker.app import DELIVERIES_KEY
 
 

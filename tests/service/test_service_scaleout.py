@@ -6,7 +6,7 @@ from collections import Counter
 
 from service_fixtures import RedisServer, ResultLog, wait_for
 
-from tokenmill.jobs.client import Client
+from tokenmill.client import Client
 
 
 def test_two_workers_share_one_queue(redis_server: RedisServer, start_worker, result_log: ResultLog) -> None:

@@ -8,7 +8,7 @@ import signal
 
 from service_fixtures import RedisServer, ResultLog, wait_for
 
-from tokenmill.jobs.client import Client
+from tokenmill.client import Client
 
 
 def _jobs(count: int, max_tokens: int) -> list[dict]:

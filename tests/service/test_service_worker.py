@@ -15,8 +15,8 @@ import pytest
 from celery import chord, group
 from service_fixtures import S3_BUCKET, RedisServer, ResultLog, S3Server, Worker, child_pids, wait_for
 
-from tokenmill.engine.sampling_params import SamplingParams
-from tokenmill.jobs.client import Client, JobFailedError
+from tokenmill.client import Client, JobFailedError
+from tokenmill.sampling_params import SamplingParams
 from tokenmill.worker.app import DELIVERIES_KEY, TASK_NAME, create_app
 from tokenmill.worker.settings import QueueSettings
 

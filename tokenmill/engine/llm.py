@@ -9,8 +9,8 @@ from collections.abc import Iterator, Sequence
 from tqdm.auto import tqdm
 
 from tokenmill.engine.llm_engine import LLMEngine, RequestOutput
-from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.errors import InvalidRequestError
+from tokenmill.sampling_params import SamplingParams
 
 Prompt = str | list[int]
 _calls = itertools.count()

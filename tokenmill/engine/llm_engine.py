@@ -15,9 +15,9 @@ from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.loader import load
 from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.engine.sampler import SampleResult, SamplingRow
-from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.engine.structured import Constraint, GrammarCache, GrammarSpec, advance
 from tokenmill.errors import InvalidRequestError
+from tokenmill.sampling_params import SamplingParams
 from tokenmill.scheduler.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from tokenmill.scheduler.sequence import Sequence
 

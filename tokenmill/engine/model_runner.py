@@ -16,9 +16,9 @@ from tokenmill.engine.attention import AttentionMetadata
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.loader import LoadedModel
 from tokenmill.engine.sampler import Sampler, SampleResult, SamplingRow
-from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.engine.step_inputs import StepInputBuilder, StepInputs
 from tokenmill.kernels import get_backend
+from tokenmill.sampling_params import SamplingParams
 from tokenmill.scheduler.scheduler import ScheduledBatch
 from tokenmill.scheduler.sequence import Sequence
 

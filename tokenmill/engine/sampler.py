@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.engine.structured import apply_token_masks
 from tokenmill.engine.transfer import read_back, to_device
+from tokenmill.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from tokenmill.engine.structured import Constraint

@@ -43,7 +43,7 @@ from tokenmill.errors import InvalidRequestError
 
 if TYPE_CHECKING:
     from tokenmill.engine.sampler import SamplingRow
-    from tokenmill.engine.sampling_params import SamplingParams
+    from tokenmill.sampling_params import SamplingParams
 
 #: Compact JSON separators (item, key), as `json.dumps(separators=...)`.
 JSON_SEPARATORS = (",", ":")

@@ -8,7 +8,7 @@ from enum import Enum, auto
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the scheduler reads max_tokens only; the engine owns the type
-    from tokenmill.engine.sampling_params import SamplingParams
+    from tokenmill.sampling_params import SamplingParams
 
 
 class SequenceStatus(Enum):

@@ -12,7 +12,7 @@ Every setting below is chosen for "a crash loses nothing, a slow job is not run 
 
 * JSON only (`accept_content`, `result_accept_content`): a pickle or YAML message is refused by the
   worker before anything in it is decoded, so a message on the queue can never execute code.
-* `broker_transport`: tokenmill's Redis transport (`tokenmill.worker.transport`): a message moves from
+* `broker_transport`: tokenmill's Redis transport (`tokenmill.queue.transport`): a message moves from
   the queue to a per-consumer processing list in one command (BLMOVE) and from there into kombu's
   unacked records in one Lua script, so it is never on no list; a consumer that died between the
   two has its processing list requeued once its heartbeat (`consumer_ttl` = visibility timeout)
@@ -77,8 +77,8 @@ TASK_ROUTES = {TASK_NAME: {"queue": DEFAULT_QUEUE}}
 #: failed. To add a task, register it in `create_app` and name it here.
 ALLOWED_TASKS: frozenset[str] = frozenset({TASK_NAME, BATCH_TASK_NAME})
 #: kombu transport of every tokenmill app: kombu's Redis transport with an atomic take-and-record of
-#: each message (`tokenmill.worker.transport`). Producers publish exactly as with plain `redis://`.
-BROKER_TRANSPORT = "tokenmill.worker.transport:Transport"
+#: each message (`tokenmill.queue.transport`). Producers publish exactly as with plain `redis://`.
+BROKER_TRANSPORT = "tokenmill.queue.transport:Transport"
 #: tokenmill's own Redis keys, beside Celery's: the delivery count of each job, and the list of jobs
 #: given up on after `max_deliveries` (newest first).
 DELIVERIES_KEY = "tokenmill:deliveries:{job_id}"

@@ -37,7 +37,7 @@ from celery.exceptions import Reject
 from tokenmill.errors import InvalidRequestError
 
 if TYPE_CHECKING:
-    from tokenmill.jobs.schemas import Job
+    from tokenmill.queue.schemas import Job
 
 BATCH_TASK_NAME = "tokenmill.generate_batch"
 
@@ -112,7 +112,7 @@ class BatchRun:
 
     def _parse(self, raw_jobs: list[dict[str, Any]]) -> tuple[list[Job], dict[str, dict[str, Any]]]:
         """The group's jobs, each checked as a single job is; a bad one gets its failed result, if its id is usable."""
-        from tokenmill.jobs.schemas import JOB_ID_PATTERN, Job, JobResult, check_size
+        from tokenmill.queue.schemas import JOB_ID_PATTERN, Job, JobResult, check_size
 
         jobs, failed, seen = [], {}, set()
         for raw in raw_jobs:

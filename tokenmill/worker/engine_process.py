@@ -47,8 +47,8 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
-from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.errors import InvalidRequestError
+from tokenmill.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ from celery.exceptions import InvalidTaskError, NotRegistered
 from celery.utils.objects import Bunch
 from celery.worker.consumer import Consumer
 
-from tokenmill.jobs.schemas import JOB_ID_PATTERN
+from tokenmill.queue.schemas import JOB_ID_PATTERN
 from tokenmill.worker.app import ALLOWED_TASKS
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ running and ack through it) every `visibility_timeout / 8` seconds, with `ZADD X
 between is never put back. A worker killed with `kill -9` stops renewing and its messages are
 redelivered `visibility_timeout` (plus at most one sweep interval) after its last renewal.
 
-tokenmill's transport (`tokenmill.worker.transport`) does not put an old channel's messages back on
+tokenmill's transport (`tokenmill.queue.transport`) does not put an old channel's messages back on
 the queue at a reconnect (kombu's `restore_at_shutdown`), so a reconnect neither reruns nor charges a
 delivery to the jobs running here. Torch-free.
 """
@@ -25,7 +25,7 @@ from typing import Any
 
 from celery import bootsteps
 
-from tokenmill.worker.transport import held_deliveries
+from tokenmill.queue.transport import held_deliveries
 
 log = logging.getLogger(__name__)
 

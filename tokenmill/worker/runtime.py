@@ -14,7 +14,7 @@ from typing import Any
 from celery.signals import worker_shutting_down
 
 from tokenmill.errors import InvalidRequestError
-from tokenmill.jobs.schemas import JobResult, check_size
+from tokenmill.queue.schemas import JobResult, check_size
 from tokenmill.worker.service import WorkerService
 from tokenmill.worker.settings import WorkerSettings
 

@@ -16,7 +16,7 @@ Per job, in order:
    delivery is counted only when the job starts running on a worker that does not already run it.
    A job started more than `max_deliveries` times has killed every worker that ran it: it is
    dead-lettered (pushed on the bounded Redis list `tokenmill:dead_letter`, see
-   `tokenmill.jobs.dead_letters`; final result failed with code `dead_letter`).
+   `tokenmill.queue.dead_letters`; final result failed with code `dead_letter`).
 5. Generate. A request the engine refuses (`InvalidRequestError`) ends as a failed result
    (`invalid_request`, naming the field); the engine and the other jobs go on.
 6. With an S3 destination, write the full result there, retrying while S3 is down; Redis then gets a
@@ -49,8 +49,8 @@ from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from tokenmill.errors import InvalidRequestError
-from tokenmill.jobs import dead_letters
-from tokenmill.jobs.schemas import Job, JobResult, Usage
+from tokenmill.queue import dead_letters
+from tokenmill.queue.schemas import Job, JobResult, Usage
 from tokenmill.worker.app import DEAD_LETTER_KEY, DELIVERIES_KEY
 from tokenmill.worker.engine_process import EngineProcess
 from tokenmill.worker.metrics import WorkerMetrics

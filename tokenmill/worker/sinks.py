@@ -18,7 +18,7 @@ import boto3
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
-from tokenmill.jobs.schemas import S3Location
+from tokenmill.queue.schemas import S3Location
 
 log = logging.getLogger(__name__)
 

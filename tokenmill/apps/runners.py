@@ -16,9 +16,9 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.apps.store import Outcome
 from tokenmill.errors import InvalidRequestError
-from tokenmill.jobs.annotate.store import Outcome
+from tokenmill.sampling_params import SamplingParams
 
 
 @dataclass

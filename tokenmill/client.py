@@ -31,8 +31,8 @@ from typing import Any
 import redis
 
 from tokenmill.errors import InvalidRequestError
-from tokenmill.jobs import dead_letters
-from tokenmill.jobs.schemas import Job, JobResult, check_size
+from tokenmill.queue import dead_letters
+from tokenmill.queue.schemas import Job, JobResult, check_size
 from tokenmill.worker.app import DELIVERIES_KEY, TASK_NAME, create_app
 from tokenmill.worker.settings import QueueSettings
 

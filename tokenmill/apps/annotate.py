@@ -18,11 +18,11 @@ import jinja2
 import jinja2.meta
 import pyarrow as pa
 
+from tokenmill.apps.datasets import Dataset, DatasetError, Writer, format_of, open_dataset
+from tokenmill.apps.pipeline import Progress, Summary, compute, stored
+from tokenmill.apps.runners import EmbeddedRunner, QueueRunner, Unit, sampling_dict
+from tokenmill.apps.store import Checkpoint, KeyHasher, Outcome
 from tokenmill.errors import InvalidRequestError
-from tokenmill.jobs.annotate.io import Dataset, DatasetError, Writer, format_of, open_dataset
-from tokenmill.jobs.annotate.pipeline import Progress, Summary, compute, stored
-from tokenmill.jobs.annotate.runners import EmbeddedRunner, QueueRunner, Unit, sampling_dict
-from tokenmill.jobs.annotate.store import Checkpoint, KeyHasher, Outcome
 
 #: The result columns after the text column, with their Parquet types (all nullable: a failed row has nulls).
 RESULT_COLUMNS = {"parsed": pa.string(), "finish_reason": pa.string(), "prompt_tokens": pa.int64(),
@@ -168,7 +168,7 @@ def _runner(mode: str, model: str | None, llm: Any, engine_options: dict[str, An
             queue: str | None, window: int | None, rows_per_message: int) -> Any:
     window = window or DEFAULT_WINDOW[mode]
     if mode == "queue":
-        from tokenmill.jobs.client import Client
+        from tokenmill.client import Client
 
         return QueueRunner(Client(broker, queue=queue), window, rows_per_message)
     if llm is None:

@@ -26,8 +26,8 @@ from pydantic import (
     model_validator,
 )
 
-from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.errors import InvalidRequestError
+from tokenmill.sampling_params import SamplingParams
 
 #: Bumped on any incompatible change of `Job` or `JobResult`. A worker refuses versions it does not know.
 SCHEMA_VERSION = 1

@@ -66,8 +66,8 @@ def _common(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from tokenmill.apps.datasets import DatasetError
     from tokenmill.errors import InvalidRequestError
-    from tokenmill.jobs.annotate import DatasetError
 
     try:
         summary = _annotate(args) if args.command == "annotate" else _batch(args)
@@ -88,8 +88,8 @@ def _shared(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _annotate(args: argparse.Namespace) -> Any:
+    from tokenmill.apps.annotate import annotate
     from tokenmill.errors import InvalidRequestError
-    from tokenmill.jobs.annotate import annotate
 
     sampling = {name: getattr(args, name) for name in ("top_p", "top_k", "seed", "stop") if getattr(args, name) is not None}
     schema = None
@@ -117,6 +117,6 @@ def text_or_file(value: str) -> str:
 
 
 def _batch(args: argparse.Namespace) -> Any:
-    from tokenmill.jobs.annotate.batch import batch
+    from tokenmill.apps.batch import batch
 
     return batch(args.input, args.output, errors=args.errors, default_max_tokens=args.max_tokens, **_shared(args))

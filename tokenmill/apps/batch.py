@@ -17,12 +17,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from tokenmill.apps.annotate import _runner, default_state_dir, model_label
+from tokenmill.apps.datasets import Writer, read_lines
+from tokenmill.apps.pipeline import Progress, Summary, compute, stored
+from tokenmill.apps.runners import Unit, sampling_dict
+from tokenmill.apps.store import Checkpoint, Outcome, SeenSet, content_key
 from tokenmill.errors import InvalidRequestError
-from tokenmill.jobs.annotate.annotate import _runner, default_state_dir, model_label
-from tokenmill.jobs.annotate.io import Writer, read_lines
-from tokenmill.jobs.annotate.pipeline import Progress, Summary, compute, stored
-from tokenmill.jobs.annotate.runners import Unit, sampling_dict
-from tokenmill.jobs.annotate.store import Checkpoint, Outcome, SeenSet, content_key
 
 URLS = {"/v1/chat/completions": "chat.completion", "/v1/completions": "text_completion"}
 LINE_FIELDS = {"custom_id", "method", "url", "body"}

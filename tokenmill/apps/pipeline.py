@@ -17,8 +17,8 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from tokenmill.jobs.annotate.runners import Unit
-from tokenmill.jobs.annotate.store import Checkpoint, Outcome
+from tokenmill.apps.runners import Unit
+from tokenmill.apps.store import Checkpoint, Outcome
 
 
 @dataclass
