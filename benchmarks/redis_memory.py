@@ -31,7 +31,7 @@ sys.path.insert(0, str(REPO))
 
 from tokenmill.client import Client  # noqa: E402
 from tokenmill.queue import dead_letters  # noqa: E402
-from tokenmill.worker.app import DEAD_LETTER_KEY, DELIVERIES_KEY  # noqa: E402
+from tokenmill.queue.names import DEAD_LETTER_KEY, DELIVERIES_KEY  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from job_queue import free_port, wait_until  # noqa: E402  (one copy of the benchmarks' process helpers)

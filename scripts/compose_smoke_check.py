@@ -36,8 +36,8 @@ import redis
 from prometheus_client.parser import text_string_to_metric_families
 
 from tokenmill import Client
+from tokenmill.queue.names import DELIVERIES_KEY
 from tokenmill.queue.schemas import JobResult
-from tokenmill.worker.app import DELIVERIES_KEY
 
 BUCKET, PREFIX = "results", "run1"
 #: Tokens per job of the batches killed mid-run: long enough (seconds on an idle machine) that every job is

@@ -26,11 +26,11 @@ SECTION = "## Configuration reference"
 
 
 def settings_classes() -> list[type[BaseSettings]]:
-    """Every BaseSettings subclass defined in a tokenmill module that mentions BaseSettings."""
+    """Every BaseSettings subclass defined in a tokenmill module that defines a class named *Settings."""
     package = Path(tokenmill.__file__).parent
     found: list[type[BaseSettings]] = []
     for path in sorted(package.rglob("*.py")):
-        if "BaseSettings" not in path.read_text():
+        if not re.search(r"^class \w*Settings\(", path.read_text(), re.MULTILINE):
             continue
         module = importlib.import_module(".".join(path.relative_to(package.parent).with_suffix("").parts))
         for _, cls in inspect.getmembers(module, inspect.isclass):

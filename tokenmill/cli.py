@@ -183,8 +183,8 @@ def _health(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from tokenmill import SamplingParams
     from tokenmill.errors import InvalidRequestError
+    from tokenmill.sampling_params import SamplingParams
 
     try:  # checked before the model loads, so a typo fails at once
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
@@ -194,7 +194,7 @@ def _generate(args: argparse.Namespace) -> int:
         return 2
     prompts = list(args.prompt) + (_read_prompts(args.input) if args.input else [])
     prompts = prompts or DEMO_PROMPTS
-    from tokenmill import LLM
+    from tokenmill.engine.llm import LLM
 
     llm = LLM(args.model, dtype=args.dtype)
     for index, (prompt, out) in enumerate(zip(prompts, llm.generate(prompts, params))):

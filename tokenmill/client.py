@@ -32,9 +32,10 @@ import redis
 
 from tokenmill.errors import InvalidRequestError
 from tokenmill.queue import dead_letters
+from tokenmill.queue.app import queue_app
+from tokenmill.queue.names import DELIVERIES_KEY, TASK_NAME
 from tokenmill.queue.schemas import Job, JobResult, check_size
-from tokenmill.worker.app import DELIVERIES_KEY, TASK_NAME, create_app
-from tokenmill.worker.settings import QueueSettings
+from tokenmill.queue.settings import QueueSettings
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +99,7 @@ class Client:
         limit workers apply too."""
         overrides = {"broker_url": broker_url, "result_backend": result_backend, "queue": queue}
         self.settings = QueueSettings(**{k: v for k, v in overrides.items() if v is not None})
-        self.app = create_app(self.settings)
+        self.app = queue_app(self.settings)
         self.queue = self.settings.queue
         self.max_payload_bytes = max_payload_bytes or self.settings.max_job_bytes
 

@@ -344,7 +344,7 @@ def run_with_faults(server: RedisServer, start_worker: Callable[..., Worker], jo
     import random
 
     from tokenmill.client import Client, JobTimeoutError
-    from tokenmill.worker.app import DELIVERIES_KEY
+    from tokenmill.queue.names import DELIVERIES_KEY
 
     rng = random.Random(seed)
     options = worker_options or {}

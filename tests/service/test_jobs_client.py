@@ -22,7 +22,7 @@ def test_importing_the_client_does_not_import_torch() -> None:
     code = (
         "import sys\n"
         "from tokenmill import Client\n"
-        "import tokenmill.client, tokenmill.worker.app\n"
+        "import tokenmill.client, tokenmill.queue.app\n"
         "Client('redis://127.0.0.1:1/0')\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
         "assert 'transformers' not in sys.modules, 'transformers was imported'\n"

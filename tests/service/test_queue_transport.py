@@ -12,7 +12,7 @@ from kombu import Connection, Consumer, Exchange, Producer, Queue
 from service_fixtures import RedisServer, wait_for
 
 from tokenmill.queue import transport as tm_transport
-from tokenmill.worker.app import BROKER_TRANSPORT
+from tokenmill.queue.app import BROKER_TRANSPORT
 
 EXCHANGE = Exchange("jobs", type="direct")
 

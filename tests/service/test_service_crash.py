@@ -14,8 +14,8 @@ import redis
 from service_fixtures import TEST_VISIBILITY_TIMEOUT, RedisServer, ResultLog, Worker, child_pids, wait_for
 
 from tokenmill.client import Client
+from tokenmill.queue.names import DELIVERIES_KEY
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.worker.app import DELIVERIES_KEY
 from tokenmill.worker.engine_process import EngineFailure, EngineProcess
 from tokenmill.worker.service import FATAL_EXIT_CODE
 

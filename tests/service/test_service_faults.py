@@ -22,8 +22,8 @@ from service_fixtures import (
 )
 
 from tokenmill.client import Client
+from tokenmill.queue.names import DELIVERIES_KEY
 from tokenmill.queue.transport import CONSUMERS_KEY, MALFORMED_KEY
-from tokenmill.worker.app import DELIVERIES_KEY
 
 SECRET = f"never-logged-{uuid.uuid4().hex}"
 

@@ -21,7 +21,8 @@ from service_fixtures import REPO, RedisServer, Worker
 from tokenmill.client import Client
 from tokenmill.errors import InvalidRequestError
 from tokenmill.queue import dead_letters
-from tokenmill.worker.app import DEAD_LETTER_KEY, DELIVERIES_KEY, TASK_NAME, TASK_ROUTES
+from tokenmill.queue.names import DEAD_LETTER_KEY, DELIVERIES_KEY, TASK_NAME
+from tokenmill.worker.app import TASK_ROUTES  # the public path teams use
 
 MAX_DELIVERIES = 2
 
@@ -218,7 +219,7 @@ def test_the_worker_is_still_serving(service: Service) -> None:
 
 
 def test_worker_size_limit_is_a_setting(tmp_path: Path) -> None:
-    from tokenmill.worker.settings import MAX_JOB_BYTES, QueueSettings
+    from tokenmill.queue.settings import MAX_JOB_BYTES, QueueSettings
 
     assert QueueSettings().max_job_bytes == MAX_JOB_BYTES == 2**20
     client = Client("redis://127.0.0.1:1/0", max_payload_bytes=2048)

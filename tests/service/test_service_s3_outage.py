@@ -9,7 +9,7 @@ import time
 from service_fixtures import S3_BUCKET, TEST_VISIBILITY_TIMEOUT, RedisServer, S3Server, wait_for
 
 from tokenmill.client import Client
-from tokenmill.worker.app import DELIVERIES_KEY
+from tokenmill.queue.names import DELIVERIES_KEY
 
 
 def test_results_land_once_s3_is_back(redis_server: RedisServer, s3_server: S3Server, start_worker) -> None:

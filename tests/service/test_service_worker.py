@@ -16,9 +16,10 @@ from celery import chord, group
 from service_fixtures import S3_BUCKET, RedisServer, ResultLog, S3Server, Worker, child_pids, wait_for
 
 from tokenmill.client import Client, JobFailedError
+from tokenmill.queue.names import DELIVERIES_KEY, TASK_NAME
+from tokenmill.queue.settings import QueueSettings
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.worker.app import DELIVERIES_KEY, TASK_NAME, create_app
-from tokenmill.worker.settings import QueueSettings
+from tokenmill.worker.app import create_app
 
 
 @dataclass

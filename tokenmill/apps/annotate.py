@@ -120,7 +120,7 @@ def annotate(
                             checkpoint_interval)
     summary = Summary(output=output)
     try:
-        runner = _runner(mode, model, llm, engine_options, broker, queue, window, rows_per_message)
+        runner = make_runner(mode, model, llm, engine_options, broker, queue, window, rows_per_message)
         progress = Progress(total, "annotate", quiet)
         try:
             compute(_units(dataset, prompter, id_column), checkpoint, runner, progress, summary, retry_failed)
@@ -164,7 +164,7 @@ def _check_columns(schema: pa.Schema, id_column: str | None, column: str, out_fo
                                                 f"with --column, or rename the input column")
 
 
-def _runner(mode: str, model: str | None, llm: Any, engine_options: dict[str, Any] | None, broker: str | None,
+def make_runner(mode: str, model: str | None, llm: Any, engine_options: dict[str, Any] | None, broker: str | None,
             queue: str | None, window: int | None, rows_per_message: int) -> Any:
     window = window or DEFAULT_WINDOW[mode]
     if mode == "queue":

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from tokenmill.apps.annotate import _runner, default_state_dir, model_label
+from tokenmill.apps.annotate import default_state_dir, make_runner, model_label
 from tokenmill.apps.datasets import Writer, read_lines
 from tokenmill.apps.pipeline import Progress, Summary, compute, stored
 from tokenmill.apps.runners import Unit, sampling_dict
@@ -213,7 +213,7 @@ def batch(
                             checkpoint_interval)
     summary = Summary(output=output, errors_output=errors)
     try:
-        runner = _runner(mode, model, llm, engine_options, broker, queue, window, rows_per_message)
+        runner = make_runner(mode, model, llm, engine_options, broker, queue, window, rows_per_message)
         parser = Parser(label, default_max_tokens, logprobs_ok=mode == "embedded")
         progress = Progress(total, "batch", quiet)
         try:

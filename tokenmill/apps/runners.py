@@ -183,7 +183,7 @@ class QueueRunner:
         return submitted, refused, taken
 
     def _publish(self, producer: Any, group: list[dict[str, Any]]) -> None:
-        from tokenmill.worker.batch_task import BATCH_TASK_NAME
+        from tokenmill.queue.names import BATCH_TASK_NAME
 
         amqp = self.client.app.amqp
         # ignore_result: each job's result is stored under its own id; the group's own would be a wasted key

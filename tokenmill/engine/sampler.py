@@ -137,7 +137,7 @@ class Sampler:
         want_logprobs = list(map(_logprobs_n, params))
         wants = want_logprobs.count(None) != len(want_logprobs)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if wants else None
-        logits = apply_token_masks(logits, rows)  # before every other filter; logprobs stay the model's
+        logits = apply_token_masks(logits, [row.constraint for row in rows])  # before every other filter; logprobs stay the model's
         logits = self._suppress(logits, rows)
         logits = self._penalise(logits, rows)
         # Greedy or not is known on the host: no device read decides which rows draw noise.

@@ -42,7 +42,6 @@ import torch
 from tokenmill.errors import InvalidRequestError
 
 if TYPE_CHECKING:
-    from tokenmill.engine.sampler import SamplingRow
     from tokenmill.sampling_params import SamplingParams
 
 #: Compact JSON separators (item, key), as `json.dumps(separators=...)`.
@@ -196,16 +195,16 @@ def advance(constraints: Sequence[Constraint], token_ids: Sequence[int]) -> None
             constraint.last_byte = constraint.cache.last_byte[token_id]
 
 
-def apply_token_masks(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """The sampler's hook: -inf on every token the grammar of a constrained row does not allow.
-    Called before any other logits processing; rows without a constraint are not touched."""
-    indices = [i for i, row in enumerate(rows) if row.constraint is not None]
+def apply_token_masks(logits: torch.Tensor, row_constraints: Sequence[Constraint | None]) -> torch.Tensor:
+    """The sampler's hook: -inf on every token the grammar of a constrained row does not allow (one constraint
+    or None per row of `logits`). Called before any other logits processing; rows without one are not touched."""
+    indices = [i for i, constraint in enumerate(row_constraints) if constraint is not None]
     if not indices:
         return logits
     import xgrammar as xgr
 
-    bitmask = xgr.allocate_token_bitmask(len(rows), logits.shape[1])
-    constraints: list[Constraint] = [rows[i].constraint for i in indices]  # type: ignore[misc]
+    bitmask = xgr.allocate_token_bitmask(len(row_constraints), logits.shape[1])
+    constraints: list[Constraint] = [row_constraints[i] for i in indices]  # type: ignore[misc]
     _batch_matcher().batch_fill_next_token_bitmask([c.matcher for c in constraints], bitmask, indices)
     for i, constraint in zip(indices, constraints):
         allowed = constraint.cache.after_lead.get(constraint.last_byte)

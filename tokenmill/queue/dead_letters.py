@@ -16,7 +16,7 @@ from typing import Any
 
 import redis
 
-from tokenmill.worker.app import DEAD_LETTER_KEY
+from tokenmill.queue.names import DEAD_LETTER_KEY
 
 
 @dataclass

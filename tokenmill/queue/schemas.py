@@ -194,7 +194,7 @@ def check_size(wire: dict[str, Any], limit: int) -> None:
 
     The client checks the job it is about to queue, the worker every job it receives before parsing or
     tokenizing anything (a job sent with plain Celery never met the client); both with the setting
-    `max_job_bytes` (`tokenmill.worker.settings.MAX_JOB_BYTES` by default).
+    `max_job_bytes` (`tokenmill.queue.settings.MAX_JOB_BYTES` by default).
     """
     size = len(json.dumps(wire, separators=(",", ":"), default=str).encode())
     if size <= limit:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from enum import Enum, auto
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # the scheduler reads max_tokens only; the engine owns the type
+if TYPE_CHECKING:  # the scheduler reads max_tokens only
     from tokenmill.sampling_params import SamplingParams
 
 

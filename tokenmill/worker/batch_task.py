@@ -28,18 +28,17 @@ from __future__ import annotations
 import logging
 import re
 import time
-from concurrent.futures import ALL_COMPLETED, Future, wait
+from concurrent.futures import ALL_COMPLETED, wait
 from typing import TYPE_CHECKING, Any
 
 from celery import states
 from celery.exceptions import Reject
 
 from tokenmill.errors import InvalidRequestError
+from tokenmill.queue.names import BATCH_TASK_NAME
 
 if TYPE_CHECKING:
     from tokenmill.queue.schemas import Job
-
-BATCH_TASK_NAME = "tokenmill.generate_batch"
 
 log = logging.getLogger("tokenmill.worker")
 
@@ -77,7 +76,7 @@ class BatchRun:
             return {"jobs": 0, "ran": 0, "error": "'jobs' must be a list of job objects"}
         jobs, done = self._parse(raw_jobs)
         # A job already running here (as a single job or in another group) is that run's to finish and store.
-        mine, running = self.service._claim(jobs)
+        mine, running = self.service.claim(jobs)
         try:
             ran = self._run_mine([job for job, _ in mine], done)
         except BaseException as exc:
@@ -88,22 +87,22 @@ class BatchRun:
             for job, future in mine:
                 future.set_result(done.get(job.id))
         finally:
-            self.service._release([job for job, _ in mine])
+            self.service.release([job for job, _ in mine])
         return {"jobs": len(raw_jobs), "ran": ran, "skipped": len(jobs) - ran}
 
     def _run_mine(self, jobs: list[Job], done: dict[str, dict[str, Any]]) -> int:
         """Check in (a delivery counted per job), dead-letter or run, store; returns how many ran."""
-        from tokenmill.worker.service import _Attempt, _is_final
+        from tokenmill.worker.service import Attempt, is_final
 
-        checked = self.service._check_in([job.id for job in jobs], [self.backend.get_key_for_task(j.id) for j in jobs])
+        checked = self.service.check_in([job.id for job in jobs], [self.backend.get_key_for_task(j.id) for j in jobs])
         todo = []
         for job, (stored, attempt) in zip(jobs, checked):
-            if _is_final(stored):
+            if is_final(stored):
                 continue
             if attempt > self.service.settings.max_deliveries:
-                done[job.id] = self.service._dead_letter(job, attempt, self.started_at)
+                done[job.id] = self.service.dead_letter(job, attempt, self.started_at)
             else:
-                todo.append(_Attempt(job, self.started_at, attempt))
+                todo.append(Attempt(job, self.started_at, attempt))
         try:
             self._generate(todo, done)
         finally:
@@ -125,7 +124,7 @@ class BatchRun:
                 check_size(raw, self.service.settings.max_job_bytes)  # per job, as for a single job
                 jobs.append(Job.from_wire(raw))
             except InvalidRequestError as exc:
-                failed[job_id] = self.service._failed(
+                failed[job_id] = self.service.failed(
                     JobResult.failure(job_id, "invalid_job", exc.message, exc.field, started_at=self.started_at))
         return jobs, failed
 
@@ -135,22 +134,22 @@ class BatchRun:
         On any error, or when the shutdown grace runs out, the unfinished requests are aborted and the group
         is requeued (finished results are stored by the caller; a redelivered group runs only the rest).
         """
-        from tokenmill.worker.service import _SHUTDOWN_CHECK_INTERVAL
+        from tokenmill.worker.service import SHUTDOWN_CHECK_INTERVAL
 
-        futures = {future: (run, request_id) for run, (future, request_id) in zip(runs, self.service._submit_many(runs))}
+        futures = {future: (run, request_id) for run, (future, request_id) in zip(runs, self.service.submit_many(runs))}
         self.service.metrics.jobs_in_flight.inc(len(runs))
         pending = set(futures)
         try:
             while pending:
                 # one wake-up when all are done (results are stored together anyway), else each check interval
-                finished, pending = wait(pending, timeout=_SHUTDOWN_CHECK_INTERVAL, return_when=ALL_COMPLETED)
+                finished, pending = wait(pending, timeout=SHUTDOWN_CHECK_INTERVAL, return_when=ALL_COMPLETED)
                 for future in finished:
                     run = futures[future][0]
                     try:
-                        done[run.job.id] = self.service._complete(run, output=future.result())
+                        done[run.job.id] = self.service.complete(run, output=future.result())
                     except InvalidRequestError as exc:
-                        done[run.job.id] = self.service._complete(run, error=exc)
-                if pending and self.service._abandon.is_set():
+                        done[run.job.id] = self.service.complete(run, error=exc)
+                if pending and self.service.grace_expired.is_set():
                     log.warning("group %s: %d jobs not finished when the shutdown grace ran out; requeueing it",
                                 self.task_id, len(pending))
                     raise Reject("worker shutting down", requeue=True)
@@ -172,5 +171,5 @@ class BatchRun:
         # the meta's other fields (date_done, children) are the same for every job stored now
         meta = self.backend._get_result_meta(result=None, state=states.SUCCESS, traceback=None, request=None)
         encode, key = self.backend.encode, self.backend.get_key_for_task
-        self.service._store_results({key(job_id): encode({**meta, "result": wire, "task_id": job_id})
+        self.service.store_results({key(job_id): encode({**meta, "result": wire, "task_id": job_id})
                                      for job_id, wire in results.items()})

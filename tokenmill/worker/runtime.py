@@ -48,7 +48,7 @@ def run_job(task: Any, args: tuple[Any, ...], fields: dict[str, Any]) -> dict[st
         payload = _payload(args, fields)
         check_size({**payload, **fields}, service.settings.max_job_bytes)
     except InvalidRequestError as exc:
-        return service._failed(JobResult.failure(task_id, "invalid_job", exc.message, exc.field, started_at=time.time()))
+        return service.failed(JobResult.failure(task_id, "invalid_job", exc.message, exc.field, started_at=time.time()))
     return service.run_job(task_id, payload, fields, task.backend.get_key_for_task(task_id))
 
 

@@ -50,8 +50,8 @@ from redis.retry import Retry
 
 from tokenmill.errors import InvalidRequestError
 from tokenmill.queue import dead_letters
+from tokenmill.queue.names import DEAD_LETTER_KEY, DELIVERIES_KEY
 from tokenmill.queue.schemas import Job, JobResult, Usage
-from tokenmill.worker.app import DEAD_LETTER_KEY, DELIVERIES_KEY
 from tokenmill.worker.engine_process import EngineProcess
 from tokenmill.worker.metrics import WorkerMetrics
 from tokenmill.worker.settings import WorkerSettings
@@ -60,7 +60,7 @@ from tokenmill.worker.sinks import OutputWriteError, RetryPolicy, S3Sink, WriteA
 log = logging.getLogger("tokenmill.worker")
 
 FATAL_EXIT_CODE = 70  # EX_SOFTWARE: the engine failed; a supervisor restarts the worker
-_SHUTDOWN_CHECK_INTERVAL = 2.0  # seconds
+SHUTDOWN_CHECK_INTERVAL = 2.0  # seconds
 
 # KEYS: n result keys, then the n jobs' delivery-count keys; ARGV[1]: the counts' expiry in seconds.
 # Returns, per job, its stored result (nil if none) and its delivery number after this one.
@@ -90,7 +90,7 @@ return new
 
 
 @dataclass
-class _Attempt:
+class Attempt:
     job: Job
     started_at: float
     attempt: int
@@ -113,7 +113,7 @@ class WorkerService:
         self._running: dict[str, Future] = {}
         self._lock = threading.Lock()
         self._stopping = threading.Event()
-        self._abandon = threading.Event()
+        self.grace_expired = threading.Event()
 
     @classmethod
     def start(cls, settings: WorkerSettings) -> WorkerService:
@@ -145,12 +145,12 @@ class WorkerService:
             return
         self._stopping.set()
         log.info("shutting down: finishing %d in-flight jobs (grace %.0fs)", len(self._running), self.settings.shutdown_grace)
-        timer = threading.Timer(self.settings.shutdown_grace, self._abandon.set)
+        timer = threading.Timer(self.settings.shutdown_grace, self.grace_expired.set)
         timer.daemon = True
         timer.start()
 
     def close(self) -> None:
-        self._abandon.set()
+        self.grace_expired.set()
         self.engine.stop(timeout=10)
 
     # -- one job -------------------------------------------------------------------------------
@@ -166,8 +166,8 @@ class WorkerService:
         try:
             job = Job.from_wire(raw)
         except InvalidRequestError as exc:
-            return self._failed(JobResult.failure(_safe_id(raw, task_id), "invalid_job", exc.message, exc.field, started_at=started_at))
-        mine, running = self._claim([job])
+            return self.failed(JobResult.failure(_safe_id(raw, task_id), "invalid_job", exc.message, exc.field, started_at=started_at))
+        mine, running = self.claim([job])
         if running:  # not a new delivery to count: the run in progress answers it
             log.info("job %s is already running here; waiting for that run", job.id)
             result = self._wait(running[0][1], job, abort_id=None)
@@ -183,9 +183,9 @@ class WorkerService:
             future.set_exception(exc)
             raise
         finally:
-            self._release([job])
+            self.release([job])
 
-    def _claim(self, jobs: list[Job]) -> tuple[list[tuple[Job, Future]], list[tuple[Job, Future]]]:
+    def claim(self, jobs: list[Job]) -> tuple[list[tuple[Job, Future]], list[tuple[Job, Future]]]:
         """Register `jobs` as running here; returns (jobs now mine, with the future their callers wait on;
         jobs already running here, with that run's future). Only jobs now mine count as deliveries."""
         mine, running = [], []
@@ -199,38 +199,38 @@ class WorkerService:
                     running.append((job, current))
         return mine, running
 
-    def _release(self, jobs: list[Job]) -> None:
+    def release(self, jobs: list[Job]) -> None:
         with self._lock:
             for job in jobs:
                 self._running.pop(job.id, None)
 
     def _run_once(self, job: Job, result_key: bytes, started_at: float) -> dict[str, Any]:
         """Steps 3-7 for a job that is not already running in this process."""
-        [(stored, attempt)] = self._check_in([job.id], [result_key])
-        if _is_final(stored):
+        [(stored, attempt)] = self.check_in([job.id], [result_key])
+        if is_final(stored):
             log.info("job %s already has a result; acknowledging without running it again", job.id)
             raise Ignore()
         if attempt > self.settings.max_deliveries:
-            return self._dead_letter(job, attempt, started_at)
+            return self.dead_letter(job, attempt, started_at)
         self.metrics.jobs_in_flight.inc()
         try:
-            return self._execute(_Attempt(job, started_at, attempt))
+            return self._execute(Attempt(job, started_at, attempt))
         finally:
             self.metrics.jobs_in_flight.dec()
 
-    def _execute(self, run: _Attempt) -> dict[str, Any]:
+    def _execute(self, run: Attempt) -> dict[str, Any]:
         future, request_id = self._submit(run)
         try:
             output = self._wait(future, run.job, abort_id=request_id)
         except InvalidRequestError as exc:
-            return self._complete(run, error=exc)
-        return self._complete(run, output=output)
+            return self.complete(run, error=exc)
+        return self.complete(run, output=output)
 
-    def _submit(self, run: _Attempt) -> tuple[Future, str]:
+    def _submit(self, run: Attempt) -> tuple[Future, str]:
         """Hand the job to the engine; returns the engine's future and request id (to abort it)."""
-        return self._submit_many([run])[0]
+        return self.submit_many([run])[0]
 
-    def _submit_many(self, runs: list[_Attempt]) -> list[tuple[Future, str]]:
+    def submit_many(self, runs: list[Attempt]) -> list[tuple[Future, str]]:
         """`_submit` for several jobs in one message to the engine process (a group's jobs)."""
         requests = []
         for run in runs:
@@ -242,11 +242,11 @@ class WorkerService:
         futures = self.engine.submit_many(requests) if requests else []
         return [(future, request[0]) for future, request in zip(futures, requests)]
 
-    def _complete(self, run: _Attempt, output: Any = None, error: InvalidRequestError | None = None) -> dict[str, Any]:
+    def complete(self, run: Attempt, output: Any = None, error: InvalidRequestError | None = None) -> dict[str, Any]:
         """The job's final result from the engine's output (or its refusal), written to S3 if asked."""
         job = run.job
         if error is not None:
-            return self._failed(JobResult.failure(job.id, "invalid_request", error.message, error.field, **_times(job, run)))
+            return self.failed(JobResult.failure(job.id, "invalid_request", error.message, error.field, **_times(job, run)))
         result = _result_from_output(job, run, output, self.hostname)
         if self.settings.log_prompts:
             log.debug("job %s prompt=%r text=%r", job.id, job.prompt or job.messages or job.prompt_token_ids, result.text)
@@ -261,9 +261,9 @@ class WorkerService:
         """
         while True:
             try:
-                return future.result(timeout=_SHUTDOWN_CHECK_INTERVAL)
+                return future.result(timeout=SHUTDOWN_CHECK_INTERVAL)
             except FutureTimeout:
-                if self._abandon.is_set():
+                if self.grace_expired.is_set():
                     if abort_id is not None:
                         self.engine.abort(abort_id)
                     log.warning("job %s not finished when the shutdown grace ran out; requeueing it", job.id)
@@ -274,24 +274,24 @@ class WorkerService:
         assert location is not None and self.sink is not None
         body = json.dumps(result.to_wire()).encode()
         try:
-            uri = self.sink.write(location, job.id, body, stop=self._abandon)
+            uri = self.sink.write(location, job.id, body, stop=self.grace_expired)
         except WriteAbandoned as exc:
             log.warning("job %s: %s; requeueing it", job.id, exc)
             raise Reject(str(exc), requeue=True) from None
         except OutputWriteError as exc:
             error = {"code": "output_write_failed", "message": str(exc), "field": "output"}
-            return self._failed(JobResult.model_validate({**result.to_wire(), "status": "failed", "error": error}))
+            return self.failed(JobResult.model_validate({**result.to_wire(), "status": "failed", "error": error}))
         return self._succeeded(result.stub(uri))
 
     # -- bookkeeping ---------------------------------------------------------------------------
 
-    def _check_in(self, job_ids: list[str], result_keys: list[bytes]) -> list[tuple[bytes | None, int]]:
+    def check_in(self, job_ids: list[str], result_keys: list[bytes]) -> list[tuple[bytes | None, int]]:
         """One script call for all: each job's stored result (if any) and this delivery's number (INCR)."""
         keys = [*result_keys, *(DELIVERIES_KEY.format(job_id=job_id) for job_id in job_ids)]
         replies = self._scripts["check_in"](keys=keys, args=[int(self.settings.result_expires)])
         return [(replies[i], int(replies[i + 1])) for i in range(0, len(replies), 2)]
 
-    def _store_results(self, encoded: dict[bytes, bytes]) -> int:
+    def store_results(self, encoded: dict[bytes, bytes]) -> int:
         """Store each encoded Celery result under its key unless one is there already, and announce the new
         ones on the key's channel as Celery does: one round trip for a whole group. Returns how many were new."""
         if not encoded:
@@ -302,7 +302,7 @@ class WorkerService:
     def _scripts(self) -> dict[str, Any]:
         return {"check_in": self.redis.register_script(_CHECK_IN), "store": self.redis.register_script(_STORE)}
 
-    def _dead_letter(self, job: Job, attempt: int, started_at: float) -> dict[str, Any]:
+    def dead_letter(self, job: Job, attempt: int, started_at: float) -> dict[str, Any]:
         message = (
             f"delivered {attempt} times and no earlier delivery finished (the worker running it died each time); "
             f"not run again, moved to the Redis list {DEAD_LETTER_KEY}"
@@ -310,7 +310,7 @@ class WorkerService:
         dead_letters.push(self.redis, job.to_wire(), message, attempt, self.settings.dead_letter_max_len,
                           self.settings.dead_letter_expires)
         log.error("job %s dead-lettered after %d deliveries", job.id, attempt)
-        return self._failed(
+        return self.failed(
             JobResult.failure(job.id, "dead_letter", message, queued_at=job.submitted_at, started_at=started_at,
                               attempt=attempt, worker=self.hostname, metadata=job.metadata)
         )
@@ -327,14 +327,14 @@ class WorkerService:
         log.debug("job %s succeeded: %s tokens", result.id, result.usage.completion_tokens if result.usage else "?")
         return result.to_wire()
 
-    def _failed(self, result: JobResult) -> dict[str, Any]:
+    def failed(self, result: JobResult) -> dict[str, Any]:
         assert result.error is not None
         self.metrics.jobs_failed.labels(code=result.error.code).inc()
         log.warning("job %s failed: %s (%s)", result.id, result.error.code, result.error.field or "-")
         return result.to_wire()
 
 
-def _result_from_output(job: Job, run: _Attempt, output: Any, worker: str) -> JobResult:
+def _result_from_output(job: Job, run: Attempt, output: Any, worker: str) -> JobResult:
     prompt_tokens, completion_tokens = len(output.prompt_token_ids), len(output.token_ids)
     return JobResult(
         id=job.id,
@@ -354,11 +354,11 @@ def _result_from_output(job: Job, run: _Attempt, output: Any, worker: str) -> Jo
     )
 
 
-def _times(job: Job, run: _Attempt) -> dict[str, Any]:
+def _times(job: Job, run: Attempt) -> dict[str, Any]:
     return {"queued_at": job.submitted_at, "started_at": run.started_at, "finished_at": time.time()}
 
 
-def _is_final(stored: bytes | None) -> bool:
+def is_final(stored: bytes | None) -> bool:
     """Whether a stored Celery result (JSON, `result_serializer="json"`) is a final state."""
     return stored is not None and json.loads(stored).get("status") in ("SUCCESS", "FAILURE")
 

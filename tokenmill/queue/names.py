@@ -1,0 +1,22 @@
+"""The names both sides of Redis agree on: task names, the default queue, its routes and tokenmill's own keys.
+
+They are the wire contract: a job queued by any client version runs on any worker that knows these names,
+so they never change (a message queued before an upgrade must still run after it).
+"""
+
+from __future__ import annotations
+
+#: One job per message (`Client.submit`, `generate.delay`, a team's own `send_task`).
+TASK_NAME = "tokenmill.generate"
+#: Several jobs per message, each with its own id and result (`tokenmill annotate --broker`).
+BATCH_TASK_NAME = "tokenmill.generate_batch"
+#: The queue tokenmill workers consume and the client sends to unless told otherwise.
+DEFAULT_QUEUE = "tokenmill"
+#: For a team's own Celery app: `app.conf.task_routes = TASK_ROUTES` (or merge it into theirs) sends
+#: `app.send_task("tokenmill.generate", ...)` to the queue tokenmill workers consume. Without it Celery
+#: publishes to its default queue `celery`, which no tokenmill worker reads, and the job waits forever.
+TASK_ROUTES = {TASK_NAME: {"queue": DEFAULT_QUEUE}}
+#: tokenmill's own Redis keys, beside Celery's: the delivery count of each job, and the list of jobs
+#: given up on after `max_deliveries` (newest first).
+DELIVERIES_KEY = "tokenmill:deliveries:{job_id}"
+DEAD_LETTER_KEY = "tokenmill:dead_letter"

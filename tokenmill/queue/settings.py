@@ -1,0 +1,44 @@
+"""Queue settings: what both sides of the queue need (broker, result backend, queue name, delays, job size),
+a pydantic-settings model read from `TOKENMILL_*` environment variables. Torch-free.
+
+`tokenmill.worker.settings.WorkerSettings` extends it with what only a worker needs.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from tokenmill.queue.names import DEFAULT_QUEUE
+
+#: Largest encoded job (its JSON, in bytes) a client queues and a worker accepts (`TOKENMILL_MAX_JOB_BYTES`
+#: changes both). Redis holds every queued job in memory and a worker tokenizes its prompt; prompts larger
+#: than this belong in object storage.
+MAX_JOB_BYTES = 1 << 20
+
+
+class QueueSettings(BaseSettings):
+    """Broker-side settings shared by producers and workers."""
+
+    # An empty variable counts as unset, so `TOKENMILL_X: ${TOKENMILL_X:-}` in docker-compose.yml passes a
+    # value through when .env sets one and leaves the default here otherwise.
+    model_config = SettingsConfigDict(env_prefix="TOKENMILL_", extra="ignore", env_ignore_empty=True)
+
+    broker_url: str = Field("redis://localhost:6379/0", description="Redis URL of the Celery broker.")
+    result_backend: str | None = Field(None, description="Redis URL for results; defaults to the broker URL.")
+    queue: str = Field(DEFAULT_QUEUE, min_length=1, description="Queue that jobs are sent to by default.")
+    visibility_timeout: float = Field(
+        60.0,
+        gt=0,
+        description="Seconds after which a job delivered to a worker that stopped renewing its lease "
+        "(crashed, killed) is delivered again. Live workers renew leases, so slow jobs are not rerun.",
+    )
+    result_expires: int = Field(86400, gt=0, description="Seconds a result stays in Redis.")
+    max_job_bytes: int = Field(
+        MAX_JOB_BYTES, ge=1024, description="Largest encoded job (JSON bytes): clients refuse to queue a larger "
+        "one, workers fail it (invalid_job, naming the biggest field) before parsing or tokenizing it.",
+    )
+
+    @property
+    def backend_url(self) -> str:
+        return self.result_backend or self.broker_url
