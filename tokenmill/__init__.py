@@ -12,11 +12,13 @@ from tokenmill.errors import InvalidRequestError
 from tokenmill.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "Client", "InvalidRequestError", "annotate", "__version__"]
+__all__ = ["LLM", "SamplingParams", "Client", "Job", "JobResult", "InvalidRequestError", "annotate", "__version__"]
 
 _LAZY = {
     "LLM": "tokenmill.engine.llm",
     "Client": "tokenmill.client",
+    "Job": "tokenmill.queue.schemas",
+    "JobResult": "tokenmill.queue.schemas",
     "annotate": "tokenmill.apps.annotate",
 }
 
@@ -24,6 +26,7 @@ if TYPE_CHECKING:
     from tokenmill.apps.annotate import annotate
     from tokenmill.client import Client
     from tokenmill.engine.llm import LLM
+    from tokenmill.queue.schemas import Job, JobResult
 
 
 def __getattr__(name: str) -> Any:

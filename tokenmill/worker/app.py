@@ -37,16 +37,12 @@ from typing import Any
 from celery import Celery
 
 from tokenmill.queue.app import celery_config, queue_app
-from tokenmill.queue.names import BATCH_TASK_NAME, TASK_NAME
+from tokenmill.queue.names import TASK_NAME
 from tokenmill.queue.names import TASK_ROUTES as TASK_ROUTES  # public here too: `from tokenmill.worker.app import ...`
 from tokenmill.queue.settings import QueueSettings
 from tokenmill.worker.batch_task import register as register_batch_task
 from tokenmill.worker.leases import LeaseRenewal
 
-#: The only tasks a tokenmill worker executes. A message for any other task (Celery's built-ins such as
-#: `celery.chord_unlock` included) is refused by the consumer (`tokenmill.worker.guard`) and marked
-#: failed. To add a task, register it in `create_app` and name it here.
-ALLOWED_TASKS: frozenset[str] = frozenset({TASK_NAME, BATCH_TASK_NAME})
 #: Celery renders each task's return value with `saferepr` for logs and task events (Flower). Cut at
 #: 64 characters it shows the job's id and status but no completion text, and is cheap to compute
 #: (the full repr of a result costs ~0.13 ms per job, on the worker's critical path).

@@ -28,10 +28,15 @@ from celery.exceptions import InvalidTaskError, NotRegistered
 from celery.utils.objects import Bunch
 from celery.worker.consumer import Consumer
 
+from tokenmill.queue.names import BATCH_TASK_NAME, TASK_NAME
 from tokenmill.queue.schemas import JOB_ID_PATTERN
-from tokenmill.worker.app import ALLOWED_TASKS
 
 log = logging.getLogger(__name__)
+
+#: The only tasks a tokenmill worker executes. A message for any other task (Celery's built-ins such as
+#: `celery.chord_unlock` included) is refused by this consumer and marked failed. To add a task, register it
+#: in `tokenmill.worker.app.create_app` and name it here.
+ALLOWED_TASKS: frozenset[str] = frozenset({TASK_NAME, BATCH_TASK_NAME})
 
 
 def protocol_problem(message: Any) -> str | None:
