@@ -3,6 +3,7 @@
     tokenmill generate [--model builtin:tiny] [--prompt TEXT ...] [--input prompts.jsonl] [--max-tokens N]
     tokenmill worker --model M --broker redis://... [--queues a,b] [--concurrency N] [...]
     tokenmill dead-letters [--broker URL] list [--full] | requeue (ID ... | --all) | purge (ID ... | --all)
+    tokenmill cancel [--broker URL] (ID ... | --run RUN)
     tokenmill annotate INPUT -o OUTPUT --template '...{{ column }}...' [--broker ...]   (tokenmill.apps.cli)
     tokenmill batch -i requests.jsonl -o results.jsonl [--errors errors.jsonl] [--broker ...]
     tokenmill health [--url http://127.0.0.1:9400/metrics] [--max-age 60]
@@ -11,7 +12,8 @@
 arguments it completes a few demo prompts on the built-in tiny model (the README's quick start).
 `worker` flags are generated from `WorkerSettings`, so each has a `TOKENMILL_<NAME>` environment
 variable twin; a flag wins over the variable. `dead-letters` lists the jobs workers gave up on (one JSON
-line each), queues them again with their delivery count reset, or drops them. `health` exits 0 only
+line each), queues them again with their delivery count reset, or drops them. `cancel` stops jobs by id, or
+every job of an `annotate --broker` / `batch --broker` run, queued or running (`Client.cancel`). `health` exits 0 only
 while a worker's engine is serving (the Docker healthcheck; `tokenmill.worker.health`).
 """
 
@@ -46,6 +48,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _worker(args)
     if args.command == "dead-letters":
         return _dead_letters(args)
+    if args.command == "cancel":
+        return _cancel(args)
     if args.command in ("annotate", "batch"):
         from tokenmill.apps.cli import run
 
@@ -75,6 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
     worker = commands.add_parser("worker", help="run a queue worker (Celery on Redis)")
     _add_settings_flags(worker)
     _add_dead_letter_commands(commands)
+    cancel = commands.add_parser("cancel", help="cancel queued or running jobs by id, or a whole annotate/batch run")
+    _add_queue_flags(cancel)
+    cancel.add_argument("ids", nargs="*", metavar="ID", help="job ids")
+    cancel.add_argument("--run", help="cancel every job of this annotate --broker / batch --broker run (its run id)")
     from tokenmill.apps.cli import add_parsers as add_annotate_parsers
 
     add_annotate_parsers(commands)  # `annotate` and `batch`
@@ -84,11 +92,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_queue_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--broker", dest="broker_url", help="Redis URL [env TOKENMILL_BROKER_URL]")
+    parser.add_argument("--result-backend", help="Redis URL of results, if not the broker [env TOKENMILL_RESULT_BACKEND]")
+    parser.add_argument("--queue", help="queue (where dead-letters requeue sends jobs) [env TOKENMILL_QUEUE]")
+
+
 def _add_dead_letter_commands(commands: Any) -> None:
     dead = commands.add_parser("dead-letters", help="list, requeue or purge jobs the workers gave up on")
-    dead.add_argument("--broker", dest="broker_url", help="Redis URL [env TOKENMILL_BROKER_URL]")
-    dead.add_argument("--result-backend", help="Redis URL of results, if not the broker [env TOKENMILL_RESULT_BACKEND]")
-    dead.add_argument("--queue", help="queue to requeue to [env TOKENMILL_QUEUE]")
+    _add_queue_flags(dead)
     actions = dead.add_subparsers(dest="action", required=True)
     listing = actions.add_parser("list", help="one JSON line per dead letter, newest first")
     listing.add_argument("--full", action="store_true", help="print whole entries (with the job), not summaries")
@@ -163,6 +175,23 @@ def _dead_letters(args: argparse.Namespace) -> int:
     for job_id in missing:
         print(f"tokenmill dead-letters {args.action}: no dead letter for job {job_id}", file=sys.stderr)
     return 1 if missing else 0
+def _cancel(args: argparse.Namespace) -> int:
+    """One line per job: its id and outcome (cancelled, cancelling, finished: already had its result)."""
+    from tokenmill.client import Client
+
+    if bool(args.ids) == bool(args.run):
+        print("tokenmill cancel: give job ids or --run RUN (not both)", file=sys.stderr)
+        return 2
+    with Client(args.broker_url, result_backend=args.result_backend, queue=args.queue) as client:
+        outcomes = client.cancel_run(args.run) if args.run else client.cancel(args.ids)
+    if args.run and not outcomes:
+        print(f"tokenmill cancel: no jobs recorded for run {args.run}", file=sys.stderr)
+        return 1
+    for job_id, outcome in outcomes.items():
+        print(f"{job_id}\t{outcome}", flush=True)
+    return 0
+
+
 def _health(args: argparse.Namespace) -> int:
     from tokenmill.worker.health import engine_problem
     from tokenmill.worker.settings import WorkerSettings

@@ -31,9 +31,10 @@ from typing import Any
 import redis
 
 from tokenmill.errors import InvalidRequestError
-from tokenmill.queue import dead_letters
+from tokenmill.queue import cancels, dead_letters
 from tokenmill.queue.app import queue_app
-from tokenmill.queue.names import DELIVERIES_KEY, TASK_NAME
+from tokenmill.queue.cancels import CANCELLED_STATE, FINAL_STATES, Outcome
+from tokenmill.queue.names import CANCEL_KEY, DELIVERIES_KEY, RUN_JOBS_KEY, TASK_NAME
 from tokenmill.queue.schemas import Job, JobResult, check_size
 from tokenmill.queue.settings import QueueSettings
 
@@ -41,7 +42,6 @@ log = logging.getLogger(__name__)
 
 _PUBLISH_BATCH = 1000
 _SWEEP_INTERVAL = 1.0
-_FINAL_STATES = ("SUCCESS", "FAILURE", "REVOKED")
 
 
 class JobFailedError(RuntimeError):
@@ -54,6 +54,10 @@ class JobFailedError(RuntimeError):
             detail += f" (field: {error.field})"
         super().__init__(f"job {result.id} failed: {detail}")
         self.result = result
+
+
+class JobCancelledError(JobFailedError):
+    """The job was cancelled; `.result` holds its `JobResult` (`text`: what it generated before it stopped)."""
 
 
 class JobTimeoutError(TimeoutError):
@@ -73,11 +77,18 @@ class JobHandle:
     client: Client = field(repr=False, compare=False)
 
     def result(self, timeout: float | None = None) -> JobResult:
-        """Wait for the result. Raises `JobFailedError` if the job failed, `JobTimeoutError` on timeout."""
+        """Wait for the result. Raises `JobFailedError` if the job failed (`JobCancelledError` if it was
+        cancelled), `JobTimeoutError` on timeout."""
         result = next(self.client.as_completed([self], timeout=timeout))
+        if result.status == "cancelled":
+            raise JobCancelledError(result)
         if not result.ok:
             raise JobFailedError(result)
         return result
+
+    def cancel(self) -> Outcome:
+        """Cancel this job; see `Client.cancel`."""
+        return self.client.cancel(self.id)[self.id]
 
     def get(self) -> JobResult | None:
         """The result if it is there now (failed or not), else None. Never waits, never raises for failures."""
@@ -167,6 +178,27 @@ class Client:
         found = {r.id: r for r in self.as_completed(handles, timeout=timeout)}
         return [found[h.id if isinstance(h, JobHandle) else h] for h in handles]
 
+    def cancel(self, jobs: str | JobHandle | Iterable[str | JobHandle]) -> dict[str, Outcome]:
+        """Cancel jobs by id, wherever they are; returns the outcome per id:
+
+        * "cancelled": no worker had started it; it never will, and its result (`cancelled`) is stored now;
+        * "cancelling": it is running; its worker stops it at the engine's next step (freeing its batch slot
+          and KV blocks) and stores its result, `cancelled` with the text generated so far;
+        * "finished": it had a final result already, which stays as it was.
+
+        The cancel is kept in Redis as long as results are, so a worker that takes the job later (started
+        afterwards, a redelivery, a group message) never runs it. An unknown id is recorded like a queued one
+        (its job, if it is sent later with that id, does not run).
+        """
+        ids = [jobs] if isinstance(jobs, (str, JobHandle)) else list(jobs)
+        return cancels.cancel(self.app.backend, [h.id if isinstance(h, JobHandle) else h for h in ids],
+                              self.settings.result_expires)
+
+    def cancel_run(self, run_id: str) -> dict[str, Outcome]:
+        """Cancel every job a `tokenmill annotate --broker` / `batch --broker` run queued (see `Client.cancel`)."""
+        members = self.app.backend.client.smembers(RUN_JOBS_KEY.format(run_id=run_id))
+        return self.cancel(sorted(m.decode() for m in members))
+
     def dead_letters(self) -> list[dict[str, Any]]:
         """Jobs the workers gave up on (see `max_deliveries`), newest first: `{job, reason, deliveries,
         dead_lettered_at}` each."""
@@ -185,7 +217,8 @@ class Client:
         for letter in chosen:
             job = {k: v for k, v in letter.job.items() if k != "submitted_at"}  # restamped: queued again now
             wire = self.prepare(job)
-            store.delete(self.app.backend.get_key_for_task(letter.id), DELIVERIES_KEY.format(job_id=letter.id))
+            store.delete(self.app.backend.get_key_for_task(letter.id), DELIVERIES_KEY.format(job_id=letter.id),
+                         CANCEL_KEY.format(job_id=letter.id))
             with self.app.producer_or_acquire() as producer:
                 self._publish(producer, wire, retry=True)
             dead_letters.remove(store, letter)
@@ -315,8 +348,13 @@ def _parse_meta(job_id: str, value: bytes | None, backend: Any) -> JobResult | N
         return None
     meta = backend.decode_result(value)
     status = meta.get("status")
-    if status not in _FINAL_STATES:
+    if status not in FINAL_STATES:
         return None
+    if status == CANCELLED_STATE:  # decoded raw: Celery turned the result into a TaskRevokedError above
+        result = json.loads(value).get("result")
+        if isinstance(result, dict) and result.get("status") == "cancelled":
+            return JobResult.model_validate(result)
+        return JobResult.cancelled(job_id, "revoked (a Celery revoke)")
     if status == "SUCCESS":
         try:
             return JobResult.model_validate(meta.get("result"))

@@ -24,9 +24,10 @@ from tokenmill.scheduler.sequence import Sequence
 
 @dataclass
 class RequestOutput:
-    """A finished request. `finish_reason` is "stop" (EOS, stop token or stop string), "length", or "error"
+    """A finished request. `finish_reason` is "stop" (EOS, stop token or stop string), "length", "error"
     for a request rejected at admission or failed on its own while running (then `error` is
-    "<field>: <message>", the text of the `InvalidRequestError` naming what is wrong)."""
+    "<field>: <message>", the text of the `InvalidRequestError` naming what is wrong), or the reason given
+    to `cancel_request` ("cancelled", "deadline") for one stopped early with what it had generated."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -172,6 +173,21 @@ class LLMEngine:
         request = self.requests.pop(request_id, None)
         if request is not None and not request.seq.is_finished:
             self.scheduler.finish(request.seq, "abort")
+
+    def cancel_request(self, request_id: str, reason: str) -> RequestOutput | None:
+        """Finish a request now with `finish_reason=reason` ("cancelled", "deadline"): its blocks and batch slot
+        are freed at once and what it generated so far comes back. None for a request that is not running."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        self.scheduler.finish(request.seq, reason)
+        try:
+            return self._output(request, time.time(), reason)
+        except Exception:  # the partial tokens cannot be decoded: the tokens still are the output
+            seq = request.seq
+            return RequestOutput(request_id, seq.prompt_token_ids, seq.output_token_ids, "", reason,
+                                 arrival_time=request.arrival_time, first_token_time=request.first_token_time,
+                                 finished_time=time.time())
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

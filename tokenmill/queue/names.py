@@ -20,3 +20,9 @@ TASK_ROUTES = {TASK_NAME: {"queue": DEFAULT_QUEUE}}
 #: given up on after `max_deliveries` (newest first).
 DELIVERIES_KEY = "tokenmill:deliveries:{job_id}"
 DEAD_LETTER_KEY = "tokenmill:dead_letter"
+#: A job asked to be cancelled (kept as long as results), and the channel each cancel is announced on to the
+#: workers (its message: the job id). See `tokenmill.queue.cancels`.
+CANCEL_KEY = "tokenmill:cancel:{job_id}"
+CANCEL_CHANNEL = "tokenmill:cancels"
+#: The ids of the jobs one `annotate --broker` / `batch --broker` run queued (a set), for `tokenmill cancel --run`.
+RUN_JOBS_KEY = "tokenmill:run:{run_id}"

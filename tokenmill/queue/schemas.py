@@ -98,6 +98,9 @@ class Job(BaseModel):
     output: str | None = None
     metadata: dict[str, Any] = Field(default_factory=dict)
     submitted_at: float | None = None
+    #: Seconds the job may run on a worker (from its start there); past it the job ends `deadline_exceeded`
+    #: with what it generated so far. Celery's `time_limit` / `soft_time_limit` of `apply_async` set it too.
+    deadline_s: float | None = Field(default=None, gt=0, allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
@@ -217,7 +220,8 @@ class Usage(BaseModel):
 class JobError(BaseModel):
     """Why a job failed. `code` is stable (match on it); `message` is for people; `field` names bad input."""
 
-    code: Literal["invalid_job", "invalid_request", "dead_letter", "output_write_failed", "task_failure"]
+    code: Literal["invalid_job", "invalid_request", "dead_letter", "output_write_failed", "task_failure", "cancelled",
+                  "deadline_exceeded"]
     message: str
     field: str | None = None
 
@@ -234,10 +238,10 @@ class JobResult(BaseModel):
 
     version: Literal[1] = SCHEMA_VERSION
     id: str
-    status: Literal["succeeded", "failed"]
+    status: Literal["succeeded", "failed", "cancelled"]  # cancelled: `text` holds what it generated before
     text: str | None = None
     token_ids: list[int] | None = None
-    finish_reason: str | None = None  # "stop" (EOS, stop token or string) or "length"
+    finish_reason: str | None = None  # "stop" (EOS, stop token or string), "length"; stopped early: "cancelled", "deadline"
     logprobs: list[Any] | None = None
     parsed: Any = None  # json_schema / json_object: the completion's JSON value, when it satisfies the constraint
     constraint_satisfied: bool | None = None  # structured outputs: False when cut by max_tokens or a stop string
@@ -261,6 +265,12 @@ class JobResult(BaseModel):
         """A failed result; `finished_at` defaults to now."""
         extra.setdefault("finished_at", time.time())
         return cls(id=job_id, status="failed", error=JobError(code=code, message=message, field=field), **extra)
+
+    @classmethod
+    def cancelled(cls, job_id: str, message: str, **extra: Any) -> JobResult:
+        """A cancelled result (code `cancelled`); `finished_at` defaults to now."""
+        extra.setdefault("finished_at", time.time())
+        return cls(id=job_id, status="cancelled", error=JobError(code="cancelled", message=message), **extra)
 
     def stub(self, output_uri: str) -> JobResult:
         """The Redis copy of a result whose full JSON lives at `output_uri`."""

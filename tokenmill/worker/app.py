@@ -40,6 +40,7 @@ from tokenmill.queue.app import celery_config, queue_app
 from tokenmill.queue.names import TASK_NAME
 from tokenmill.queue.names import TASK_ROUTES as TASK_ROUTES  # public here too: `from tokenmill.worker.app import ...`
 from tokenmill.queue.settings import QueueSettings
+from tokenmill.worker import control  # noqa: F401  (tokenmill's revoke, refusals of what cannot work)
 from tokenmill.worker.batch_task import register as register_batch_task
 from tokenmill.worker.leases import LeaseRenewal
 

@@ -35,6 +35,7 @@ from celery import states
 from celery.exceptions import Reject
 
 from tokenmill.errors import InvalidRequestError
+from tokenmill.queue.cancels import encode_result, is_final
 from tokenmill.queue.names import BATCH_TASK_NAME
 
 if TYPE_CHECKING:
@@ -92,17 +93,20 @@ class BatchRun:
 
     def _run_mine(self, jobs: list[Job], done: dict[str, dict[str, Any]]) -> int:
         """Check in (a delivery counted per job), dead-letter or run, store; returns how many ran."""
-        from tokenmill.worker.service import Attempt, is_final
+        from tokenmill.worker.service import Attempt
 
         checked = self.service.check_in([job.id for job in jobs], [self.backend.get_key_for_task(j.id) for j in jobs])
         todo = []
-        for job, (stored, attempt) in zip(jobs, checked):
-            if is_final(stored):
+        for job, check in zip(jobs, checked):
+            run = Attempt(job, self.started_at, check.attempt)
+            if is_final(check.stored):
                 continue
-            if attempt > self.service.settings.max_deliveries:
-                done[job.id] = self.service.dead_letter(job, attempt, self.started_at)
+            if check.cancelled:
+                done[job.id] = self.service.cancelled_before_start(run)
+            elif check.attempt > self.service.settings.max_deliveries:
+                done[job.id] = self.service.dead_letter(job, check.attempt, self.started_at)
             else:
-                todo.append(Attempt(job, self.started_at, attempt))
+                todo.append(run)
         try:
             self._generate(todo, done)
         finally:
@@ -132,17 +136,24 @@ class BatchRun:
         """Submit every job to the engine at once (they join its running batch), then wait for all.
 
         On any error, or when the shutdown grace runs out, the unfinished requests are aborted and the group
-        is requeued (finished results are stored by the caller; a redelivered group runs only the rest).
+        is requeued (finished results are stored by the caller; a redelivered group runs only the rest). A job
+        past its deadline is stopped in the engine and ends `deadline_exceeded`; the others go on.
         """
         from tokenmill.worker.service import SHUTDOWN_CHECK_INTERVAL
 
         futures = {future: (run, request_id) for run, (future, request_id) in zip(runs, self.service.submit_many(runs))}
+        deadlines = {future: run.deadline for future, (run, _) in futures.items() if run.deadline is not None}
         self.service.metrics.jobs_in_flight.inc(len(runs))
         pending = set(futures)
         try:
             while pending:
                 # one wake-up when all are done (results are stored together anyway), else each check interval
-                finished, pending = wait(pending, timeout=SHUTDOWN_CHECK_INTERVAL, return_when=ALL_COMPLETED)
+                # or at the next deadline
+                timeout = min([SHUTDOWN_CHECK_INTERVAL, *(d - time.time() for d in deadlines.values())])
+                finished, pending = wait(pending, timeout=max(0.0, timeout), return_when=ALL_COMPLETED)
+                for future in [f for f, d in deadlines.items() if f in pending and d <= time.time()]:
+                    self.service.engine.cancel(futures[future][1], "deadline")  # its partial output follows
+                    del deadlines[future]
                 for future in finished:
                     run = futures[future][0]
                     try:
@@ -170,6 +181,6 @@ class BatchRun:
             return
         # the meta's other fields (date_done, children) are the same for every job stored now
         meta = self.backend._get_result_meta(result=None, state=states.SUCCESS, traceback=None, request=None)
-        encode, key = self.backend.encode, self.backend.get_key_for_task
-        self.service.store_results({key(job_id): encode({**meta, "result": wire, "task_id": job_id})
-                                     for job_id, wire in results.items()})
+        key = self.backend.get_key_for_task
+        self.service.store_results({key(job_id): encode_result(self.backend, wire, meta)
+                                    for job_id, wire in results.items()})

@@ -14,7 +14,7 @@ it to drain; outputs finished in a step go back in one message right after that 
 Messages are JSON (`send_bytes`/`recv_bytes` of `multiprocessing.connection`), never pickle:
 
     worker -> engine   {"op": "add", "id", "prompt" | "messages", "params"} | {"op": "add_many", "requests": [add, ...]}
-                       | {"op": "abort", "id"} | {"op": "stop"}
+                       | {"op": "abort", "id"} | {"op": "cancel", "id", "reason"} | {"op": "stop"}
     engine -> worker   {"op": "ready", "tokenizer", "max_prompt_chars", "max_model_len"} | {"op": "done", "outputs": [...]}
                        | {"op": "refused", "id", "field", "message"} | {"op": "stats", ...} | {"op": "fatal", "error"}
 
@@ -180,6 +180,13 @@ class EngineProcess:
                 self._conn.send_bytes(json.dumps({"op": "abort", "id": request_id}).encode())
         if future is not None:
             future.cancel()
+
+    def cancel(self, request_id: str, reason: str) -> None:
+        """Stop a request at the next step boundary: its future resolves with what it generated so far
+        (`finish_reason=reason`), or with its normal output if it finished first."""
+        with self._lock:
+            if request_id in self._pending and not self._stopping:
+                self._conn.send_bytes(json.dumps({"op": "cancel", "id": request_id, "reason": reason}).encode())
 
     def stop(self, timeout: float = 10) -> None:
         with self._lock:
@@ -347,6 +354,13 @@ class _Loop:
             if request_id in self.live:
                 self.live.discard(request_id)
                 self.engine.abort_request(request_id)
+            return
+        if message["op"] == "cancel":  # a request that finished in the meantime was answered already
+            if request_id in self.live:
+                self.live.discard(request_id)
+                output = self.engine.cancel_request(request_id, message["reason"])
+                if output is not None:
+                    _send(self.conn, {"op": "done", "outputs": [_output_fields(output)]})
             return
         try:
             params = SamplingParams.from_dict(message["params"])

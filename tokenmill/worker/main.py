@@ -14,7 +14,7 @@ import logging
 import os
 import sys
 
-from tokenmill.worker import runtime
+from tokenmill.worker import control, runtime
 from tokenmill.worker.app import app, configure
 from tokenmill.worker.engine_process import freeze_startup_objects
 from tokenmill.worker.service import WorkerService
@@ -55,6 +55,7 @@ def run_worker(settings: WorkerSettings) -> int:
     """Run until SIGTERM/SIGINT; returns the process exit code."""
     setup_logging(settings)
     configure(app, settings)
+    control.allow_state_changes(settings.remote_control_writes)
     service = WorkerService.start(settings)
     runtime.install(service)
     capacity = settings.in_flight_capacity

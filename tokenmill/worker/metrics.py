@@ -15,8 +15,8 @@ from __future__ import annotations
 import errno
 import logging
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client import REGISTRY as DEFAULT_REGISTRY
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from tokenmill.worker.engine_process import EngineStatus
 
@@ -32,6 +32,8 @@ class WorkerMetrics:
         self.registry = registry
         self.port: int | None = None  # where the endpoint listens, once `serve` found a free port
         self.jobs_succeeded = Counter("tokenmill_jobs_succeeded", "Jobs finished with a result.", registry=registry)
+        self.jobs_cancelled = Counter("tokenmill_jobs_cancelled", "Jobs ended by a cancel, before or while running.",
+                                      registry=registry)
         self.jobs_failed = Counter(
             "tokenmill_jobs_failed", "Jobs finished with an error, by error code.", ["code"], registry=registry
         )

@@ -49,7 +49,14 @@ def run_job(task: Any, args: tuple[Any, ...], fields: dict[str, Any]) -> dict[st
         check_size({**payload, **fields}, service.settings.max_job_bytes)
     except InvalidRequestError as exc:
         return service.failed(JobResult.failure(task_id, "invalid_job", exc.message, exc.field, started_at=time.time()))
-    return service.run_job(task_id, payload, fields, task.backend.get_key_for_task(task_id))
+    return service.run_job(task_id, payload, fields, task.backend, time_limit=_time_limit(task.request.timelimit))
+
+
+def _time_limit(timelimit: Any) -> float | None:
+    """The shorter of Celery's (time_limit, soft_time_limit) of `apply_async`, if either is set. (The threads
+    pool enforces neither: the worker ends the job at that point itself, as `deadline_exceeded`.)"""
+    limits = [float(limit) for limit in (timelimit or ()) if limit]
+    return min(limits) if limits else None
 
 
 def _payload(args: tuple[Any, ...], fields: dict[str, Any]) -> dict[str, Any]:

@@ -50,8 +50,10 @@ from redis.retry import Retry
 
 from tokenmill.errors import InvalidRequestError
 from tokenmill.queue import dead_letters
-from tokenmill.queue.names import DEAD_LETTER_KEY, DELIVERIES_KEY
-from tokenmill.queue.schemas import Job, JobResult, Usage
+from tokenmill.queue.cancels import encode_result, is_final
+from tokenmill.queue.names import CANCEL_KEY, DEAD_LETTER_KEY, DELIVERIES_KEY
+from tokenmill.queue.schemas import Job, JobError, JobResult, Usage
+from tokenmill.worker.cancel_listener import CancelListener
 from tokenmill.worker.engine_process import EngineProcess
 from tokenmill.worker.metrics import WorkerMetrics
 from tokenmill.worker.settings import WorkerSettings
@@ -62,15 +64,18 @@ log = logging.getLogger("tokenmill.worker")
 FATAL_EXIT_CODE = 70  # EX_SOFTWARE: the engine failed; a supervisor restarts the worker
 SHUTDOWN_CHECK_INTERVAL = 2.0  # seconds
 
-# KEYS: n result keys, then the n jobs' delivery-count keys; ARGV[1]: the counts' expiry in seconds.
-# Returns, per job, its stored result (nil if none) and its delivery number after this one.
+# KEYS: n result keys, the n jobs' delivery-count keys, then their cancel marks; ARGV[1]: the counts' expiry
+# in seconds. Returns, per job, its stored result (nil if none), its delivery number after this one and
+# whether it was cancelled (1/0). One script with `tokenmill.queue.cancels.cancel`'s: a cancel either finds
+# the delivery counted (and is announced to this worker) or is seen here.
 _CHECK_IN = """
-local n = #KEYS / 2
+local n = #KEYS / 3
 local replies = {}
 for i = 1, n do
-  replies[2 * i - 1] = redis.call('GET', KEYS[i])
-  replies[2 * i] = redis.call('INCR', KEYS[n + i])
+  replies[3 * i - 2] = redis.call('GET', KEYS[i])
+  replies[3 * i - 1] = redis.call('INCR', KEYS[n + i])
   redis.call('EXPIRE', KEYS[n + i], ARGV[1])
+  replies[3 * i] = redis.call('EXISTS', KEYS[2 * n + i])
 end
 return replies
 """
@@ -94,6 +99,22 @@ class Attempt:
     job: Job
     started_at: float
     attempt: int
+    time_limit: float | None = None  # Celery's time_limit / soft_time_limit of the message, if any
+
+    @property
+    def deadline(self) -> float | None:
+        """When (time.time()) the job must end, from `Job.deadline_s` or else the message's time limit."""
+        limit = self.job.deadline_s or self.time_limit
+        return None if limit is None else self.started_at + limit
+
+
+@dataclass
+class CheckIn:
+    """What a job's check-in found: its stored result, this delivery's number, whether it was cancelled."""
+
+    stored: bytes | None
+    attempt: int
+    cancelled: bool
 
 
 class WorkerService:
@@ -111,9 +132,12 @@ class WorkerService:
             retry_on_error=[redis.ConnectionError, redis.TimeoutError],
         )
         self._running: dict[str, Future] = {}
+        self._engine_ids: dict[str, str] = {}  # job id -> its engine request id, while it generates
+        self._cancelling: set[str] = set()  # running jobs asked to stop (applied at submit if not submitted yet)
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self.grace_expired = threading.Event()
+        self.cancels = CancelListener(self.redis, self.running_ids, self.cancel_running)
 
     @classmethod
     def start(cls, settings: WorkerSettings) -> WorkerService:
@@ -135,7 +159,9 @@ class WorkerService:
             RetryPolicy(max_delay=settings.s3_retry_max_delay),
             on_retry=metrics.output_retries.inc,
         )
-        return cls(settings, engine, metrics, sink)
+        service = cls(settings, engine, metrics, sink)
+        service.cancels.start()
+        return service
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -151,15 +177,20 @@ class WorkerService:
 
     def close(self) -> None:
         self.grace_expired.set()
+        self.cancels.stop()
         self.engine.stop(timeout=10)
 
     # -- one job -------------------------------------------------------------------------------
 
-    def run_job(self, task_id: str, payload: dict[str, Any] | None, fields: dict[str, Any], result_key: bytes) -> dict[str, Any]:
+    def run_job(self, task_id: str, payload: dict[str, Any] | None, fields: dict[str, Any], backend: Any,
+                time_limit: float | None = None) -> dict[str, Any]:
         """Everything between a delivered message and the result Celery stores (see module docstring).
 
-        `result_key` is the Redis key Celery stores this task's result under.
+        `backend` is the task's Celery result backend; `time_limit` the message's Celery time limit (the job's
+        `deadline_s` wins). A cancelled job's result is stored here, as REVOKED, and Celery is told to store
+        nothing (`Ignore`).
         """
+        result_key = backend.get_key_for_task(task_id)
         started_at = time.time()
         raw = {**(payload or {}), **fields}
         raw.setdefault("id", task_id)
@@ -170,20 +201,23 @@ class WorkerService:
         mine, running = self.claim([job])
         if running:  # not a new delivery to count: the run in progress answers it
             log.info("job %s is already running here; waiting for that run", job.id)
-            result = self._wait(running[0][1], job, abort_id=None)
-            if result is None:  # that run (a group) found the job's result already stored: store nothing
+            result = self._wait(running[0][1], job)
+            if result is None or result["status"] == "cancelled":  # that run stored it already, or found it stored
                 raise Ignore()
             return result
         future = mine[0][1]
         try:
-            result = self._run_once(job, result_key, started_at)
+            result = self._run_once(Attempt(job, started_at, 0, time_limit), result_key)
             future.set_result(result)
-            return result
         except BaseException as exc:
             future.set_exception(exc)
             raise
         finally:
             self.release([job])
+        if result["status"] == "cancelled":
+            self.store_results({result_key: encode_result(backend, result)})
+            raise Ignore()
+        return result
 
     def claim(self, jobs: list[Job]) -> tuple[list[tuple[Job, Future]], list[tuple[Job, Future]]]:
         """Register `jobs` as running here; returns (jobs now mine, with the future their callers wait on;
@@ -203,25 +237,47 @@ class WorkerService:
         with self._lock:
             for job in jobs:
                 self._running.pop(job.id, None)
+                self._engine_ids.pop(job.id, None)
+                self._cancelling.discard(job.id)
 
-    def _run_once(self, job: Job, result_key: bytes, started_at: float) -> dict[str, Any]:
+    def running_ids(self) -> list[str]:
+        with self._lock:
+            return list(self._running)
+
+    def cancel_running(self, job_id: str) -> None:
+        """Stop a job running here at the engine's next step (its result: `cancelled`, with its partial text).
+        A job not yet handed to the engine is stopped as it is handed over; one not running here is ignored."""
+        with self._lock:
+            if job_id not in self._running or job_id in self._cancelling:
+                return
+            self._cancelling.add(job_id)
+            request_id = self._engine_ids.get(job_id)
+        log.info("job %s cancelled; stopping it", job_id)
+        if request_id is not None:
+            self.engine.cancel(request_id, "cancelled")
+
+    def _run_once(self, run: Attempt, result_key: bytes) -> dict[str, Any]:
         """Steps 3-7 for a job that is not already running in this process."""
-        [(stored, attempt)] = self.check_in([job.id], [result_key])
-        if is_final(stored):
+        job = run.job
+        [check] = self.check_in([job.id], [result_key])
+        if is_final(check.stored):
             log.info("job %s already has a result; acknowledging without running it again", job.id)
             raise Ignore()
-        if attempt > self.settings.max_deliveries:
-            return self.dead_letter(job, attempt, started_at)
+        run.attempt = check.attempt
+        if check.cancelled:
+            return self.cancelled_before_start(run)
+        if run.attempt > self.settings.max_deliveries:
+            return self.dead_letter(job, run.attempt, run.started_at)
         self.metrics.jobs_in_flight.inc()
         try:
-            return self._execute(Attempt(job, started_at, attempt))
+            return self._execute(run)
         finally:
             self.metrics.jobs_in_flight.dec()
 
     def _execute(self, run: Attempt) -> dict[str, Any]:
         future, request_id = self._submit(run)
         try:
-            output = self._wait(future, run.job, abort_id=request_id)
+            output = self._wait(future, run.job, request_id, run.deadline)
         except InvalidRequestError as exc:
             return self.complete(run, error=exc)
         return self.complete(run, output=output)
@@ -240,7 +296,19 @@ class WorkerService:
             messages = [m.model_dump() for m in job.messages] if job.messages else None
             requests.append((f"{job.id}#{uuid.uuid4().hex[:8]}", job.sampling, job.prompt or job.prompt_token_ids, messages))
         futures = self.engine.submit_many(requests) if requests else []
+        with self._lock:
+            self._engine_ids.update((run.job.id, request[0]) for run, request in zip(runs, requests))
+            stop = [request[0] for run, request in zip(runs, requests) if run.job.id in self._cancelling]
+        for request_id in stop:  # cancelled while it was being handed over
+            self.engine.cancel(request_id, "cancelled")
         return [(future, request[0]) for future, request in zip(futures, requests)]
+
+    def cancelled_before_start(self, run: Attempt) -> dict[str, Any]:
+        """The result of a job found cancelled at its check-in: it never reaches the engine."""
+        log.info("job %s was cancelled before it started; not running it", run.job.id)
+        self.metrics.jobs_cancelled.inc()
+        return JobResult.cancelled(run.job.id, "cancelled before it started", attempt=run.attempt, worker=self.hostname,
+                                   metadata=run.job.metadata, **_times(run.job, run)).to_wire()
 
     def complete(self, run: Attempt, output: Any = None, error: InvalidRequestError | None = None) -> dict[str, Any]:
         """The job's final result from the engine's output (or its refusal), written to S3 if asked."""
@@ -250,19 +318,29 @@ class WorkerService:
         result = _result_from_output(job, run, output, self.hostname)
         if self.settings.log_prompts:
             log.debug("job %s prompt=%r text=%r", job.id, job.prompt or job.messages or job.prompt_token_ids, result.text)
+        if result.status == "cancelled":
+            self.metrics.jobs_cancelled.inc()
+            return result.to_wire()
+        if result.status == "failed":
+            return self.failed(result)
         if job.output:
             return self._write_output(job, result)
         return self._succeeded(result)
 
-    def _wait(self, future: Future, job: Job, abort_id: str | None) -> Any:
-        """Block until `future` resolves; once the shutdown grace is over, requeue the job instead.
+    def _wait(self, future: Future, job: Job, abort_id: str | None = None, deadline: float | None = None) -> Any:
+        """Block until `future` resolves; once the shutdown grace is over, requeue the job instead. Past
+        `deadline` the engine is told to stop the request, which then resolves with its partial output.
 
         Every held job has a thread here, so the shutdown check wakes each only every couple of seconds.
         """
         while True:
+            timeout = SHUTDOWN_CHECK_INTERVAL if deadline is None else min(SHUTDOWN_CHECK_INTERVAL, deadline - time.time())
             try:
-                return future.result(timeout=SHUTDOWN_CHECK_INTERVAL)
+                return future.result(timeout=max(0.0, timeout))
             except FutureTimeout:
+                if deadline is not None and time.time() >= deadline and abort_id is not None:
+                    self.engine.cancel(abort_id, "deadline")
+                    deadline = None  # asked once; the output follows within a step
                 if self.grace_expired.is_set():
                     if abort_id is not None:
                         self.engine.abort(abort_id)
@@ -285,11 +363,13 @@ class WorkerService:
 
     # -- bookkeeping ---------------------------------------------------------------------------
 
-    def check_in(self, job_ids: list[str], result_keys: list[bytes]) -> list[tuple[bytes | None, int]]:
-        """One script call for all: each job's stored result (if any) and this delivery's number (INCR)."""
-        keys = [*result_keys, *(DELIVERIES_KEY.format(job_id=job_id) for job_id in job_ids)]
+    def check_in(self, job_ids: list[str], result_keys: list[bytes]) -> list[CheckIn]:
+        """One script call for all: each job's stored result (if any), this delivery's number (INCR) and
+        whether the job was cancelled."""
+        keys = [*result_keys, *(DELIVERIES_KEY.format(job_id=job_id) for job_id in job_ids),
+                *(CANCEL_KEY.format(job_id=job_id) for job_id in job_ids)]
         replies = self._scripts["check_in"](keys=keys, args=[int(self.settings.result_expires)])
-        return [(replies[i], int(replies[i + 1])) for i in range(0, len(replies), 2)]
+        return [CheckIn(replies[i], int(replies[i + 1]), bool(replies[i + 2])) for i in range(0, len(replies), 3)]
 
     def store_results(self, encoded: dict[bytes, bytes]) -> int:
         """Store each encoded Celery result under its key unless one is there already, and announce the new
@@ -335,10 +415,18 @@ class WorkerService:
 
 
 def _result_from_output(job: Job, run: Attempt, output: Any, worker: str) -> JobResult:
+    """Succeeded, or for a job the engine stopped early `cancelled` / failed `deadline_exceeded`, with its text so far."""
     prompt_tokens, completion_tokens = len(output.prompt_token_ids), len(output.token_ids)
+    status, error = "succeeded", None
+    if output.finish_reason == "cancelled":
+        status, error = "cancelled", JobError(code="cancelled", message="cancelled while running")
+    elif output.finish_reason == "deadline":
+        limit = job.deadline_s or run.time_limit
+        status, error = "failed", JobError(code="deadline_exceeded", message=f"still running after its deadline of {limit:g}s")
     return JobResult(
         id=job.id,
-        status="succeeded",
+        status=status,
+        error=error,
         text=output.text,
         token_ids=list(output.token_ids),
         finish_reason=output.finish_reason,
@@ -356,11 +444,6 @@ def _result_from_output(job: Job, run: Attempt, output: Any, worker: str) -> Job
 
 def _times(job: Job, run: Attempt) -> dict[str, Any]:
     return {"queued_at": job.submitted_at, "started_at": run.started_at, "finished_at": time.time()}
-
-
-def is_final(stored: bytes | None) -> bool:
-    """Whether a stored Celery result (JSON, `result_serializer="json"`) is a final state."""
-    return stored is not None and json.loads(stored).get("status") in ("SUCCESS", "FAILURE")
 
 
 def _safe_id(raw: dict[str, Any], task_id: str) -> str:

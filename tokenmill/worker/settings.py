@@ -40,6 +40,11 @@ class WorkerSettings(QueueSettings):
         "bookkeeping, result writes) is than its engine process's (a Unix nice increment): when cores are short, "
         "the engine, which every job in the batch waits on, runs first. 0: the same priority.",
     )
+    remote_control_writes: bool = Field(
+        False, description="Accept Celery's remote commands that change a worker (shutdown, pool_grow/shrink/restart, "
+        "autoscale, add/cancel_consumer) from anyone who can write to the broker; off: they answer with an error. "
+        "revoke (= cancel), inspect and events always work.",
+    )
     shutdown_grace: float = Field(
         60.0, ge=0, description="Seconds after SIGTERM that in-flight jobs may take to finish before they are requeued."
     )

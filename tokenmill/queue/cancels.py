@@ -1,0 +1,101 @@
+"""Cancelling jobs: a durable mark in Redis that every worker honours, and the result a cancelled job ends with.
+
+`cancel` is one script call for any number of jobs. Per job, atomically:
+
+* a job with a final result (succeeded, failed, cancelled, or REVOKED by Celery) is left as it is: "finished";
+* otherwise the mark `tokenmill:cancel:<id>` is set for as long as results are kept, so a worker that takes
+  the job later (started afterwards, a redelivery after a crash, a group message) never runs it;
+* a job no worker has started (it has no delivery count) gets its final result at once, `cancelled`:
+  "cancelled";
+* a started one is announced on `tokenmill:cancels`; the worker running it stops it in the engine at the
+  next step and stores its result, `cancelled` with the text generated so far: "cancelling". (A job whose
+  worker died stores it when it is delivered again.)
+
+A worker's check-in reads the result and the mark in the same script call that counts the delivery, so a
+cancel is either seen by the check-in or finds the delivery counted, never neither. A cancelled result is
+stored under Celery's own state REVOKED: Flower and `celery inspect` show it as revoked, `AsyncResult.get()`
+raises `TaskRevokedError`, and `Client` reads the `JobResult` with its partial text from it. Torch-free.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from typing import Any, Literal
+
+from tokenmill.queue.names import CANCEL_CHANNEL, CANCEL_KEY, DELIVERIES_KEY
+from tokenmill.queue.schemas import JobResult
+
+#: Celery states after which a job never runs again (REVOKED: a cancelled job, ours or Celery's own revoke).
+FINAL_STATES = ("SUCCESS", "FAILURE", "REVOKED")
+CANCELLED_STATE = "REVOKED"
+
+Outcome = Literal["cancelled", "cancelling", "finished"]
+
+# KEYS: per job its result key, cancel key and delivery-count key; ARGV[1]: expiry (s), ARGV[2]: the channel,
+# ARGV[2 + i]: job i's id, ARGV[2 + n + i]: job i's encoded cancelled result (stored if it never started).
+_CANCEL = """
+local n = #KEYS / 3
+local outcomes = {}
+for i = 1, n do
+  local result, mark, deliveries = KEYS[3 * i - 2], KEYS[3 * i - 1], KEYS[3 * i]
+  local stored = redis.call('GET', result)
+  local final = false
+  if stored then
+    local ok, meta = pcall(cjson.decode, stored)
+    final = ok and type(meta) == 'table' and (meta.status == 'SUCCESS' or meta.status == 'FAILURE'
+                                              or meta.status == 'REVOKED')
+  end
+  if final then
+    outcomes[i] = 'finished'
+  else
+    redis.call('SET', mark, '1', 'EX', ARGV[1])
+    if redis.call('EXISTS', deliveries) == 0 then
+      redis.call('SET', result, ARGV[2 + n + i], 'EX', ARGV[1])
+      redis.call('PUBLISH', result, ARGV[2 + n + i])
+      outcomes[i] = 'cancelled'
+    else
+      redis.call('PUBLISH', ARGV[2], ARGV[2 + i])
+      outcomes[i] = 'cancelling'
+    end
+  end
+end
+return outcomes
+"""
+
+
+def is_final(stored: bytes | None) -> bool:
+    """Whether a stored Celery result (JSON, `result_serializer="json"`) is a final state."""
+    return stored is not None and json.loads(stored).get("status") in FINAL_STATES
+
+
+def revoked_result(wire: dict[str, Any]) -> dict[str, Any]:
+    """A cancelled `JobResult` as the result of a REVOKED Celery task: the job's fields, plus the exception
+    fields Celery turns back into `TaskRevokedError` for plain Celery callers (`JobResult` ignores them)."""
+    return {**wire, "exc_type": "TaskRevokedError", "exc_module": "celery.exceptions",
+            "exc_message": [wire.get("error", {}).get("message") or "cancelled"]}
+
+
+def encode_result(backend: Any, wire: dict[str, Any], meta: dict[str, Any] | None = None) -> bytes:
+    """A job's final result as Celery's result backend stores it: SUCCESS, or REVOKED for a cancelled job.
+    `meta`: Celery's meta fields for the state (built once for many results; looked up when None)."""
+    cancelled = wire.get("status") == "cancelled"
+    state = CANCELLED_STATE if cancelled else "SUCCESS"
+    meta = meta or backend._get_result_meta(result=None, state=state, traceback=None, request=None)
+    result = revoked_result(wire) if cancelled else wire
+    return backend.encode({**meta, "status": state, "result": result, "task_id": wire["id"]})
+
+
+def cancel(backend: Any, job_ids: Iterable[str], expires: int) -> dict[str, Outcome]:
+    """Cancel these jobs (see the module docstring); the outcome per job id. `backend`: a Celery Redis backend."""
+    ids = list(dict.fromkeys(job_ids))
+    if not ids:
+        return {}
+    keys = []
+    for job_id in ids:
+        keys += [backend.get_key_for_task(job_id), CANCEL_KEY.format(job_id=job_id), DELIVERIES_KEY.format(job_id=job_id)]
+    unstarted = [encode_result(backend, JobResult.cancelled(job_id, "cancelled before it started").to_wire())
+                 for job_id in ids]
+    script = backend.client.register_script(_CANCEL)
+    outcomes = script(keys=keys, args=[int(expires), CANCEL_CHANNEL, *ids, *unstarted])
+    return {job_id: outcome.decode() if isinstance(outcome, bytes) else outcome for job_id, outcome in zip(ids, outcomes)}

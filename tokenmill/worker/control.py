@@ -1,0 +1,95 @@
+"""Celery's remote-control commands on a tokenmill worker: what works, and an error for what does not.
+
+Celery's `revoke` only flags a task in the memory of the workers alive at that moment, and `terminate` needs a
+pool that can kill a job (the threads pool cannot). Here `revoke(id)`, `revoke(id, terminate=True)` and
+`terminate` (what Flower's buttons send) all cancel the job the way `Client.cancel` does: recorded in Redis,
+so every worker honours it, now or later, and a running job stops at the engine's next step with its partial
+text (`tokenmill.queue.cancels`).
+
+`rate_limit` and `time_limit` cannot work (rate limits are off, the threads pool enforces no time limit): they
+answer with an error naming what to use instead, never "set successfully". The commands that change a
+worker's state (shutdown, pool size, autoscale, consumers) answer with an error unless the worker runs with
+`remote_control_writes` on: anyone who can write to the broker can send them. Inspecting (`celery inspect`,
+Flower's views) and events keep working. Torch-free.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from celery.signals import worker_init
+from celery.utils.functional import maybe_list
+from celery.worker.control import Panel, control_command, nok, ok
+
+from tokenmill.queue import cancels
+
+log = logging.getLogger("tokenmill.worker")
+
+#: Commands that change the worker and are refused unless `remote_control_writes` is on.
+STATE_CHANGING = ("shutdown", "pool_grow", "pool_shrink", "pool_restart", "autoscale", "add_consumer", "cancel_consumer")
+_celery_handlers = {name: Panel.data[name] for name in STATE_CHANGING}
+
+
+def _cancel(state: Any, task_ids: Any) -> dict[str, str]:
+    app = state.app
+    outcomes = cancels.cancel(app.backend, [str(i) for i in maybe_list(task_ids) or []], int(app.conf.result_expires))
+    log.info("remote cancel of %d jobs: %s", len(outcomes), outcomes)
+    return ok(", ".join(f"{job_id}: {outcome}" for job_id, outcome in outcomes.items()) or "no task id given")
+
+
+@control_command(variadic="task_id", signature="[id1 [id2 [... [idN]]]]")
+def revoke(state: Any, task_id: Any, terminate: bool = False, signal: Any = None, **kwargs: Any) -> dict[str, str]:
+    """Cancel jobs by id (terminate or not: a running job always stops, keeping its partial text)."""
+    return _cancel(state, task_id)
+
+
+@control_command(args=[("signal", str), ("task_id", str)], signature="<signal> <task_id>")
+def terminate(state: Any, signal: Any, task_id: Any, **kwargs: Any) -> dict[str, str]:
+    """Cancel a running job (the signal is not used: the engine stops the job, not a process)."""
+    return _cancel(state, task_id)
+
+
+@control_command(args=[("task_name", str), ("rate_limit", str)], signature="<task_name> <rate_limit (e.g., 5/s)>")
+def rate_limit(state: Any, task_name: str, rate_limit: str, **kwargs: Any) -> dict[str, str]:
+    """Refused: tokenmill workers take jobs as fast as the engine has room (rate limits are off)."""
+    return nok("rate limits are not supported by tokenmill workers (they take jobs as the engine has room); "
+               "limit what producers submit instead")
+
+
+@control_command(args=[("task_name", str), ("soft", float), ("hard", float)],
+                 signature="<task_name> <soft_secs> [hard_secs]")
+def time_limit(state: Any, task_name: str | None = None, hard: Any = None, soft: Any = None, **kwargs: Any) -> dict[str, str]:
+    """Refused: per-task time limits cannot be changed remotely; each job carries its own."""
+    return nok("time limits cannot be set remotely on tokenmill workers: give each job deadline_s "
+               "(or apply_async(time_limit=...)); it then ends deadline_exceeded with its partial text")
+
+
+def _refused(name: str) -> Any:
+    def refuse(state: Any, *args: Any, **kwargs: Any) -> dict[str, str]:
+        return nok(f"'{name}' is disabled on this tokenmill worker: commands that change a worker's state are off "
+                   "unless it runs with --remote-control-writes (TOKENMILL_REMOTE_CONTROL_WRITES=true)")
+    return refuse
+
+
+def allow_state_changes(allowed: bool, explicit: bool = True) -> None:
+    """Turn Celery's state-changing commands on or off for the workers of this process (Celery's command
+    registry is one per process). `tokenmill worker` sets it from its settings before Celery starts."""
+    global _explicit
+    if _explicit and not explicit:
+        return
+    _explicit = _explicit or explicit
+    for name in STATE_CHANGING:
+        Panel.data[name] = _celery_handlers[name] if allowed else _refused(name)
+
+
+@worker_init.connect
+def _from_environment(**_: Any) -> None:
+    """`celery -A tokenmill.worker.app worker`: the setting comes from TOKENMILL_REMOTE_CONTROL_WRITES."""
+    from tokenmill.worker.settings import WorkerSettings
+
+    allow_state_changes(WorkerSettings().remote_control_writes, explicit=False)
+
+
+_explicit = False
+allow_state_changes(False, explicit=False)
