@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -92,6 +93,8 @@ def annotate(
     state_dir: str | None = None,
     checkpoint_interval: float = 2.0,
     retry_failed: bool = False,
+    retry_cancelled: bool = False,
+    detach: bool = False,
     s3_endpoint_url: str | None = None,
     window: int | None = None,
     rows_per_message: int = 32,
@@ -101,7 +104,10 @@ def annotate(
     """Annotate every row of `input` into `output`; returns the run's `Summary` (also printed unless `quiet`).
 
     Embedded (default): the engine runs here (`model`, default builtin:tiny, with `engine_options`; or pass
-    a loaded `tokenmill.LLM` as `llm`). Distributed: `broker="redis://..."` sends rows to queue workers.
+    a loaded `tokenmill.LLM` as `llm`). Distributed: `broker="redis://..."` sends rows to queue workers, as
+    the run printed at the start (`tokenmill cancel --run RUN` stops it); Ctrl-C cancels the rows in flight
+    (after asking, at a terminal) unless `detach`, and a resume skips rows that ended cancelled unless
+    `retry_cancelled` (`retry_failed`: the same for rows that failed).
     `**sampling` are `SamplingParams` fields (`max_tokens`, `temperature` (default 0), `seed`, ...).
     Raises `InvalidRequestError` (bad option or template) or `DatasetError` (unusable input/output) before
     any work; a row that fails gets its error in the output instead.
@@ -120,10 +126,12 @@ def annotate(
                             checkpoint_interval)
     summary = Summary(output=output)
     try:
-        runner = make_runner(mode, model, llm, engine_options, broker, queue, window, rows_per_message)
+        runner = make_runner(mode, model, llm, engine_options, broker, queue, window, rows_per_message, checkpoint.run,
+                             detach)
         progress = Progress(total, "annotate", quiet)
         try:
-            compute(_units(dataset, prompter, id_column), checkpoint, runner, progress, summary, retry_failed)
+            compute(_units(dataset, prompter, id_column), checkpoint, runner, progress, summary, retry_failed,
+                    retry_cancelled)
         finally:
             progress.close()
         summary.prefix_hit_rate = runner.prefix_hit_rate()
@@ -165,12 +173,15 @@ def _check_columns(schema: pa.Schema, id_column: str | None, column: str, out_fo
 
 
 def make_runner(mode: str, model: str | None, llm: Any, engine_options: dict[str, Any] | None, broker: str | None,
-            queue: str | None, window: int | None, rows_per_message: int) -> Any:
+                queue: str | None, window: int | None, rows_per_message: int, run: str, detach: bool = False) -> Any:
+    """The engine here, or the queue's workers for `run` (the checkpoint's run id; printed, for `tokenmill cancel`)."""
     window = window or DEFAULT_WINDOW[mode]
     if mode == "queue":
         from tokenmill.client import Client
 
-        return QueueRunner(Client(broker, queue=queue), window, rows_per_message)
+        runner = QueueRunner(Client(broker, queue=queue), window, rows_per_message, run[:12], detach)
+        print(f"tokenmill: run {runner.run_id} (tokenmill cancel --run {runner.run_id} stops it)", file=sys.stderr)
+        return runner
     if llm is None:
         from tokenmill.engine.llm import LLM
 

@@ -197,13 +197,16 @@ def batch(
     state_dir: str | None = None,
     checkpoint_interval: float = 2.0,
     retry_failed: bool = False,
+    retry_cancelled: bool = False,
+    detach: bool = False,
     s3_endpoint_url: str | None = None,
     window: int | None = None,
     rows_per_message: int = 32,
     quiet: bool = False,
 ) -> Summary:
     """Run an OpenAI Batch API input file; returns the `Summary`. `errors` defaults to `<output>` with
-    `.errors.jsonl` in place of its extension. Raises `InvalidRequestError` on duplicate custom_ids."""
+    `.errors.jsonl` in place of its extension. Raises `InvalidRequestError` on duplicate custom_ids. Run ids,
+    Ctrl-C, `detach` and `retry_cancelled` as in `annotate`."""
     started = time.perf_counter()
     errors = errors or os.path.splitext(output)[0] + ".errors.jsonl"
     mode = "queue" if broker else "embedded"
@@ -213,12 +216,13 @@ def batch(
                             checkpoint_interval)
     summary = Summary(output=output, errors_output=errors)
     try:
-        runner = make_runner(mode, model, llm, engine_options, broker, queue, window, rows_per_message)
+        runner = make_runner(mode, model, llm, engine_options, broker, queue, window, rows_per_message, checkpoint.run,
+                             detach)
         parser = Parser(label, default_max_tokens, logprobs_ok=mode == "embedded")
         progress = Progress(total, "batch", quiet)
         try:
             compute((r.units if isinstance(r, Request) else [] for _, r in _requests(input, parser, s3_endpoint_url)),
-                    checkpoint, runner, progress, summary, retry_failed)
+                    checkpoint, runner, progress, summary, retry_failed, retry_cancelled)
         finally:
             progress.close()
         summary.prefix_hit_rate = runner.prefix_hit_rate()

@@ -14,6 +14,7 @@ from typing import Any
 
 EXIT_ROWS_FAILED = 1
 EXIT_UNUSABLE = 2
+EXIT_INTERRUPTED = 130  # as a shell reports SIGINT
 _ENGINE_FLAGS = {"dtype": str, "max_num_seqs": int, "max_num_batched_tokens": int, "max_model_len": int,
                  "num_kv_blocks": int, "block_size": int, "attention_backend": str}
 
@@ -56,6 +57,9 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint-interval", type=float, default=2.0, metavar="SECONDS",
                         help="commit finished rows to the checkpoint at least this often (0: after every row)")
     parser.add_argument("--retry-failed", action="store_true", help="recompute rows that ended in error")
+    parser.add_argument("--retry-cancelled", action="store_true", help="recompute rows that ended cancelled")
+    parser.add_argument("--detach", action="store_true",
+                        help="distributed: on Ctrl-C leave the queued rows running (default: cancel them)")
     parser.add_argument("--s3-endpoint-url", default=None, help="S3-compatible endpoint (MinIO...) [env TOKENMILL_S3_ENDPOINT_URL]")
     parser.add_argument("--window", type=int, help="rows in flight at most (default 1024 embedded, 4096 distributed)")
     parser.add_argument("--rows-per-message", type=int, default=32, help="rows per queue message (distributed)")
@@ -74,6 +78,10 @@ def run(args: argparse.Namespace) -> int:
     except (InvalidRequestError, DatasetError) as exc:
         print(f"tokenmill {args.command}: {exc}", file=sys.stderr)
         return EXIT_UNUSABLE
+    except KeyboardInterrupt:
+        print(f"tokenmill {args.command}: interrupted; the checkpoint keeps every finished row (run the same command "
+              "to resume)", file=sys.stderr)
+        return EXIT_INTERRUPTED
     return EXIT_ROWS_FAILED if summary.failed else 0
 
 
@@ -83,7 +91,8 @@ def _shared(args: argparse.Namespace) -> dict[str, Any]:
         options["enable_prefix_caching"] = False
     return {"model": args.model, "broker": args.broker, "queue": args.queue, "engine_options": options,
             "state_dir": args.state_dir, "checkpoint_interval": args.checkpoint_interval,
-            "retry_failed": args.retry_failed, "s3_endpoint_url": args.s3_endpoint_url,
+            "retry_failed": args.retry_failed, "retry_cancelled": args.retry_cancelled, "detach": args.detach,
+            "s3_endpoint_url": args.s3_endpoint_url,
             "window": args.window, "rows_per_message": args.rows_per_message, "quiet": args.quiet}
 
 

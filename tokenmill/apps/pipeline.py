@@ -91,23 +91,42 @@ class Progress:
 
 
 def compute(rows: Iterable[list[Unit]], checkpoint: Checkpoint, runner: Any, progress: Progress, summary: Summary,
-            retry_failed: bool) -> None:
+            retry_failed: bool, retry_cancelled: bool = False) -> None:
     """Pass 1. Each item of `rows` is one row's units (empty when the row failed before any unit, e.g. its
-    template did not render); `Unit.weight` is the share of a row a unit stands for."""
+    template did not render); `Unit.weight` is the share of a row a unit stands for.
+
+    On Ctrl-C the runner is asked what became of the rows it had in flight (`interrupted`: a queue run cancels
+    them, unless detached) and those outcomes are checkpointed too, before the interrupt goes on."""
     inflight: set[str] = set()
-    fresh = _fresh_units(rows, checkpoint, inflight, progress, summary, retry_failed)
-    for unit, outcome in runner.run(fresh):
+
+    def record(unit: Unit, outcome: Outcome) -> None:
         checkpoint.put(unit.key, outcome)
         inflight.discard(unit.key)
         summary.computed += 1
         summary.prompt_tokens += outcome.prompt_tokens
         summary.completion_tokens += outcome.completion_tokens
         progress.advance(unit.weight, outcome.completion_tokens)
-    checkpoint.flush()
+
+    fresh = _fresh_units(rows, checkpoint, inflight, progress, summary, retry_failed, retry_cancelled)
+    try:
+        for unit, outcome in runner.run(fresh):
+            record(unit, outcome)
+    except KeyboardInterrupt:
+        for unit, outcome in getattr(runner, "interrupted", tuple)():
+            record(unit, outcome)
+        raise
+    finally:
+        checkpoint.flush()
+
+
+def _retried(outcome: Outcome, retry_failed: bool, retry_cancelled: bool) -> bool:
+    if outcome.ok:
+        return False
+    return retry_cancelled if outcome.cancelled else retry_failed
 
 
 def _fresh_units(rows: Iterable[list[Unit]], checkpoint: Checkpoint, inflight: set[str], progress: Progress,
-                 summary: Summary, retry_failed: bool) -> Iterator[Unit]:
+                 summary: Summary, retry_failed: bool, retry_cancelled: bool) -> Iterator[Unit]:
     for units in rows:
         if not units:
             progress.advance(1)
@@ -117,7 +136,7 @@ def _fresh_units(rows: Iterable[list[Unit]], checkpoint: Checkpoint, inflight: s
                 progress.advance(unit.weight)
                 continue
             found = checkpoint.get(unit.key)
-            retry = found is not None and retry_failed and not found[0].ok and found[1]
+            retry = found is not None and found[1] and _retried(found[0], retry_failed, retry_cancelled)
             if found is not None and not retry:
                 if found[1]:
                     summary.reused += 1

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import sys
 import time
 import uuid
 from collections import deque
@@ -19,6 +20,8 @@ from typing import Any
 from tokenmill.apps.store import Outcome
 from tokenmill.errors import InvalidRequestError
 from tokenmill.sampling_params import SamplingParams
+
+_DRAIN_TIMEOUT = 30.0  # seconds to wait, after Ctrl-C, for the cancelled jobs' results
 
 
 @dataclass
@@ -139,24 +142,46 @@ class QueueRunner:
     the other.
     """
 
-    def __init__(self, client: Any, window: int = 4096, rows_per_message: int = 32) -> None:
+    def __init__(self, client: Any, window: int = 4096, rows_per_message: int = 32, run_id: str | None = None,
+                 detach: bool = False) -> None:
         self.client = client
         self.wave = max(1, window // 2)
         self.rows_per_message = rows_per_message
+        #: Every job this run queues is listed under it (`tokenmill cancel --run RUN_ID`).
+        self.run_id = run_id or uuid.uuid4().hex[:12]
+        self.detach = detach
+        self.waves: deque[dict[str, Unit]] = deque()  # submitted, results not yet collected
 
     def run(self, units: Iterable[Unit]) -> Iterator[tuple[Unit, Outcome]]:
         pending = iter(units)
-        waves: deque[dict[str, Unit]] = deque()
         while True:
             submitted, refused, taken = self._submit(itertools.islice(pending, self.wave))
             yield from refused
             if submitted:
-                waves.append(submitted)
+                self.waves.append(submitted)
             exhausted = taken < self.wave
-            if waves and (len(waves) >= 2 or exhausted):
-                yield from self._collect(waves.popleft())
-            if exhausted and not waves:
+            if self.waves and (len(self.waves) >= 2 or exhausted):
+                yield from self._collect(self.waves[0])
+                self.waves.popleft()
+            if exhausted and not self.waves:
                 return
+
+    def interrupted(self) -> Iterator[tuple[Unit, Outcome]]:
+        """Ctrl-C: cancel the jobs in flight (unless `detach`, or the user answers no), then collect their
+        results, `cancelled` or finished meanwhile, so the checkpoint knows them (`--retry-cancelled`)."""
+        in_flight = {job_id: unit for wave in self.waves for job_id, unit in wave.items()}
+        if not in_flight:
+            return
+        if self.detach or not _confirm(f"\ncancel the {len(in_flight)} jobs this run has in flight? [Y/n] "):
+            print(f"left running; stop them with: tokenmill cancel --run {self.run_id}", file=sys.stderr)
+            return
+        outcomes = self.client.cancel(list(in_flight))
+        print(f"cancelled {sum(o != 'finished' for o in outcomes.values())} jobs of run {self.run_id}", file=sys.stderr)
+        try:
+            for result in self.client.as_completed(list(in_flight), timeout=_DRAIN_TIMEOUT):
+                yield in_flight[result.id], outcome_from_result(result)
+        except TimeoutError:
+            pass  # a worker that died holding some: their rows run again on resume
 
     def _submit(self, units: Iterable[Unit]) -> tuple[dict[str, Unit], list[tuple[Unit, Outcome]], int]:
         """Validate each unit as a `Job` (refusals come back, not sent) and publish every full group at once;
@@ -183,8 +208,11 @@ class QueueRunner:
         return submitted, refused, taken
 
     def _publish(self, producer: Any, group: list[dict[str, Any]]) -> None:
-        from tokenmill.queue.names import BATCH_TASK_NAME
+        from tokenmill.queue.names import BATCH_TASK_NAME, RUN_JOBS_KEY
 
+        run_key = RUN_JOBS_KEY.format(run_id=self.run_id)  # listed before it is queued: a cancel finds every job
+        self.client.app.backend.client.pipeline().sadd(run_key, *(job["id"] for job in group)).expire(
+            run_key, int(self.client.settings.result_expires)).execute()
         amqp = self.client.app.amqp
         # ignore_result: each job's result is stored under its own id; the group's own would be a wasted key
         message = amqp.as_task_v2(uuid.uuid4().hex, BATCH_TASK_NAME, args=[{"jobs": group}], kwargs={},
@@ -192,11 +220,22 @@ class QueueRunner:
         amqp.send_task_message(producer, BATCH_TASK_NAME, message, queue=self.client.queue, retry=False)
 
     def _collect(self, submitted: dict[str, Unit]) -> Iterator[tuple[Unit, Outcome]]:
+        """Each unit's outcome as its result arrives; a collected unit leaves `submitted` (no longer in flight)."""
         for result in self.client.as_completed(list(submitted)):
-            yield submitted[result.id], outcome_from_result(result)
+            yield submitted.pop(result.id), outcome_from_result(result)
 
     def prefix_hit_rate(self) -> float | None:
         return None  # the workers' engines know it (their metrics endpoint), not this process
+
+
+def _confirm(question: str) -> bool:
+    """Yes unless someone at a terminal answers no (default yes; no terminal: yes)."""
+    if not sys.stdin.isatty():
+        return True
+    try:
+        return input(question).strip().lower() not in ("n", "no")
+    except (EOFError, KeyboardInterrupt):
+        return True
 
 
 def sampling_dict(values: dict[str, Any]) -> dict[str, Any]:

@@ -38,6 +38,11 @@ class Outcome:
     def ok(self) -> bool:
         return self.error is None
 
+    @property
+    def cancelled(self) -> bool:
+        """Ended by a cancel (`tokenmill cancel`, Ctrl-C): `--retry-cancelled` runs it again."""
+        return self.error is not None and self.error.startswith("cancelled:")
+
     @classmethod
     def failed(cls, message: str) -> Outcome:
         return cls(error=message, created=int(time.time()))

@@ -1,0 +1,109 @@
+"""Cancelling a whole `annotate --broker` run: Ctrl-C in the foreground, `tokenmill cancel --run` from elsewhere,
+and what a resume does with the cancelled rows. Real redis-server and worker processes on builtin:tiny."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from service_fixtures import REPO, RedisServer, Worker, wait_for
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from annotate_helpers import cli, read_jsonl, write_jsonl  # noqa: E402
+
+import tokenmill  # noqa: E402
+
+TEMPLATE = "Say: {{ text }}"
+LONG = {"max_tokens": 3000, "min_tokens": 3000}  # far longer than any test waits: only a cancel ends it early
+
+
+def _annotate_in_background(source: Path, output: Path, broker: str, **options: Any) -> subprocess.Popen:
+    """`tokenmill.annotate(...)` in its own process (so it can get a SIGINT), stdin not a terminal."""
+    code = (f"import tokenmill\n"
+            f"tokenmill.annotate({str(source)!r}, {str(output)!r}, {TEMPLATE!r}, broker={broker!r}, quiet=True, "
+            f"rows_per_message=2, **{options!r})\n")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-c", code], env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _run_id(process: subprocess.Popen) -> str:
+    line = process.stderr.readline()
+    match = re.search(r"tokenmill: run (\w+) ", line)
+    assert match, f"no run id printed first: {line!r}"
+    return match.group(1)
+
+
+def _running(worker: Worker, count: int) -> None:
+    wait_for(lambda: worker.metrics().get("tokenmill_running_sequences", 0) >= count, 90, f"{count} rows running")
+
+
+def _idle(worker: Worker) -> None:
+    wait_for(lambda: worker.metrics()["tokenmill_running_sequences"] == 0
+             and worker.metrics()["tokenmill_jobs_in_flight"] == 0, 60, "the worker to stop generating")
+
+
+def test_ctrl_c_cancels_the_rows_in_flight_and_checkpoints_them(tmp_path: Path, redis_server: RedisServer,
+                                                                start_worker: Any) -> None:
+    worker = start_worker(redis_server.url, max_num_seqs=4, num_kv_blocks=1024).wait_ready()
+    source = write_jsonl(tmp_path / "in.jsonl", [{"text": f"row {i}"} for i in range(4)])
+    run = _annotate_in_background(source, tmp_path / "out.jsonl", redis_server.url, **LONG)
+    run_id = _run_id(run)
+    _running(worker, 4)
+    run.send_signal(signal.SIGINT)
+    _, stderr = run.communicate(timeout=90)
+    assert f"cancelled 4 jobs of run {run_id}" in stderr
+    _idle(worker)  # the four 3,000-token rows stopped
+    assert worker.metrics()["tokenmill_jobs_cancelled_total"] == 4
+    assert worker.metrics()["tokenmill_generated_tokens_total"] < 4 * 3000
+
+
+def test_detach_leaves_the_run_going_until_cancel_run_stops_it(tmp_path: Path, redis_server: RedisServer,
+                                                               start_worker: Any) -> None:
+    worker = start_worker(redis_server.url, max_num_seqs=4, num_kv_blocks=1024).wait_ready()
+    source = write_jsonl(tmp_path / "in.jsonl", [{"text": f"row {i}"} for i in range(6)])
+    run = _annotate_in_background(source, tmp_path / "out.jsonl", redis_server.url, detach=True, **LONG)
+    run_id = _run_id(run)
+    _running(worker, 4)  # four run, two wait on the queue
+    run.send_signal(signal.SIGINT)
+    _, stderr = run.communicate(timeout=90)
+    assert f"stop them with: tokenmill cancel --run {run_id}" in stderr
+    assert worker.metrics()["tokenmill_running_sequences"] == 4  # still going: detached
+
+    done = cli("cancel", "--broker", redis_server.url, "--run", run_id)
+    assert done.returncode == 0, done.stderr
+    outcomes = sorted(line.split("\t")[1] for line in done.stdout.splitlines())
+    assert len(outcomes) == 6 and outcomes.count("cancelling") >= 4 and set(outcomes) <= {"cancelling", "cancelled"}
+    _idle(worker)
+    assert cli("cancel", "--broker", redis_server.url, "--run", "no-such-run").returncode == 1
+
+
+def test_a_resume_skips_cancelled_rows_unless_told_to_retry_them(tmp_path: Path, redis_server: RedisServer,
+                                                                 start_worker: Any) -> None:
+    """Cancelled before any worker took them (none runs yet), the rows are checkpointed as cancelled."""
+    source = write_jsonl(tmp_path / "in.jsonl", [{"text": f"row {i}"} for i in range(5)])
+    output, options = tmp_path / "out.jsonl", {"max_tokens": 4}
+    run = _annotate_in_background(source, output, redis_server.url, **options)
+    _run_id(run)
+    wait_for(lambda: redis_server.client().llen("tokenmill") >= 3, 60, "the rows to be queued")
+    run.send_signal(signal.SIGINT)
+    _, stderr = run.communicate(timeout=90)
+    assert "cancelled 5 jobs" in stderr
+
+    worker = start_worker(redis_server.url).wait_ready()
+    skipped = tokenmill.annotate(str(source), str(output), TEMPLATE, broker=redis_server.url, quiet=True, **options)
+    assert (skipped.rows, skipped.failed, skipped.reused) == (5, 5, 5)
+    assert all(row["error"].startswith("cancelled:") for row in read_jsonl(output))
+    retried = tokenmill.annotate(str(source), str(output), TEMPLATE, broker=redis_server.url, quiet=True,
+                                 retry_cancelled=True, **options)
+    assert (retried.rows, retried.ok, retried.computed) == (5, 5, 5)
+    assert all(row["error"] is None and row["annotation"] for row in read_jsonl(output))
+    assert worker.metrics()["tokenmill_jobs_succeeded_total"] == 5  # the cancelled jobs themselves never ran
+    again = tokenmill.annotate(str(source), str(output), TEMPLATE, broker=redis_server.url, quiet=True,
+                               retry_failed=True, **options)
+    assert (again.ok, again.reused, again.computed) == (5, 5, 0)
