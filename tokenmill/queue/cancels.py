@@ -31,6 +31,7 @@ FINAL_STATES = ("SUCCESS", "FAILURE", "REVOKED")
 CANCELLED_STATE = "REVOKED"
 
 Outcome = Literal["cancelled", "cancelling", "finished"]
+_CHUNK = 1000  # jobs per script call: Redis runs a script alone, so none may take long
 
 # KEYS: per job its result key, cancel key and delivery-count key; ARGV[1]: expiry (s), ARGV[2]: the channel,
 # ARGV[2 + i]: job i's id, ARGV[2 + n + i]: job i's encoded cancelled result (stored if it never started).
@@ -89,13 +90,15 @@ def encode_result(backend: Any, wire: dict[str, Any], meta: dict[str, Any] | Non
 def cancel(backend: Any, job_ids: Iterable[str], expires: int) -> dict[str, Outcome]:
     """Cancel these jobs (see the module docstring); the outcome per job id. `backend`: a Celery Redis backend."""
     ids = list(dict.fromkeys(job_ids))
-    if not ids:
-        return {}
-    keys = []
-    for job_id in ids:
-        keys += [backend.get_key_for_task(job_id), CANCEL_KEY.format(job_id=job_id), DELIVERIES_KEY.format(job_id=job_id)]
-    unstarted = [encode_result(backend, JobResult.cancelled(job_id, "cancelled before it started").to_wire())
-                 for job_id in ids]
     script = backend.client.register_script(_CANCEL)
-    outcomes = script(keys=keys, args=[int(expires), CANCEL_CHANNEL, *ids, *unstarted])
-    return {job_id: outcome.decode() if isinstance(outcome, bytes) else outcome for job_id, outcome in zip(ids, outcomes)}
+    found: dict[str, Outcome] = {}
+    for start in range(0, len(ids), _CHUNK):  # a whole run's jobs in bounded script calls
+        chunk = ids[start : start + _CHUNK]
+        keys = []
+        for job_id in chunk:
+            keys += [backend.get_key_for_task(job_id), CANCEL_KEY.format(job_id=job_id), DELIVERIES_KEY.format(job_id=job_id)]
+        unstarted = [encode_result(backend, JobResult.cancelled(job_id, "cancelled before it started").to_wire())
+                     for job_id in chunk]
+        outcomes = script(keys=keys, args=[int(expires), CANCEL_CHANNEL, *chunk, *unstarted])
+        found.update((job_id, outcome.decode()) for job_id, outcome in zip(chunk, outcomes))
+    return found
