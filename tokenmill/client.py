@@ -354,7 +354,8 @@ def _parse_meta(job_id: str, value: bytes | None, backend: Any) -> JobResult | N
         result = json.loads(value).get("result")
         if isinstance(result, dict) and result.get("status") == "cancelled":
             return JobResult.model_validate(result)
-        return JobResult.cancelled(job_id, "revoked (a Celery revoke)")
+        reason = result.get("exc_message") if isinstance(result, dict) else None  # Celery's own: revoked, expired
+        return JobResult.cancelled(job_id, f"revoked by Celery: {' '.join(map(str, reason or ['revoked']))}")
     if status == "SUCCESS":
         try:
             return JobResult.model_validate(meta.get("result"))

@@ -7,12 +7,16 @@ two of them (`KV_BLOCKS`).
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 from typing import Any
 
 import pytest
-from service_fixtures import REPO, RedisServer, ResultLog, Worker, wait_for
+from service_fixtures import REPO, RedisServer, ResultLog, Worker, child_pids, wait_for
 
 from tokenmill.client import Client, JobCancelledError, JobHandle
 from tokenmill.queue.app import queue_app
@@ -208,3 +212,36 @@ def test_the_cancel_command(redis_server: RedisServer) -> None:
     assert again.stdout.splitlines() == [f"{job.id}\tfinished"]
     usage = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=60)
     assert usage.returncode == 2 and "give job ids or --run" in usage.stderr
+
+
+def test_a_job_cancelled_while_its_worker_is_dying_is_not_run_again_after_the_redelivery(
+    redis_server: RedisServer, start_worker: Any, result_log: ResultLog
+) -> None:
+    """kill -9 of the worker that holds a cancelled job (its engine frozen, so it could not stop it): the job
+    is delivered again and the next worker's check-in finds the cancel."""
+    doomed = start_worker(redis_server.url, name="doomed", num_kv_blocks=KV_BLOCKS).wait_ready()
+    with Client(redis_server.url) as client:
+        job = client.submit(prompt="held by a dying worker", **LONG)
+        wait_for(lambda: redis_server.client().get(DELIVERIES_KEY.format(job_id=job.id)), 60, "the job to start")
+        [engine] = [pid for pid in child_pids(doomed.process.pid)
+                    if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        os.kill(engine, signal.SIGSTOP)
+        assert client.cancel(job) == {job.id: "cancelling"}
+        doomed.kill()
+        os.kill(engine, signal.SIGKILL)
+        heir = start_worker(redis_server.url, name="heir", num_kv_blocks=KV_BLOCKS).wait_ready()
+        with pytest.raises(JobCancelledError, match="cancelled before it started"):
+            job.result(timeout=90)  # after the visibility timeout; the heir never runs it
+    assert redis_server.client().get(DELIVERIES_KEY.format(job_id=job.id)) == b"2"
+    assert heir.metrics()["tokenmill_jobs_cancelled_total"] == 1 and result_log.counts == {job.id: 1}
+
+
+def test_celery_expires_still_drops_a_job_that_waited_too_long(redis_server: RedisServer, start_worker: Any) -> None:
+    app = queue_app(QueueSettings(broker_url=redis_server.url))
+    sent = app.send_task(TASK_NAME, kwargs={"prompt": "expires", **SHORT}, expires=1)
+    time.sleep(1.5)  # expired before any worker exists
+    worker = start_worker(redis_server.url, num_kv_blocks=KV_BLOCKS).wait_ready()
+    with Client(redis_server.url) as client:
+        with pytest.raises(JobCancelledError, match="expired"):
+            JobHandle(sent.id, client).result(timeout=60)
+    assert worker.metrics()["tokenmill_jobs_succeeded_total"] == 0
