@@ -155,10 +155,12 @@ class QueueRunner:
     def run(self, units: Iterable[Unit]) -> Iterator[tuple[Unit, Outcome]]:
         pending = iter(units)
         while True:
-            submitted, refused, taken = self._submit(itertools.islice(pending, self.wave))
+            submitted: dict[str, Unit] = {}
+            self.waves.append(submitted)  # in flight from the first unit on: a Ctrl-C while publishing cancels it
+            refused, taken = self._submit(itertools.islice(pending, self.wave), submitted)
             yield from refused
-            if submitted:
-                self.waves.append(submitted)
+            if not submitted:
+                self.waves.pop()
             exhausted = taken < self.wave
             if self.waves and (len(self.waves) >= 2 or exhausted):
                 yield from self._collect(self.waves[0])
@@ -183,10 +185,9 @@ class QueueRunner:
         except TimeoutError:
             pass  # a worker that died holding some: their rows run again on resume
 
-    def _submit(self, units: Iterable[Unit]) -> tuple[dict[str, Unit], list[tuple[Unit, Outcome]], int]:
+    def _submit(self, units: Iterable[Unit], submitted: dict[str, Unit]) -> tuple[list[tuple[Unit, Outcome]], int]:
         """Validate each unit as a `Job` (refusals come back, not sent) and publish every full group at once;
-        returns the submitted units by job id, the refused ones, and how many units were taken."""
-        submitted: dict[str, Unit] = {}
+        adds the submitted units to `submitted` by job id, returns the refused ones and how many were taken."""
         refused: list[tuple[Unit, Outcome]] = []
         group: list[dict[str, Any]] = []
         taken = 0
@@ -205,7 +206,7 @@ class QueueRunner:
                     group = []
             if group:
                 self._publish(producer, group)
-        return submitted, refused, taken
+        return refused, taken
 
     def _publish(self, producer: Any, group: list[dict[str, Any]]) -> None:
         from tokenmill.queue.names import BATCH_TASK_NAME, RUN_JOBS_KEY
