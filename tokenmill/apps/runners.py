@@ -155,7 +155,7 @@ class QueueRunner:
     def run(self, units: Iterable[Unit]) -> Iterator[tuple[Unit, Outcome]]:
         pending = iter(units)
         while True:
-            submitted, refused, taken = self._submit(itertools.islice(pending, self.wave))
+            submitted, refused, taken = self.submit(itertools.islice(pending, self.wave))
             yield from refused
             if submitted:
                 self.waves.append(submitted)
@@ -183,7 +183,7 @@ class QueueRunner:
         except TimeoutError:
             pass  # a worker that died holding some: their rows run again on resume
 
-    def _submit(self, units: Iterable[Unit]) -> tuple[dict[str, Unit], list[tuple[Unit, Outcome]], int]:
+    def submit(self, units: Iterable[Unit]) -> tuple[dict[str, Unit], list[tuple[Unit, Outcome]], int]:
         """Validate each unit as a `Job` (refusals come back, not sent) and publish every full group at once;
         returns the submitted units by job id, the refused ones, and how many units were taken."""
         submitted: dict[str, Unit] = {}
