@@ -231,3 +231,63 @@ def test_pagination_over_150_batches(tmp_path, redis_server, serve) -> None:
     assert [b.id for b in client.batches.list(limit=20)] == ids[::-1]  # the SDK follows `after` over 8 pages
     last = client.batches.list(limit=10, after=ids[10])
     assert [b.id for b in last.data] == ids[:10][::-1] and not last.has_more
+
+
+def outcome_ids(client: OpenAI, batch: Any) -> tuple[list[str], list[dict[str, Any]]]:
+    return [line["custom_id"] for line in lines_of(client, batch.output_file_id)], lines_of(client, batch.error_file_id)
+
+
+def test_cancel_mid_run_keeps_the_finished_lines(tmp_path, redis_server, start_worker, serve) -> None:
+    start_worker(redis_server.url, max_num_seqs=8).wait_ready()
+    server = serve(redis_server.url)
+    client = server.client()
+    source = write_jsonl(tmp_path / "in.jsonl", [chat_line(f"r{i}", f"count {i}", max_tokens=48) for i in range(200)])
+    batch = client.batches.create(input_file_id=upload(client, source), endpoint="/v1/chat/completions",
+                                  completion_window="24h")
+    wait_for(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 3, 120, "some requests done")
+    cancelling = client.batches.cancel(batch.id)
+    assert cancelling.status == "cancelling" and cancelling.cancelling_at
+    done = wait_status(client, batch.id, ("cancelled", "completed"), 60)
+    assert done.status == "cancelled" and done.cancelled_at
+    finished, errors = outcome_ids(client, done)
+    assert 3 <= len(finished) < 150
+    assert {e["error"]["code"] for e in errors} == {"batch_cancelled"}
+    assert sorted(finished + [e["custom_id"] for e in errors]) == sorted(f"r{i}" for i in range(200))
+    counts = done.request_counts
+    assert (counts.total, counts.completed, counts.failed) == (200, len(finished), len(errors))
+    assert client.batches.cancel(batch.id).status == "cancelled"  # cancelling again changes nothing
+
+
+def test_a_batch_past_its_completion_window_expires_with_what_finished(tmp_path, redis_server, serve) -> None:
+    server = serve(redis_server.url)  # no worker: nothing finishes
+    client = server.client()
+    source = write_jsonl(tmp_path / "in.jsonl", [chat_line(f"r{i}", "hi") for i in range(5)])
+    batch = client.batches.create(input_file_id=upload(client, source), endpoint="/v1/chat/completions",
+                                  completion_window="2s")
+    assert batch.expires_at == batch.created_at + 2
+    done = wait_status(client, batch.id, ("expired", "completed", "failed"), 30)
+    assert done.status == "expired" and done.expired_at and done.output_file_id is None
+    _, errors = outcome_ids(client, done)
+    assert [(e["custom_id"], e["error"]["code"]) for e in errors] == [(f"r{i}", "batch_expired") for i in range(5)]
+
+
+def test_server_kill_9_mid_batch_another_server_finishes_it_running_nothing_twice(tmp_path, redis_server, start_worker,
+                                                                                  serve, result_log) -> None:
+    start_worker(redis_server.url, max_num_seqs=8).wait_ready()
+    first = serve(redis_server.url)
+    second = serve(redis_server.url)  # a second process on another port serves the same batches
+    client = first.client()
+    source = write_jsonl(tmp_path / "in.jsonl", [chat_line(f"r{i}", f"count {i}", max_tokens=32) for i in range(160)])
+    batch = client.batches.create(input_file_id=upload(client, source), endpoint="/v1/chat/completions",
+                                  completion_window="24h")
+    wait_for(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 3, 120, "some requests done")
+    first.kill()
+    during = second.client().batches.retrieve(batch.id)
+    assert during.status == "in_progress" and during.request_counts.completed < 160
+    third = serve(redis_server.url, port=first.port)  # and a restart on the old port
+    done = wait_status(third.client(), batch.id, ("completed", "failed", "cancelled"), 180)
+    assert done.status == "completed" and done.request_counts.completed == 160
+    finished, errors = outcome_ids(third.client(), done)
+    assert finished == [f"r{i}" for i in range(160)] and errors == []
+    wait_for(lambda: len(result_log.counts) >= 160, 30, "every job's result announced")
+    assert len(result_log.counts) == 160 and set(result_log.counts.values()) == {1}  # each job stored once
