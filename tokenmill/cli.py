@@ -7,6 +7,7 @@
     tokenmill annotate INPUT -o OUTPUT --template '...{{ column }}...' [--broker ...]   (tokenmill.apps.cli)
     tokenmill batch -i requests.jsonl -o results.jsonl [--errors errors.jsonl] [--broker ...]
     tokenmill health [--url http://127.0.0.1:9400/metrics] [--max-age 60]
+    tokenmill serve [--host 127.0.0.1] [--port 8000] [--broker ...] [--files-dir DIR]   (tokenmill.apps.api)
 
 `generate` runs prompts offline through `tokenmill.LLM` and prints one JSON line per completion; with no
 arguments it completes a few demo prompts on the built-in tiny model (the README's quick start).
@@ -56,6 +57,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run(args)
     if args.command == "health":
         return _health(args)
+    if args.command == "serve":
+        from tokenmill.apps.api.server import run as serve
+
+        return serve(args)
     return _generate(args)
 
 
@@ -86,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     from tokenmill.apps.cli import add_parsers as add_annotate_parsers
 
     add_annotate_parsers(commands)  # `annotate` and `batch`
+    from tokenmill.apps.api.server import add_parser as add_serve_parser
+
+    add_serve_parser(commands)
     health = commands.add_parser("health", help="exit 0 only while a worker's engine is serving (container healthcheck)")
     health.add_argument("--url", default=None, help="metrics URL (default: http://127.0.0.1:$TOKENMILL_METRICS_PORT/metrics)")
     health.add_argument("--max-age", type=float, default=60.0, help="seconds without an engine status report that count as down")

@@ -221,7 +221,7 @@ def batch(
         parser = Parser(label, default_max_tokens, logprobs_ok=mode == "embedded")
         progress = Progress(total, "batch", quiet)
         try:
-            compute((r.units if isinstance(r, Request) else [] for _, r in _requests(input, parser, s3_endpoint_url)),
+            compute((r.units if isinstance(r, Request) else [] for _, r in parse_requests(input, parser, s3_endpoint_url)),
                     checkpoint, runner, progress, summary, retry_failed, retry_cancelled)
         finally:
             progress.close()
@@ -265,7 +265,7 @@ def _lines(input: str, endpoint: str | None) -> Iterator[tuple[int, bytes]]:
             yield number, raw
 
 
-def _requests(input: str, parser: Parser, endpoint: str | None) -> Iterator[tuple[int, Request | LineError]]:
+def parse_requests(input: str, parser: Parser, endpoint: str | None) -> Iterator[tuple[int, Request | LineError]]:
     for number, raw in _lines(input, endpoint):
         try:
             yield number, parser.parse(raw)
@@ -277,27 +277,32 @@ def _write(input: str, parser: Parser, checkpoint: Checkpoint, out: Writer, err:
            tokenizer: Any, endpoint: str | None) -> None:
     """Pass 2: one line per request, in input order, into the output or the errors file."""
     try:
-        for number, request in _requests(input, parser, endpoint):
-            if isinstance(request, LineError):
-                line = error_line(f"line{number:020d}", request.custom_id, request.code, f"line {number}: {request.message}")
-                summary.count_row(request.custom_id or f"line {number}", request.message)
-                err.write_rows([line])
-                continue
-            outcomes = [stored(checkpoint, u.key) for u in request.units]
-            failed = next((o for o in outcomes if not o.ok), None)
-            if failed is not None:
-                code, _, message = failed.error.partition(": ")
-                summary.count_row(request.custom_id, failed.error)
-                err.write_rows([error_line(request.key, request.custom_id, code if message else "server_error", message or code)])
-                continue
-            summary.count_row(request.custom_id, None)
-            out.write_rows([result_line(request, outcomes, tokenizer)])
+        for number, request in parse_requests(input, parser, endpoint):
+            outcomes = [] if isinstance(request, LineError) else [stored(checkpoint, u.key) for u in request.units]
+            line, error = request_line(number, request, outcomes, tokenizer)
+            summary.count_row(getattr(request, "custom_id", None) or f"line {number}", error)
+            (out if error is None else err).write_rows([line])
         out.close()
         err.close()
     except BaseException:
         out.abort()
         err.abort()
         raise
+
+
+def request_line(number: int, request: Request | LineError, outcomes: list[Outcome], tokenizer: Any
+                 ) -> tuple[dict[str, Any], str | None]:
+    """One request's line of the output file, or of the errors file with the error: the same lines whoever
+    computed the outcomes (`tokenmill batch` from its checkpoint, `tokenmill serve` from the job results).
+    `outcomes`: one per unit of the request (none for a line that did not parse)."""
+    if isinstance(request, LineError):
+        line = error_line(f"line{number:020d}", request.custom_id, request.code, f"line {number}: {request.message}")
+        return line, request.message
+    failed = next((o for o in outcomes if not o.ok), None)
+    if failed is not None:
+        code, _, message = failed.error.partition(": ")
+        return error_line(request.key, request.custom_id, code if message else "server_error", message or code), failed.error
+    return result_line(request, outcomes, tokenizer), None
 
 
 def error_line(key: str, custom_id: str | None, code: str, message: str) -> dict[str, Any]:

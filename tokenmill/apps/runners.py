@@ -157,7 +157,7 @@ class QueueRunner:
         while True:
             submitted: dict[str, Unit] = {}
             self.waves.append(submitted)  # in flight from the first unit on: a Ctrl-C while publishing cancels it
-            refused, taken = self._submit(itertools.islice(pending, self.wave), submitted)
+            refused, taken = self.submit(itertools.islice(pending, self.wave), submitted)
             yield from refused
             if not submitted:
                 self.waves.pop()
@@ -185,9 +185,11 @@ class QueueRunner:
         except TimeoutError:
             pass  # a worker that died holding some: their rows run again on resume
 
-    def _submit(self, units: Iterable[Unit], submitted: dict[str, Unit]) -> tuple[list[tuple[Unit, Outcome]], int]:
+    def submit(self, units: Iterable[Unit],
+               submitted: dict[str, Unit] | None = None) -> tuple[list[tuple[Unit, Outcome]], int]:
         """Validate each unit as a `Job` (refusals come back, not sent) and publish every full group at once;
         adds the submitted units to `submitted` by job id, returns the refused ones and how many were taken."""
+        submitted = {} if submitted is None else submitted
         refused: list[tuple[Unit, Outcome]] = []
         group: list[dict[str, Any]] = []
         taken = 0

@@ -1,0 +1,293 @@
+"""`tokenmill serve` driven only through the official `openai` SDK: the server is a real subprocess
+(`python -m tokenmill.cli serve`), with a real redis-server and real worker processes on builtin:tiny."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+from openai import OpenAI
+from service_fixtures import REPO, free_port, wait_for
+
+from tokenmill.apps.batch import batch as run_batch
+
+KEYS = {"alice": "sk-alice-0123", "bob": "sk-bob-4567"}
+
+
+class Server:
+    """A `tokenmill serve` subprocess; `kill()` is kill -9."""
+
+    def __init__(self, broker_url: str, files_dir: Path, log_path: Path, port: int | None = None, **flags: Any) -> None:
+        self.port = port or free_port()
+        self.log_path = log_path
+        args = {"broker": broker_url, "port": self.port, "files-dir": files_dir, "lease-seconds": 2,
+                "api-keys": ",".join(f"{t}={k}" for t, k in KEYS.items()), **flags}
+        self.command = [sys.executable, "-m", "tokenmill.cli", "serve"]
+        for flag, value in args.items():
+            self.command += [f"--{flag}"] if value is True else [f"--{flag}", str(value)]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENMILL_")}
+        env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        self._log = open(log_path, "ab")
+        self.process = subprocess.Popen(self.command, stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+        wait_for(self._answers, 60, f"tokenmill serve on port {self.port}", interval=0.1)
+
+    def _answers(self) -> bool:
+        if self.process.poll() is not None:
+            raise AssertionError(f"tokenmill serve exited with {self.process.returncode}:\n{self.log_path.read_text()}")
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{self.port}/v1/models", timeout=2)
+        except urllib.error.HTTPError:
+            return True  # 401: it is up
+        except OSError:
+            return False
+        return True
+
+    def client(self, tenant: str = "alice") -> OpenAI:
+        return OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key=KEYS[tenant], max_retries=0)
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+        self.process.wait(timeout=10)
+
+    def close(self) -> None:
+        self.kill()
+        self._log.close()
+
+
+@pytest.fixture
+def serve(tmp_path: Path) -> Iterator[Callable[..., Server]]:
+    """`serve(broker_url, **flags)` starts a server (all share one files directory); all are killed at teardown."""
+    servers: list[Server] = []
+
+    def start(broker_url: str, **flags: Any) -> Server:
+        server = Server(broker_url, tmp_path / "files", tmp_path / f"serve-{len(servers)}.log", **flags)
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        server.close()
+
+
+def chat_line(custom_id: str, content: str, max_tokens: int = 6, **body: Any) -> dict[str, Any]:
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": "tiny", "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
+                     "temperature": 0, **body}}
+
+
+def write_jsonl(path: Path, lines: list[Any]) -> Path:
+    path.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
+    return path
+
+
+def upload(client: OpenAI, path: Path) -> str:
+    with open(path, "rb") as handle:
+        return client.files.create(file=handle, purpose="batch").id
+
+
+def wait_status(client: OpenAI, batch_id: str, statuses: tuple[str, ...], timeout: float, seen: list[str] | None = None):
+    def check():
+        found = client.batches.retrieve(batch_id)
+        if seen is not None and (not seen or seen[-1] != found.status):
+            seen.append(found.status)
+        return found if found.status in statuses else None
+
+    return wait_for(check, timeout, f"batch {batch_id} to be {' or '.join(statuses)}", interval=0.1)
+
+
+def lines_of(client: OpenAI, file_id: str | None) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in client.files.content(file_id).text.splitlines()] if file_id else []
+
+
+def without_created(line: dict[str, Any]) -> dict[str, Any]:
+    """A result line without the time it finished (which differs between two runs)."""
+    if line.get("response"):
+        line = json.loads(json.dumps(line))
+        del line["response"]["body"]["created"]
+    return line
+
+
+def test_upload_create_poll_download_matches_tokenmill_batch(tmp_path, redis_server, start_worker, serve,
+                                                              result_log) -> None:
+    start_worker(redis_server.url).wait_ready()
+    server = serve(redis_server.url)
+    client = server.client()
+    assert [m.id for m in client.models.list()] == ["builtin:tiny"]
+    lines = [chat_line(f"req-{i}", f"hello {i}") for i in range(12)] + [chat_line("too-long", "z" * 5000)]
+    source = write_jsonl(tmp_path / "requests.jsonl", lines)
+    file_id = upload(client, source)
+    assert client.files.retrieve(file_id).bytes == source.stat().st_size
+    assert file_id in [f.id for f in client.files.list()]
+    created = client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h",
+                                    metadata={"run": "test"})
+    assert created.status == "validating" and created.metadata == {"run": "test"}
+    seen: list[str] = []
+    done = wait_status(client, created.id, ("completed", "failed"), 120, seen)
+    assert done.status == "completed", done.errors
+    assert seen[-1] == "completed" and "validating" not in seen[1:]
+    assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (13, 12, 1)
+    assert done.in_progress_at and done.finalizing_at and done.completed_at and done.created_at <= done.completed_at
+    assert done.output_file_id and done.error_file_id
+    output, errors = lines_of(client, done.output_file_id), lines_of(client, done.error_file_id)
+    assert [line["custom_id"] for line in output] == [f"req-{i}" for i in range(12)]  # input order
+    assert done.usage.output_tokens == sum(line["response"]["body"]["usage"]["completion_tokens"] for line in output)
+    assert done.usage.input_tokens == sum(line["response"]["body"]["usage"]["prompt_tokens"] for line in output)
+    [error] = errors
+    assert error["custom_id"] == "too-long" and error["error"]["code"] == "invalid_request"
+
+    # `tokenmill batch --broker` on the same file and workers writes the same lines (but the time they finished)
+    run_batch(str(source), str(tmp_path / "cli.jsonl"), broker=redis_server.url, quiet=True)
+    cli_output = [json.loads(line) for line in (tmp_path / "cli.jsonl").read_text().splitlines()]
+    cli_errors = [json.loads(line) for line in (tmp_path / "cli.errors.jsonl").read_text().splitlines()]
+    assert [without_created(line) for line in output] == [without_created(line) for line in cli_output]
+    assert errors == cli_errors
+    wait_for(lambda: len(result_log.counts) >= 26, 30, "every job's result announced")
+    assert set(result_log.counts.values()) == {1}  # 13 jobs each way, each result stored once
+
+    client.files.delete(file_id)
+    with pytest.raises(openai.NotFoundError):
+        client.files.retrieve(file_id)
+
+
+def test_a_second_tenant_gets_404_and_no_key_gets_401(tmp_path, redis_server, serve) -> None:
+    server = serve(redis_server.url)
+    alice, bob = server.client("alice"), server.client("bob")
+    file_id = upload(alice, write_jsonl(tmp_path / "in.jsonl", [chat_line("a", "hi")]))
+    batch = alice.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
+    for call in (lambda: bob.files.retrieve(file_id), lambda: bob.files.content(file_id),
+                 lambda: bob.files.delete(file_id), lambda: bob.batches.retrieve(batch.id),
+                 lambda: bob.batches.cancel(batch.id),
+                 lambda: bob.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions",
+                                            completion_window="24h")):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    assert list(bob.files.list()) == [] and list(bob.batches.list()) == []
+    assert [b.id for b in alice.batches.list()] == [batch.id]
+    assert alice.files.retrieve(file_id).id == file_id
+    stranger = OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="sk-wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        stranger.files.list()
+
+
+def test_the_server_refuses_to_start_without_a_key(tmp_path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENMILL_")}
+    done = subprocess.run([sys.executable, "-m", "tokenmill.cli", "serve", "--port", str(free_port())],
+                          capture_output=True, text=True, timeout=60, env={**env, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 2 and "--insecure-no-auth" in done.stderr
+
+
+def test_malformed_uploads_fail_validation_naming_the_lines(tmp_path, redis_server, serve) -> None:
+    server = serve(redis_server.url, **{"max-upload-bytes": 4096, "max-batch-lines": 5})
+    client = server.client()
+    bad = [chat_line("ok", "hi"), "{not json", {"method": "POST", "url": "/v1/chat/completions", "body": {}},
+           {**chat_line("url", "hi"), "url": "/v1/completions", "body": {"prompt": "x"}}, chat_line("ok", "again")]
+    batch = client.batches.create(input_file_id=upload(client, write_jsonl(tmp_path / "bad.jsonl", bad)),
+                                  endpoint="/v1/chat/completions", completion_window="24h")
+    failed = wait_status(client, batch.id, ("failed", "completed", "in_progress"), 30)
+    assert failed.status == "failed" and failed.failed_at and failed.output_file_id is None
+    assert [(e.line, e.code) for e in failed.errors.data] == [
+        (2, "invalid_json"), (3, "invalid_request"), (4, "mismatched_endpoint"), (5, "duplicate_custom_id")]
+    assert "custom_id" in failed.errors.data[1].message
+
+    many = upload(client, write_jsonl(tmp_path / "many.jsonl", [chat_line(f"c{i}", "hi") for i in range(6)]))
+    batch = client.batches.create(input_file_id=many, endpoint="/v1/chat/completions", completion_window="24h")
+    failed = wait_status(client, batch.id, ("failed", "completed", "in_progress"), 30)
+    assert failed.status == "failed" and [(e.line, e.code) for e in failed.errors.data] == [(6, "too_many_lines")]
+
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.batches.create(input_file_id=many, endpoint="/v1/embeddings", completion_window="24h")
+    assert refused.value.status_code == 400
+    assert set(refused.value.response.json()["error"]) == {"message", "type", "param", "code"}
+    assert refused.value.response.json()["error"]["param"] == "endpoint"
+    with pytest.raises(openai.NotFoundError):
+        client.batches.create(input_file_id="file-doesnotexist", endpoint="/v1/chat/completions",
+                              completion_window="24h")
+    with pytest.raises(openai.APIStatusError) as too_big:
+        upload(client, write_jsonl(tmp_path / "big.jsonl", [chat_line(f"c{i}", "x" * 500) for i in range(10)]))
+    assert too_big.value.status_code == 413 and too_big.value.response.json()["error"]["code"] == "file_too_large"
+
+
+def test_pagination_over_150_batches(tmp_path, redis_server, serve) -> None:
+    server = serve(redis_server.url)
+    client = server.client()
+    file_id = upload(client, write_jsonl(tmp_path / "empty.jsonl", ["{not json"]))  # each batch fails at once
+    ids = [client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions",
+                                 completion_window="24h").id for _ in range(150)]
+    first = client.batches.list(limit=20)
+    assert [b.id for b in first.data] == ids[::-1][:20] and first.has_more
+    assert [b.id for b in client.batches.list(limit=100, after=ids[50]).data] == ids[:50][::-1]
+    assert [b.id for b in client.batches.list(limit=20)] == ids[::-1]  # the SDK follows `after` over 8 pages
+    last = client.batches.list(limit=10, after=ids[10])
+    assert [b.id for b in last.data] == ids[:10][::-1] and not last.has_more
+
+
+def outcome_ids(client: OpenAI, batch: Any) -> tuple[list[str], list[dict[str, Any]]]:
+    return [line["custom_id"] for line in lines_of(client, batch.output_file_id)], lines_of(client, batch.error_file_id)
+
+
+def test_cancel_mid_run_keeps_the_finished_lines(tmp_path, redis_server, start_worker, serve) -> None:
+    start_worker(redis_server.url, max_num_seqs=8).wait_ready()
+    server = serve(redis_server.url)
+    client = server.client()
+    source = write_jsonl(tmp_path / "in.jsonl", [chat_line(f"r{i}", f"count {i}", max_tokens=48) for i in range(200)])
+    batch = client.batches.create(input_file_id=upload(client, source), endpoint="/v1/chat/completions",
+                                  completion_window="24h")
+    wait_for(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 3, 120, "some requests done")
+    cancelling = client.batches.cancel(batch.id)
+    assert cancelling.status == "cancelling" and cancelling.cancelling_at
+    done = wait_status(client, batch.id, ("cancelled", "completed"), 60)
+    assert done.status == "cancelled" and done.cancelled_at
+    finished, errors = outcome_ids(client, done)
+    assert 3 <= len(finished) < 150
+    assert {e["error"]["code"] for e in errors} == {"batch_cancelled"}
+    assert sorted(finished + [e["custom_id"] for e in errors]) == sorted(f"r{i}" for i in range(200))
+    counts = done.request_counts
+    assert (counts.total, counts.completed, counts.failed) == (200, len(finished), len(errors))
+    assert client.batches.cancel(batch.id).status == "cancelled"  # cancelling again changes nothing
+
+
+def test_a_batch_past_its_completion_window_expires_with_what_finished(tmp_path, redis_server, serve) -> None:
+    server = serve(redis_server.url)  # no worker: nothing finishes
+    client = server.client()
+    source = write_jsonl(tmp_path / "in.jsonl", [chat_line(f"r{i}", "hi") for i in range(5)])
+    batch = client.batches.create(input_file_id=upload(client, source), endpoint="/v1/chat/completions",
+                                  completion_window="2s")
+    assert batch.expires_at == batch.created_at + 2
+    done = wait_status(client, batch.id, ("expired", "completed", "failed"), 30)
+    assert done.status == "expired" and done.expired_at and done.output_file_id is None
+    _, errors = outcome_ids(client, done)
+    assert [(e["custom_id"], e["error"]["code"]) for e in errors] == [(f"r{i}", "batch_expired") for i in range(5)]
+
+
+def test_server_kill_9_mid_batch_another_server_finishes_it_running_nothing_twice(tmp_path, redis_server, start_worker,
+                                                                                  serve, result_log) -> None:
+    start_worker(redis_server.url, max_num_seqs=8).wait_ready()
+    first = serve(redis_server.url)
+    second = serve(redis_server.url)  # a second process on another port serves the same batches
+    client = first.client()
+    source = write_jsonl(tmp_path / "in.jsonl", [chat_line(f"r{i}", f"count {i}", max_tokens=32) for i in range(160)])
+    batch = client.batches.create(input_file_id=upload(client, source), endpoint="/v1/chat/completions",
+                                  completion_window="24h")
+    wait_for(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 3, 120, "some requests done")
+    first.kill()
+    during = second.client().batches.retrieve(batch.id)
+    assert during.status == "in_progress" and during.request_counts.completed < 160
+    third = serve(redis_server.url, port=first.port)  # and a restart on the old port
+    done = wait_status(third.client(), batch.id, ("completed", "failed", "cancelled"), 180)
+    assert done.status == "completed" and done.request_counts.completed == 160
+    finished, errors = outcome_ids(third.client(), done)
+    assert finished == [f"r{i}" for i in range(160)] and errors == []
+    wait_for(lambda: len(result_log.counts) >= 160, 30, "every job's result announced")
+    assert len(result_log.counts) == 160 and set(result_log.counts.values()) == {1}  # each job stored once

@@ -1,0 +1,222 @@
+"""The routes: OpenAI's Files, Batches and Models endpoints as the `openai` SDK calls them.
+
+(No `from __future__ import annotations` here: FastAPI reads the handlers' annotations, which name the local
+`Tenant` dependency.)
+
+Handlers are plain functions (FastAPI runs them in its thread pool), since Redis and the queue client are
+synchronous; the batches themselves are driven by `driver.Supervisor`'s threads, never by a request.
+"""
+
+import re
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Annotated, Any
+
+from fastapi import Depends, FastAPI, File, Form, Header, Query, Request, UploadFile
+from fastapi.responses import FileResponse
+from pydantic import BaseModel, ConfigDict
+
+from tokenmill.apps.api import errors
+from tokenmill.apps.api.auth import Keys
+from tokenmill.apps.api.driver import Supervisor, file_object
+from tokenmill.apps.api.errors import APIError, not_found
+from tokenmill.apps.api.files import FileStore, new_file_id
+from tokenmill.apps.api.records import FINAL, Records, batch_key, now
+from tokenmill.apps.api.settings import ServeSettings
+from tokenmill.apps.batch import URLS
+
+_WINDOW = re.compile(r"^([1-9][0-9]*)(h|m|s)$")
+_SECONDS = {"h": 3600, "m": 60, "s": 1}
+_MULTIPART_SLACK = 64 * 1024  # the multipart envelope around the file in Content-Length
+
+
+class CreateBatch(BaseModel):
+    """`POST /v1/batches`, as `client.batches.create(...)` sends it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    input_file_id: str
+    endpoint: str
+    completion_window: str
+    metadata: dict[str, str] | None = None
+    output_expires_after: dict[str, Any] | None = None  # accepted; output files are kept until deleted
+
+
+class Services:
+    """What the handlers share: settings, keys, records, the file store and the batch supervisor."""
+
+    def __init__(self, settings: ServeSettings, keys: Keys) -> None:
+        self.settings = settings
+        self.keys = keys
+        self.records = Records(settings.backend_url)
+        self.store = FileStore(settings.files_dir)
+        self.supervisor = Supervisor(settings, self.records, self.store)
+
+
+def create_app(settings: ServeSettings, keys: Keys) -> FastAPI:
+    services = Services(settings, keys)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        services.supervisor.start()  # takes over the batches of a server that died, at once
+        yield
+        services.supervisor.stop()
+
+    app = FastAPI(title="tokenmill", lifespan=lifespan)
+    errors.install(app)
+
+    def tenant(authorization: Annotated[str | None, Header()] = None) -> str:
+        return keys.tenant(authorization)
+
+    Tenant = Annotated[str, Depends(tenant)]
+    _file_routes(app, services, Tenant)
+    _batch_routes(app, services, Tenant)
+
+    @app.get("/v1/models")
+    def models(_: Tenant) -> dict[str, Any]:
+        ids = [m.strip() for m in settings.served_models.split(",") if m.strip()]
+        return {"object": "list", "data": [{"id": m, "object": "model", "created": 0, "owned_by": "tokenmill"}
+                                           for m in ids]}
+
+    return app
+
+
+def _file_routes(app: FastAPI, services: Services, Tenant: Any) -> None:
+    records, store, settings = services.records, services.store, services.settings
+
+    def owned(tenant: str, file_id: str) -> dict[str, Any]:
+        found = records.file(tenant, file_id)
+        if found is None:
+            raise not_found("file", file_id)
+        return found
+
+    @app.post("/v1/files")
+    def upload(request: Request, tenant: Tenant, file: Annotated[UploadFile, File()],
+               purpose: Annotated[str, Form()]) -> dict[str, Any]:
+        if purpose != "batch":
+            raise APIError(400, f"purpose: only 'batch' is supported, got {purpose!r}", "purpose", "invalid_value")
+        length = int(request.headers.get("content-length") or 0)
+        if length > settings.max_upload_bytes + _MULTIPART_SLACK:
+            raise APIError(413, f"file: larger than the {settings.max_upload_bytes}-byte upload limit "
+                           "(TOKENMILL_MAX_UPLOAD_BYTES)", "file", "file_too_large")
+        file_id = new_file_id()
+        size = store.save(file_id, file.file, settings.max_upload_bytes)
+        found = file_object(file_id, file.filename or "upload.jsonl", size, purpose)
+        records.add_file(tenant, found)
+        return found
+
+    @app.get("/v1/files")
+    def list_files(tenant: Tenant, after: str | None = None, limit: Annotated[int, Query(ge=1, le=10000)] = 10000,
+                   order: Annotated[str, Query(pattern="^(asc|desc)$")] = "desc",
+                   purpose: str | None = None) -> dict[str, Any]:
+        found, more = records.files(tenant, after, limit, newest_first=order == "desc")
+        data = [f for f in found if purpose is None or f["purpose"] == purpose]
+        return _page(data, more)
+
+    @app.get("/v1/files/{file_id}")
+    def get_file(file_id: str, tenant: Tenant) -> dict[str, Any]:
+        return owned(tenant, file_id)
+
+    @app.get("/v1/files/{file_id}/content")
+    def content(file_id: str, tenant: Tenant) -> FileResponse:
+        found = owned(tenant, file_id)
+        return FileResponse(store.path(file_id), media_type="application/octet-stream", filename=found["filename"])
+
+    @app.delete("/v1/files/{file_id}")
+    def delete(file_id: str, tenant: Tenant) -> dict[str, Any]:
+        owned(tenant, file_id)
+        records.delete_file(tenant, file_id)
+        store.delete(file_id)
+        return {"id": file_id, "object": "file", "deleted": True}
+
+
+def _batch_routes(app: FastAPI, services: Services, Tenant: Any) -> None:
+    records = services.records
+
+    def owned(tenant: str, batch_id: str) -> dict[str, Any]:
+        found = records.batch(batch_id, tenant)
+        if found is None:
+            raise not_found("batch", batch_id)
+        return found
+
+    @app.post("/v1/batches")
+    def create(body: CreateBatch, tenant: Tenant) -> dict[str, Any]:
+        window = _window_seconds(body.completion_window)
+        if body.endpoint not in URLS:
+            raise APIError(400, f"endpoint: unsupported {body.endpoint!r} (supported: {', '.join(URLS)})",
+                           "endpoint", "invalid_value")
+        _check_metadata(body.metadata)
+        source = records.file(tenant, body.input_file_id)
+        if source is None:
+            raise not_found("file", body.input_file_id)
+        if source["purpose"] != "batch":
+            raise APIError(400, f"input_file_id: file {body.input_file_id} has purpose {source['purpose']!r}, "
+                           "not 'batch'", "input_file_id", "invalid_value")
+        batch = _new_batch(body, window)
+        records.add_batch(tenant, batch)
+        services.supervisor.poked.set()
+        return batch
+
+    @app.get("/v1/batches")
+    def list_batches(tenant: Tenant, after: str | None = None,
+                     limit: Annotated[int, Query(ge=1, le=100)] = 20) -> dict[str, Any]:
+        found, more = records.batches(tenant, after, limit)
+        return _page(found, more)
+
+    @app.get("/v1/batches/{batch_id}")
+    def get_batch(batch_id: str, tenant: Tenant) -> dict[str, Any]:
+        return owned(tenant, batch_id)
+
+    @app.post("/v1/batches/{batch_id}/cancel")
+    def cancel(batch_id: str, tenant: Tenant) -> dict[str, Any]:
+        found = owned(tenant, batch_id)
+        if found["status"] in ("cancelling", "cancelled"):
+            return found
+        if found["status"] in FINAL:
+            raise APIError(400, f"Cannot cancel a batch with status '{found['status']}'.", None, "invalid_state")
+        records.redis.hsetnx(batch_key(batch_id), "cancel", "cancel")
+
+        def cancelling(b: dict[str, Any]) -> None:
+            if b["status"] not in FINAL:
+                b.update(status="cancelling", cancelling_at=now())
+
+        return records.update(batch_id, cancelling)
+
+
+def _new_batch(body: CreateBatch, window: int) -> dict[str, Any]:
+    """A `Batch` as the SDK's type has it, every field present."""
+    created = now()
+    stamps = ("in_progress_at", "finalizing_at", "completed_at", "failed_at", "expired_at", "cancelling_at",
+              "cancelled_at")
+    return {"id": f"batch_{uuid.uuid4().hex[:24]}", "object": "batch", "endpoint": body.endpoint, "errors": None,
+            "input_file_id": body.input_file_id, "completion_window": body.completion_window,
+            "status": "validating", "output_file_id": None, "error_file_id": None, "created_at": created,
+            "expires_at": created + window, **dict.fromkeys(stamps),
+            "request_counts": {"total": 0, "completed": 0, "failed": 0}, "metadata": body.metadata,
+            "model": None, "usage": None}
+
+
+def _window_seconds(window: str) -> int:
+    match = _WINDOW.match(window)
+    if match is None:
+        raise APIError(400, f"completion_window: must look like '24h' (or a number of m or s), got {window!r}",
+                       "completion_window", "invalid_value")
+    return int(match[1]) * _SECONDS[match[2]]
+
+
+def _check_metadata(metadata: dict[str, str] | None) -> None:
+    """OpenAI's limits: at most 16 pairs, keys up to 64 characters, values up to 512."""
+    if metadata is None:
+        return
+    if len(metadata) > 16:
+        raise APIError(400, f"metadata: at most 16 pairs, got {len(metadata)}", "metadata", "invalid_value")
+    for key, value in metadata.items():
+        if len(key) > 64 or len(value) > 512:
+            raise APIError(400, f"metadata.{key[:64]}: keys up to 64 characters, values up to 512",
+                           "metadata", "invalid_value")
+
+
+def _page(data: list[dict[str, Any]], more: bool) -> dict[str, Any]:
+    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None, "has_more": more}

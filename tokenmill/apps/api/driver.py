@@ -1,0 +1,355 @@
+"""Driving batches: one thread per batch that is not final, in whichever server process holds its lease.
+
+A driver validates the input file (as `tokenmill batch` parses it; any bad line fails the batch, naming the
+lines), queues its requests as jobs in `tokenmill.generate_batch` group messages (`QueueRunner.submit`) with
+ids derived from (batch id, custom_id, choice), collects their results, and writes the output and error
+files in input order with `tokenmill batch`'s own line code (`request_line`).
+
+Nothing lives only in memory: the batch object, how many jobs were queued and a cancel request are in Redis
+(`records`), results are the queue's. A server killed mid-batch loses its lease; the next server that scans
+the active batches (every few seconds, and at start-up) takes the lease and goes on from the record: jobs
+already queued are not queued again, results already stored are read, not recomputed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from tokenmill.apps.api.files import FileStore
+from tokenmill.apps.api.records import Records, now, refused_key
+from tokenmill.apps.api.settings import ServeSettings
+from tokenmill.apps.batch import LineError, Parser, Request, parse_requests, request_line
+from tokenmill.apps.datasets import DatasetError, read_lines
+from tokenmill.apps.runners import QueueRunner, Unit, outcome_from_result
+from tokenmill.apps.store import Outcome, SeenSet
+from tokenmill.client import Client, JobTimeoutError
+
+log = logging.getLogger(__name__)
+
+_MAX_ERRORS = 100  # validation errors listed in a failed batch
+
+
+class Stopped(Exception):
+    """The lease was lost, or this server is shutting down: stop driving (someone else goes on)."""
+
+
+def job_id(batch_id: str, custom_id: str, choice: int) -> str:
+    """A request's job id, stable across restarts (so re-queueing is idempotent), in the job id alphabet."""
+    digest = hashlib.sha256(custom_id.encode()).hexdigest()[:24]
+    return f"{batch_id.replace('_', '.')}.{digest}.{choice}"
+
+
+def model_label(settings: ServeSettings) -> str:
+    """The model label in request keys: the one `tokenmill batch --broker` uses without `--model`, so the same
+    input file gives the same line ids and bodies through either."""
+    return f"queue:{settings.queue}"
+
+
+@dataclass
+class Plan:
+    """A validated batch: its requests in input order and each job's unit."""
+
+    requests: list[tuple[int, Request]]
+    units: list[Unit] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.units = [unit for _, request in self.requests for unit in request.units]
+
+
+class Driver(threading.Thread):
+    """Drives one batch from where its record says it is to a final status."""
+
+    def __init__(self, batch_id: str, token: str, settings: ServeSettings, records: Records, store: FileStore,
+                 stopping: threading.Event) -> None:
+        super().__init__(name=f"batch-{batch_id}", daemon=True)
+        self.batch_id = batch_id
+        self.token = token
+        self.settings = settings
+        self.records = records
+        self.store = store
+        self.stopping = stopping
+        self.interval = min(1.0, settings.lease_seconds / 3)
+        self._renewed = time.monotonic()
+        self.parser = Parser(model_label(settings), settings.default_max_tokens, logprobs_ok=False)
+
+    def run(self) -> None:
+        try:
+            self.drive()
+        except Stopped:
+            log.info("batch %s: handed over", self.batch_id)
+        except Exception as exc:  # a bug or a lost Redis must not leave the batch stuck in the active set
+            log.exception("batch %s: failed", self.batch_id)
+            try:
+                self._fail([{"code": "server_error", "message": f"{type(exc).__name__}: {exc}", "line": None, "param": None}])
+            except Exception:
+                log.exception("batch %s: could not record the failure", self.batch_id)
+        finally:
+            self.records.release_lease(self.batch_id, self.token)
+
+    def drive(self) -> None:
+        batch = self.records.batch(self.batch_id)
+        if batch["status"] == "validating":
+            batch = self.validate(batch)
+            if batch["status"] == "failed":
+                return
+        plan = Plan([(n, r) for n, r in parse_requests(str(self.store.path(batch["input_file_id"])), self.parser, None)
+                     if isinstance(r, Request)])
+        for _, request in plan.requests:
+            for choice, unit in enumerate(request.units):
+                unit.job_id = job_id(self.batch_id, request.custom_id, choice)
+        with Client(self.settings.broker_url, result_backend=self.settings.result_backend,
+                    queue=self.settings.queue) as client:
+            if batch["status"] == "in_progress":
+                self.publish(client, plan)
+            outcomes = self.collect(client, plan)
+        self.finish(plan, outcomes)
+
+    # -- validating -----------------------------------------------------------------------------
+
+    def validate(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """Parse every line; any bad one (or too many lines) fails the batch with `errors` naming the lines."""
+        errors, total = self._check_lines(batch)
+        if errors:
+            return self._fail(errors)
+
+        def start(b: dict[str, Any]) -> None:
+            if b["status"] == "validating":
+                b.update(status="in_progress", in_progress_at=now())
+            b["request_counts"]["total"] = total
+
+        return self.records.update(self.batch_id, start)
+
+    def _check_lines(self, batch: dict[str, Any]) -> tuple[list[dict[str, Any]], int]:
+        errors: list[dict[str, Any]] = []
+        seen, total = SeenSet(), 0
+        try:
+            for number, raw in enumerate(read_lines(str(self.store.path(batch["input_file_id"]))), start=1):
+                self.heartbeat()
+                if not raw.strip():
+                    continue
+                total += 1
+                if total > self.settings.max_batch_lines:
+                    errors.append(_error("too_many_lines", f"the file has more than {self.settings.max_batch_lines} "
+                                         "requests (TOKENMILL_MAX_BATCH_LINES)", number))
+                    break
+                problem = self._line_problem(raw, number, batch["endpoint"], seen)
+                if problem is not None:
+                    errors.append(problem)
+                    if len(errors) >= _MAX_ERRORS:
+                        break
+        except DatasetError as exc:
+            errors.append(_error("invalid_file", str(exc), None))
+        finally:
+            seen.close()
+        if total == 0 and not errors:
+            errors.append(_error("empty_file", "the input file holds no requests", None))
+        return errors, total
+
+    def _line_problem(self, raw: bytes, number: int, endpoint: str, seen: SeenSet) -> dict[str, Any] | None:
+        try:
+            request = self.parser.parse(raw)
+        except LineError as exc:
+            return _error(exc.code, f"line {number}: {exc.message}", number)
+        if request.url != endpoint:
+            return _error("mismatched_endpoint", f"line {number}: url {request.url!r} is not the batch's endpoint "
+                          f"{endpoint!r}", number, "url")
+        first = seen.add(request.custom_id, number)
+        if first is not None:
+            return _error("duplicate_custom_id", f"line {number}: custom_id {request.custom_id!r} already on line "
+                          f"{first}", number, "custom_id")
+        return None
+
+    def _fail(self, errors: list[dict[str, Any]]) -> dict[str, Any]:
+        def fail(b: dict[str, Any]) -> None:
+            b.update(status="failed", failed_at=now(), errors={"object": "list", "data": errors})
+
+        return self.records.update(self.batch_id, fail)
+
+    # -- queueing and collecting ----------------------------------------------------------------
+
+    def publish(self, client: Client, plan: Plan) -> None:
+        """Queue the jobs not queued yet, one group message at a time, recording progress after each. (A server
+        killed between sending a group and recording it sends that group again: the workers skip a job whose
+        result is stored.)"""
+        runner = QueueRunner(client, rows_per_message=self.settings.batch_rows_per_message, run_id=self.batch_id)
+        size = self.settings.batch_rows_per_message
+        published = int(self.records.field(self.batch_id, "published") or 0)
+        for start in range(published, len(plan.units), size):
+            if self.records.field(self.batch_id, "cancel"):
+                return
+            self.heartbeat()
+            refused, _ = runner.submit(plan.units[start : start + size])
+            if refused:
+                self.records.redis.hset(refused_key(self.batch_id), mapping={u.job_id: o.error for u, o in refused})
+            self.records.set_field(self.batch_id, "published", start + size)
+
+    def collect(self, client: Client, plan: Plan) -> dict[str, Outcome]:
+        """Every job's outcome, counting requests as they finish; a cancel or the deadline cancels the rest."""
+        outcomes = self._refused_outcomes()
+        published = min(len(plan.units), int(self.records.field(self.batch_id, "published") or 0))
+        pending = [u.job_id for u in plan.units[:published] if u.job_id not in outcomes]
+        unqueued = [u.job_id for u in plan.units[published:]]  # a cancel came before they were queued
+        for job in unqueued:
+            outcomes[job] = Outcome.failed("cancelled: never queued")
+        cancelled = False
+        while pending:
+            if not cancelled and self._ending():
+                client.cancel(pending)
+                cancelled = True
+            try:
+                for result in client.as_completed(pending, timeout=self.interval):
+                    outcomes[result.id] = outcome_from_result(result)
+            except JobTimeoutError:
+                pass
+            pending = [job for job in pending if job not in outcomes]
+            self.heartbeat(force=True)
+            self._count(plan, outcomes)
+        return outcomes
+
+    def _ending(self) -> str | None:
+        """`cancel` or `expire` once the batch must stop early (asked to, or past its completion window)."""
+        reason = self.records.field(self.batch_id, "cancel")
+        if reason is None and now() >= self.records.batch(self.batch_id)["expires_at"]:
+            self.records.set_field(self.batch_id, "cancel", "expire")
+            reason = "expire"
+        return reason
+
+    def _refused_outcomes(self) -> dict[str, Outcome]:
+        refused = self.records.redis.hgetall(refused_key(self.batch_id))
+        return {k.decode(): Outcome.failed(v.decode()) for k, v in refused.items()}
+
+    def _count(self, plan: Plan, outcomes: dict[str, Outcome]) -> None:
+        completed = failed = 0
+        for _, request in plan.requests:
+            got = [outcomes.get(u.job_id) for u in request.units]
+            if all(o is not None for o in got):
+                completed += all(o.ok for o in got)
+                failed += not all(o.ok for o in got)
+
+        def count(b: dict[str, Any]) -> None:
+            b["request_counts"].update(completed=completed, failed=failed)
+
+        batch = self.records.batch(self.batch_id)
+        if (batch["request_counts"]["completed"], batch["request_counts"]["failed"]) != (completed, failed):
+            self.records.update(self.batch_id, count)
+
+    # -- finishing ------------------------------------------------------------------------------
+
+    def finish(self, plan: Plan, outcomes: dict[str, Outcome]) -> None:
+        """Write the output and error files from the outcomes, in input order, then the final status."""
+        reason = self.records.field(self.batch_id, "cancel")
+        self.records.update(self.batch_id, lambda b: b.update(status="finalizing", finalizing_at=b.get("finalizing_at") or now())
+                            if b["status"] == "in_progress" else None)
+        lines: dict[bool, list[bytes]] = {True: [], False: []}
+        completed = failed = prompt_tokens = completion_tokens = 0
+        for number, request in plan.requests:
+            got = [_unfinished(outcomes[u.job_id], reason) for u in request.units]
+            line, error = request_line(number, request, got, None)
+            lines[error is None].append(json.dumps(line, ensure_ascii=False).encode() + b"\n")
+            completed += error is None
+            failed += error is not None
+            if error is None:
+                prompt_tokens += got[0].prompt_tokens
+                completion_tokens += sum(o.completion_tokens for o in got)
+        output = self._write_file("output", lines[True])
+        errors = self._write_file("errors", lines[False])
+        usage = {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+                 "output_tokens": completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                 "total_tokens": prompt_tokens + completion_tokens}
+        status, stamp = {"cancel": ("cancelled", "cancelled_at"), "expire": ("expired", "expired_at")}.get(
+            reason or "", ("completed", "completed_at"))
+
+        def done(b: dict[str, Any]) -> None:
+            b["request_counts"].update(completed=completed, failed=failed)
+            b.update(status=status, output_file_id=output, error_file_id=errors, usage=usage)
+            b[stamp] = now()
+
+        self.records.update(self.batch_id, done)
+
+    def _write_file(self, kind: str, lines: list[bytes]) -> str | None:
+        """An output file of the batch's tenant (its id derived from the batch: a rerun overwrites it)."""
+        if not lines:
+            return None
+        file_id = f"file-{self.batch_id.removeprefix('batch_')}-{kind}"
+        size = self.store.write_lines(file_id, lines)
+        tenant = self.records.tenant_of(self.batch_id)
+        if self.records.file(tenant, file_id) is None:
+            self.records.add_file(tenant, file_object(file_id, f"{self.batch_id}_{kind}.jsonl", size, "batch_output"))
+        return file_id
+
+    def heartbeat(self, force: bool = False) -> None:
+        """Renew the lease (every third of it, or now); raise `Stopped` if it is lost or the server stops."""
+        if self.stopping.is_set():
+            raise Stopped()
+        if force or time.monotonic() - self._renewed >= self.interval:
+            if not self.records.renew_lease(self.batch_id, self.token, self.settings.lease_seconds):
+                raise Stopped()
+            self._renewed = time.monotonic()
+
+
+def _unfinished(outcome: Outcome, reason: str | None) -> Outcome:
+    """A request cut short by a cancel or the deadline: OpenAI's codes for it in the error file."""
+    if not outcome.cancelled or reason is None:
+        return outcome
+    if reason == "expire":
+        return Outcome.failed("batch_expired: this request could not be executed before the completion window expired")
+    return Outcome.failed("batch_cancelled: this request was not finished before the batch was cancelled")
+
+
+def _error(code: str, message: str, line: int | None, param: str | None = None) -> dict[str, Any]:
+    return {"code": code, "message": message, "line": line, "param": param}
+
+
+def file_object(file_id: str, filename: str, size: int, purpose: str, created: int | None = None) -> dict[str, Any]:
+    """A `FileObject` as the SDK's type has it."""
+    return {"id": file_id, "object": "file", "bytes": size, "created_at": created or now(), "filename": filename,
+            "purpose": purpose, "status": "processed", "expires_at": None, "status_details": None}
+
+
+class Supervisor(threading.Thread):
+    """Scans the active batches (at start-up, every third of a lease, and when poked) and drives each one whose
+    lease it can take."""
+
+    def __init__(self, settings: ServeSettings, records: Records, store: FileStore) -> None:
+        super().__init__(name="batch-supervisor", daemon=True)
+        self.settings = settings
+        self.records = records
+        self.store = store
+        self.stopping = threading.Event()
+        self.poked = threading.Event()
+        self.token = uuid.uuid4().hex
+        self.drivers: dict[str, Driver] = {}
+
+    def run(self) -> None:
+        while not self.stopping.is_set():
+            try:
+                self.adopt()
+            except Exception:
+                log.exception("scanning the active batches failed; trying again")
+            self.poked.wait(min(2.0, self.settings.lease_seconds / 3))
+            self.poked.clear()
+
+    def adopt(self) -> None:
+        self.drivers = {k: d for k, d in self.drivers.items() if d.is_alive()}
+        for batch_id in self.records.active():
+            if batch_id in self.drivers or self.stopping.is_set():
+                continue
+            token = f"{self.token}:{uuid.uuid4().hex[:8]}"
+            if self.records.take_lease(batch_id, token, self.settings.lease_seconds):
+                driver = Driver(batch_id, token, self.settings, self.records, self.store, self.stopping)
+                self.drivers[batch_id] = driver
+                driver.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.stopping.set()
+        self.poked.set()
+        for driver in list(self.drivers.values()):
+            driver.join(timeout)
+

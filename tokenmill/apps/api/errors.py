@@ -1,0 +1,53 @@
+"""OpenAI's error shape, `{"error": {"message", "type", "param", "code"}}`, for every error the API returns."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+          413: "invalid_request_error"}
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape: the SDK raises its matching exception (`NotFoundError` for 404...)."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        kind = _TYPES.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error")
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+
+def not_found(what: str, id: str) -> APIError:
+    """404 for an id that does not exist or belongs to another tenant (the two look the same on purpose)."""
+    return APIError(404, f"No {what} found with id '{id}'.", param="id", code="not_found")
+
+
+def install(app: FastAPI) -> None:
+    """Every error of the app, FastAPI's own validation and routing errors included, in OpenAI's shape."""
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0]
+        param = ".".join(str(part) for part in first["loc"][1:]) or None
+        return JSONResponse(APIError(400, f"{param or 'request'}: {first['msg']}", param, "invalid_request").body(),
+                            status_code=400)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
+        code = "not_found" if exc.status_code == 404 else None
+        return JSONResponse(APIError(exc.status_code, str(exc.detail), None, code).body(), status_code=exc.status_code)

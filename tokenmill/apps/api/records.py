@@ -1,0 +1,165 @@
+"""File and batch records in Redis: what a restarted server (or a second one) needs to go on.
+
+Keys (the API's own, beside the queue's):
+
+* `tokenmill:api:file:<id>`: a file's `FileObject` JSON plus its tenant; `tokenmill:api:files:<tenant>`: a
+  sorted set of the tenant's file ids, scored by creation order (cursor pagination);
+* `tokenmill:api:batch:<id>`: a hash: `object` (the `Batch` JSON), `tenant`, `published` (jobs queued so
+  far), `cancel` (`cancel` or `expire` once asked); `tokenmill:api:batches:<tenant>`: the tenant's batches;
+* `tokenmill:api:active`: the batches not final yet, which some server process must drive;
+* `tokenmill:api:lease:<id>`: which server process drives that batch (a token, expiring unless renewed);
+* `tokenmill:api:refused:<id>`: jobs of the batch the client refused to queue, with the reason.
+
+Every change of a batch object goes through `update` (WATCH/MULTI), so the driver's counts and a cancel
+from another process never overwrite each other.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+import redis
+
+PREFIX = "tokenmill:api:"
+SEQUENCE = PREFIX + "seq"
+ACTIVE = PREFIX + "active"
+FINAL = ("completed", "failed", "cancelled", "expired")
+
+_RENEW = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end return 0"
+_RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
+
+
+def file_key(file_id: str) -> str:
+    return f"{PREFIX}file:{file_id}"
+
+
+def batch_key(batch_id: str) -> str:
+    return f"{PREFIX}batch:{batch_id}"
+
+
+def lease_key(batch_id: str) -> str:
+    return f"{PREFIX}lease:{batch_id}"
+
+
+def refused_key(batch_id: str) -> str:
+    return f"{PREFIX}refused:{batch_id}"
+
+
+def _index(kind: str, tenant: str) -> str:
+    return f"{PREFIX}{kind}:{tenant}"
+
+
+class Records:
+    """The API's records on one Redis (the queue's result backend)."""
+
+    def __init__(self, url: str) -> None:
+        self.redis = redis.Redis.from_url(url)
+        self._renew = self.redis.register_script(_RENEW)
+        self._release = self.redis.register_script(_RELEASE)
+
+    # -- files ----------------------------------------------------------------------------------
+
+    def add_file(self, tenant: str, file: dict[str, Any]) -> None:
+        order = self.redis.incr(SEQUENCE)
+        self.redis.pipeline().set(file_key(file["id"]), json.dumps({"tenant": tenant, "object": file})).zadd(
+            _index("files", tenant), {file["id"]: order}).execute()
+
+    def file(self, tenant: str, file_id: str) -> dict[str, Any] | None:
+        """The tenant's file; None for an unknown id or another tenant's."""
+        raw = self.redis.get(file_key(file_id))
+        record = json.loads(raw) if raw else None
+        return record["object"] if record and record["tenant"] == tenant else None
+
+    def delete_file(self, tenant: str, file_id: str) -> None:
+        self.redis.pipeline().delete(file_key(file_id)).zrem(_index("files", tenant), file_id).execute()
+
+    def files(self, tenant: str, after: str | None, limit: int, newest_first: bool = True) -> tuple[list[dict], bool]:
+        ids, more = self._page(_index("files", tenant), after, limit, newest_first)
+        found = [json.loads(raw)["object"] for raw in self.redis.mget([file_key(i) for i in ids]) if raw] if ids else []
+        return found, more
+
+    # -- batches --------------------------------------------------------------------------------
+
+    def add_batch(self, tenant: str, batch: dict[str, Any]) -> None:
+        order = self.redis.incr(SEQUENCE)
+        self.redis.pipeline().hset(batch_key(batch["id"]), mapping={
+            "object": json.dumps(batch), "tenant": tenant, "published": 0}).zadd(
+            _index("batches", tenant), {batch["id"]: order}).sadd(ACTIVE, batch["id"]).execute()
+
+    def batch(self, batch_id: str, tenant: str | None = None) -> dict[str, Any] | None:
+        """The batch object (None if unknown, or not `tenant`'s when one is given)."""
+        raw, owner = self.redis.hmget(batch_key(batch_id), ["object", "tenant"])
+        if raw is None or (tenant is not None and owner.decode() != tenant):
+            return None
+        return json.loads(raw)
+
+    def tenant_of(self, batch_id: str) -> str:
+        return self.redis.hget(batch_key(batch_id), "tenant").decode()
+
+    def batches(self, tenant: str, after: str | None, limit: int) -> tuple[list[dict], bool]:
+        ids, more = self._page(_index("batches", tenant), after, limit, True)
+        pipe = self.redis.pipeline()
+        for batch_id in ids:
+            pipe.hget(batch_key(batch_id), "object")
+        return [json.loads(raw) for raw in pipe.execute() if raw], more
+
+    def update(self, batch_id: str, change: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+        """Apply `change` to the batch object atomically (retried if another process changed it meanwhile);
+        a batch that became final is removed from the active set. Returns the new object."""
+        key = batch_key(batch_id)
+
+        def attempt(pipe: Any) -> dict[str, Any]:
+            batch = json.loads(pipe.hget(key, "object"))
+            change(batch)
+            pipe.multi()
+            pipe.hset(key, "object", json.dumps(batch))
+            if batch["status"] in FINAL:
+                pipe.srem(ACTIVE, batch_id)
+            return batch
+
+        return self.redis.transaction(attempt, key, value_from_callable=True)
+
+    def field(self, batch_id: str, name: str) -> str | None:
+        value = self.redis.hget(batch_key(batch_id), name)
+        return value.decode() if value is not None else None
+
+    def set_field(self, batch_id: str, name: str, value: Any) -> None:
+        self.redis.hset(batch_key(batch_id), name, value)
+
+    def active(self) -> list[str]:
+        return sorted(member.decode() for member in self.redis.smembers(ACTIVE))
+
+    # -- leases ---------------------------------------------------------------------------------
+
+    def take_lease(self, batch_id: str, token: str, seconds: float) -> bool:
+        return bool(self.redis.set(lease_key(batch_id), token, nx=True, px=int(seconds * 1000)))
+
+    def renew_lease(self, batch_id: str, token: str, seconds: float) -> bool:
+        return bool(self._renew(keys=[lease_key(batch_id)], args=[token, int(seconds * 1000)]))
+
+    def release_lease(self, batch_id: str, token: str) -> None:
+        self._release(keys=[lease_key(batch_id)], args=[token])
+
+    # -- pagination -----------------------------------------------------------------------------
+
+    def _page(self, index: str, after: str | None, limit: int, newest_first: bool) -> tuple[list[str], bool]:
+        """Up to `limit` ids after the cursor `after` (an id of this index), and whether more follow."""
+        if after is None:
+            bound = "+inf" if newest_first else "-inf"
+        else:
+            score = self.redis.zscore(index, after)
+            if score is None:
+                return [], False
+            bound = f"({score}"
+        if newest_first:
+            ids = self.redis.zrevrangebyscore(index, bound, "-inf", start=0, num=limit + 1)
+        else:
+            ids = self.redis.zrangebyscore(index, bound, "+inf", start=0, num=limit + 1)
+        return [i.decode() for i in ids[:limit]], len(ids) > limit
+
+
+def now() -> int:
+    return int(time.time())

@@ -1,0 +1,32 @@
+"""Settings of `tokenmill serve`: the queue's own (`QueueSettings`) plus the API's, from `TOKENMILL_*` variables."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from tokenmill.queue.settings import QueueSettings
+
+
+class ServeSettings(QueueSettings):
+    """What the HTTP API needs besides the queue: keys, where files live, limits, the batch lease."""
+
+    api_keys: str | None = Field(
+        None, description="Comma-separated bearer API keys of `tokenmill serve`, each `tenant=key` or a bare key "
+        "(its tenant: a hash of it). Each tenant sees only its own files and batches.")
+    api_keys_file: str | None = Field(
+        None, description="File of hashed API keys for `tokenmill serve`: one `tenant sha256:<hex of the key>` a "
+        "line (`#` comments), used with TOKENMILL_API_KEYS if both are set.")
+    files_dir: str = Field("tokenmill-files", description="Directory where `tokenmill serve` keeps uploaded and "
+                           "output files (shared by every server process of one deployment).")
+    max_upload_bytes: int = Field(200 * 1024 * 1024, ge=1, description="Largest file `POST /v1/files` accepts (bytes).")
+    max_batch_lines: int = Field(50_000, ge=1, description="Most requests one batch's input file may hold; more "
+                                 "fails the batch's validation.")
+    lease_seconds: float = Field(15.0, gt=0, description="Seconds a `tokenmill serve` process holds the lease of a "
+                                 "batch it drives without renewing it; a killed server's batches are taken over "
+                                 "after this.")
+    batch_rows_per_message: int = Field(32, ge=1, description="Requests per `tokenmill.generate_batch` message "
+                                        "when `tokenmill serve` queues a batch.")
+    default_max_tokens: int = Field(256, ge=1, description="max_tokens of a batch request that sets neither "
+                                    "max_tokens nor max_completion_tokens (as `tokenmill batch --max-tokens`).")
+    served_models: str = Field("builtin:tiny", description="Comma-separated model ids `GET /v1/models` lists "
+                               "(the workers' models).")
