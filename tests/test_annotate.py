@@ -140,6 +140,35 @@ def test_unusable_input_is_refused_up_front_with_a_clear_error(llm, tmp_path: Pa
     assert not (tmp_path / "out.jsonl").exists()
 
 
+@pytest.mark.parametrize("where", ["template", "system", "template_file"])
+def test_templates_cannot_run_code_and_the_row_error_names_the_line(llm, tmp_path: Path, where: str) -> None:
+    """A template reaching for Python internals (`cycler.__init__.__globals__.os`) is refused by the sandbox:
+    the command never runs, each row's error names the template and its line; a row value holding template
+    syntax is rendered as text, never as code."""
+    from tokenmill.apps.cli import text_or_file
+
+    marker = tmp_path / "ran"
+    exploit = f"Say: {{{{ text }}}}\n{{{{ cycler.__init__.__globals__.os.system('touch {marker}') }}}}"
+    src = write_jsonl(tmp_path / "in.jsonl", [{"text": "a"}, {"text": "b"}])
+    if where == "system":
+        summary = run(llm, src, tmp_path / "out.jsonl", system=exploit)
+    elif where == "template":
+        summary = run(llm, src, tmp_path / "out.jsonl", template=exploit)
+    else:
+        (tmp_path / "t.jinja").write_text(exploit)
+        summary = run(llm, src, tmp_path / "out.jsonl", template=text_or_file(str(tmp_path / "t.jinja")))
+    assert not marker.exists(), "the template ran a shell command"
+    assert summary.failed == 2
+    for row in read_jsonl(tmp_path / "out.jsonl"):
+        assert row["error"].startswith(f"{'system' if where == 'system' else 'template'}: line 2: SecurityError: "), row["error"]
+        assert "unsafe" in row["error"] and row["annotation"] is None
+    literal = "{{ cycler.__init__.__globals__.os.system('touch " + str(marker) + "') }}"
+    write_jsonl(src, [{"text": literal}])
+    summary = run(llm, src, tmp_path / "values.jsonl", template="{{ text }}", max_tokens=1)
+    assert summary.failed == 0 and not marker.exists()
+    assert read_jsonl(tmp_path / "values.jsonl")[0]["prompt_tokens"] == len(llm.engine.tokenize(literal))  # verbatim
+
+
 def test_template_edit_and_appended_rows_recompute_only_what_changed(llm, tmp_path: Path) -> None:
     data = [{"kind": "a" if i % 3 == 0 else "b", "text": f"t{i}"} for i in range(30)]
     src = write_jsonl(tmp_path / "in.jsonl", data)

@@ -1,7 +1,8 @@
 """`tokenmill annotate` / `tokenmill.annotate(...)`: one prompt template over a whole dataset.
 
-Each row is rendered with Jinja2 (StrictUndefined: a column the template names that the row lacks, or holds
-null, is that row's error), completed in this process or by queue workers, checkpointed, and written back
+Each row is rendered with Jinja2's immutable sandbox (StrictUndefined: a column the template names that the
+row lacks, or holds null, is that row's error; a template reaching for Python internals, e.g.
+`cycler.__init__.__globals__`, gets a `SecurityError` naming its line instead of running code), completed in this process or by queue workers, checkpointed, and written back
 with its input columns unchanged plus the result columns, in input order.
 """
 
@@ -11,11 +12,13 @@ import hashlib
 import json
 import os
 import time
+import traceback
 from collections.abc import Iterator
 from typing import Any
 
 import jinja2
 import jinja2.meta
+import jinja2.sandbox
 import pyarrow as pa
 
 from tokenmill.apps.datasets import Dataset, DatasetError, Writer, format_of, open_dataset
@@ -34,9 +37,13 @@ class Prompter:
     """Renders a row into a unit (or an error): the template, the optional system prompt, chat or not."""
 
     def __init__(self, template: str, system: str | None, chat: bool, model: str, sampling: dict[str, Any]) -> None:
-        self.env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True, autoescape=False)
+        # Templates come from the command line or a file, maybe someone else's: the sandbox refuses attribute
+        # access to internals and calls of unsafe callables, and immutable also refuses mutating row values.
+        self.env = jinja2.sandbox.ImmutableSandboxedEnvironment(undefined=jinja2.StrictUndefined,
+                                                                keep_trailing_newline=True, autoescape=False)
         self.template = self._compile(template, "template")
         self.system = self._compile(system, "system") if system else None
+        self._templates = [("template", self.template)] + ([("system", self.system)] if self.system else [])
         #: only the columns the templates name go into their context (rows can be wide)
         self.names = sorted(set().union(*(jinja2.meta.find_undeclared_variables(self.env.parse(src))
                                           for src in (template, system or ""))))
@@ -56,18 +63,28 @@ class Prompter:
 
     def unit(self, row: dict[str, Any], label: str) -> Unit | str:
         context = {k: row[k] for k in self.names if row.get(k) is not None}  # a null column counts as missing
-        try:
-            text = self._render(self.template, context)
-            system = self._render(self.system, context) if self.system else None
-        except jinja2.UndefinedError as exc:
-            return f"template: column {exc.message} or null in this row (columns: {', '.join(row)})"
-        except Exception as exc:  # e.g. a filter failing on this row's value: this row only
-            return f"template: {type(exc).__name__}: {exc}"
+        rendered: list[str | None] = []
+        for what, template in self._templates:
+            try:
+                rendered.append(self._render(template, context))
+            except jinja2.UndefinedError as exc:
+                return f"{what}: column {exc.message} or null in this row (columns: {', '.join(row)})"
+            except Exception as exc:  # e.g. a filter failing on this row's value, or the sandbox refusing: this row only
+                return f"{what}: line {_template_line(template, exc)}: {type(exc).__name__}: {exc}"
+        text, system = (rendered + [None])[:2]
         if self.chat:
             messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
             return Unit(self._key(messages=messages), None, messages, self.sampling, label=label)
         prompt = f"{system}\n\n{text}" if system else text
         return Unit(self._key(prompt=prompt), prompt, None, self.sampling, label=label)
+
+
+def _template_line(template: jinja2.Template, exc: BaseException) -> int | str:
+    """The template line an error was raised at: the last frame of the template's compiled code, mapped back
+    by jinja2's own debug info (rendering through `root_render_func` skips jinja2's traceback rewriting)."""
+    code = template.root_render_func.__code__.co_filename
+    lines = [lineno for frame, lineno in traceback.walk_tb(exc.__traceback__) if frame.f_code.co_filename == code]
+    return template.get_corresponding_lineno(lines[-1]) if lines else "?"
 
 
 def annotate(
