@@ -169,6 +169,17 @@ def test_templates_cannot_run_code_and_the_row_error_names_the_line(llm, tmp_pat
     assert read_jsonl(tmp_path / "values.jsonl")[0]["prompt_tokens"] == len(llm.engine.tokenize(literal))  # verbatim
 
 
+def test_row_ids_and_errors_in_the_summary_are_shown_as_written_not_as_rich_markup(
+        llm, tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ids like `[/nope]` (a closing tag rich cannot match) used to crash the summary after the output was written."""
+    monkeypatch.setenv("COLUMNS", "500")  # rich's width: no wrapped cells
+    src = write_jsonl(tmp_path / "in.jsonl", [{"id": "[/nope]"}, {"id": "[bold red]loud[/]", "text": "[/x] fine"}])
+    summary = annotate(str(src), str(tmp_path / "out[/o].jsonl"), "{{ text }} [/t]", llm=llm, id_column="id", max_tokens=2)
+    assert (summary.ok, summary.failed) == (1, 1)
+    err = capsys.readouterr().err
+    assert "[/nope]: template: column 'text' is undefined" in err and "out[/o].jsonl" in err
+
+
 def test_template_edit_and_appended_rows_recompute_only_what_changed(llm, tmp_path: Path) -> None:
     data = [{"kind": "a" if i % 3 == 0 else "b", "text": f"t{i}"} for i in range(30)]
     src = write_jsonl(tmp_path / "in.jsonl", data)
