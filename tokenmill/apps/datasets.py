@@ -180,6 +180,23 @@ def read_lines(uri: str, endpoint: str | None = None) -> Iterator[bytes]:
         yield from handle
 
 
+def _create_fresh(path: str) -> pa.NativeFile:
+    """A new local file at `path`, never one reached through a symlink or left by someone else.
+
+    The temporary name is predictable (`<output>.partial`): whoever can write the directory could plant a
+    symlink there, and opening it would truncate the file it points to. A stale entry (an earlier run's
+    partial file, or a planted link) is unlinked, which removes a link itself, not its target; the file is
+    then created with O_EXCL | O_NOFOLLOW, so an entry planted in between is an error, not followed.
+    """
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o666)
+    return pa.PythonFile(os.fdopen(fd, "wb", buffering=_BLOCK_BYTES), mode="w")
+
+
 class Writer:
     """Writes the output in record batches: Parquet via `pq.ParquetWriter`, JSONL one object per line.
 
@@ -193,10 +210,8 @@ class Writer:
         self.fs, self.path = filesystem(uri, endpoint)
         self.local = isinstance(self.fs, pafs.LocalFileSystem)
         self.target = self.path + ".partial" if self.local else self.path
-        if self.local:
-            os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
         try:
-            self.stream = self.fs.open_output_stream(self.target)
+            self.stream = _create_fresh(self.target) if self.local else self.fs.open_output_stream(self.target)
         except (pa.ArrowException, OSError) as exc:
             raise DatasetError(f"output {uri!r} cannot be written: {exc}") from None
         self.parquet: pq.ParquetWriter | None = None
