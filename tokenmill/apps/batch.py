@@ -62,6 +62,8 @@ class Parser:
     def parse(self, raw: bytes) -> Request:
         try:
             line = json.loads(raw)
+        except RecursionError:
+            raise LineError("invalid_json", "the line nests too deeply to parse") from None
         except (ValueError, UnicodeDecodeError) as exc:
             raise LineError("invalid_json", f"the line is not valid JSON: {exc}") from None
         if not isinstance(line, dict):
@@ -242,7 +244,7 @@ def check_custom_ids(input: str, endpoint: str | None) -> int:
             total += 1
             try:
                 custom_id = json.loads(raw).get("custom_id")
-            except (ValueError, AttributeError, UnicodeDecodeError):
+            except (ValueError, AttributeError, UnicodeDecodeError, RecursionError):
                 continue  # reported as that line's error later
             if isinstance(custom_id, str) and (first := seen.add(custom_id, number)) is not None:
                 duplicates.append(f"{custom_id!r} on lines {first} and {number}")

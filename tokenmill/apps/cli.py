@@ -97,6 +97,8 @@ def _annotate(args: argparse.Namespace) -> Any:
         text = text_or_file(args.json_schema)
         try:
             schema = json.loads(text)
+        except RecursionError:
+            raise InvalidRequestError("json_schema", "nests too deeply to parse") from None
         except ValueError as exc:
             raise InvalidRequestError("json_schema", f"not a JSON file or inline JSON: {exc}") from None
     return annotate(

@@ -126,6 +126,10 @@ class BatchRun:
             except InvalidRequestError as exc:
                 failed[job_id] = self.service.failed(
                     JobResult.failure(job_id, "invalid_job", exc.message, exc.field, started_at=self.started_at))
+            except Exception as exc:  # validation itself broke on this job: it fails alone, the group goes on
+                log.exception("group %r: job %r could not be validated", self.task_id, job_id)
+                failed[job_id] = self.service.failed(JobResult.failure(
+                    job_id, "invalid_job", f"cannot be validated: {type(exc).__name__}", "job", started_at=self.started_at))
         return jobs, failed
 
     def _generate(self, runs: list[Any], done: dict[str, dict[str, Any]]) -> None:
