@@ -14,6 +14,7 @@ from tokenmill.engine import sampler as sampler_module
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.loader import load
 from tokenmill.engine.model_runner import ModelRunner
+from tokenmill.engine.prompt_limits import check_prompt_chars, max_prompt_chars
 from tokenmill.engine.sampler import SampleResult, SamplingRow
 from tokenmill.engine.structured import Constraint, GrammarCache, GrammarSpec, advance
 from tokenmill.errors import InvalidRequestError
@@ -80,6 +81,8 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.hf_config = loaded.hf_config
         self.max_model_len = self._max_model_len()
+        #: text prompts longer than this are refused before tokenizing (None: the tokenizer gives no bound)
+        self.max_prompt_chars = max_prompt_chars(self.tokenizer, self.max_model_len)
         self.runner = ModelRunner(loaded, self.config)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=self.config.max_num_seqs,
@@ -119,6 +122,7 @@ class LLMEngine:
     # -- requests ---------------------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
+            check_prompt_chars(prompt, self.max_prompt_chars, self.max_model_len)
             return self.tokenizer.encode(prompt, add_special_tokens=True)
         return list(prompt)
 
@@ -128,6 +132,7 @@ class LLMEngine:
         if self.tokenizer.chat_template is None:
             raise InvalidRequestError("messages", f"model {self.config.model} has no chat template")
         rendered = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        check_prompt_chars(rendered, self.max_prompt_chars, self.max_model_len)
         return self.tokenizer.encode(rendered, add_special_tokens=False)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
