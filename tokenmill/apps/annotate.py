@@ -21,7 +21,7 @@ import jinja2.meta
 import jinja2.sandbox
 import pyarrow as pa
 
-from tokenmill.apps.datasets import Dataset, DatasetError, Writer, format_of, open_dataset
+from tokenmill.apps.datasets import MAX_ROW_BYTES, Dataset, DatasetError, Writer, format_of, open_dataset
 from tokenmill.apps.pipeline import Progress, Summary, compute, stored
 from tokenmill.apps.runners import EmbeddedRunner, QueueRunner, Unit, sampling_dict
 from tokenmill.apps.store import Checkpoint, KeyHasher, Outcome
@@ -112,6 +112,7 @@ def annotate(
     s3_endpoint_url: str | None = None,
     window: int | None = None,
     rows_per_message: int = 32,
+    max_row_bytes: int = MAX_ROW_BYTES,
     quiet: bool = False,
     **sampling: Any,
 ) -> Summary:
@@ -119,7 +120,9 @@ def annotate(
 
     Embedded (default): the engine runs here (`model`, default builtin:tiny, with `engine_options`; or pass
     a loaded `tokenmill.LLM` as `llm`). Distributed: `broker="redis://..."` sends rows to queue workers.
-    `**sampling` are `SamplingParams` fields (`max_tokens`, `temperature` (default 0), `seed`, ...).
+    `**sampling` are `SamplingParams` fields (`max_tokens`, `temperature` (default 0), `seed`, ...). A row (a
+    JSONL/CSV line, decompressed, or a Parquet row's decoded values) over `max_row_bytes` is not read: it fails
+    with its error, the run goes on.
     Raises `InvalidRequestError` (bad option or template) or `DatasetError` (unusable input/output) before
     any work; a row that fails gets its error in the output instead.
     """
@@ -128,7 +131,7 @@ def annotate(
     params = sampling_dict({"temperature": 0.0, **sampling, **{k: v for k, v in structured.items() if v is not None}})
     mode = "queue" if broker else "embedded"
     prompter = Prompter(template, system, chat, model_label(model, llm, broker, queue), params)
-    dataset = open_dataset(input, input_format, s3_endpoint_url)
+    dataset = open_dataset(input, input_format, s3_endpoint_url, max_row_bytes)
     schema = dataset.schema
     out_format = format_of(output, output_format, "output")
     _check_columns(schema, id_column, column, out_format)
@@ -195,20 +198,29 @@ def make_runner(mode: str, model: str | None, llm: Any, engine_options: dict[str
     return EmbeddedRunner(llm, window)
 
 
-def _rows(dataset: Dataset, id_column: str | None) -> Iterator[tuple[pa.RecordBatch, list[tuple[str, dict[str, Any]]]]]:
-    """Each record batch with its rows as (row id, dict): the id column's value, else the row's position."""
+Row = tuple[str, dict[str, Any], str | None]  # (row id, columns, why it could not be read)
+
+
+def _rows(dataset: Dataset, id_column: str | None) -> Iterator[tuple[pa.RecordBatch, list[Row]]]:
+    """Each record batch with its rows as (row id, dict, read error): the id column's value (the position for a
+    row that could not be read), else the row's position."""
     position = 0
-    for batch in dataset.batches():
+    for batch, errors in dataset.batches():
         rows = batch.to_pylist()
-        ids = [str(r[id_column]) for r in rows] if id_column else [str(position + i) for i in range(len(rows))]
+        ids = [str(r[id_column]) if id_column and i not in errors else str(position + i) for i, r in enumerate(rows)]
         position += len(rows)
-        yield batch, list(zip(ids, rows))
+        yield batch, [(row_id, row, errors.get(i)) for i, (row_id, row) in enumerate(zip(ids, rows))]
+
+
+def _unit(prompter: Prompter, row: Row) -> Unit | str:
+    row_id, values, error = row
+    return error if error is not None else prompter.unit(values, row_id)
 
 
 def _units(dataset: Dataset, prompter: Prompter, id_column: str | None) -> Iterator[list[Unit]]:
     for _, rows in _rows(dataset, id_column):
-        for row_id, row in rows:
-            unit = prompter.unit(row, row_id)
+        for row in rows:
+            unit = _unit(prompter, row)
             yield [unit] if isinstance(unit, Unit) else []
 
 
@@ -221,15 +233,15 @@ def _write(dataset: Dataset, schema: pa.Schema, prompter: Prompter, id_column: s
             writer.start_parquet(out_schema)
         for batch, rows in _rows(dataset, id_column):
             results = []
-            for row_id, row in rows:
-                unit = prompter.unit(row, row_id)
+            for row in rows:
+                unit = _unit(prompter, row)
                 outcome = stored(checkpoint, unit.key) if isinstance(unit, Unit) else Outcome(error=unit)
-                summary.count_row(row_id, outcome.error)
+                summary.count_row(row[0], outcome.error)
                 results.append(outcome)
             if writer.format == "parquet":
                 writer.write_batch(_with_results(batch, results, out_schema))
             else:
-                writer.write_rows([{**row, **_columns(o, column)} for (_, row), o in zip(rows, results)])
+                writer.write_rows([{**values, **_columns(o, column)} for (_, values, _), o in zip(rows, results)])
         writer.close()
     except BaseException:
         writer.abort()

@@ -59,6 +59,8 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--s3-endpoint-url", default=None, help="S3-compatible endpoint (MinIO...) [env TOKENMILL_S3_ENDPOINT_URL]")
     parser.add_argument("--window", type=int, help="rows in flight at most (default 1024 embedded, 4096 distributed)")
     parser.add_argument("--rows-per-message", type=int, default=32, help="rows per queue message (distributed)")
+    parser.add_argument("--max-row-bytes", type=int, default=1 << 20, metavar="BYTES",
+                        help="a row or line longer than this (decompressed) is not read: it fails alone (default 1 MiB)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar, no summary table")
     for name, kind in _ENGINE_FLAGS.items():
         parser.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None, help="engine option (embedded)")
@@ -84,7 +86,8 @@ def _shared(args: argparse.Namespace) -> dict[str, Any]:
     return {"model": args.model, "broker": args.broker, "queue": args.queue, "engine_options": options,
             "state_dir": args.state_dir, "checkpoint_interval": args.checkpoint_interval,
             "retry_failed": args.retry_failed, "s3_endpoint_url": args.s3_endpoint_url,
-            "window": args.window, "rows_per_message": args.rows_per_message, "quiet": args.quiet}
+            "window": args.window, "rows_per_message": args.rows_per_message, "max_row_bytes": args.max_row_bytes,
+            "quiet": args.quiet}
 
 
 def _annotate(args: argparse.Namespace) -> Any:
