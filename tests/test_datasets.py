@@ -73,6 +73,13 @@ def test_compressed_input_only_where_the_suffix_says_so(tmp_path: Path) -> None:
     (tmp_path / "disguised.jsonl").write_bytes(gzip.compress(lines))  # gzip bytes, a plain suffix: read as they are
     with pytest.raises(DatasetError, match="cannot be read"):
         read_all(tmp_path / "disguised.jsonl", 1 << 20)
+    asked = open_dataset(str(tmp_path / "disguised.jsonl"), compression="gzip").batches()  # unless asked for
+    assert [row["text"] for batch_, _ in asked for row in batch_.to_pylist()] == ["t0", "t1", "t2"]
+    plain = tmp_path / "plain.jsonl.gz"  # and `none` reads a file as it is, whatever its suffix
+    plain.write_bytes(lines)
+    assert len(list(open_dataset(str(plain), compression="none").batches())) == 1
+    with pytest.raises(DatasetError, match="input compression"):
+        open_dataset(str(plain), compression="zip")
     with pytest.raises(DatasetError, match="Parquet is compressed inside"):
         (tmp_path / "x.parquet.gz").write_bytes(b"")
         open_dataset(str(tmp_path / "x.parquet.gz"))

@@ -113,6 +113,7 @@ def annotate(
     window: int | None = None,
     rows_per_message: int = 32,
     max_row_bytes: int = MAX_ROW_BYTES,
+    input_compression: str | None = None,
     quiet: bool = False,
     **sampling: Any,
 ) -> Summary:
@@ -122,7 +123,7 @@ def annotate(
     a loaded `tokenmill.LLM` as `llm`). Distributed: `broker="redis://..."` sends rows to queue workers.
     `**sampling` are `SamplingParams` fields (`max_tokens`, `temperature` (default 0), `seed`, ...). A row (a
     JSONL/CSV line, decompressed, or a Parquet row's decoded values) over `max_row_bytes` is not read: it fails
-    with its error, the run goes on.
+    with its error, the run goes on. JSONL/CSV is decompressed by its suffix (`.gz`, ...) or `input_compression`.
     Raises `InvalidRequestError` (bad option or template) or `DatasetError` (unusable input/output) before
     any work; a row that fails gets its error in the output instead.
     """
@@ -131,7 +132,7 @@ def annotate(
     params = sampling_dict({"temperature": 0.0, **sampling, **{k: v for k, v in structured.items() if v is not None}})
     mode = "queue" if broker else "embedded"
     prompter = Prompter(template, system, chat, model_label(model, llm, broker, queue), params)
-    dataset = open_dataset(input, input_format, s3_endpoint_url, max_row_bytes)
+    dataset = open_dataset(input, input_format, s3_endpoint_url, max_row_bytes, input_compression)
     schema = dataset.schema
     out_format = format_of(output, output_format, "output")
     _check_columns(schema, id_column, column, out_format)

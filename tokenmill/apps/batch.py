@@ -203,6 +203,7 @@ def batch(
     window: int | None = None,
     rows_per_message: int = 32,
     max_row_bytes: int = MAX_ROW_BYTES,
+    input_compression: str | None = None,
     quiet: bool = False,
 ) -> Summary:
     """Run an OpenAI Batch API input file; returns the `Summary`. `errors` defaults to `<output>` with
@@ -212,7 +213,7 @@ def batch(
     errors = errors or os.path.splitext(output)[0] + ".errors.jsonl"
     mode = "queue" if broker else "embedded"
     label = model_label(model, llm, broker, queue)
-    source = Source(input, s3_endpoint_url, max_row_bytes)
+    source = Source(input, s3_endpoint_url, max_row_bytes, input_compression)
     total = check_custom_ids(source)
     checkpoint = Checkpoint(os.path.join(state_dir or default_state_dir(output), "checkpoint.sqlite"),
                             checkpoint_interval)
@@ -240,11 +241,12 @@ def batch(
 
 @dataclass
 class Source:
-    """The input file, where it is, and the longest line read whole."""
+    """The input file, where it is, the longest line read whole, and its codec if asked for (else by suffix)."""
 
     uri: str
     endpoint: str | None
     max_row_bytes: int
+    compression: str | None = None
 
 
 def check_custom_ids(source: Source) -> int:
@@ -272,7 +274,7 @@ def check_custom_ids(source: Source) -> int:
 
 
 def _lines(source: Source) -> Iterator[tuple[int, bytes | TooLong]]:
-    for number, raw in enumerate(read_lines(source.uri, source.endpoint, source.max_row_bytes), start=1):
+    for number, raw in enumerate(read_lines(source.uri, source.endpoint, source.max_row_bytes, source.compression), start=1):
         if isinstance(raw, TooLong) or raw.strip():
             yield number, raw
 

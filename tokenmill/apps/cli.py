@@ -61,6 +61,8 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rows-per-message", type=int, default=32, help="rows per queue message (distributed)")
     parser.add_argument("--max-row-bytes", type=int, default=1 << 20, metavar="BYTES",
                         help="a row or line longer than this (decompressed) is not read: it fails alone (default 1 MiB)")
+    parser.add_argument("--input-compression", choices=["none", "gzip", "bz2", "zstd", "lz4"],
+                        help="decompress the JSONL/CSV input with this codec (default: by suffix, .gz .bz2 .zst .lz4)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar, no summary table")
     for name, kind in _ENGINE_FLAGS.items():
         parser.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None, help="engine option (embedded)")
@@ -87,7 +89,7 @@ def _shared(args: argparse.Namespace) -> dict[str, Any]:
             "state_dir": args.state_dir, "checkpoint_interval": args.checkpoint_interval,
             "retry_failed": args.retry_failed, "s3_endpoint_url": args.s3_endpoint_url,
             "window": args.window, "rows_per_message": args.rows_per_message, "max_row_bytes": args.max_row_bytes,
-            "quiet": args.quiet}
+            "input_compression": args.input_compression, "quiet": args.quiet}
 
 
 def _annotate(args: argparse.Namespace) -> Any:

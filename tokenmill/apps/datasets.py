@@ -86,9 +86,18 @@ def format_of(path: str, explicit: str | None, what: str) -> str:
     return FORMATS[extension]
 
 
-def compression_of(path: str) -> str | None:
-    """The codec a file's suffix names (`data.jsonl.gz`: gzip), or None: then it is read as it is."""
+def compression_of(path: str, asked: str | None = None) -> str | None:
+    """The codec to read `path` with: the one asked for (`none`: read as it is), else the one its suffix names
+    (`data.jsonl.gz`: gzip), else None: read as it is."""
+    if asked is not None:
+        return None if asked == "none" else asked
     return COMPRESSION.get(os.path.splitext(path)[1].lower())
+
+
+def check_compression(asked: str | None) -> None:
+    known = ("none", *COMPRESSION.values())
+    if asked is not None and asked not in known:
+        raise DatasetError(f"input compression: must be one of {', '.join(known)}, got {asked!r}")
 
 
 @dataclass
@@ -126,6 +135,7 @@ class Dataset:
     format: str
     fs: pafs.FileSystem
     max_row_bytes: int = MAX_ROW_BYTES
+    compression: str | None = None  # asked for; None: by each file's suffix
 
     def _dataset(self) -> ds.Dataset:
         """The Parquet files as one pyarrow dataset (for the schema and the row count from the footers)."""
@@ -161,7 +171,7 @@ class Dataset:
         return block
 
     def _open_text(self, path: str) -> io.BufferedReader:
-        stream = self.fs.open_input_stream(path, compression=compression_of(path))
+        stream = self.fs.open_input_stream(path, compression=compression_of(path, self.compression))
         return io.BufferedReader(stream, buffer_size=_BLOCK_BYTES)  # pyarrow streams have no readline
 
     def count_rows(self) -> int:
@@ -299,18 +309,20 @@ def _row_bytes(batch: pa.RecordBatch) -> pa.Array:
 
 
 def open_dataset(uri: str, input_format: str | None = None, endpoint: str | None = None,
-                 max_row_bytes: int = MAX_ROW_BYTES) -> Dataset:
-    """A local path, a directory or glob of shards, or an s3:// URI (also a prefix or glob)."""
+                 max_row_bytes: int = MAX_ROW_BYTES, compression: str | None = None) -> Dataset:
+    """A local path, a directory or glob of shards, or an s3:// URI (also a prefix or glob). `compression`: the
+    JSONL/CSV codec (`none`, gzip, bz2, zstd, lz4); by default each file's suffix decides."""
     if isinstance(max_row_bytes, bool) or not isinstance(max_row_bytes, int) or max_row_bytes < 1:
         raise DatasetError(f"max_row_bytes: must be a positive integer, got {max_row_bytes!r}")
+    check_compression(compression)
     fs, path = filesystem(uri, endpoint)
     files = _expand(fs, path, uri)
     if not files:
         raise DatasetError(f"input {uri!r}: no such file, or no files match")
     fmt = format_of(files[0] if not input_format else path, input_format, "input")
-    if fmt == "parquet" and compression_of(files[0]):
+    if fmt == "parquet" and compression_of(files[0], compression):
         raise DatasetError(f"input {uri!r}: Parquet is compressed inside; give the .parquet file itself")
-    return Dataset(uri, files, fmt, fs, max_row_bytes)
+    return Dataset(uri, files, fmt, fs, max_row_bytes, compression)
 
 
 def _expand(fs: pafs.FileSystem, path: str, uri: str) -> list[str]:
@@ -330,12 +342,15 @@ def _expand(fs: pafs.FileSystem, path: str, uri: str) -> list[str]:
         raise DatasetError(f"input {uri!r} cannot be listed: {exc}") from None
 
 
-def read_lines(uri: str, endpoint: str | None = None, max_row_bytes: int = MAX_ROW_BYTES) -> Iterator[bytes | TooLong]:
+def read_lines(uri: str, endpoint: str | None = None, max_row_bytes: int = MAX_ROW_BYTES,
+               compression: str | None = None) -> Iterator[bytes | TooLong]:
     """The lines of one text file, streamed (the OpenAI batch input, where every line is its own request), each
-    held to `max_row_bytes` (decompressed, for a `.gz`/`.bz2`/`.zst`/`.lz4` file): a longer one is `TooLong`."""
+    held to `max_row_bytes` (decompressed, for a `.gz`/`.bz2`/`.zst`/`.lz4` file or the `compression` asked
+    for): a longer one is `TooLong`."""
+    check_compression(compression)
     fs, path = filesystem(uri, endpoint)
     try:
-        stream = fs.open_input_stream(path, compression=compression_of(path))
+        stream = fs.open_input_stream(path, compression=compression_of(path, compression))
     except (pa.ArrowException, OSError) as exc:
         raise DatasetError(f"input {uri!r} cannot be read: {exc}") from None
     with io.BufferedReader(stream, buffer_size=_BLOCK_BYTES) as handle:  # pyarrow streams have no readline
