@@ -140,6 +140,92 @@ def test_unusable_input_is_refused_up_front_with_a_clear_error(llm, tmp_path: Pa
     assert not (tmp_path / "out.jsonl").exists()
 
 
+@pytest.mark.parametrize("where", ["template", "system", "template_file"])
+def test_templates_cannot_run_code_and_the_row_error_names_the_line(llm, tmp_path: Path, where: str) -> None:
+    """A template reaching for Python internals (`cycler.__init__.__globals__.os`) is refused by the sandbox:
+    the command never runs, each row's error names the template and its line; a row value holding template
+    syntax is rendered as text, never as code."""
+    from tokenmill.apps.cli import text_or_file
+
+    marker = tmp_path / "ran"
+    exploit = f"Say: {{{{ text }}}}\n{{{{ cycler.__init__.__globals__.os.system('touch {marker}') }}}}"
+    src = write_jsonl(tmp_path / "in.jsonl", [{"text": "a"}, {"text": "b"}])
+    if where == "system":
+        summary = run(llm, src, tmp_path / "out.jsonl", system=exploit)
+    elif where == "template":
+        summary = run(llm, src, tmp_path / "out.jsonl", template=exploit)
+    else:
+        (tmp_path / "t.jinja").write_text(exploit)
+        summary = run(llm, src, tmp_path / "out.jsonl", template=text_or_file(str(tmp_path / "t.jinja")))
+    assert not marker.exists(), "the template ran a shell command"
+    assert summary.failed == 2
+    for row in read_jsonl(tmp_path / "out.jsonl"):
+        assert row["error"].startswith(f"{'system' if where == 'system' else 'template'}: line 2: SecurityError: "), row["error"]
+        assert "unsafe" in row["error"] and row["annotation"] is None
+    literal = "{{ cycler.__init__.__globals__.os.system('touch " + str(marker) + "') }}"
+    write_jsonl(src, [{"text": literal}])
+    summary = run(llm, src, tmp_path / "values.jsonl", template="{{ text }}", max_tokens=1)
+    assert summary.failed == 0 and not marker.exists()
+    assert read_jsonl(tmp_path / "values.jsonl")[0]["prompt_tokens"] == len(llm.engine.tokenize(literal))  # verbatim
+
+
+def test_row_ids_and_errors_in_the_summary_are_shown_as_written_not_as_rich_markup(
+        llm, tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ids like `[/nope]` (a closing tag rich cannot match) used to crash the summary after the output was written."""
+    monkeypatch.setenv("COLUMNS", "500")  # rich's width: no wrapped cells
+    src = write_jsonl(tmp_path / "in.jsonl", [{"id": "[/nope]"}, {"id": "[bold red]loud[/]", "text": "[/x] fine"}])
+    summary = annotate(str(src), str(tmp_path / "out[/o].jsonl"), "{{ text }} [/t]", llm=llm, id_column="id", max_tokens=2)
+    assert (summary.ok, summary.failed) == (1, 1)
+    err = capsys.readouterr().err
+    assert "[/nope]: template: column 'text' is undefined" in err and "out[/o].jsonl" in err
+
+
+@pytest.mark.parametrize("suffix", ["jsonl", "parquet"])
+def test_a_planted_partial_symlink_is_removed_not_followed(llm, tmp_path: Path, suffix: str) -> None:
+    """`ln -s victim out.jsonl.partial` used to make the run overwrite `victim`: the link is unlinked and the
+    temporary file created fresh (O_EXCL | O_NOFOLLOW)."""
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    out = tmp_path / f"out.{suffix}"
+    Path(f"{out}.partial").symlink_to(victim)
+    summary = run(llm, write_jsonl(tmp_path / "in.jsonl", rows(3)), out)
+    assert summary.ok == 3 and victim.read_text() == "precious"
+    assert not out.is_symlink() and not Path(f"{out}.partial").exists()
+    assert len(read_jsonl(out) if suffix == "jsonl" else pq.read_table(out).to_pylist()) == 3
+
+
+def test_checkpoint_files_are_readable_by_their_owner_only(llm, tmp_path: Path) -> None:
+    """The checkpoint holds every prompt and completion: the database, its WAL and shared-memory files (also
+    ones left by an earlier run) are 0600 and the state directory 0700, under the usual umask 022."""
+    import os
+    import stat
+
+    from tokenmill.apps.store import Checkpoint, Outcome
+
+    def modes(directory: Path) -> dict[str, int]:
+        return {p.name: stat.S_IMODE(p.stat().st_mode) for p in directory.iterdir()}
+
+    old_umask = os.umask(0o022)
+    try:
+        state = tmp_path / "state"
+        run(llm, write_jsonl(tmp_path / "in.jsonl", rows(3)), tmp_path / "out.jsonl", state_dir=str(state))
+        assert stat.S_IMODE(state.stat().st_mode) == 0o700
+        assert modes(state)["checkpoint.sqlite"] == 0o600
+        checkpoint = Checkpoint(str(state / "checkpoint.sqlite"), flush_interval=0)
+        checkpoint.put("k", Outcome(text="secret completion"))  # committed: the WAL and -shm files exist now
+        assert {"checkpoint.sqlite", "checkpoint.sqlite-wal", "checkpoint.sqlite-shm"} <= set(modes(state))
+        assert set(modes(state).values()) == {0o600}, modes(state)
+        checkpoint.close()
+        old = tmp_path / "old"  # an earlier version's world-readable checkpoint and a stale journal
+        old.mkdir()
+        for name in ("checkpoint.sqlite", "checkpoint.sqlite-journal"):
+            (old / name).touch(mode=0o644)
+        Checkpoint(str(old / "checkpoint.sqlite")).close()
+        assert set(modes(old).values()) == {0o600}, modes(old)
+    finally:
+        os.umask(old_umask)
+
+
 def test_template_edit_and_appended_rows_recompute_only_what_changed(llm, tmp_path: Path) -> None:
     data = [{"kind": "a" if i % 3 == 0 else "b", "text": f"t{i}"} for i in range(30)]
     src = write_jsonl(tmp_path / "in.jsonl", data)

@@ -102,6 +102,23 @@ def test_malformed_lines_and_unsupported_fields_are_error_lines(llm, tmp_path: P
     assert "body.temperature" in messages[6]
 
 
+def test_deeply_nested_lines_and_schemas_fail_their_request_only(llm, tmp_path: Path) -> None:
+    """A line nested past Python's recursion limit, or a response_format schema nested deeper than MAX_NESTING,
+    used to raise RecursionError out of the whole run."""
+    deep_schema: dict = {"type": "string"}
+    for _ in range(300):
+        deep_schema = {"type": "object", "properties": {"a": deep_schema}}
+    response_format = {"type": "json_schema", "json_schema": {"name": "deep", "schema": deep_schema}}
+    lines = [json.dumps(chat("ok", "fine")), '{"custom_id": "deep", "body": ' + "[" * 100_000 + "]" * 100_000 + "}",
+             json.dumps(chat("schema", "x", response_format=response_format))]
+    summary = run(llm, write_jsonl(tmp_path / "in.jsonl", lines), tmp_path / "out.jsonl")
+    assert (summary.ok, summary.failed) == (1, 2)
+    errors = read_jsonl(tmp_path / "out.errors.jsonl")
+    assert [(e["custom_id"], e["error"]["code"]) for e in errors] == [(None, "invalid_json"), ("schema", "invalid_request")]
+    assert "nests too deeply" in errors[0]["error"]["message"]
+    assert "body.json_schema: nests deeper than 64" in errors[1]["error"]["message"]
+
+
 def test_duplicate_custom_ids_refuse_the_file_with_line_numbers(llm, tmp_path: Path) -> None:
     src = write_jsonl(tmp_path / "in.jsonl", [chat("a", "1"), chat("b", "2"), chat("a", "3"), "", chat("b", "4")])
     with pytest.raises(InvalidRequestError, match=r"'a' on lines 1 and 3; 'b' on lines 2 and 5"):

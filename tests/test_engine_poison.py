@@ -155,7 +155,7 @@ def test_prompt_character_bound_only_where_it_is_safe(llm: LLM) -> None:
     from hypothesis import strategies as st
     from tokenizers import normalizers, pre_tokenizers
 
-    from tokenmill.worker.engine_process import max_prompt_chars
+    from tokenmill.engine.prompt_limits import max_prompt_chars
 
     byte_level = _trained_tokenizer(pre_tokenizers.Sequence([
         pre_tokenizers.Split(r"\s+", behavior="isolated"), pre_tokenizers.ByteLevel(add_prefix_space=False)]))
@@ -172,6 +172,24 @@ def test_prompt_character_bound_only_where_it_is_safe(llm: LLM) -> None:
             assert max_prompt_chars(tokenizer, tokens) >= len(text)
 
     bound_holds()
+
+
+def test_the_embedded_engine_refuses_an_over_long_text_prompt_before_tokenizing(llm: LLM,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """`LLM.generate` and `LLM.chat` apply the worker's character rule: a text longer than `max_model_len` tokens can
+    cover is refused without running the tokenizer on it (16 MiB took it 30 s and 3.3 GB); its neighbours run."""
+    limit = llm.engine.max_prompt_chars
+    assert limit == llm.engine.max_model_len * max(len(t) for t in llm.engine.tokenizer.get_vocab())
+    encoded: list[int] = []
+    encode = llm.engine.tokenizer.encode
+    monkeypatch.setattr(llm.engine.tokenizer, "encode", lambda text, **kw: encoded.append(len(text)) or encode(text, **kw))
+    outs = llm.generate(["fine", "ab" * (limit // 2 + 1), "also fine"], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert [o.finish_reason for o in outs] == ["length", "error", "length"]
+    assert outs[1].error == (f"prompt: {limit + 2} characters cannot fit in max_model_len "
+                             f"({llm.engine.max_model_len} tokens, at most {limit} characters)")
+    chat = llm.chat([[{"role": "user", "content": "x" * limit}]], SamplingParams(max_tokens=2), use_tqdm=False)[0]
+    assert chat.finish_reason == "error" and chat.error.startswith("prompt: ") and "cannot fit" in chat.error
+    assert max(encoded) < limit, "an over-long prompt went through the tokenizer"
 
 
 def test_the_engine_loop_refuses_a_request_that_failed_while_running(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:

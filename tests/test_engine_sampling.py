@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from model_fixtures import random_prompts
 from tokenmill import LLM, InvalidRequestError, SamplingParams
+from tokenmill.engine.llm_engine import StopMatcher
 from tokenmill.engine.sampler import exponential_noise
 
 
@@ -91,6 +92,70 @@ def test_stop_strings_cut_the_text(llm: LLM) -> None:
     assert len(cut.token_ids) < len(free.token_ids)
 
 
+def test_stop_strings_match_across_steps_overlapping_and_after_min_tokens(llm: LLM) -> None:
+    """Engine outputs with several stop strings, one split across tokens (two characters, one byte each), are a
+    full search's: the text up to the earliest stop; one seen during min_tokens still stops right after."""
+    prompt = "stop strings"
+    text = llm.generate([prompt], SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True), use_tqdm=False)[0].text
+    late, early = text[40:43], text[20:22]
+    for stops in ([late], [late, early], [early + text[22], early], [text[21:23], text[20:23]]):
+        expected = min(text.index(s) for s in stops)
+        cut = llm.generate([prompt], SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True, stop=stops),
+                           use_tqdm=False)[0]
+        assert (cut.finish_reason, cut.text) == ("stop", text[:expected]), stops
+    held = llm.generate([prompt], SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True, stop=[early],
+                                                 min_tokens=30), use_tqdm=False)[0]
+    assert (held.finish_reason, held.text, len(held.token_ids)) == ("stop", text[: text.index(early)], 30)
+
+
+class _Recorded(str):
+    """A text that records where each `find` starts searching."""
+
+    starts: list[int]
+
+    def find(self, sub: str, start: int = 0, *rest: int) -> int:  # type: ignore[override]
+        self.starts.append(start)
+        return super().find(sub, start, *rest)
+
+
+def test_stop_matching_searches_only_the_new_tail() -> None:
+    """Each step searches the new characters plus `longest - 1` (and one the decoder may rewrite), not the text."""
+    matcher = StopMatcher(["never", "xyz"])
+    text = ""
+    for step in range(200):
+        previous = len(text)
+        text += f"w{step % 10} "
+        recorded = _Recorded(text)
+        recorded.starts = []
+        assert matcher.first_hit(recorded) is None
+        assert len(recorded.starts) == 2 and min(recorded.starts) >= max(0, previous - 1 - (len("never") - 1)), step
+    assert matcher.first_hit(text + "xy") is None
+    assert matcher.first_hit(text + "xyz") == len(text)  # split across steps: "xy", then "z"
+
+
+def test_stop_matching_equals_a_full_search_when_the_decoder_rewrites_its_tail(random_seed: int) -> None:
+    """Random texts grown step by step, sometimes rewriting their end (an incomplete UTF-8 character completed)
+    or an earlier character (a clean-up dropping a space): the first hit is always a full search's."""
+    rng = __import__("random").Random(random_seed)
+    alphabet = "ab \ufffd."
+    for _ in range(300):
+        stops = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 4))) for _ in range(rng.randint(1, 5))]
+        matcher, text = StopMatcher(stops), ""
+        for _ in range(60):
+            roll = rng.random()
+            if roll < 0.15 and text:
+                text = text[:-1] + rng.choice(alphabet)
+            elif roll < 0.25 and len(text) > 3:
+                cut = rng.randrange(len(text) - 3, len(text))
+                text = text[:cut] + text[cut + 1 :]
+            text += "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 3)))
+            hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+            expected = min(hits) if hits else None
+            assert matcher.first_hit(text) == expected, (stops, text)
+            if expected is not None:
+                break
+
+
 def test_logprobs_are_normalised_and_include_the_chosen_token(llm: LLM) -> None:
     out = llm.generate(["abc"], SamplingParams(max_tokens=5, temperature=0.0, logprobs=3), use_tqdm=False)[0]
     assert len(out.logprobs) == 5
@@ -128,7 +193,8 @@ def test_a_bad_prompt_fails_alone(llm: LLM, prompt: object, field: str) -> None:
     ("options", "field"),
     [(dict(max_tokens=0), "max_tokens"), (dict(max_tokens=-3), "max_tokens"), (dict(temperature=float("nan")), "temperature"),
      (dict(temperature=-0.1), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.01), "top_p"),
-     (dict(min_tokens=5, max_tokens=2), "min_tokens"), (dict(stop=[""]), "stop[0]"), (dict(seed=-1), "seed")],
+     (dict(min_tokens=5, max_tokens=2), "min_tokens"), (dict(stop=[""]), "stop[0]"), (dict(seed=-1), "seed"),
+     (dict(stop=[f"s{i}" for i in range(65)]), "stop"), (dict(stop=["x" * 4000, "y" * 97]), "stop")],
 )
 def test_bad_sampling_params_name_the_field(options: dict, field: str) -> None:
     with pytest.raises(InvalidRequestError) as error:

@@ -20,6 +20,16 @@ MAX_SEED = 2**64 - 1
 #: Temperatures below this sample greedily (as in vLLM): dividing logits by ~1e-300 overflows float32 and
 #: would turn every probability into NaN, so a tiny temperature means "argmax", as its limit does.
 GREEDY_TEMPERATURE = 1e-5
+#: Deepest nesting accepted in a `json_schema` (JSON objects and arrays), in a `regex` (groups) and in a job's
+#: `metadata`. Checked before anything recursive touches the value: validating deeper input recursed past
+#: Python's limit (a RecursionError, not an error naming the field), and a schema 300 levels deep took
+#: xgrammar 7 s to compile. Real schemas nest a few levels.
+MAX_NESTING = 64
+#: Most stop strings per request, and most characters in them all. The engine matches each one against every
+#: request's new text each step, on the step every other request waits for: 40,000 stop strings (an 829 KB job)
+#: slowed a neighbour 4.7x. OpenAI's API takes 4.
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 4096
 
 
 @dataclass
@@ -81,9 +91,7 @@ class SamplingParams:
             _int(self, "seed", low=0, high=MAX_SEED)
         if self.logprobs is not None:
             _int(self, "logprobs", low=0, high=20)
-        for i, s in enumerate(self.stop):
-            if not isinstance(s, str) or not s:
-                raise InvalidRequestError(f"stop[{i}]", f"must be a non-empty string, got {s!r}")
+        _check_stop(self.stop)
         for i, t in enumerate(self.stop_token_ids):
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= MAX_INT:
                 raise InvalidRequestError(f"stop_token_ids[{i}]", f"must be an integer in [0, {MAX_INT}], got {t!r}")
@@ -131,6 +139,17 @@ def _float(params: SamplingParams, name: str, low: float, high: float | None = N
     setattr(params, name, float(value))
 
 
+def _check_stop(stop: list[Any]) -> None:
+    if len(stop) > MAX_STOP_STRINGS:
+        raise InvalidRequestError("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
+    for i, s in enumerate(stop):
+        if not isinstance(s, str) or not s:
+            raise InvalidRequestError(f"stop[{i}]", f"must be a non-empty string, got {s!r}")
+    total = sum(len(s) for s in stop)
+    if total > MAX_STOP_CHARS:
+        raise InvalidRequestError("stop", f"at most {MAX_STOP_CHARS} characters in all stop strings, got {total}")
+
+
 _FIELD_NAMES = tuple(f.name for f in fields(SamplingParams))
 STRUCTURED_FIELDS = ("json_schema", "choice", "regex", "json_object")
 
@@ -152,6 +171,25 @@ def _check_structured(params: SamplingParams) -> None:
         _check_regex(params.regex)
 
 
+def nested_deeper_than(value: Any, limit: int) -> bool:
+    """Whether `value` has dicts and lists nested more than `limit` levels (`{}` is one level). Iterative, so
+    it cannot hit the recursion limit it guards against."""
+    stack = [(value, 1)] if isinstance(value, (dict, list, tuple)) else []
+    while stack:
+        item, depth = stack.pop()
+        if depth > limit:
+            return True
+        children = item.values() if isinstance(item, dict) else item
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list, tuple)))
+    return False
+
+
+def check_nesting(value: Any, field: str) -> None:
+    """Refuse `value` for `field` when it nests deeper than `MAX_NESTING` levels of objects and arrays."""
+    if nested_deeper_than(value, MAX_NESTING):
+        raise InvalidRequestError(field, f"nests deeper than {MAX_NESTING} levels of objects and arrays")
+
+
 def _schema_dict(schema: Any) -> dict[str, Any]:
     """A JSON Schema as a dict: given as a dict, a JSON string, or a pydantic model class."""
     if isinstance(schema, type) and hasattr(schema, "model_json_schema"):
@@ -159,8 +197,11 @@ def _schema_dict(schema: Any) -> dict[str, Any]:
     elif isinstance(schema, str):
         try:
             schema = json.loads(schema)
+        except RecursionError:
+            raise InvalidRequestError("json_schema", f"nests deeper than {MAX_NESTING} levels of objects and arrays") from None
         except ValueError as exc:
             raise InvalidRequestError("json_schema", f"is not valid JSON: {exc}") from None
+    check_nesting(schema, "json_schema")
     if not isinstance(schema, dict):
         raise InvalidRequestError("json_schema", f"must be a JSON Schema object (a dict, JSON string or pydantic model class), got {type(schema).__name__}")
     try:
@@ -203,9 +244,36 @@ def _choice_list(choice: Any) -> list[str]:
 def _check_regex(pattern: Any) -> None:
     if not isinstance(pattern, str) or not pattern:
         raise InvalidRequestError("regex", f"must be a non-empty string, got {pattern!r}")
+    if (depth := _group_depth(pattern)) > MAX_NESTING:  # `re`'s parser recurses per group
+        raise InvalidRequestError("regex", f"groups nest {depth} deep, more than {MAX_NESTING}")
     try:
         with warnings.catch_warnings():  # e.g. "possible nested set": valid, and xgrammar decides in the end
             warnings.simplefilter("ignore")
             re.compile(pattern)
     except re.error as exc:
         raise InvalidRequestError("regex", f"does not compile: {exc}") from None
+
+
+def _group_depth(pattern: str) -> int:
+    """How deep a regular expression's groups nest: unescaped parentheses outside character classes. (Parentheses
+    inside a `(?#...)` or verbose-mode comment count too, which can only overstate the depth.)"""
+    depth = deepest = 0
+    class_start = -1  # inside a character class: where a `]` would still be literal, else -1
+    index = 0
+    while index < len(pattern):
+        char = pattern[index]
+        if char == "\\":
+            index += 2
+            continue
+        if class_start >= 0:
+            if char == "]" and index > class_start:
+                class_start = -1
+        elif char == "[":
+            class_start = index + 2 if pattern.startswith("^", index + 1) else index + 1
+        elif char == "(":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char == ")":
+            depth = max(depth - 1, 0)
+        index += 1
+    return deepest

@@ -21,7 +21,7 @@ from service_fixtures import REPO, RedisServer, Worker
 from tokenmill.client import Client
 from tokenmill.errors import InvalidRequestError
 from tokenmill.queue import dead_letters
-from tokenmill.queue.names import DEAD_LETTER_KEY, DELIVERIES_KEY, TASK_NAME
+from tokenmill.queue.names import BATCH_TASK_NAME, DEAD_LETTER_KEY, DELIVERIES_KEY, TASK_NAME
 from tokenmill.worker.app import TASK_ROUTES  # the public path teams use
 
 MAX_DELIVERIES = 2
@@ -90,6 +90,52 @@ def test_poison_sent_with_plain_celery_fails_that_job_only(service: Service) -> 
         result = handle.get(timeout=90)
         assert (result["status"], result["error"]["code"], result["error"]["field"]) == ("failed", "invalid_job", field)
     assert healthy.result(timeout=60).usage.completion_tokens == 6
+    assert service.worker.process.poll() is None
+
+
+def _nested(depth: int, leaf: Any, wrap: Any) -> Any:
+    value = leaf
+    for _ in range(depth):
+        value = wrap(value)
+    return value
+
+
+#: Nesting that once raised RecursionError out of validation (and failed a whole group), yet that Celery's JSON
+#: encoder still sends (it gives up near Python's recursion limit, ~1000 levels).
+DEEP = [
+    ({"regex": "(" * 3000 + "a" + ")" * 3000}, "regex"),
+    ({"json_schema": _nested(300, {"type": "string"}, lambda s: {"type": "object", "properties": {"a": s}})}, "json_schema"),
+    ({"sampling": {"json_schema": {"type": "array", "items": _nested(600, [], lambda s: [s])}}}, "json_schema"),
+    ({"metadata": _nested(600, {}, lambda m: {"a": m})}, "metadata"),
+]
+
+
+@pytest.mark.parametrize(("fields", "field"), DEEP, ids=["regex", "json_schema", "json_schema_wire", "metadata"])
+def test_the_client_refuses_deep_nesting_naming_the_field(service: Service, fields: dict, field: str) -> None:
+    with pytest.raises(InvalidRequestError) as caught:
+        service.client.submit(prompt="deep", **fields)
+    assert caught.value.field == field and "nest" in caught.value.message
+
+
+@pytest.mark.parametrize(("fields", "field"), DEEP, ids=["regex", "json_schema", "json_schema_wire", "metadata"])
+def test_deep_nesting_sent_with_plain_celery_fails_that_job_naming_the_field(service: Service, fields: dict,
+                                                                             field: str) -> None:
+    result = _send(service, kwargs={"prompt": "deep", **fields})
+    assert (result["status"], result["error"]["code"], result["error"]["field"]) == ("failed", "invalid_job", field)
+
+
+def test_deep_nesting_in_a_group_fails_those_jobs_only(service: Service) -> None:
+    """A group with valid jobs around deeply nested ones: every job gets its own result, the valid ones succeed."""
+    run = uuid.uuid4().hex[:8]
+    valid = [{"id": f"ok-{run}-{i}", "prompt": f"fine {i}", "max_tokens": 3, "ignore_eos": True} for i in range(2)]
+    deep = [{"id": f"deep-{run}-{i}", "prompt": "deep", **fields} for i, (fields, _) in enumerate(DEEP)]
+    jobs = [valid[0], *deep, valid[1]]
+    service.team.send_task(BATCH_TASK_NAME, args=[{"jobs": jobs}], queue="tokenmill")
+    results = {r.id: r for r in service.client.results([job["id"] for job in jobs], timeout=90)}
+    assert [results[job["id"]].usage.completion_tokens for job in valid] == [3, 3]
+    for job, (_, field) in zip(deep, DEEP):
+        result = results[job["id"]]
+        assert (result.status, result.error.code, result.error.field) == ("failed", "invalid_job", field), result.error
     assert service.worker.process.poll() is None
 
 

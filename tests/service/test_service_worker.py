@@ -304,3 +304,19 @@ def test_the_worker_yields_the_cpu_to_its_engine(service: Service) -> None:
     worker_threads, engine_threads = _nice_values(worker_pid), _nice_values(engine_pid)
     assert worker_threads[worker_pid] == 10 and sum(nice == 10 for nice in worker_threads.values()) >= 2, worker_threads
     assert set(engine_threads.values()) == {0}, engine_threads
+
+
+def test_a_job_id_or_field_name_with_a_newline_cannot_forge_log_lines(service: Service) -> None:
+    """A refused job's raw id and field names are data: the stored result carries the task's (checked) id, and
+    the log shows them with repr, on one line, so `\\nCRITICAL ...` never starts a line of its own."""
+    app = create_app(QueueSettings(broker_url=service.redis.url))
+    forged = f"CRITICAL forged-{uuid.uuid4().hex}"
+    by_id = app.send_task(TASK_NAME, kwargs={"id": f"x\n{forged}", "prompt": "p"}, task_id=f"t-{uuid.uuid4().hex}")
+    by_field = app.send_task(TASK_NAME, kwargs={"prompt": "p", f"bad\n{forged}": 1}, task_id=f"t-{uuid.uuid4().hex}")
+    results = [by_id.get(timeout=60), by_field.get(timeout=60)]
+    assert [r["id"] for r in results] == [by_id.id, by_field.id]
+    assert [(r["status"], r["error"]["code"]) for r in results] == [("failed", "invalid_job")] * 2
+    assert results[0]["error"]["field"] == "id"
+    log = wait_for(lambda: by_id.id in (text := service.worker.log_text()) and by_field.id in text and text, 30,
+                   "both refusals logged")
+    assert not [line for line in log.splitlines() if line.startswith(forged)], "a forged line reached the log"

@@ -1,7 +1,8 @@
 """`tokenmill annotate` / `tokenmill.annotate(...)`: one prompt template over a whole dataset.
 
-Each row is rendered with Jinja2 (StrictUndefined: a column the template names that the row lacks, or holds
-null, is that row's error), completed in this process or by queue workers, checkpointed, and written back
+Each row is rendered with Jinja2's immutable sandbox (StrictUndefined: a column the template names that the
+row lacks, or holds null, is that row's error; a template reaching for Python internals, e.g.
+`cycler.__init__.__globals__`, gets a `SecurityError` naming its line instead of running code), completed in this process or by queue workers, checkpointed, and written back
 with its input columns unchanged plus the result columns, in input order.
 """
 
@@ -12,14 +13,16 @@ import json
 import os
 import sys
 import time
+import traceback
 from collections.abc import Iterator
 from typing import Any
 
 import jinja2
 import jinja2.meta
+import jinja2.sandbox
 import pyarrow as pa
 
-from tokenmill.apps.datasets import Dataset, DatasetError, Writer, format_of, open_dataset
+from tokenmill.apps.datasets import MAX_ROW_BYTES, Dataset, DatasetError, Writer, format_of, open_dataset
 from tokenmill.apps.pipeline import Progress, Summary, compute, stored
 from tokenmill.apps.runners import EmbeddedRunner, QueueRunner, Unit, sampling_dict
 from tokenmill.apps.store import Checkpoint, KeyHasher, Outcome
@@ -35,9 +38,13 @@ class Prompter:
     """Renders a row into a unit (or an error): the template, the optional system prompt, chat or not."""
 
     def __init__(self, template: str, system: str | None, chat: bool, model: str, sampling: dict[str, Any]) -> None:
-        self.env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True, autoescape=False)
+        # Templates come from the command line or a file, maybe someone else's: the sandbox refuses attribute
+        # access to internals and calls of unsafe callables, and immutable also refuses mutating row values.
+        self.env = jinja2.sandbox.ImmutableSandboxedEnvironment(undefined=jinja2.StrictUndefined,
+                                                                keep_trailing_newline=True, autoescape=False)
         self.template = self._compile(template, "template")
         self.system = self._compile(system, "system") if system else None
+        self._templates = [("template", self.template)] + ([("system", self.system)] if self.system else [])
         #: only the columns the templates name go into their context (rows can be wide)
         self.names = sorted(set().union(*(jinja2.meta.find_undeclared_variables(self.env.parse(src))
                                           for src in (template, system or ""))))
@@ -57,18 +64,28 @@ class Prompter:
 
     def unit(self, row: dict[str, Any], label: str) -> Unit | str:
         context = {k: row[k] for k in self.names if row.get(k) is not None}  # a null column counts as missing
-        try:
-            text = self._render(self.template, context)
-            system = self._render(self.system, context) if self.system else None
-        except jinja2.UndefinedError as exc:
-            return f"template: column {exc.message} or null in this row (columns: {', '.join(row)})"
-        except Exception as exc:  # e.g. a filter failing on this row's value: this row only
-            return f"template: {type(exc).__name__}: {exc}"
+        rendered: list[str | None] = []
+        for what, template in self._templates:
+            try:
+                rendered.append(self._render(template, context))
+            except jinja2.UndefinedError as exc:
+                return f"{what}: column {exc.message} or null in this row (columns: {', '.join(row)})"
+            except Exception as exc:  # e.g. a filter failing on this row's value, or the sandbox refusing: this row only
+                return f"{what}: line {_template_line(template, exc)}: {type(exc).__name__}: {exc}"
+        text, system = (rendered + [None])[:2]
         if self.chat:
             messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
             return Unit(self._key(messages=messages), None, messages, self.sampling, label=label)
         prompt = f"{system}\n\n{text}" if system else text
         return Unit(self._key(prompt=prompt), prompt, None, self.sampling, label=label)
+
+
+def _template_line(template: jinja2.Template, exc: BaseException) -> int | str:
+    """The template line an error was raised at: the last frame of the template's compiled code, mapped back
+    by jinja2's own debug info (rendering through `root_render_func` skips jinja2's traceback rewriting)."""
+    code = template.root_render_func.__code__.co_filename
+    lines = [lineno for frame, lineno in traceback.walk_tb(exc.__traceback__) if frame.f_code.co_filename == code]
+    return template.get_corresponding_lineno(lines[-1]) if lines else "?"
 
 
 def annotate(
@@ -98,6 +115,8 @@ def annotate(
     s3_endpoint_url: str | None = None,
     window: int | None = None,
     rows_per_message: int = 32,
+    max_row_bytes: int = MAX_ROW_BYTES,
+    input_compression: str | None = None,
     quiet: bool = False,
     **sampling: Any,
 ) -> Summary:
@@ -108,7 +127,9 @@ def annotate(
     the run printed at the start (`tokenmill cancel --run RUN` stops it); Ctrl-C cancels the rows in flight
     (after asking, at a terminal) unless `detach`, and a resume skips rows that ended cancelled unless
     `retry_cancelled` (`retry_failed`: the same for rows that failed).
-    `**sampling` are `SamplingParams` fields (`max_tokens`, `temperature` (default 0), `seed`, ...).
+    `**sampling` are `SamplingParams` fields (`max_tokens`, `temperature` (default 0), `seed`, ...). A row (a
+    JSONL/CSV line, decompressed, or a Parquet row's decoded values) over `max_row_bytes` is not read: it fails
+    with its error, the run goes on. JSONL/CSV is decompressed by its suffix (`.gz`, ...) or `input_compression`.
     Raises `InvalidRequestError` (bad option or template) or `DatasetError` (unusable input/output) before
     any work; a row that fails gets its error in the output instead.
     """
@@ -117,7 +138,7 @@ def annotate(
     params = sampling_dict({"temperature": 0.0, **sampling, **{k: v for k, v in structured.items() if v is not None}})
     mode = "queue" if broker else "embedded"
     prompter = Prompter(template, system, chat, model_label(model, llm, broker, queue), params)
-    dataset = open_dataset(input, input_format, s3_endpoint_url)
+    dataset = open_dataset(input, input_format, s3_endpoint_url, max_row_bytes, input_compression)
     schema = dataset.schema
     out_format = format_of(output, output_format, "output")
     _check_columns(schema, id_column, column, out_format)
@@ -189,20 +210,29 @@ def make_runner(mode: str, model: str | None, llm: Any, engine_options: dict[str
     return EmbeddedRunner(llm, window)
 
 
-def _rows(dataset: Dataset, id_column: str | None) -> Iterator[tuple[pa.RecordBatch, list[tuple[str, dict[str, Any]]]]]:
-    """Each record batch with its rows as (row id, dict): the id column's value, else the row's position."""
+Row = tuple[str, dict[str, Any], str | None]  # (row id, columns, why it could not be read)
+
+
+def _rows(dataset: Dataset, id_column: str | None) -> Iterator[tuple[pa.RecordBatch, list[Row]]]:
+    """Each record batch with its rows as (row id, dict, read error): the id column's value (the position for a
+    row that could not be read), else the row's position."""
     position = 0
-    for batch in dataset.batches():
+    for batch, errors in dataset.batches():
         rows = batch.to_pylist()
-        ids = [str(r[id_column]) for r in rows] if id_column else [str(position + i) for i in range(len(rows))]
+        ids = [str(r[id_column]) if id_column and i not in errors else str(position + i) for i, r in enumerate(rows)]
         position += len(rows)
-        yield batch, list(zip(ids, rows))
+        yield batch, [(row_id, row, errors.get(i)) for i, (row_id, row) in enumerate(zip(ids, rows))]
+
+
+def _unit(prompter: Prompter, row: Row) -> Unit | str:
+    row_id, values, error = row
+    return error if error is not None else prompter.unit(values, row_id)
 
 
 def _units(dataset: Dataset, prompter: Prompter, id_column: str | None) -> Iterator[list[Unit]]:
     for _, rows in _rows(dataset, id_column):
-        for row_id, row in rows:
-            unit = prompter.unit(row, row_id)
+        for row in rows:
+            unit = _unit(prompter, row)
             yield [unit] if isinstance(unit, Unit) else []
 
 
@@ -215,15 +245,15 @@ def _write(dataset: Dataset, schema: pa.Schema, prompter: Prompter, id_column: s
             writer.start_parquet(out_schema)
         for batch, rows in _rows(dataset, id_column):
             results = []
-            for row_id, row in rows:
-                unit = prompter.unit(row, row_id)
+            for row in rows:
+                unit = _unit(prompter, row)
                 outcome = stored(checkpoint, unit.key) if isinstance(unit, Unit) else Outcome(error=unit)
-                summary.count_row(row_id, outcome.error)
+                summary.count_row(row[0], outcome.error)
                 results.append(outcome)
             if writer.format == "parquet":
                 writer.write_batch(_with_results(batch, results, out_schema))
             else:
-                writer.write_rows([{**row, **_columns(o, column)} for (_, row), o in zip(rows, results)])
+                writer.write_rows([{**values, **_columns(o, column)} for (_, values, _), o in zip(rows, results)])
         writer.close()
     except BaseException:
         writer.abort()

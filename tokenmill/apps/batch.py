@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.apps.annotate import default_state_dir, make_runner, model_label
-from tokenmill.apps.datasets import Writer, read_lines
+from tokenmill.apps.datasets import MAX_ROW_BYTES, TooLong, Writer, read_lines, too_long
 from tokenmill.apps.pipeline import Progress, Summary, compute, stored
 from tokenmill.apps.runners import Unit, sampling_dict
 from tokenmill.apps.store import Checkpoint, Outcome, SeenSet, content_key
@@ -62,6 +62,8 @@ class Parser:
     def parse(self, raw: bytes) -> Request:
         try:
             line = json.loads(raw)
+        except RecursionError:
+            raise LineError("invalid_json", "the line nests too deeply to parse") from None
         except (ValueError, UnicodeDecodeError) as exc:
             raise LineError("invalid_json", f"the line is not valid JSON: {exc}") from None
         if not isinstance(line, dict):
@@ -202,16 +204,20 @@ def batch(
     s3_endpoint_url: str | None = None,
     window: int | None = None,
     rows_per_message: int = 32,
+    max_row_bytes: int = MAX_ROW_BYTES,
+    input_compression: str | None = None,
     quiet: bool = False,
 ) -> Summary:
     """Run an OpenAI Batch API input file; returns the `Summary`. `errors` defaults to `<output>` with
-    `.errors.jsonl` in place of its extension. Raises `InvalidRequestError` on duplicate custom_ids. Run ids,
+    `.errors.jsonl` in place of its extension. Raises `InvalidRequestError` on duplicate custom_ids. A line
+    over `max_row_bytes` (decompressed, for a compressed file) is not read: it is that request's error. Run ids,
     Ctrl-C, `detach` and `retry_cancelled` as in `annotate`."""
     started = time.perf_counter()
     errors = errors or os.path.splitext(output)[0] + ".errors.jsonl"
     mode = "queue" if broker else "embedded"
     label = model_label(model, llm, broker, queue)
-    total = check_custom_ids(input, s3_endpoint_url)
+    source = Source(input, s3_endpoint_url, max_row_bytes, input_compression)
+    total = check_custom_ids(source)
     checkpoint = Checkpoint(os.path.join(state_dir or default_state_dir(output), "checkpoint.sqlite"),
                             checkpoint_interval)
     summary = Summary(output=output, errors_output=errors)
@@ -221,14 +227,14 @@ def batch(
         parser = Parser(label, default_max_tokens, logprobs_ok=mode == "embedded")
         progress = Progress(total, "batch", quiet)
         try:
-            compute((r.units if isinstance(r, Request) else [] for _, r in parse_requests(input, parser, s3_endpoint_url)),
+            compute((r.units if isinstance(r, Request) else [] for _, r in parse_requests(source, parser)),
                     checkpoint, runner, progress, summary, retry_failed, retry_cancelled)
         finally:
             progress.close()
         summary.prefix_hit_rate = runner.prefix_hit_rate()
         tokenizer = runner.llm.tokenizer if mode == "embedded" else None
-        _write(input, parser, checkpoint, Writer(output, "json", s3_endpoint_url), Writer(errors, "json", s3_endpoint_url),
-               summary, tokenizer, s3_endpoint_url)
+        _write(source, parser, checkpoint, Writer(output, "json", s3_endpoint_url), Writer(errors, "json", s3_endpoint_url),
+               summary, tokenizer)
     finally:
         checkpoint.close()
     summary.wall_s = time.perf_counter() - started
@@ -237,16 +243,28 @@ def batch(
     return summary
 
 
-def check_custom_ids(input: str, endpoint: str | None) -> int:
+@dataclass
+class Source:
+    """The input file, where it is, the longest line read whole, and its codec if asked for (else by suffix)."""
+
+    uri: str
+    endpoint: str | None
+    max_row_bytes: int
+    compression: str | None = None
+
+
+def check_custom_ids(source: Source) -> int:
     """Refuse duplicate custom_ids up front, naming them and their lines; returns the number of requests.
     The ids seen are kept on disk (`SeenSet`), not in memory."""
     seen, duplicates, total = SeenSet(), [], 0
     try:
-        for number, raw in _lines(input, endpoint):
+        for number, raw in _lines(source):
             total += 1
+            if isinstance(raw, TooLong):
+                continue  # reported as that line's error later
             try:
                 custom_id = json.loads(raw).get("custom_id")
-            except (ValueError, AttributeError, UnicodeDecodeError):
+            except (ValueError, AttributeError, UnicodeDecodeError, RecursionError):
                 continue  # reported as that line's error later
             if isinstance(custom_id, str) and (first := seen.add(custom_id, number)) is not None:
                 duplicates.append(f"{custom_id!r} on lines {first} and {number}")
@@ -255,29 +273,33 @@ def check_custom_ids(input: str, endpoint: str | None) -> int:
     if duplicates:
         shown = "; ".join(duplicates[:_MAX_DUPLICATES_SHOWN])
         more = f" and {len(duplicates) - _MAX_DUPLICATES_SHOWN} more" if len(duplicates) > _MAX_DUPLICATES_SHOWN else ""
-        raise InvalidRequestError("custom_id", f"duplicate custom_id values in {input}: {shown}{more}")
+        raise InvalidRequestError("custom_id", f"duplicate custom_id values in {source.uri}: {shown}{more}")
     return total
 
 
-def _lines(input: str, endpoint: str | None) -> Iterator[tuple[int, bytes]]:
-    for number, raw in enumerate(read_lines(input, endpoint), start=1):
-        if raw.strip():
+def _lines(source: Source) -> Iterator[tuple[int, bytes | TooLong]]:
+    for number, raw in enumerate(read_lines(source.uri, source.endpoint, source.max_row_bytes, source.compression), start=1):
+        if isinstance(raw, TooLong) or raw.strip():
             yield number, raw
 
 
-def parse_requests(input: str, parser: Parser, endpoint: str | None) -> Iterator[tuple[int, Request | LineError]]:
-    for number, raw in _lines(input, endpoint):
+def parse_requests(source: Source, parser: Parser) -> Iterator[tuple[int, Request | LineError]]:
+    """Each non-empty line's request, or why it is none, with its line number (pass 1, pass 2, `tokenmill serve`)."""
+    for number, raw in _lines(source):
+        if isinstance(raw, TooLong):
+            yield number, LineError("invalid_request", too_long(raw.size, source.max_row_bytes))
+            continue
         try:
             yield number, parser.parse(raw)
         except LineError as exc:
             yield number, exc
 
 
-def _write(input: str, parser: Parser, checkpoint: Checkpoint, out: Writer, err: Writer, summary: Summary,
-           tokenizer: Any, endpoint: str | None) -> None:
+def _write(source: Source, parser: Parser, checkpoint: Checkpoint, out: Writer, err: Writer, summary: Summary,
+           tokenizer: Any) -> None:
     """Pass 2: one line per request, in input order, into the output or the errors file."""
     try:
-        for number, request in parse_requests(input, parser, endpoint):
+        for number, request in parse_requests(source, parser):
             outcomes = [] if isinstance(request, LineError) else [stored(checkpoint, u.key) for u in request.units]
             line, error = request_line(number, request, outcomes, tokenizer)
             summary.count_row(getattr(request, "custom_id", None) or f"line {number}", error)

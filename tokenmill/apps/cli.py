@@ -63,6 +63,10 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--s3-endpoint-url", default=None, help="S3-compatible endpoint (MinIO...) [env TOKENMILL_S3_ENDPOINT_URL]")
     parser.add_argument("--window", type=int, help="rows in flight at most (default 1024 embedded, 4096 distributed)")
     parser.add_argument("--rows-per-message", type=int, default=32, help="rows per queue message (distributed)")
+    parser.add_argument("--max-row-bytes", type=int, default=1 << 20, metavar="BYTES",
+                        help="a row or line longer than this (decompressed) is not read: it fails alone (default 1 MiB)")
+    parser.add_argument("--input-compression", choices=["none", "gzip", "bz2", "zstd", "lz4"],
+                        help="decompress the JSONL/CSV input with this codec (default: by suffix, .gz .bz2 .zst .lz4)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar, no summary table")
     for name, kind in _ENGINE_FLAGS.items():
         parser.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None, help="engine option (embedded)")
@@ -93,7 +97,8 @@ def _shared(args: argparse.Namespace) -> dict[str, Any]:
             "state_dir": args.state_dir, "checkpoint_interval": args.checkpoint_interval,
             "retry_failed": args.retry_failed, "retry_cancelled": args.retry_cancelled, "detach": args.detach,
             "s3_endpoint_url": args.s3_endpoint_url,
-            "window": args.window, "rows_per_message": args.rows_per_message, "quiet": args.quiet}
+            "window": args.window, "rows_per_message": args.rows_per_message, "max_row_bytes": args.max_row_bytes,
+            "input_compression": args.input_compression, "quiet": args.quiet}
 
 
 def _annotate(args: argparse.Namespace) -> Any:
@@ -106,6 +111,8 @@ def _annotate(args: argparse.Namespace) -> Any:
         text = text_or_file(args.json_schema)
         try:
             schema = json.loads(text)
+        except RecursionError:
+            raise InvalidRequestError("json_schema", "nests too deeply to parse") from None
         except ValueError as exc:
             raise InvalidRequestError("json_schema", f"not a JSON file or inline JSON: {exc}") from None
     return annotate(

@@ -4,6 +4,12 @@ Everything here goes through pyarrow (its dataset scanner and its S3 filesystem)
 hand-written CSV, JSON-lines or multipart-upload code. A dataset is read twice by the pipeline (once to
 compute, once to write the output from the checkpoint), each time as a stream of record batches, so
 memory stays bounded whatever the input size.
+
+Memory is bounded per row too: no row is held whole beyond `max_row_bytes` (default 1 MiB, as the queue's
+`max_job_bytes`). A longer JSONL/CSV line is skipped to its end unread and a Parquet row over the limit is not
+decoded: either becomes a row of nulls carrying its error, and the run goes on. Compressed JSONL/CSV is read
+only where the file's suffix names the codec (`.gz`, `.bz2`, `.zst`, `.lz4`), and its lines are bounded after
+decompression, so a small gzip bomb is as harmless as a large file.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 import pyarrow.dataset as ds
 import pyarrow.fs as pafs
@@ -28,6 +35,13 @@ FORMATS = {".jsonl": "json", ".ndjson": "json", ".json": "json", ".csv": "csv", 
 #: Rows per record batch handed to the pipeline (Parquet; JSON/CSV batches follow their block size).
 BATCH_ROWS = 4096
 _BLOCK_BYTES = 1 << 20  # CSV/JSON read block
+#: Decoded bytes per record batch handed on (Parquet), whatever the rows per batch: a 58 KB file with one
+#: 200 KB dictionary value in 20,000 rows decoded 4096 rows (800 MB) at a time.
+_BATCH_BYTES = 8 << 20
+#: The default of `max_row_bytes`: the largest row or line read whole (the queue's `max_job_bytes` too).
+MAX_ROW_BYTES = 1 << 20
+#: Compression suffixes of JSONL/CSV inputs, as pyarrow names the codecs. No other input is decompressed.
+COMPRESSION = {".gz": "gzip", ".bz2": "bz2", ".zst": "zstd", ".lz4": "lz4"}
 _ENDPOINT_ENV = ("TOKENMILL_S3_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
 
 
@@ -60,7 +74,10 @@ def format_of(path: str, explicit: str | None, what: str) -> str:
         if name not in ("json", "csv", "parquet"):
             raise DatasetError(f"{what} format: must be jsonl, csv or parquet, got {explicit!r}")
         return name
-    extension = os.path.splitext(path.rstrip("/"))[1].lower()
+    stem, extension = os.path.splitext(path.rstrip("/"))
+    if extension.lower() in COMPRESSION:
+        extension = os.path.splitext(stem)[1]
+    extension = extension.lower()
     if extension not in FORMATS:
         raise DatasetError(
             f"{what} {path!r}: cannot tell the format from the extension {extension or '(none)'!r} "
@@ -69,71 +86,187 @@ def format_of(path: str, explicit: str | None, what: str) -> str:
     return FORMATS[extension]
 
 
+def compression_of(path: str, asked: str | None = None) -> str | None:
+    """The codec to read `path` with: the one asked for (`none`: read as it is), else the one its suffix names
+    (`data.jsonl.gz`: gzip), else None: read as it is."""
+    if asked is not None:
+        return None if asked == "none" else asked
+    return COMPRESSION.get(os.path.splitext(path)[1].lower())
+
+
+def check_compression(asked: str | None) -> None:
+    known = ("none", *COMPRESSION.values())
+    if asked is not None and asked not in known:
+        raise DatasetError(f"input compression: must be one of {', '.join(known)}, got {asked!r}")
+
+
+@dataclass
+class TooLong:
+    """A line longer than the limit, skipped unread: its size in bytes (decompressed)."""
+
+    size: int
+
+
+def bounded_lines(handle: Any, limit: int) -> Iterator[bytes | TooLong]:
+    """The lines of a buffered binary stream, none held beyond `limit` bytes (its newline not counted): a longer
+    one is read on to its end in `_BLOCK_BYTES` pieces and dropped, and comes out as `TooLong`."""
+    while line := handle.readline(limit + 1):
+        if len(line) <= limit or (len(line) == limit + 1 and line.endswith(b"\n")):
+            yield line
+            continue
+        size = len(line)
+        while not line.endswith(b"\n") and (line := handle.readline(_BLOCK_BYTES)):
+            size += len(line)
+        yield TooLong(size - line.endswith(b"\n"))
+
+
+def too_long(size: int, limit: int) -> str:
+    """A row's error when the row is over the limit."""
+    return f"row: {size} bytes, over the max_row_bytes limit ({limit}); not read"
+
+
 @dataclass
 class Dataset:
-    """An input dataset: its shard files in order and their format."""
+    """An input dataset: its shard files in order and their format. `batches()` yields each record batch with
+    the errors of its rows that could not be read (row index -> message; those rows are all null)."""
 
     uri: str
     files: list[str]
     format: str
     fs: pafs.FileSystem
+    max_row_bytes: int = MAX_ROW_BYTES
+    compression: str | None = None  # asked for; None: by each file's suffix
 
     def _dataset(self) -> ds.Dataset:
-        return self._dataset_of(self.files)
-
-    def _dataset_of(self, files: list[str]) -> ds.Dataset:
-        fmt: Any = self.format
-        if fmt == "parquet":  # pre-buffering reads a whole file's column chunks at once: memory would grow with it
-            fmt = ds.ParquetFileFormat(default_fragment_scan_options=ds.ParquetFragmentScanOptions(pre_buffer=False))
-        elif fmt == "json":  # the schema comes from the first block only
-            fmt = ds.JsonFileFormat(read_options=pajson.ReadOptions(block_size=_BLOCK_BYTES))
-        return ds.dataset(files, format=fmt, filesystem=self.fs)
+        """The Parquet files as one pyarrow dataset (for the schema and the row count from the footers)."""
+        return ds.dataset(self.files, format="parquet", filesystem=self.fs)
 
     @property
     def schema(self) -> pa.Schema:
-        return self._guard(lambda: self._dataset().schema)
+        """Parquet: the first file's. CSV/JSONL: inferred by pyarrow from the first file's first block of lines
+        (lines over the limit skipped), so one long line cannot fail the dataset."""
+        if self.format == "parquet":
+            return self._guard(lambda: self._dataset().schema)
+        return self._guard(lambda: self._text_schema(self.files[0]))
+
+    def _text_schema(self, path: str) -> pa.Schema:
+        with self._open_text(path) as handle:
+            lines = bounded_lines(handle, self.max_row_bytes)
+            if self.format == "csv":
+                header = next((line for line in lines if not isinstance(line, TooLong)), b"")
+                return pacsv.read_csv(pa.BufferReader(b"".join([header, *self._block(lines)])), _csv_read()).schema
+            block = b"".join(self._block(lines))
+            return pajson.read_json(pa.BufferReader(block), _json_read(len(block))).schema
+
+    def _block(self, lines: Iterator[bytes | TooLong]) -> list[bytes]:
+        """Whole lines up to about `_BLOCK_BYTES` (the first block: lines over the limit skipped)."""
+        block, size = [], 0
+        for line in lines:
+            if isinstance(line, TooLong):
+                continue
+            block.append(line)
+            size += len(line)
+            if size >= _BLOCK_BYTES:
+                break
+        return block
+
+    def _open_text(self, path: str) -> io.BufferedReader:
+        stream = self.fs.open_input_stream(path, compression=compression_of(path, self.compression))
+        return io.BufferedReader(stream, buffer_size=_BLOCK_BYTES)  # pyarrow streams have no readline
 
     def count_rows(self) -> int:
         """Parquet: from the footers. CSV/JSONL: one streaming pass (which also finds a corrupt file before any
         work starts)."""
         if self.format == "parquet":
             return self._guard(lambda: self._dataset().count_rows())
-        return sum(batch.num_rows for batch in self.batches())
+        return sum(batch.num_rows for batch, _ in self.batches())
 
-    def batches(self) -> Iterator[pa.RecordBatch]:
-        """The rows in file order, then row order, as record batches of bounded size."""
+    def batches(self) -> Iterator[tuple[pa.RecordBatch, dict[int, str]]]:
+        """The rows in file order, then row order, as record batches of bounded size, each with its rows' errors."""
         schema = self.schema
         for path in self.files:
             reader = self._guard(lambda: self._reader(path, schema))
             while True:
-                batch = self._guard(lambda: next(reader, None))
-                if batch is None:
+                item = self._guard(lambda: next(reader, None))
+                if item is None:
                     break
-                if batch.num_rows:
-                    yield batch
+                if item[0].num_rows:
+                    yield item
 
-    def _reader(self, path: str, schema: pa.Schema) -> Iterator[pa.RecordBatch]:
-        """Streaming readers: Parquet without pre-buffering, CSV/JSON block by block (the dataset scanner's
-        JSON reader loads a whole file, so memory would grow with the file)."""
+    def _reader(self, path: str, schema: pa.Schema) -> Iterator[tuple[pa.RecordBatch, dict[int, str]]]:
+        """Streaming readers: Parquet without pre-buffering, CSV/JSON block by block of bounded lines (the
+        dataset scanner's JSON reader loads a whole file, so memory would grow with the file)."""
         if self.format == "parquet":
-            fragment = next(iter(self._dataset_of([path]).get_fragments()))
-            return iter(fragment.to_batches(schema=schema, batch_size=BATCH_ROWS, batch_readahead=1, use_threads=False))
-        stream = self.fs.open_input_stream(path)
-        if self.format == "json":
-            return self._json_blocks(stream, schema)
-        types = {field.name: field.type for field in schema}
-        return iter(pacsv.open_csv(stream, read_options=pacsv.ReadOptions(block_size=_BLOCK_BYTES, use_threads=False),
-                                   convert_options=pacsv.ConvertOptions(column_types=types)))
+            return self._parquet_batches(path, schema)
+        return self._text_batches(path, schema)
 
-    def _json_blocks(self, stream: Any, schema: pa.Schema) -> Iterator[pa.RecordBatch]:
-        """JSONL parsed by pyarrow one ~1 MiB block of whole lines at a time. (`pyarrow.json.open_json` reads
-        ahead about half of a file, so its memory grows with the file.) A field the first block did not have is
-        an error naming it, not a silently dropped column."""
-        options = pajson.ParseOptions(explicit_schema=schema, unexpected_field_behavior="error")
-        with io.BufferedReader(stream, buffer_size=_BLOCK_BYTES) as handle:
-            while lines := handle.readlines(_BLOCK_BYTES):
-                table = pajson.read_json(pa.BufferReader(b"".join(lines)), pajson.ReadOptions(use_threads=False), options)
-                yield from table.to_batches(BATCH_ROWS)
+    def _text_batches(self, path: str, schema: pa.Schema) -> Iterator[tuple[pa.RecordBatch, dict[int, str]]]:
+        """JSONL or CSV parsed by pyarrow one ~1 MiB block of whole lines at a time (`pyarrow.json.open_json`
+        reads ahead about half of a file; both pyarrow readers fail a whole file on a line longer than their
+        block). A JSON field the first block did not have is an error naming it, not a silently dropped column.
+        CSV values hold no newlines (pyarrow's default), so a CSV row is a line too."""
+        with self._open_text(path) as handle:
+            lines = bounded_lines(handle, self.max_row_bytes)
+            header = next(lines, b"") if self.format == "csv" else b""
+            if isinstance(header, TooLong):
+                raise DatasetError(f"input {self.uri!r}: the CSV header of {path} is over max_row_bytes ({self.max_row_bytes})")
+            block: list[bytes] = []
+            size = 0
+            for line in lines:
+                if isinstance(line, TooLong):
+                    yield from self._parse(header, block, schema)
+                    block, size = [], 0
+                    yield _null_row(schema), {0: too_long(line.size, self.max_row_bytes)}
+                    continue
+                block.append(line)
+                size += len(line)
+                if size >= _BLOCK_BYTES:
+                    yield from self._parse(header, block, schema)
+                    block, size = [], 0
+            yield from self._parse(header, block, schema)
+
+    def _parse(self, header: bytes, block: list[bytes], schema: pa.Schema) -> Iterator[tuple[pa.RecordBatch, dict[int, str]]]:
+        if not block:
+            return
+        data = b"".join([header, *block])
+        if self.format == "csv":
+            types = {field.name: field.type for field in schema}
+            table = pacsv.read_csv(pa.BufferReader(data), _csv_read(), convert_options=pacsv.ConvertOptions(column_types=types))
+        else:
+            options = pajson.ParseOptions(explicit_schema=schema, unexpected_field_behavior="error")
+            table = pajson.read_json(pa.BufferReader(data), _json_read(len(data)), options)
+        for batch in table.to_batches(BATCH_ROWS):
+            yield batch, {}
+
+    def _parquet_batches(self, path: str, schema: pa.Schema) -> Iterator[tuple[pa.RecordBatch, dict[int, str]]]:
+        """Row groups read with their string and binary columns still dictionary-encoded (so a batch costs its
+        indices, not its values), then decoded `_BATCH_BYTES` at a time; a row over the limit is never decoded."""
+        text = [f.name for f in schema if pa.types.is_string(f.type) or pa.types.is_large_string(f.type)
+                or pa.types.is_binary(f.type) or pa.types.is_large_binary(f.type)]
+        # pre-buffering would read a whole file's column chunks at once: memory would grow with the file
+        fmt = ds.ParquetFileFormat(read_options=ds.ParquetReadOptions(dictionary_columns=text),
+                                   default_fragment_scan_options=ds.ParquetFragmentScanOptions(pre_buffer=False))
+        fragment = next(iter(ds.dataset([path], format=fmt, filesystem=self.fs).get_fragments()))
+        encoded = pa.schema([f.with_type(pa.dictionary(pa.int32(), f.type)) if f.name in text else f for f in schema])
+        for batch in fragment.to_batches(schema=encoded, batch_size=BATCH_ROWS, batch_readahead=0, use_threads=False):
+            yield from self._decoded(batch, schema)
+
+    def _decoded(self, batch: pa.RecordBatch, schema: pa.Schema) -> Iterator[tuple[pa.RecordBatch, dict[int, str]]]:
+        sizes = _row_bytes(batch).to_pylist()
+        start = total = 0
+        for index, size in enumerate(sizes):
+            if size > self.max_row_bytes:
+                if index > start:
+                    yield batch.slice(start, index - start).cast(schema), {}
+                yield _null_row(schema), {0: too_long(size, self.max_row_bytes)}
+                start, total = index + 1, 0
+                continue
+            if total + size > _BATCH_BYTES and index > start:
+                yield batch.slice(start, index - start).cast(schema), {}
+                start, total = index, 0
+            total += size
+        if start < len(sizes):
+            yield batch.slice(start).cast(schema), {}
 
     def _guard(self, call: Any) -> Any:
         try:
@@ -142,14 +275,54 @@ class Dataset:
             raise DatasetError(f"input {self.uri!r} ({self.format}) cannot be read: {exc}") from None
 
 
-def open_dataset(uri: str, input_format: str | None = None, endpoint: str | None = None) -> Dataset:
-    """A local path, a directory or glob of shards, or an s3:// URI (also a prefix or glob)."""
+def _csv_read() -> pacsv.ReadOptions:
+    return pacsv.ReadOptions(block_size=MAX_INT32, use_threads=False)  # one block: the lines given
+
+
+def _json_read(size: int) -> pajson.ReadOptions:
+    return pajson.ReadOptions(block_size=max(size + 1, _BLOCK_BYTES), use_threads=False)  # one block: the lines given
+
+
+MAX_INT32 = 2**31 - 1
+
+
+def _null_row(schema: pa.Schema) -> pa.RecordBatch:
+    """The stand-in of a row that was not read: one row of nulls."""
+    return pa.RecordBatch.from_arrays([pa.nulls(1, f.type) for f in schema], schema=schema)
+
+
+def _row_bytes(batch: pa.RecordBatch) -> pa.Array:
+    """Each row's decoded size: its string and binary values' bytes (dictionary-encoded ones looked up, not
+    decoded), and the average bytes per row of its other columns."""
+    total = pa.array([0] * batch.num_rows, pa.int64())
+    for column in batch.columns:
+        values = column.dictionary if pa.types.is_dictionary(column.type) else column
+        if pa.types.is_string(values.type) or pa.types.is_large_string(values.type) or pa.types.is_binary(values.type) \
+                or pa.types.is_large_binary(values.type):
+            lengths = pc.binary_length(values)
+            if pa.types.is_dictionary(column.type):
+                lengths = pc.take(lengths, column.indices)
+            total = pc.add(total, pc.fill_null(lengths.cast(pa.int64()), 0))
+        else:
+            total = pc.add(total, column.nbytes // max(batch.num_rows, 1))
+    return total
+
+
+def open_dataset(uri: str, input_format: str | None = None, endpoint: str | None = None,
+                 max_row_bytes: int = MAX_ROW_BYTES, compression: str | None = None) -> Dataset:
+    """A local path, a directory or glob of shards, or an s3:// URI (also a prefix or glob). `compression`: the
+    JSONL/CSV codec (`none`, gzip, bz2, zstd, lz4); by default each file's suffix decides."""
+    if isinstance(max_row_bytes, bool) or not isinstance(max_row_bytes, int) or max_row_bytes < 1:
+        raise DatasetError(f"max_row_bytes: must be a positive integer, got {max_row_bytes!r}")
+    check_compression(compression)
     fs, path = filesystem(uri, endpoint)
     files = _expand(fs, path, uri)
     if not files:
         raise DatasetError(f"input {uri!r}: no such file, or no files match")
     fmt = format_of(files[0] if not input_format else path, input_format, "input")
-    return Dataset(uri, files, fmt, fs)
+    if fmt == "parquet" and compression_of(files[0], compression):
+        raise DatasetError(f"input {uri!r}: Parquet is compressed inside; give the .parquet file itself")
+    return Dataset(uri, files, fmt, fs, max_row_bytes, compression)
 
 
 def _expand(fs: pafs.FileSystem, path: str, uri: str) -> list[str]:
@@ -169,15 +342,39 @@ def _expand(fs: pafs.FileSystem, path: str, uri: str) -> list[str]:
         raise DatasetError(f"input {uri!r} cannot be listed: {exc}") from None
 
 
-def read_lines(uri: str, endpoint: str | None = None) -> Iterator[bytes]:
-    """The lines of one text file, streamed (the OpenAI batch input, where every line is its own request)."""
+def read_lines(uri: str, endpoint: str | None = None, max_row_bytes: int = MAX_ROW_BYTES,
+               compression: str | None = None) -> Iterator[bytes | TooLong]:
+    """The lines of one text file, streamed (the OpenAI batch input, where every line is its own request), each
+    held to `max_row_bytes` (decompressed, for a `.gz`/`.bz2`/`.zst`/`.lz4` file or the `compression` asked
+    for): a longer one is `TooLong`."""
+    check_compression(compression)
     fs, path = filesystem(uri, endpoint)
     try:
-        stream = fs.open_input_stream(path)
+        stream = fs.open_input_stream(path, compression=compression_of(path, compression))
     except (pa.ArrowException, OSError) as exc:
         raise DatasetError(f"input {uri!r} cannot be read: {exc}") from None
-    with io.BufferedReader(stream, buffer_size=1 << 20) as handle:  # pyarrow streams have no readline
-        yield from handle
+    with io.BufferedReader(stream, buffer_size=_BLOCK_BYTES) as handle:  # pyarrow streams have no readline
+        try:
+            yield from bounded_lines(handle, max_row_bytes)
+        except (pa.ArrowException, OSError) as exc:  # e.g. a corrupt gzip stream
+            raise DatasetError(f"input {uri!r} cannot be read: {exc}") from None
+
+
+def _create_fresh(path: str) -> pa.NativeFile:
+    """A new local file at `path`, never one reached through a symlink or left by someone else.
+
+    The temporary name is predictable (`<output>.partial`): whoever can write the directory could plant a
+    symlink there, and opening it would truncate the file it points to. A stale entry (an earlier run's
+    partial file, or a planted link) is unlinked, which removes a link itself, not its target; the file is
+    then created with O_EXCL | O_NOFOLLOW, so an entry planted in between is an error, not followed.
+    """
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o666)
+    return pa.PythonFile(os.fdopen(fd, "wb", buffering=_BLOCK_BYTES), mode="w")
 
 
 class Writer:
@@ -193,10 +390,8 @@ class Writer:
         self.fs, self.path = filesystem(uri, endpoint)
         self.local = isinstance(self.fs, pafs.LocalFileSystem)
         self.target = self.path + ".partial" if self.local else self.path
-        if self.local:
-            os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
         try:
-            self.stream = self.fs.open_output_stream(self.target)
+            self.stream = _create_fresh(self.target) if self.local else self.fs.open_output_stream(self.target)
         except (pa.ArrowException, OSError) as exc:
             raise DatasetError(f"output {uri!r} cannot be written: {exc}") from None
         self.parquet: pq.ParquetWriter | None = None

@@ -49,9 +49,12 @@ class Summary:
                 self.failed_ids.append(f"{row_id}: {error[:120]}")
 
     def table(self) -> Any:
+        """The summary as a rich table. Row ids, error texts and the output name are data, not rich markup:
+        escaped, so an id like `[/nope]` is shown as written instead of breaking the table."""
+        from rich.markup import escape
         from rich.table import Table
 
-        table = Table(title=f"tokenmill: {self.output}", show_header=False)
+        table = Table(title=f"tokenmill: {escape(self.output)}", show_header=False)
         rate = "n/a (see the workers' metrics)" if self.prefix_hit_rate is None else f"{self.prefix_hit_rate:.1%}"
         for name, value in [
             ("rows ok", self.ok), ("rows failed", self.failed), ("reused from checkpoint", self.reused),
@@ -63,7 +66,7 @@ class Summary:
         ]:
             table.add_row(name, str(value))
         for line in self.failed_ids:
-            table.add_row("failed", line)
+            table.add_row("failed", escape(line))
         return table
 
     def print(self) -> None:

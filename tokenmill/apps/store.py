@@ -20,6 +20,8 @@ import uuid
 from dataclasses import dataclass, fields
 from typing import Any
 
+from tokenmill.apps.datasets import DatasetError
+
 
 @dataclass
 class Outcome:
@@ -72,14 +74,45 @@ class KeyHasher:
         return state.hexdigest()[:32]
 
 
+#: Files SQLite keeps next to a database: it creates them with the database file's permissions.
+_SIDE_FILES = ("-wal", "-shm", "-journal")
+_NO_FOLLOW = os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+
+
+def _private_database(path: str) -> None:
+    """Make `path` (created if missing) and any side files left from an earlier run readable by their owner
+    only, none of them reached through a symlink: a checkpoint holds every prompt and completion of a
+    dataset, and under the usual umask (022) SQLite would create it world-readable. SQLite gives the WAL
+    and shared-memory files it creates later the database file's mode, so those are 0600 too."""
+    os.makedirs(os.path.dirname(path) or ".", mode=0o700, exist_ok=True)
+    try:
+        _make_private(path, os.O_RDWR | os.O_CREAT)
+        for suffix in _SIDE_FILES:
+            try:
+                _make_private(path + suffix, os.O_RDONLY)
+            except FileNotFoundError:
+                pass
+    except OSError as exc:
+        raise DatasetError(f"checkpoint {exc.filename or path!r} cannot be used (symlinks are refused): "
+                           f"{exc.strerror}") from None
+
+
+def _make_private(path: str, flags: int) -> None:
+    fd = os.open(path, flags | _NO_FOLLOW, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+    finally:
+        os.close(fd)
+
+
 class Checkpoint:
     """Results by key. `run` marks which results this process wrote (the rest were reused)."""
 
     def __init__(self, path: str, flush_interval: float = 2.0) -> None:
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         self.path = path
         self.flush_interval = flush_interval
         self.run = uuid.uuid4().hex
+        _private_database(path)
         self.db = sqlite3.connect(path, isolation_level=None)
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=NORMAL")

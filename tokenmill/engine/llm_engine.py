@@ -14,6 +14,7 @@ from tokenmill.engine import sampler as sampler_module
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.loader import load
 from tokenmill.engine.model_runner import ModelRunner
+from tokenmill.engine.prompt_limits import check_prompt_chars, max_prompt_chars
 from tokenmill.engine.sampler import SampleResult, SamplingRow
 from tokenmill.engine.structured import Constraint, GrammarCache, GrammarSpec, advance
 from tokenmill.errors import InvalidRequestError
@@ -67,6 +68,7 @@ class _Request:
     first_token_time: float | None = None
     logprobs: list[dict] = field(default_factory=list)
     text: str | None = None  # set when a stop string cut the text short
+    stops: StopMatcher | None = None  # the request's stop strings, matched step by step
     constraint: Constraint | None = None  # the grammar of a structured-output request
     row: SamplingRow | None = None  # built once, updated each step it samples
 
@@ -80,6 +82,8 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.hf_config = loaded.hf_config
         self.max_model_len = self._max_model_len()
+        #: text prompts longer than this are refused before tokenizing (None: the tokenizer gives no bound)
+        self.max_prompt_chars = max_prompt_chars(self.tokenizer, self.max_model_len)
         self.runner = ModelRunner(loaded, self.config)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=self.config.max_num_seqs,
@@ -119,6 +123,7 @@ class LLMEngine:
     # -- requests ---------------------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
+            check_prompt_chars(prompt, self.max_prompt_chars, self.max_model_len)
             return self.tokenizer.encode(prompt, add_special_tokens=True)
         return list(prompt)
 
@@ -128,6 +133,7 @@ class LLMEngine:
         if self.tokenizer.chat_template is None:
             raise InvalidRequestError("messages", f"model {self.config.model} has no chat template")
         rendered = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        check_prompt_chars(rendered, self.max_prompt_chars, self.max_model_len)
         return self.tokenizer.encode(rendered, add_special_tokens=False)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
@@ -145,7 +151,8 @@ class LLMEngine:
         banned = constraint.banned_ids if constraint is not None else []
         suppressed = (sorted(stop_ids) if params.min_tokens > 0 else []) + banned
         row = SamplingRow(params, seed, 0, seq.token_ids, suppressed, constraint=constraint)
-        self.requests[request_id] = _Request(seq, seed, stop_ids, constraint=constraint, row=row)
+        stops = StopMatcher(params.stop) if params.stop else None
+        self.requests[request_id] = _Request(seq, seed, stop_ids, constraint=constraint, row=row, stops=stops)
         self._totals["prompt"] += len(token_ids)
 
     def _check_prompt(self, token_ids: list[int]) -> None:
@@ -290,11 +297,11 @@ class LLMEngine:
             return None
         if seq.token_ids[-1] in request.stop_ids:
             return "stop"
-        if params.stop:
+        if request.stops is not None:
             text = self._decode(seq)
-            hits = [i for i in (text.find(s) for s in params.stop) if i >= 0]
-            if hits:
-                request.text = text[: min(hits)]
+            cut = request.stops.first_hit(text)
+            if cut is not None:
+                request.text = text[:cut]
                 return "stop"
         if grammar_done:
             return "error" if request.constraint.error() else "stop"  # type: ignore[union-attr]
@@ -336,6 +343,37 @@ class LLMEngine:
             num_preemptions=self._totals["preempted"],
             num_steps=self._totals["steps"],
         )
+
+
+class StopMatcher:
+    """Finds the earliest stop string in a request's text as it grows, searching only what is new.
+
+    The text is decoded whole each step (a decoder may rewrite its last characters: an incomplete UTF-8
+    sequence shows as U+FFFD until its next byte arrives, a clean-up may drop a space before punctuation),
+    but searched only from where a stop string could start that was not there at the last search: none
+    occurred in the text searched then, so a new occurrence must end past the part both texts share, i.e.
+    start at most `longest - 1` characters before it. The shared part is confirmed (one C-level compare)
+    before it is skipped; if the decoder rewrote more, the whole text is searched again. The result is the
+    same position a search of the whole text for every stop string gives, at a cost per step of the new
+    characters, not the text length times the number of stop strings.
+    """
+
+    _UNSTABLE_TAIL = 1  # characters before the trailing U+FFFDs that a decoder might still rewrite
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = stops
+        self.longest = max(len(stop) for stop in stops)
+        self.searched = ""  # the text of the last search, which holds no stop string
+
+    def first_hit(self, text: str) -> int | None:
+        """Where the earliest stop string starts in `text`, or None (then `text` becomes the searched text)."""
+        stable = max(0, len(self.searched.rstrip("\ufffd")) - self._UNSTABLE_TAIL)
+        start = max(0, stable - self.longest + 1) if text.startswith(self.searched[:stable]) else 0
+        hits = [i for i in (text.find(stop, start) for stop in self.stops) if i >= 0]
+        if hits:
+            return min(hits)
+        self.searched = text
+        return None
 
 
 def _raised_in_sampler(exc: BaseException) -> bool:

@@ -27,7 +27,7 @@ from pydantic import (
 )
 
 from tokenmill.errors import InvalidRequestError
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import SamplingParams, check_nesting
 
 #: Bumped on any incompatible change of `Job` or `JobResult`. A worker refuses versions it does not know.
 SCHEMA_VERSION = 1
@@ -135,6 +135,7 @@ class Job(BaseModel):
     @classmethod
     def _check_metadata(cls, value: dict[str, Any]) -> dict[str, Any]:
         """Metadata travels in the job and comes back in the result, both as JSON: refuse what JSON cannot hold."""
+        check_nesting(value, "metadata")
         try:
             json.dumps(value, allow_nan=False)
         except (TypeError, ValueError) as exc:
@@ -197,8 +198,15 @@ def check_size(wire: dict[str, Any], limit: int) -> None:
 
     The client checks the job it is about to queue, the worker every job it receives before parsing or
     tokenizing anything (a job sent with plain Celery never met the client); both with the setting
-    `max_job_bytes` (`tokenmill.queue.settings.MAX_JOB_BYTES` by default).
+    `max_job_bytes` (`tokenmill.queue.settings.MAX_JOB_BYTES` by default). Encoding recurses, so each field's
+    nesting is checked first (`MAX_NESTING`, naming the field as `Job` would: a sampling field by its own name).
     """
+    for name, value in wire.items():
+        if name == "sampling" and isinstance(value, dict):
+            for inner, setting in value.items():
+                check_nesting(setting, str(inner))
+        else:
+            check_nesting(value, name)
     size = len(json.dumps(wire, separators=(",", ":"), default=str).encode())
     if size <= limit:
         return

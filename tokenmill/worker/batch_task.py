@@ -73,7 +73,7 @@ class BatchRun:
 
     def run(self, raw_jobs: Any) -> dict[str, Any]:
         if not isinstance(raw_jobs, list) or not all(isinstance(j, dict) for j in raw_jobs):
-            log.error("group %s discarded: 'jobs' must be a list of job objects", self.task_id)
+            log.error("group %r discarded: 'jobs' must be a list of job objects", self.task_id)
             return {"jobs": 0, "ran": 0, "error": "'jobs' must be a list of job objects"}
         jobs, done = self._parse(raw_jobs)
         # A job already running here (as a single job or in another group) is that run's to finish and store.
@@ -121,7 +121,7 @@ class BatchRun:
         for raw in raw_jobs:
             job_id = raw.get("id")
             if not isinstance(job_id, str) or not re.fullmatch(JOB_ID_PATTERN, job_id) or job_id in seen:
-                log.error("group %s: a job without a usable, unique id was discarded", self.task_id)
+                log.error("group %r: a job without a usable, unique id was discarded", self.task_id)
                 continue
             seen.add(job_id)
             try:
@@ -130,6 +130,10 @@ class BatchRun:
             except InvalidRequestError as exc:
                 failed[job_id] = self.service.failed(
                     JobResult.failure(job_id, "invalid_job", exc.message, exc.field, started_at=self.started_at))
+            except Exception as exc:  # validation itself broke on this job: it fails alone, the group goes on
+                log.exception("group %r: job %r could not be validated", self.task_id, job_id)
+                failed[job_id] = self.service.failed(JobResult.failure(
+                    job_id, "invalid_job", f"cannot be validated: {type(exc).__name__}", "job", started_at=self.started_at))
         return jobs, failed
 
     def _generate(self, runs: list[Any], done: dict[str, dict[str, Any]]) -> None:
@@ -161,13 +165,13 @@ class BatchRun:
                     except InvalidRequestError as exc:
                         done[run.job.id] = self.service.complete(run, error=exc)
                 if pending and self.service.grace_expired.is_set():
-                    log.warning("group %s: %d jobs not finished when the shutdown grace ran out; requeueing it",
+                    log.warning("group %r: %d jobs not finished when the shutdown grace ran out; requeueing it",
                                 self.task_id, len(pending))
                     raise Reject("worker shutting down", requeue=True)
         except Reject:
             raise
         except Exception as exc:
-            log.exception("group %s failed (%s); requeueing it for its %d unfinished jobs", self.task_id,
+            log.exception("group %r failed (%s); requeueing it for its %d unfinished jobs", self.task_id,
                           type(exc).__name__, len(pending))
             raise Reject(f"group failed: {type(exc).__name__}", requeue=True) from exc
         finally:

@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
+from tokenmill.engine.prompt_limits import check_prompt_chars
 from tokenmill.errors import InvalidRequestError
 from tokenmill.sampling_params import SamplingParams
 
@@ -322,7 +323,7 @@ class _Loop:
         self.conn = conn
         self.live: set[str] = set()
         self.next_stats = 0.0
-        self.max_prompt_chars = max_prompt_chars(engine.tokenizer, engine.max_model_len)
+        self.max_prompt_chars = engine.max_prompt_chars
 
     def run(self) -> None:
         while True:
@@ -406,14 +407,6 @@ class _Loop:
         })
 
 
-def check_prompt_chars(prompt: Any, max_chars: int | None, max_model_len: int) -> None:
-    """Refuse, before tokenizing it, a prompt with more characters than `max_model_len` tokens can cover
-    (`max_prompt_chars`): tokenizing 1 MB of text takes seconds."""
-    if max_chars is not None and isinstance(prompt, str) and len(prompt) > max_chars:
-        raise InvalidRequestError("prompt", f"{len(prompt)} characters cannot fit in max_model_len "
-                                            f"({max_model_len} tokens, at most {max_chars} characters)")
-
-
 #: Texts the front-end tokenizer must encode exactly as the engine's tokenizer before it is used.
 _TOKENIZER_PROBES = ("Hello, world!", " leading and trailing spaces ", "tabs\tand\nnewlines\r\n", "UNICODE: é ß 中文 🙂 \u200b",
                      "digits 1234567890 and symbols {\"a\": [1, 2.5e-3]} <|x|>", "a" * 300)
@@ -450,31 +443,6 @@ def frontend_tokenizer(spec: str | None) -> Any:
     tokenizer.no_padding()
     tokenizer.encode_special_tokens = False
     return tokenizer
-
-
-#: Pre-tokenizers that keep every character of the text (splitting only), as `tokenizers` serialises them.
-_KEEPING_PRE_TOKENIZERS = {"ByteLevel", "Split", "Digits", "Punctuation"}
-
-
-def max_prompt_chars(tokenizer: Any, max_model_len: int) -> int | None:
-    """The most characters a prompt of `max_model_len` tokens can have, or None where that cannot be bounded.
-
-    Bounded for byte-level BPE tokenizers (GPT-2, Llama 3, Qwen, the built-in tiny model) with no
-    normalizer: each token's vocabulary string then has one character per byte it covers, and a character
-    is at least one byte, so no token covers more characters than the longest vocabulary string (added
-    tokens are matched literally: the same holds). A normalizer or a pre-tokenizer that drops text
-    (BERT's whitespace split, `behavior="removed"`) could shrink the text, so those get no bound.
-    """
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None:
-        return None
-    spec = json.loads(backend.to_str())
-    pre = spec.get("pre_tokenizer") or {}
-    steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
-    keeps = all(step.get("type") in _KEEPING_PRE_TOKENIZERS and step.get("behavior") != "Removed" for step in steps)
-    if spec.get("normalizer") is not None or not keeps or not any(step.get("type") == "ByteLevel" for step in steps):
-        return None
-    return max_model_len * max(len(token) for token in tokenizer.get_vocab())
 
 
 def _output_fields(output: Any) -> dict[str, Any]:

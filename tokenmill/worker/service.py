@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import threading
 import time
 import uuid
@@ -52,7 +53,7 @@ from tokenmill.errors import InvalidRequestError
 from tokenmill.queue import dead_letters
 from tokenmill.queue.cancels import encode_result, is_final
 from tokenmill.queue.names import CANCEL_KEY, DEAD_LETTER_KEY, DELIVERIES_KEY
-from tokenmill.queue.schemas import Job, JobError, JobResult, Usage
+from tokenmill.queue.schemas import JOB_ID_PATTERN, Job, JobError, JobResult, Usage
 from tokenmill.worker.cancel_listener import CancelListener
 from tokenmill.worker.engine_process import EngineProcess
 from tokenmill.worker.metrics import WorkerMetrics
@@ -410,7 +411,7 @@ class WorkerService:
     def failed(self, result: JobResult) -> dict[str, Any]:
         assert result.error is not None
         self.metrics.jobs_failed.labels(code=result.error.code).inc()
-        log.warning("job %s failed: %s (%s)", result.id, result.error.code, result.error.field or "-")
+        log.warning("job %r failed: %s (field %r)", result.id, result.error.code, result.error.field)
         return result.to_wire()
 
 
@@ -447,8 +448,10 @@ def _times(job: Job, run: Attempt) -> dict[str, Any]:
 
 
 def _safe_id(raw: dict[str, Any], task_id: str) -> str:
+    """The id a refused job's result carries: its own when that is a valid job id, else the task's (which the
+    guard checked); a raw id could hold a newline or anything else that must not reach logs and results."""
     value = raw.get("id")
-    return value if isinstance(value, str) and value else task_id
+    return value if isinstance(value, str) and re.fullmatch(JOB_ID_PATTERN, value) else task_id
 
 
 def _exit_on_engine_failure(exc: BaseException) -> None:

@@ -25,8 +25,8 @@ from typing import Any
 from tokenmill.apps.api.files import FileStore
 from tokenmill.apps.api.records import Records, now, refused_key
 from tokenmill.apps.api.settings import ServeSettings
-from tokenmill.apps.batch import LineError, Parser, Request, parse_requests, request_line
-from tokenmill.apps.datasets import DatasetError, read_lines
+from tokenmill.apps.batch import LineError, Parser, Request, Source, parse_requests, request_line
+from tokenmill.apps.datasets import MAX_ROW_BYTES, DatasetError, TooLong, read_lines, too_long
 from tokenmill.apps.runners import QueueRunner, Unit, outcome_from_result
 from tokenmill.apps.store import Outcome, SeenSet
 from tokenmill.client import Client, JobTimeoutError
@@ -99,8 +99,8 @@ class Driver(threading.Thread):
             batch = self.validate(batch)
             if batch["status"] == "failed":
                 return
-        plan = Plan([(n, r) for n, r in parse_requests(str(self.store.path(batch["input_file_id"])), self.parser, None)
-                     if isinstance(r, Request)])
+        source = Source(str(self.store.path(batch["input_file_id"])), None, MAX_ROW_BYTES)
+        plan = Plan([(n, r) for n, r in parse_requests(source, self.parser) if isinstance(r, Request)])
         for _, request in plan.requests:
             for choice, unit in enumerate(request.units):
                 unit.job_id = job_id(self.batch_id, request.custom_id, choice)
@@ -132,14 +132,17 @@ class Driver(threading.Thread):
         try:
             for number, raw in enumerate(read_lines(str(self.store.path(batch["input_file_id"]))), start=1):
                 self.heartbeat()
-                if not raw.strip():
+                if not isinstance(raw, TooLong) and not raw.strip():
                     continue
                 total += 1
                 if total > self.settings.max_batch_lines:
                     errors.append(_error("too_many_lines", f"the file has more than {self.settings.max_batch_lines} "
                                          "requests (TOKENMILL_MAX_BATCH_LINES)", number))
                     break
-                problem = self._line_problem(raw, number, batch["endpoint"], seen)
+                if isinstance(raw, TooLong):
+                    problem = _error("line_too_long", f"line {number}: {too_long(raw.size, MAX_ROW_BYTES)}", number)
+                else:
+                    problem = self._line_problem(raw, number, batch["endpoint"], seen)
                 if problem is not None:
                     errors.append(problem)
                     if len(errors) >= _MAX_ERRORS:

@@ -1,0 +1,154 @@
+"""Reading inputs with memory bounded per row: long lines and rows, compressed inputs, dictionary-encoded Parquet.
+
+A row over `max_row_bytes` fails alone and the run goes on; compressed input is read only where its suffix
+says so, bounded after decompression. Memory claims are measured in subprocesses (peak RSS, VmHWM), each
+against a baseline process that reads a small file the same way; inputs are scaled to a
+small limit."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from annotate_helpers import ENGINE, REPO, read_jsonl, write_jsonl
+
+from tokenmill.apps.annotate import annotate
+from tokenmill.apps.batch import batch
+from tokenmill.apps.datasets import DatasetError, open_dataset
+
+
+@pytest.fixture(scope="module")
+def llm():
+    import torch
+
+    torch.set_num_threads(1)
+    from tokenmill import LLM
+
+    return LLM("builtin:tiny", **ENGINE)
+
+
+def read_all(path: Path, limit: int, input_format: str | None = None) -> list[tuple[dict, str | None]]:
+    """Every row of `path` with its read error."""
+    rows = []
+    for record_batch, errors in open_dataset(str(path), input_format, max_row_bytes=limit).batches():
+        rows += [(row, errors.get(i)) for i, row in enumerate(record_batch.to_pylist())]
+    return rows
+
+
+def test_a_jsonl_line_over_the_limit_fails_alone_and_a_long_one_under_it_is_read(llm, tmp_path: Path) -> None:
+    """Lines over 1 MiB (pyarrow's block) used to fail the whole file ("straddles two block boundaries")."""
+    data = [{"text": "a"}, {"text": "b" * 10_000}, {"text": "c"}, {"text": "d" * (2 << 20)}, {"text": "e"}]
+    src = write_jsonl(tmp_path / "in.jsonl", data)
+    summary = annotate(str(src), str(tmp_path / "out.jsonl"), "{{ text[:5] }}", llm=llm, quiet=True, max_tokens=2,
+                       max_row_bytes=8192)
+    assert (summary.ok, summary.failed) == (3, 2)
+    out = read_jsonl(tmp_path / "out.jsonl")
+    assert [r["text"] for r in out] == ["a", None, "c", None, "e"]
+    assert out[1]["error"] == "row: 10012 bytes, over the max_row_bytes limit (8192); not read"
+    assert [r["error"] is None for r in out] == [True, False, True, False, True]
+    rows = read_all(src, 4 << 20)  # a 2 MiB line under a 4 MiB limit: read
+    assert [error for _, error in rows] == [None] * 5 and rows[3][0]["text"] == "d" * (2 << 20)
+
+
+def test_a_csv_row_over_the_limit_fails_alone_and_a_long_one_under_it_is_read(tmp_path: Path) -> None:
+    src = tmp_path / "in.csv"
+    src.write_text(f"id,text\n1,a\n2,{'b' * 10_000}\n3,c\n4,{'d' * (2 << 20)}\n")
+    rows = read_all(src, 8192)
+    assert [row["id"] for row, _ in rows] == [1, None, 3, None]
+    assert [error is None for _, error in rows] == [True, False, True, False]
+    assert "over the max_row_bytes limit (8192)" in rows[1][1]
+    assert [row["text"][:1] for row, _ in read_all(src, 4 << 20)] == ["a", "b", "c", "d"]
+
+
+def test_compressed_input_only_where_the_suffix_says_so(tmp_path: Path) -> None:
+    lines = b"".join(json.dumps({"text": f"t{i}"}).encode() + b"\n" for i in range(3))
+    (tmp_path / "in.jsonl.gz").write_bytes(gzip.compress(lines))
+    assert [row["text"] for row, _ in read_all(tmp_path / "in.jsonl.gz", 1 << 20)] == ["t0", "t1", "t2"]
+    (tmp_path / "disguised.jsonl").write_bytes(gzip.compress(lines))  # gzip bytes, a plain suffix: read as they are
+    with pytest.raises(DatasetError, match="cannot be read"):
+        read_all(tmp_path / "disguised.jsonl", 1 << 20)
+    asked = open_dataset(str(tmp_path / "disguised.jsonl"), compression="gzip").batches()  # unless asked for
+    assert [row["text"] for batch_, _ in asked for row in batch_.to_pylist()] == ["t0", "t1", "t2"]
+    plain = tmp_path / "plain.jsonl.gz"  # and `none` reads a file as it is, whatever its suffix
+    plain.write_bytes(lines)
+    assert len(list(open_dataset(str(plain), compression="none").batches())) == 1
+    with pytest.raises(DatasetError, match="input compression"):
+        open_dataset(str(plain), compression="zip")
+    with pytest.raises(DatasetError, match="Parquet is compressed inside"):
+        (tmp_path / "x.parquet.gz").write_bytes(b"")
+        open_dataset(str(tmp_path / "x.parquet.gz"))
+
+
+def test_a_parquet_row_over_the_limit_fails_alone(tmp_path: Path) -> None:
+    pq.write_table(pa.table({"id": [1, 2, 3], "text": ["a", "b" * 20_000, "c"]}), tmp_path / "in.parquet")
+    rows = read_all(tmp_path / "in.parquet", 8192)
+    assert [(row["id"], error is None) for row, error in rows] == [(1, True), (None, False), (3, True)]
+    assert rows[1][1] == "row: 20008 bytes, over the max_row_bytes limit (8192); not read"
+
+
+def test_batch_lines_over_the_limit_are_their_requests_errors_also_gzipped(llm, tmp_path: Path) -> None:
+    def request(custom_id: str, content: str) -> str:
+        return json.dumps({"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
+                           "body": {"messages": [{"role": "user", "content": content}], "max_tokens": 2}})
+
+    text = "\n".join([request("a", "hi"), request("big", "x" * 10_000), request("c", "ho")]) + "\n"
+    (tmp_path / "in.jsonl.gz").write_bytes(gzip.compress(text.encode()))
+    summary = batch(str(tmp_path / "in.jsonl.gz"), str(tmp_path / "out.jsonl"), llm=llm, quiet=True, max_row_bytes=4096)
+    assert (summary.ok, summary.failed) == (2, 1)
+    assert [line["custom_id"] for line in read_jsonl(tmp_path / "out.jsonl")] == ["a", "c"]
+    [error] = read_jsonl(tmp_path / "out.errors.jsonl")
+    assert error["error"]["code"] == "invalid_request" and "over the max_row_bytes limit (4096)" in error["error"]["message"]
+
+
+#: Reads an input the way annotate's passes and `tokenmill batch` do, and prints the peak RSS (KiB). The peak is
+#: the process's VmHWM: `resource.getrusage(...).ru_maxrss` of a process forked from this one (the test
+#: process holds a model) starts at this process's RSS, which Linux carries across exec.
+_PEAK = """
+import sys
+from tokenmill.apps.datasets import open_dataset, read_lines
+kind, path = sys.argv[1], sys.argv[2]
+if kind == "lines":
+    count = sum(1 for _ in read_lines(path))
+else:
+    count = sum(len(batch.to_pylist()) for batch, _ in open_dataset(path).batches())
+status = open("/proc/self/status").read()
+print(count, next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM:")))
+"""
+
+
+def peak_kib(kind: str, path: Path) -> tuple[int, int]:
+    done = subprocess.run([sys.executable, "-c", _PEAK, kind, str(path)], capture_output=True, text=True,
+                          env={"PYTHONPATH": str(REPO)}, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    count, peak = done.stdout.split()
+    return int(count), int(peak)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="peak RSS from /proc (Linux)")
+def test_memory_is_bounded_per_row_for_gzip_bombs_and_dictionary_parquet(tmp_path: Path) -> None:
+    """A 64 MiB line in 64 KiB of gzip (default limit 1 MiB), and 20,000 Parquet rows sharing one 100 KB
+    dictionary value (a 2 GB table in a small file), each peak within 48 MiB of reading a small file the same
+    way. Before: the line was held whole (and copied), and Parquet decoded 4096 rows per batch (~400 MB)."""
+    small = write_jsonl(tmp_path / "small.jsonl", [{"text": "a"}] * 3)
+    with gzip.open(tmp_path / "bomb.jsonl.gz", "wb", compresslevel=9) as bomb:
+        bomb.write(b'{"text": "a"}\n{"text": "' + b"0" * (64 << 20) + b'"}\n{"text": "b"}\n')
+    assert (tmp_path / "bomb.jsonl.gz").stat().st_size < 256 << 10
+    value = "v" * 100_000
+    column = pa.DictionaryArray.from_arrays(pa.array([0] * 20_000, pa.int32()), pa.array([value]))
+    pq.write_table(pa.table({"id": pa.array(range(20_000)), "text": column}), tmp_path / "dict.parquet")
+    pq.write_table(pa.table({"id": [1, 2, 3], "text": ["a", "b", "c"]}), tmp_path / "small.parquet")
+    measured = {
+        "lines": (peak_kib("lines", small), peak_kib("lines", tmp_path / "bomb.jsonl.gz")),
+        "jsonl": (peak_kib("rows", small), peak_kib("rows", tmp_path / "bomb.jsonl.gz")),
+        "parquet": (peak_kib("rows", tmp_path / "small.parquet"), peak_kib("rows", tmp_path / "dict.parquet")),
+    }
+    print({kind: (base[1] // 1024, big[1] // 1024) for kind, (base, big) in measured.items()}, "MiB")
+    assert [big[0] for _, big in measured.values()] == [3, 3, 20_000]
+    for kind, (base, big) in measured.items():
+        assert big[1] - base[1] < 48 << 10, f"{kind}: peak {big[1] >> 10} MiB vs {base[1] >> 10} MiB reading a small file"
