@@ -50,7 +50,11 @@ class WorkerSettings(QueueSettings):
     metrics_port_tries: int = Field(
         16, ge=1, le=1024, description="Successive ports tried from --metrics-port (1: that port or fail)."
     )
-    metrics_addr: str = Field("0.0.0.0", description="Address the metrics endpoint listens on.")
+    metrics_addr: str = Field(
+        "127.0.0.1", description="Address the metrics endpoint listens on: loopback by default, since the metrics "
+        "name queues and workers and carry no authentication; 0.0.0.0 where a scraper on another host or "
+        "container must reach it (docker-compose.yml sets it for its workers).",
+    )
     s3_endpoint_url: str | None = Field(None, description="S3 endpoint (MinIO, moto, ...); default: AWS.")
     s3_region: str | None = Field(None, description="S3 region name.")
     s3_retry_max_delay: float = Field(30.0, gt=0, description="Longest pause between S3 write attempts (seconds).")
