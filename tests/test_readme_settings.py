@@ -138,7 +138,9 @@ def test_compose_sets_only_real_settings(compose: dict[str, Any]) -> None:
 def test_compose_redis_never_drops_jobs_and_workers_outlive_their_grace(compose: dict[str, Any]) -> None:
     services = compose["services"]
     redis_command = services["redis"]["command"]
-    for flag, value in (("--appendonly", "yes"), ("--appendfsync", "everysec"), ("--maxmemory-policy", "noeviction")):
+    # README "Durability": everysec unless .env sets REDIS_APPENDFSYNC
+    fsync = "${REDIS_APPENDFSYNC:-everysec}"
+    for flag, value in (("--appendonly", "yes"), ("--appendfsync", fsync), ("--maxmemory-policy", "noeviction")):
         assert redis_command[redis_command.index(flag) + 1] == value
     for service in ("worker", "worker-cpu"):
         worker = services[service]

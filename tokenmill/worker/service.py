@@ -52,6 +52,7 @@ from tokenmill.errors import InvalidRequestError
 from tokenmill.queue import dead_letters
 from tokenmill.queue.names import DEAD_LETTER_KEY, DELIVERIES_KEY
 from tokenmill.queue.schemas import Job, JobResult, Usage
+from tokenmill.queue.tls import redis_client
 from tokenmill.worker.engine_process import EngineProcess
 from tokenmill.worker.metrics import WorkerMetrics
 from tokenmill.worker.settings import WorkerSettings
@@ -105,7 +106,7 @@ class WorkerService:
         self.metrics = metrics
         self.sink = sink
         self.hostname = host_format(default_nodename(settings.hostname))  # Celery's node name, "%h" expanded
-        self.redis = redis.Redis.from_url(
+        self.redis = redis_client(
             settings.backend_url,
             retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=120),
             retry_on_error=[redis.ConnectionError, redis.TimeoutError],
