@@ -304,3 +304,47 @@ def test_the_worker_yields_the_cpu_to_its_engine(service: Service) -> None:
     worker_threads, engine_threads = _nice_values(worker_pid), _nice_values(engine_pid)
     assert worker_threads[worker_pid] == 10 and sum(nice == 10 for nice in worker_threads.values()) >= 2, worker_threads
     assert set(engine_threads.values()) == {0}, engine_threads
+
+
+def _failed_with(service: Service, code: str) -> float:
+    return service.worker.metrics().get(f'tokenmill_jobs_failed_total{{code="{code}"}}', 0.0)
+
+
+def test_a_reused_job_id_with_other_content_is_a_conflict_never_the_old_result(service: Service) -> None:
+    job_id = f"row-{uuid.uuid4().hex}"
+    first = service.client.submit(id=job_id, prompt="prompt A", max_tokens=4).result(timeout=60)
+    assert first.ok
+    conflicts, succeeded = _failed_with(service, "conflict"), service.worker.metrics()["tokenmill_jobs_succeeded_total"]
+    reused = service.client.submit(id=job_id, prompt="prompt B", max_tokens=4)
+    with pytest.raises(JobFailedError, match=f"job id '{job_id}' was already used for a job with different content"):
+        reused.result(timeout=60)
+    assert (reused.get().error.code, reused.get().error.field) == ("conflict", "id")
+    wait_for(lambda: _failed_with(service, "conflict") == conflicts + 1, 30, "the worker to refuse the reused id")
+    assert service.worker.metrics()["tokenmill_jobs_succeeded_total"] == succeeded  # B never ran
+    assert service.client.get(job_id) == first  # and A's result is kept
+    assert service.results.counts[job_id] == 1
+    again = service.client.submit(id=job_id, prompt="prompt A", max_tokens=4)  # same content: still idempotent
+    assert again.result(timeout=60) == first
+    wait_for(lambda: int(service.redis.client().get(DELIVERIES_KEY.format(job_id=job_id))) == 3, 30, "the third delivery")
+    assert service.worker.metrics()["tokenmill_jobs_succeeded_total"] == succeeded
+
+
+def test_a_reused_job_id_in_a_group_message_is_a_conflict_too(service: Service) -> None:
+    from tokenmill.client import JobHandle
+    from tokenmill.queue.names import BATCH_TASK_NAME
+    from tokenmill.queue.schemas import Job, content_hash
+
+    job_id, fresh_id = f"row-{uuid.uuid4().hex}", f"row-{uuid.uuid4().hex}"
+    first = service.client.submit(id=job_id, prompt="group A", max_tokens=3).result(timeout=60)
+    conflicts = _failed_with(service, "conflict")
+    jobs = [Job.from_wire({"id": job_id, "prompt": "group B", "max_tokens": 3}).to_wire(),
+            Job.from_wire({"id": fresh_id, "prompt": "group C", "max_tokens": 3}).to_wire()]
+    app = service.client.app
+    with app.producer_or_acquire() as producer:
+        message = app.amqp.as_task_v2(uuid.uuid4().hex, BATCH_TASK_NAME, args=[{"jobs": jobs}], kwargs={}, ignore_result=True)
+        app.amqp.send_task_message(producer, BATCH_TASK_NAME, message, queue=service.client.queue)
+    reused, fresh = (JobHandle(job["id"], service.client, content_hash(job)) for job in jobs)
+    assert fresh.result(timeout=60).ok
+    assert (reused.get().error.code, reused.get().error.field) == ("conflict", "id")
+    wait_for(lambda: _failed_with(service, "conflict") == conflicts + 1, 30, "the worker to refuse the reused id")
+    assert service.client.get(job_id) == first and service.results.counts[job_id] == 1

@@ -6,7 +6,8 @@ throughput). `tokenmill annotate --broker` therefore sends rows in groups. Insid
 guarantees of a single `tokenmill.generate` job:
 
 * its id is its idempotency key: a job whose final result is already stored is not run again (a redelivered
-  group runs only the jobs that have no result yet);
+  group runs only the jobs that have no result yet); a stored result of different content under its id is a
+  conflict, logged and counted, and the stored result is kept;
 * it gets exactly one result, under its own Celery result key, so `Client.get`/`as_completed` read it like
   any job's. Results are written with `SET NX` (never overwriting a stored one) and announced on the key's
   pub/sub channel as Celery does, in one script call per group. (After a broker outage a group may
@@ -92,12 +93,13 @@ class BatchRun:
 
     def _run_mine(self, jobs: list[Job], done: dict[str, dict[str, Any]]) -> int:
         """Check in (a delivery counted per job), dead-letter or run, store; returns how many ran."""
-        from tokenmill.worker.service import Attempt, is_final
+        from tokenmill.worker.service import Attempt, is_final, stored_job_hash
 
         checked = self.service.check_in([job.id for job in jobs], [self.backend.get_key_for_task(j.id) for j in jobs])
         todo = []
         for job, (stored, attempt) in zip(jobs, checked):
-            if is_final(stored):
+            if is_final(stored):  # this job's result (idempotent) or, under a reused id, another's (a conflict)
+                self.service.skip_stored(job, stored_job_hash(stored))
                 continue
             if attempt > self.service.settings.max_deliveries:
                 done[job.id] = self.service.dead_letter(job, attempt, self.started_at)

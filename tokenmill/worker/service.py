@@ -11,7 +11,10 @@ Per job, in order:
    wait for that run instead of starting a second one; this is not counted as a delivery.
 3. Idempotency: if a final result for this job id is already stored (the job was finished but its
    ack was lost, a recovery requeued it, or a producer sent it twice), acknowledge without running
-   it again or rewriting it.
+   it again or rewriting it. Each result carries its job's content hash (`Job.content_hash`): a
+   stored result of *different* content under the same id is a conflict (the id was reused), logged
+   and counted (`jobs_failed{code="conflict"}`), never run over the stored result; the producer's
+   `Client` sees its handle's hash differ and gets a failed `conflict` result.
 4. Count the delivery (`INCR tokenmill:deliveries:<id>`, in the same round trip as step 3): a
    delivery is counted only when the job starts running on a worker that does not already run it.
    A job started more than `max_deliveries` times has killed every worker that ran it: it is
@@ -95,6 +98,10 @@ class Attempt:
     job: Job
     started_at: float
     attempt: int
+    job_hash: str = ""
+
+    def __post_init__(self) -> None:
+        self.job_hash = self.job_hash or self.job.content_hash()
 
 
 class WorkerService:
@@ -174,6 +181,9 @@ class WorkerService:
             result = self._wait(running[0][1], job, abort_id=None)
             if result is None:  # that run (a group) found the job's result already stored: store nothing
                 raise Ignore()
+            if result.get("job_hash") not in (None, job.content_hash()):  # that run is another job under this id
+                self.skip_stored(job, result.get("job_hash"))
+                raise Ignore()
             return result
         future = mine[0][1]
         try:
@@ -209,7 +219,7 @@ class WorkerService:
         """Steps 3-7 for a job that is not already running in this process."""
         [(stored, attempt)] = self.check_in([job.id], [result_key])
         if is_final(stored):
-            log.info("job %s already has a result; acknowledging without running it again", job.id)
+            self.skip_stored(job, stored_job_hash(stored))
             raise Ignore()
         if attempt > self.settings.max_deliveries:
             return self.dead_letter(job, attempt, started_at)
@@ -243,11 +253,22 @@ class WorkerService:
         futures = self.engine.submit_many(requests) if requests else []
         return [(future, request[0]) for future, request in zip(futures, requests)]
 
+    def skip_stored(self, job: Job, stored_hash: str | None) -> None:
+        """A final result is stored under `job.id` (or another run of it finishes here): say whether it is this
+        job's (a repeated delivery or submission: idempotent) or another content's (the id was reused: a conflict)."""
+        if stored_hash is not None and stored_hash != job.content_hash():
+            self.metrics.jobs_failed.labels(code="conflict").inc()
+            log.warning("job %s not run: its id holds the result of a job with different content (%s, this job %s); "
+                        "that result is kept", job.id, stored_hash[:12], job.content_hash()[:12])
+        else:
+            log.info("job %s already has a result; acknowledging without running it again", job.id)
+
     def complete(self, run: Attempt, output: Any = None, error: InvalidRequestError | None = None) -> dict[str, Any]:
         """The job's final result from the engine's output (or its refusal), written to S3 if asked."""
         job = run.job
         if error is not None:
-            return self.failed(JobResult.failure(job.id, "invalid_request", error.message, error.field, **_times(job, run)))
+            return self.failed(JobResult.failure(job.id, "invalid_request", error.message, error.field,
+                                                 job_hash=run.job_hash, **_times(job, run)))
         result = _result_from_output(job, run, output, self.hostname)
         if self.settings.log_prompts:
             log.debug("job %s prompt=%r text=%r", job.id, job.prompt or job.messages or job.prompt_token_ids, result.text)
@@ -313,7 +334,7 @@ class WorkerService:
         log.error("job %s dead-lettered after %d deliveries", job.id, attempt)
         return self.failed(
             JobResult.failure(job.id, "dead_letter", message, queued_at=job.submitted_at, started_at=started_at,
-                              attempt=attempt, worker=self.hostname, metadata=job.metadata)
+                              attempt=attempt, worker=self.hostname, metadata=job.metadata, job_hash=job.content_hash())
         )
 
     def _succeeded(self, result: JobResult) -> dict[str, Any]:
@@ -351,6 +372,7 @@ def _result_from_output(job: Job, run: Attempt, output: Any, worker: str) -> Job
         attempt=run.attempt,
         worker=worker,
         metadata=job.metadata,
+        job_hash=run.job_hash,
         **{**_times(job, run), "finished_at": output.finished_time or time.time()},
     )
 
@@ -362,6 +384,13 @@ def _times(job: Job, run: Attempt) -> dict[str, Any]:
 def is_final(stored: bytes | None) -> bool:
     """Whether a stored Celery result (JSON, `result_serializer="json"`) is a final state."""
     return stored is not None and json.loads(stored).get("status") in ("SUCCESS", "FAILURE")
+
+
+def stored_job_hash(stored: bytes) -> str | None:
+    """The content hash in a stored Celery result's `JobResult`; None for a result without one."""
+    result = json.loads(stored).get("result")
+    value = result.get("job_hash") if isinstance(result, dict) else None
+    return value if isinstance(value, str) else None
 
 
 def _safe_id(raw: dict[str, Any], task_id: str) -> str:
