@@ -184,7 +184,8 @@ class Client:
         return [json.loads(letter.raw) for letter in dead_letters.read(self.app.backend.client)]
 
     def requeue_dead_letters(self, ids: Iterable[str] | None = None) -> tuple[list[JobHandle], list[str]]:
-        """Queue dead-lettered jobs again (all for None), with their delivery count reset.
+        """Queue dead-lettered jobs again (all for None), with their delivery count reset; refused messages that
+        are no job (`DeadLetter.requeueable`) stay, with a warning.
 
         The job's stored `dead_letter` result is deleted first (otherwise a worker would take the job as
         done), then the job is published again under the same id and its entry removed. Returns the
@@ -194,6 +195,10 @@ class Client:
         chosen, missing = dead_letters.select(dead_letters.read(store), None if ids is None else list(ids))
         handles = []
         for letter in chosen:
+            if not letter.requeueable:
+                log.warning("dead letter %s is a message the worker refused, not a job: not requeued (purge it)",
+                            json.dumps(letter.summary()))
+                continue
             job = {k: v for k, v in letter.job.items() if k != "submitted_at"}  # restamped: queued again now
             wire = self.prepare(job)
             store.delete(self.app.backend.get_key_for_task(letter.id), DELIVERIES_KEY.format(job_id=letter.id))

@@ -220,8 +220,10 @@ def test_non_json_malformed_and_pickle_messages_never_run(service: Service, tmp_
     assert (refused.status, refused.error.code, refused.error.field) == ("failed", "invalid_job", "max_tokens")
     assert after.ok and service.worker.process.poll() is None
     assert not marker.exists()
-    for item in discarded:
-        assert service.client.get(item["id"]) is None
+    for item in discarded:  # never run, but answered: the sender gets a failure naming the id, not a wait forever
+        refusal = service.client.results([item["id"]], timeout=30)[0]
+        assert refusal.error.code == "task_failure" and item["id"] in refusal.error.message
+        assert secret not in refusal.error.message and refusal.text is None
     unknown_result = service.client.get(unknown["id"])  # as Celery does: unknown tasks are marked failed
     assert unknown_result.error.code == "task_failure" and "NotRegistered" in unknown_result.error.message
     # late ack: a message is acknowledged just after its result is stored, so the last one may still be in flight
