@@ -22,6 +22,10 @@ from tokenmill.sampling_params import SamplingParams
 from tokenmill.worker.app import create_app
 
 
+#: Where the module's worker may write: the results bucket under runs/ only.
+OUTPUT_PREFIXES = f"s3://{S3_BUCKET}/runs/"
+
+
 @dataclass
 class Service:
     redis: RedisServer
@@ -40,7 +44,8 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
     s3.start()
     s3.client().create_bucket(Bucket=S3_BUCKET)
     results = ResultLog(redis_server)
-    worker = Worker(redis_server.url, root / "worker.log", "main", {"s3-endpoint-url": s3.endpoint, "s3-region": "us-east-1"})
+    worker = Worker(redis_server.url, root / "worker.log", "main", {"s3-endpoint-url": s3.endpoint, "s3-region": "us-east-1",
+                                                                   "output-prefixes": OUTPUT_PREFIXES})
     try:
         worker.wait_ready()
         yield Service(redis_server, s3, worker, Client(redis_server.url), results)
@@ -350,3 +355,54 @@ def test_a_reused_job_id_in_a_group_message_is_a_conflict_too(service: Service) 
     assert (reused.get().error.code, reused.get().error.field) == ("conflict", "id")
     wait_for(lambda: _failed_with(service, "conflict") == conflicts + 1, 30, "the worker to refuse the reused id")
     assert service.client.get(job_id) == first and service.results.counts[job_id] == 1
+
+
+OUTSIDE = [f"s3://{S3_BUCKET}/other", f"s3://{S3_BUCKET}/runs-x/a", f"s3://{S3_BUCKET}", "s3://elsewhere/runs/a",
+           f"s3://{S3_BUCKET}/runs/../other", f"s3://{S3_BUCKET}/runs//a"]
+
+
+def _objects(service: Service) -> list[str]:
+    return [o["Key"] for o in service.s3.client().list_objects_v2(Bucket=S3_BUCKET).get("Contents", [])]
+
+
+def test_outputs_outside_the_allowed_prefixes_are_refused_before_generating(service: Service) -> None:
+    before, objects = service.worker.metrics(), _objects(service)
+    handles = service.client.submit_many([{"prompt": "escape", "max_tokens": 5, "output": uri} for uri in OUTSIDE])
+    results = service.client.results(handles, timeout=60)
+    for uri, result in zip(OUTSIDE, results):
+        assert (result.status, result.error.code, result.error.field) == ("failed", "invalid_request", "output"), uri
+        assert result.usage is None and result.output_uri is None
+    assert "outside the S3 prefixes this worker may write: " + OUTPUT_PREFIXES in results[0].error.message
+    assert "'..'" in results[4].error.message
+    assert _objects(service) == objects  # nothing written anywhere
+    assert service.worker.metrics()["tokenmill_generated_tokens_total"] == before["tokenmill_generated_tokens_total"]
+    inside = service.client.submit(prompt="inside", max_tokens=3, output=f"s3://{S3_BUCKET}/runs/deeper/b").result(timeout=60)
+    assert inside.output_uri == f"s3://{S3_BUCKET}/runs/deeper/b/{inside.id}.json"
+
+
+def test_group_messages_refuse_outputs_outside_the_prefixes_too(service: Service) -> None:
+    from tokenmill.client import JobHandle
+    from tokenmill.queue.names import BATCH_TASK_NAME
+    from tokenmill.queue.schemas import Job, content_hash
+
+    jobs = [Job.from_wire({"prompt": "group escape", "max_tokens": 3, "output": f"s3://{S3_BUCKET}/other"}).to_wire(),
+            Job.from_wire({"prompt": "group inside", "max_tokens": 3, "output": f"s3://{S3_BUCKET}/runs/g"}).to_wire()]
+    app = service.client.app
+    with app.producer_or_acquire() as producer:
+        message = app.amqp.as_task_v2(uuid.uuid4().hex, BATCH_TASK_NAME, args=[{"jobs": jobs}], kwargs={}, ignore_result=True)
+        app.amqp.send_task_message(producer, BATCH_TASK_NAME, message, queue=service.client.queue)
+    refused, inside = service.client.results([JobHandle(j["id"], service.client, content_hash(j)) for j in jobs], timeout=60)
+    assert (refused.error.code, refused.error.field, refused.usage) == ("invalid_request", "output", None)
+    assert inside.ok and inside.output_uri == f"s3://{S3_BUCKET}/runs/g/{inside.id}.json"
+    assert f"other/{refused.id}.json" not in _objects(service)
+
+
+def test_a_worker_without_output_prefixes_writes_no_s3_output(redis_server: RedisServer, s3_server: S3Server,
+                                                               start_worker) -> None:
+    start_worker(redis_server.url, "nos3", s3_endpoint_url=s3_server.endpoint, s3_region="us-east-1").wait_ready()
+    with Client(redis_server.url) as client:
+        [result] = client.results([client.submit(prompt="x", max_tokens=3, output=f"s3://{S3_BUCKET}/runs/a")], timeout=60)
+    assert (result.error.code, result.error.field) == ("invalid_request", "output")
+    assert "TOKENMILL_OUTPUT_PREFIXES" in result.error.message
+    listed = s3_server.client().list_objects_v2(Bucket=S3_BUCKET).get("Contents", [])  # moto's store is per process
+    assert not [o["Key"] for o in listed if result.id in o["Key"]]

@@ -124,10 +124,16 @@ class BatchRun:
             seen.add(job_id)
             try:
                 check_size(raw, self.service.settings.max_job_bytes)  # per job, as for a single job
-                jobs.append(Job.from_wire(raw))
+                job = Job.from_wire(raw)
             except InvalidRequestError as exc:
                 failed[job_id] = self.service.failed(
                     JobResult.failure(job_id, "invalid_job", exc.message, exc.field, started_at=self.started_at))
+                continue
+            refused = self.service.refuse_output(job, self.started_at)  # an S3 output outside output_prefixes
+            if refused is None:
+                jobs.append(job)
+            else:
+                failed[job_id] = refused
         return jobs, failed
 
     def _generate(self, runs: list[Any], done: dict[str, dict[str, Any]]) -> None:

@@ -6,7 +6,8 @@ process and waits, so up to `concurrency` jobs share the engine's running batch.
 
 Per job, in order:
 
-1. Parse the job (`Job.from_wire`); a malformed job ends as a failed result (`invalid_job`).
+1. Parse the job (`Job.from_wire`); a malformed job ends as a failed result (`invalid_job`), one whose S3
+   `output` is outside `output_prefixes` as a failed result (`invalid_request`, field `output`).
 2. If the same job id is already running in this process (delivered again while it runs here),
    wait for that run instead of starting a second one; this is not counted as a delivery.
 3. Idempotency: if a final result for this job id is already stored (the job was finished but its
@@ -59,7 +60,7 @@ from tokenmill.queue.tls import redis_client
 from tokenmill.worker.engine_process import EngineProcess
 from tokenmill.worker.metrics import WorkerMetrics
 from tokenmill.worker.settings import WorkerSettings
-from tokenmill.worker.sinks import OutputWriteError, RetryPolicy, S3Sink, WriteAbandoned
+from tokenmill.worker.sinks import OutputWriteError, RetryPolicy, S3Sink, WriteAbandoned, output_refusal
 
 log = logging.getLogger("tokenmill.worker")
 
@@ -175,6 +176,9 @@ class WorkerService:
             job = Job.from_wire(raw)
         except InvalidRequestError as exc:
             return self.failed(JobResult.failure(_safe_id(raw, task_id), "invalid_job", exc.message, exc.field, started_at=started_at))
+        refused = self.refuse_output(job, started_at)
+        if refused is not None:
+            return refused
         mine, running = self.claim([job])
         if running:  # not a new delivery to count: the run in progress answers it
             log.info("job %s is already running here; waiting for that run", job.id)
@@ -195,6 +199,15 @@ class WorkerService:
             raise
         finally:
             self.release([job])
+
+    def refuse_output(self, job: Job, started_at: float) -> dict[str, Any] | None:
+        """The failed result of a job whose S3 destination is outside `output_prefixes` (nothing generated), or None."""
+        location = job.s3_location
+        problem = None if location is None else output_refusal(location, self.settings.output_prefixes)
+        if problem is None:
+            return None
+        return self.failed(JobResult.failure(job.id, "invalid_request", problem, "output", started_at=started_at,
+                                             queued_at=job.submitted_at, metadata=job.metadata, job_hash=job.content_hash()))
 
     def claim(self, jobs: list[Job]) -> tuple[list[tuple[Job, Future]], list[tuple[Job, Future]]]:
         """Register `jobs` as running here; returns (jobs now mine, with the future their callers wait on;
