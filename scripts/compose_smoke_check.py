@@ -197,7 +197,9 @@ def step_credentials(stack: Stack) -> None:
 def kill_mid_run(stack: Stack, tag: str, kill: Callable[[], None]) -> tuple[list, int]:
     handles = stack.submit(tag, 24, MID_RUN_TOKENS)
     started = [DELIVERIES_KEY.format(job_id=h.id) for h in handles]  # set when a job starts running on a worker
-    wait_for("every job of the batch to start", lambda: stack.redis.exists(*started) == len(started), timeout=120,
+    # The worker holds 5 jobs at once (TOKENMILL_MAX_NUM_SEQS=4 + a quarter), so the 24 start in waves; a wave of
+    # 2048-token jobs took ~20 s at a load average of 7-10 on 2 cores (all started after ~2 min): allow 5.
+    wait_for("every job of the batch to start", lambda: stack.redis.exists(*started) == len(started), timeout=300,
              interval=0.1)
     done = stack.done(handles)
     assert done < len(handles), f"all {len(handles)} jobs finished before the kill: nothing was in flight"
