@@ -47,11 +47,15 @@ def test_rediss_without_the_ca_verifies_and_refuses_an_unknown_ca(tls_redis_serv
             client.app.backend.client.ping()
 
 
-def test_client_never_sends_the_password_to_a_plaintext_rediss_address(plain_listener: PlainListener) -> None:
+def test_client_never_sends_the_password_to_a_plaintext_rediss_address(plain_listener: PlainListener, tmp_path) -> None:
     url = f"rediss://:{PASSWORD}@127.0.0.1:{plain_listener.port}/0"
     for code in (f"Client({url!r}).submit(prompt='x')", f"Client({url!r}).get('some-job')"):
         _run_until_contacted(plain_listener, [sys.executable, "-c", f"from tokenmill.client import Client; {code}"])
     _run_until_contacted(plain_listener, [sys.executable, "-m", "tokenmill.cli", "dead-letters", "--broker", url, "list"])
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text('{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", "max_tokens": 2}}\n')
+    _run_until_contacted(plain_listener, [sys.executable, "-m", "tokenmill.cli", "batch", "-i", str(requests), "-o",
+                                          str(tmp_path / "out.jsonl"), "--broker", url, "--quiet"])
     _assert_tls_only(plain_listener)
 
 
