@@ -2,7 +2,7 @@
 #
 #   docker build -t tokenmill:cpu .                                   # CPU torch (PyTorch's CPU wheel index)
 #   docker build -t tokenmill:cuda --build-arg TORCH_VARIANT=cuda .    # CUDA torch from PyPI (CUDA libraries as wheels)
-#   docker build -t tokenmill:flower --target flower .                 # Celery's Flower, no torch
+#   docker build -t tokenmill:flower --target flower .                 # Celery's Flower + the light tokenmill, no torch
 #
 # Base images are build arguments (defaults: the usual public images), so the file builds wherever they
 # are mirrored: --build-arg BASE_IMAGE=registry.example/python:3.11-slim-bookworm. A base without
@@ -13,7 +13,7 @@
 # Model weights are never baked in: they are downloaded at run time into $HF_HOME (a volume in
 # docker-compose.yml).
 # No `# syntax=` line: the file builds with BuildKit and with the classic builder alike. The classic
-# builder runs every stage before its target, so the order is: python, flower, wheel, worker.
+# builder runs every stage before its target, so the order is: python, wheel, flower, worker.
 
 ARG BASE_IMAGE=python:3.11-slim-bookworm
 
@@ -34,22 +34,28 @@ ENV PIP_NO_CACHE_DIR=1 \
     PATH=/opt/venv/bin:$PATH
 COPY docker/requirements.lock /opt/requirements.lock
 
-# -- flower: Celery's monitoring UI on the same broker (no torch, no model) ------------------------
+# -- wheel: tokenmill built into a wheel; its sources and build tools stay in this stage -------------
+FROM python AS wheel
+COPY pyproject.toml README.md /src/
+COPY tokenmill /src/tokenmill
+RUN python3 -m venv /opt/build && /opt/build/bin/pip wheel --no-deps --wheel-dir /dist /src
+
+# -- flower: Celery's monitoring UI on the same broker, as `celery -A tokenmill.worker.app flower`: ---------
+# tokenmill's own app, so Flower connects as the workers do (broker URL from TOKENMILL_BROKER_URL, rediss://
+# with the certificate verified). Only the light tokenmill (no torch, no model): its dependencies are
+# installed first (a layer that survives code changes), then the wheel without dependencies.
 FROM python AS flower
-RUN python3 -m venv /opt/venv && pip install -c /opt/requirements.lock "celery[redis]" flower && pip check
+RUN python3 -m venv /opt/venv \
+    && pip install -c /opt/requirements.lock "celery[redis]" flower "redis[hiredis]" kombu pydantic pydantic-settings jsonschema
+COPY --from=wheel /dist /opt/dist
+RUN pip install --no-deps /opt/dist/tokenmill-*.whl && pip check && python3 -c "import tokenmill.worker.app"
 USER tokenmill
 WORKDIR /home/tokenmill
 EXPOSE 5555
 HEALTHCHECK --interval=15s --timeout=5s --start-period=30s --retries=3 \
     CMD ["python3", "-c", "import os, urllib.request; urllib.request.urlopen(f'http://127.0.0.1:{os.environ.get(\"FLOWER_PORT\", \"5555\")}/healthcheck', timeout=4)"]
 ENTRYPOINT ["celery"]
-CMD ["flower"]
-
-# -- wheel: tokenmill built into a wheel; its sources and build tools stay in this stage -------------
-FROM python AS wheel
-COPY pyproject.toml README.md /src/
-COPY tokenmill /src/tokenmill
-RUN python3 -m venv /opt/build && /opt/build/bin/pip wheel --no-deps --wheel-dir /dist /src
+CMD ["-A", "tokenmill.worker.app", "flower"]
 
 # -- worker (the default target) -------------------------------------------------------------------
 FROM python AS worker

@@ -5,8 +5,9 @@
 
 With the compose stack: the worker writes s3://<bucket>/<run>/<id>.json to MinIO (the `minio-init`
 service created the bucket); Redis keeps only a stub holding `output_uri`. Credentials are boto3's usual
-ones; the defaults are the compose file's (`MINIO_ROOT_USER` / `MINIO_ROOT_PASSWORD`). Exits 1 if a
-result is missing or failed.
+ones, else `MINIO_ROOT_USER` / `MINIO_ROOT_PASSWORD` from the environment (the values in your .env; the
+workers' own MinIO user may only write). The broker URL carries the Redis password:
+`TOKENMILL_BROKER_URL=redis://:$REDIS_PASSWORD@127.0.0.1:6379/0`. Exits 1 if a result is missing or failed.
 """
 
 from __future__ import annotations
@@ -48,8 +49,8 @@ def main() -> int:
     s3 = boto3.client(
         "s3",
         endpoint_url=args.s3_endpoint,
-        aws_access_key_id=os.environ.get("AWS_ACCESS_KEY_ID", os.environ.get("MINIO_ROOT_USER", "tokenmill")),
-        aws_secret_access_key=os.environ.get("AWS_SECRET_ACCESS_KEY", os.environ.get("MINIO_ROOT_PASSWORD", "tokenmill-secret")),
+        aws_access_key_id=os.environ.get("AWS_ACCESS_KEY_ID", os.environ.get("MINIO_ROOT_USER")),
+        aws_secret_access_key=os.environ.get("AWS_SECRET_ACCESS_KEY", os.environ.get("MINIO_ROOT_PASSWORD")),
         region_name=os.environ.get("AWS_DEFAULT_REGION", "us-east-1"),
     )
     listed = s3.list_objects_v2(Bucket=args.bucket, Prefix=f"{run}/").get("KeyCount", 0)

@@ -3,7 +3,8 @@
     python examples/submit_jobs.py [--broker redis://localhost:6379/0] [--jobs 300] [--output s3://bucket/prefix] [-v]
 
 Needs only the light client (`pip install tokenmill`): no torch. The broker defaults to
-`TOKENMILL_BROKER_URL`, else redis://localhost:6379/0 (the compose stack publishes Redis there).
+`TOKENMILL_BROKER_URL`, else redis://localhost:6379/0 (the compose stack publishes Redis there, with the
+password from your .env: `TOKENMILL_BROKER_URL=redis://:$REDIS_PASSWORD@127.0.0.1:6379/0`).
 Exits 1 if any job failed.
 """
 

@@ -12,7 +12,9 @@
 # 4. Builds tokenmill:cpu and tokenmill:flower from the Dockerfile on that base (torch from the CPU wheel
 #    this machine's pip finds locally, served on loopback; the rest from PyPI), plus Redis and S3 (moto)
 #    stand-ins. Builds use the host network (`--network host`).
-# 5. `compose -f docker-compose.yml -f scripts/compose-smoke/compose.smoke.yml --profile cpu up -d`, waits
+# 5. Generates the credentials docker-compose.yml requires (Redis password, MinIO root and worker keys,
+#    Flower basic auth: random for each run) into an env file, then
+#    `compose -f docker-compose.yml -f scripts/compose-smoke/compose.smoke.yml --profile cpu up -d`, waits
 #    for health, and runs scripts/compose_smoke_check.py from the host (see there for the checks).
 # 6. `compose down -v`, and checks that nothing is left.
 #
@@ -59,6 +61,7 @@ cleanup() {
         "${COMPOSE[@]}" down -v --remove-orphans >/dev/null 2>&1 || true
     fi
     if [ -n "$WHEEL_SERVER" ]; then kill "$WHEEL_SERVER" 2>/dev/null || true; fi
+    rm -f "${ENV_FILE:-}"
     if [ "$STARTED_DAEMON" = 1 ] && [ -f "$RUN_DIR/dockerd.pid" ]; then
         kill "$(cat "$RUN_DIR/dockerd.pid")" 2>/dev/null || true
         for _ in $(seq 30); do [ -e "$RUN_DIR/dockerd.pid" ] || break; sleep 0.5; done
@@ -85,11 +88,29 @@ install_packages() {
     [ "$rc" = 0 ] || fail "apt-get install ${missing[*]} failed"
 }
 
+secret() { python3 -c "import secrets; print(secrets.token_hex(16))"; }
+
+make_env_file() {
+    # compose has no default credentials: this run's are made here, readable by root only.
+    mkdir -p "$RUN_DIR"
+    REDIS_PASSWORD="$(secret)" MINIO_ROOT_USER="root-$(secret | cut -c1-8)" MINIO_ROOT_PASSWORD="$(secret)"
+    MINIO_WORKER_USER="worker-$(secret | cut -c1-8)" MINIO_WORKER_PASSWORD="$(secret)"
+    FLOWER_USER="flower-$(secret | cut -c1-8)" FLOWER_PASSWORD="$(secret)"
+    ENV_FILE="$RUN_DIR/smoke.env"
+    (umask 077; {
+        cat scripts/compose-smoke/smoke.env
+        for name in REDIS_PASSWORD MINIO_ROOT_USER MINIO_ROOT_PASSWORD MINIO_WORKER_USER MINIO_WORKER_PASSWORD \
+                    FLOWER_USER FLOWER_PASSWORD; do
+            echo "$name=${!name}"
+        done
+    } > "$ENV_FILE")
+}
+
 pick_compose() {
     if "$DOCKER" compose version >/dev/null 2>&1; then COMPOSE=("$DOCKER" compose); else COMPOSE=(docker-compose); fi
     log "compose: $("${COMPOSE[@]}" version --short 2>/dev/null || echo '?') (${COMPOSE[*]})"
     # --env-file: a developer's own .env in the checkout must not change what the test runs.
-    COMPOSE+=(--env-file scripts/compose-smoke/smoke.env)
+    COMPOSE+=(--env-file "$ENV_FILE")
 }
 
 render_compose() {
@@ -238,6 +259,7 @@ wait_healthy() {
 }
 
 install_packages
+make_env_file
 pick_compose
 start_daemon
 render_compose
@@ -259,8 +281,10 @@ log "up and healthy after $((SECONDS - T0))s; running the checks from the host"
 
 PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" python3 scripts/compose_smoke_check.py \
     --docker "$DOCKER" --compose "${COMPOSE[*]}" \
-    --broker "redis://127.0.0.1:$SMOKE_REDIS_PORT/0" --s3 "http://127.0.0.1:$SMOKE_S3_PORT" \
-    --metrics "http://127.0.0.1:$SMOKE_METRICS_PORT/metrics" --flower "http://127.0.0.1:$SMOKE_FLOWER_PORT"
+    --broker "redis://:$REDIS_PASSWORD@127.0.0.1:$SMOKE_REDIS_PORT/0" --s3 "http://127.0.0.1:$SMOKE_S3_PORT" \
+    --s3-keys "$MINIO_ROOT_USER:$MINIO_ROOT_PASSWORD" --worker-s3-user "$MINIO_WORKER_USER" \
+    --metrics "http://127.0.0.1:$SMOKE_METRICS_PORT/metrics" --flower "http://127.0.0.1:$SMOKE_FLOWER_PORT" \
+    --flower-auth "$FLOWER_USER:$FLOWER_PASSWORD"
 
 log "compose down -v"
 "${COMPOSE[@]}" down -v --remove-orphans

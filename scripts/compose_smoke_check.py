@@ -4,7 +4,9 @@
    identical greedy prompts give identical tokens, and one job with output="s3://results/run1" is read
    back from the S3 store with boto3 (Redis keeps the stub with `output_uri`).
 2. `/metrics` answers and counts the jobs; the engine heartbeat `tokenmill health` relies on is there.
-3. Flower's API lists the worker.
+3. Flower's API lists the worker with the basic-auth credentials and refuses without them.
+   Credentials: Redis refuses a client without the password; the worker container was given MinIO's
+   worker user (not root) and may write only under s3://results/ (a job outside fails, naming output).
 4. Crash: the worker's main process is SIGKILLed mid-run (from the host, as the kernel's OOM killer
    would); the container exits 137, Docker's restart policy restarts it, and every job finishes.
 5. `docker kill -s KILL` on the worker container mid-run: Docker treats a kill through its API as a
@@ -27,9 +29,12 @@ import re
 import shlex
 import subprocess
 import time
+import urllib.error
 import urllib.request
+from base64 import b64encode
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import urlsplit
 
 import boto3
 import redis
@@ -126,8 +131,9 @@ def step_jobs_and_s3(stack: Stack) -> None:
     stub = results[s3_handle.id]
     expected_uri = f"s3://{BUCKET}/{PREFIX}/{s3_handle.id}.json"
     assert stub.output_uri == expected_uri, stub.output_uri
+    user, password = stack.args.s3_keys.split(":", 1)
     s3 = boto3.client("s3", endpoint_url=stack.args.s3, region_name="us-east-1",
-                      aws_access_key_id="tokenmill", aws_secret_access_key="tokenmill-secret")
+                      aws_access_key_id=user, aws_secret_access_key=password)
     body = json.loads(s3.get_object(Bucket=BUCKET, Key=f"{PREFIX}/{s3_handle.id}.json")["Body"].read())
     full = JobResult.model_validate(body)
     assert full.id == s3_handle.id and full.ok and full.text and len(full.token_ids or []) == 16, body
@@ -149,21 +155,51 @@ def step_metrics(stack: Stack) -> None:
 
 
 def step_flower(stack: Stack) -> None:
+    url = f"{stack.args.flower}/api/workers?refresh=1"
+    auth = {"Authorization": "Basic " + b64encode(stack.args.flower_auth.encode()).decode()}
+
     def workers() -> list[str]:
         try:
-            data = json.loads(urllib.request.urlopen(f"{stack.args.flower}/api/workers?refresh=1", timeout=10).read())
+            data = json.loads(urllib.request.urlopen(urllib.request.Request(url, headers=auth), timeout=10).read())
         except OSError:
             return []
         return [name for name in data if name.startswith("tokenmill@")]
 
     names = wait_for("Flower to list the worker", workers, timeout=60, interval=2)
-    log(f"Flower /api/workers lists {names}")
+    try:
+        urllib.request.urlopen(url, timeout=10)
+        raise AssertionError("Flower's API answered without credentials")
+    except urllib.error.HTTPError as exc:
+        assert exc.code == 401, exc.code
+    log(f"Flower /api/workers lists {names} with basic auth, and answers 401 without it")
+
+
+def step_credentials(stack: Stack) -> None:
+    broker = urlsplit(stack.args.broker)
+    try:
+        redis.Redis(host=broker.hostname, port=broker.port).ping()
+        raise AssertionError("Redis answered a client without the password")
+    except redis.AuthenticationError:
+        pass
+    env = dict(line.split("=", 1) for line in json.loads(
+        stack.sh(stack.args.docker, "inspect", "-f", "{{json .Config.Env}}", stack.worker_id())))
+    root = stack.args.s3_keys.split(":", 1)[0]
+    assert env["AWS_ACCESS_KEY_ID"] == stack.args.worker_s3_user != root, env["AWS_ACCESS_KEY_ID"]
+    assert env["TOKENMILL_OUTPUT_PREFIXES"] == f"s3://{BUCKET}/", env.get("TOKENMILL_OUTPUT_PREFIXES")
+    outside = stack.client.submit(id="outside-0", prompt="escape", max_tokens=4, output="s3://other-bucket/x")
+    [result] = stack.client.results([outside], timeout=60)
+    assert result.error is not None and (result.error.code, result.error.field) == ("invalid_request", "output"), result
+    stack.redis.delete(stack.client.app.backend.get_key_for_task(outside.id))  # not one of the exactly-once jobs
+    log(f"Redis refuses a client without the password; the worker holds MinIO user {env['AWS_ACCESS_KEY_ID']} "
+        f"(not root) and writes only under s3://{BUCKET}/ (s3://other-bucket/x refused: {result.error.code})")
 
 
 def kill_mid_run(stack: Stack, tag: str, kill: Callable[[], None]) -> tuple[list, int]:
     handles = stack.submit(tag, 24, MID_RUN_TOKENS)
     started = [DELIVERIES_KEY.format(job_id=h.id) for h in handles]  # set when a job starts running on a worker
-    wait_for("every job of the batch to start", lambda: stack.redis.exists(*started) == len(started), timeout=120,
+    # The worker holds 5 jobs at once (TOKENMILL_MAX_NUM_SEQS=4 + a quarter), so the 24 start in waves; a wave of
+    # 2048-token jobs took ~20 s at a load average of 7-10 on 2 cores (all started after ~2 min): allow 5.
+    wait_for("every job of the batch to start", lambda: stack.redis.exists(*started) == len(started), timeout=300,
              interval=0.1)
     done = stack.done(handles)
     assert done < len(handles), f"all {len(handles)} jobs finished before the kill: nothing was in flight"
@@ -227,12 +263,13 @@ def step_exactly_once(stack: Stack) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    for name in ("docker", "compose", "broker", "s3", "metrics", "flower"):
+    for name in ("docker", "compose", "broker", "s3", "s3-keys", "worker-s3-user", "metrics", "flower", "flower-auth"):
         parser.add_argument(f"--{name}", required=True)
     stack = Stack(parser.parse_args())
     step_jobs_and_s3(stack)
     step_metrics(stack)
     step_flower(stack)
+    step_credentials(stack)
     step_process_kill(stack)
     step_docker_kill(stack)
     step_exactly_once(stack)

@@ -138,7 +138,9 @@ def test_compose_sets_only_real_settings(compose: dict[str, Any]) -> None:
 def test_compose_redis_never_drops_jobs_and_workers_outlive_their_grace(compose: dict[str, Any]) -> None:
     services = compose["services"]
     redis_command = services["redis"]["command"]
-    for flag, value in (("--appendonly", "yes"), ("--appendfsync", "everysec"), ("--maxmemory-policy", "noeviction")):
+    # README "Durability": everysec unless .env sets REDIS_APPENDFSYNC
+    fsync = "${REDIS_APPENDFSYNC:-everysec}"
+    for flag, value in (("--appendonly", "yes"), ("--appendfsync", fsync), ("--maxmemory-policy", "noeviction")):
         assert redis_command[redis_command.index(flag) + 1] == value
     for service in ("worker", "worker-cpu"):
         worker = services[service]
@@ -149,3 +151,53 @@ def test_compose_redis_never_drops_jobs_and_workers_outlive_their_grace(compose:
     assert gpu["driver"] == "nvidia" and gpu["capabilities"] == ["gpu"]
     assert services["worker"]["build"]["args"]["TORCH_VARIANT"] == "cuda"
     assert services["worker-cpu"]["build"]["args"]["TORCH_VARIANT"] == "cpu"
+
+
+#: What docker-compose.yml must take from .env, with no usable default (README "Docker compose").
+CREDENTIALS = ("REDIS_PASSWORD", "MINIO_ROOT_USER", "MINIO_ROOT_PASSWORD", "MINIO_WORKER_USER", "MINIO_WORKER_PASSWORD",
+               "FLOWER_USER", "FLOWER_PASSWORD")
+
+
+def test_compose_credentials_come_from_env_with_no_default(compose: dict[str, Any]) -> None:
+    text = (REPO / "docker-compose.yml").read_text()
+    for name in CREDENTIALS:
+        uses = re.findall(r"\$\{" + name + r"([^}]*)\}", text)
+        assert uses and all(use.startswith(":?set ") for use in uses), f"{name}: {uses} (want ${{{name}:?set ...}})"
+    services = compose["services"]
+    redis_command = services["redis"]["command"]
+    assert redis_command[redis_command.index("--requirepass") + 1].startswith("${REDIS_PASSWORD:?")
+    for service in ("worker", "worker-cpu", "flower"):
+        assert services[service]["environment"]["TOKENMILL_BROKER_URL"].startswith("redis://:${REDIS_PASSWORD:?"), service
+    for service in ("worker", "worker-cpu"):
+        env = services[service]["environment"]
+        assert env["AWS_ACCESS_KEY_ID"].startswith("${MINIO_WORKER_USER:?"), service  # never MinIO's root
+        assert env["TOKENMILL_OUTPUT_PREFIXES"] == "s3://${RESULTS_BUCKET:-results}/"
+        assert env["TOKENMILL_METRICS_ADDR"] == "0.0.0.0"  # Prometheus scrapes worker:9400 in the network
+    assert services["flower"]["environment"]["FLOWER_BASIC_AUTH"].startswith("${FLOWER_USER:?")
+    assert "FLOWER_UNAUTHENTICATED_API" not in text
+    example = (REPO / ".env.example").read_text()
+    for name in CREDENTIALS:
+        assert re.search(rf"^{name}=$", example, re.MULTILINE), f".env.example must list {name}= (empty: no default)"
+
+
+def test_compose_without_credentials_stops_saying_what_to_set(tmp_path: Path) -> None:
+    import shutil
+    import subprocess
+
+    binary = shutil.which("docker-compose")
+    if binary is None:
+        pytest.skip("docker-compose is not installed")
+    (tmp_path / "docker-compose.yml").write_text((REPO / "docker-compose.yml").read_text())
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    done = subprocess.run([binary, "--profile", "cpu", "config"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode != 0 and "set REDIS_PASSWORD in .env" in done.stderr, done.stderr
+    values = {name: f"value-{name.lower()}" for name in CREDENTIALS}
+    (tmp_path / ".env").write_text("".join(f"{k}={v}\n" for k, v in values.items()))
+    done = subprocess.run([binary, "--profile", "cpu", "config"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    rendered = yaml.safe_load(done.stdout)["services"]
+    assert rendered["worker-cpu"]["environment"]["TOKENMILL_BROKER_URL"] == "redis://:value-redis_password@redis:6379/0"
+    assert rendered["worker-cpu"]["environment"]["AWS_ACCESS_KEY_ID"] == "value-minio_worker_user"
+    assert rendered["flower"]["environment"]["FLOWER_BASIC_AUTH"] == "value-flower_user:value-flower_password"

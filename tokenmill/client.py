@@ -35,7 +35,7 @@ from tokenmill.queue import cancels, dead_letters
 from tokenmill.queue.app import queue_app
 from tokenmill.queue.cancels import CANCELLED_STATE, FINAL_STATES, Outcome
 from tokenmill.queue.names import CANCEL_KEY, DELIVERIES_KEY, RUN_JOBS_KEY, TASK_NAME
-from tokenmill.queue.schemas import Job, JobResult, check_size
+from tokenmill.queue.schemas import Job, JobResult, check_size, content_hash
 from tokenmill.queue.settings import QueueSettings
 
 log = logging.getLogger(__name__)
@@ -71,10 +71,15 @@ class JobTimeoutError(TimeoutError):
 
 @dataclass(frozen=True)
 class JobHandle:
-    """A submitted job. Cheap: an id and the client that can fetch its result."""
+    """A submitted job. Cheap: an id, the client that can fetch its result, and the job's content hash.
+
+    The hash tells this job's result from that of another job submitted under the same id: such a result
+    comes back as a failed `conflict` result (`JobResult.conflict_with`), never as this job's.
+    """
 
     id: str
     client: Client = field(repr=False, compare=False)
+    job_hash: str | None = field(default=None, repr=False, compare=False)
 
     def result(self, timeout: float | None = None) -> JobResult:
         """Wait for the result. Raises `JobFailedError` if the job failed (`JobCancelledError` if it was
@@ -92,7 +97,8 @@ class JobHandle:
 
     def get(self) -> JobResult | None:
         """The result if it is there now (failed or not), else None. Never waits, never raises for failures."""
-        return self.client.get(self.id)
+        result = self.client.get(self.id)
+        return None if result is None else result.conflict_with(self.job_hash) or result
 
 
 class Client:
@@ -121,7 +127,7 @@ class Client:
         wire = self.prepare({**_as_dict(job), **fields})
         with self.app.producer_or_acquire() as producer:
             self._publish(producer, wire, retry=True)
-        return JobHandle(wire["id"], self)
+        return JobHandle(wire["id"], self, content_hash(wire))
 
     def submit_many(self, jobs: Iterable[Job | Mapping[str, Any]]) -> list[JobHandle]:
         """Validate all jobs, then queue them in pipelined batches; returns handles in input order.
@@ -140,7 +146,7 @@ class Client:
             with producer.batch(max_size=_PUBLISH_BATCH):
                 for wire in wires:
                     self._publish(producer, wire, retry=False)
-        return [JobHandle(wire["id"], self) for wire in wires]
+        return [JobHandle(wire["id"], self, content_hash(wire)) for wire in wires]
 
     def prepare(self, fields: Mapping[str, Any]) -> dict[str, Any]:
         """The validated wire form of a job, stamped with its submit time; raises `InvalidRequestError`."""
@@ -167,10 +173,15 @@ class Client:
     def as_completed(self, handles: Iterable[JobHandle | str], timeout: float | None = None) -> Iterator[JobResult]:
         """Yield each job's `JobResult` (failed ones too) as soon as it is stored.
 
-        Raises `JobTimeoutError` if `timeout` seconds pass before all are done.
+        For a handle whose job is not the one the stored result belongs to (its id was reused for other
+        content), a failed `conflict` result instead. Raises `JobTimeoutError` if `timeout` seconds pass
+        before all are done.
         """
+        handles = list(handles)
+        hashes = {h.id: h.job_hash for h in handles if isinstance(h, JobHandle)}
         ids = list(dict.fromkeys(h.id if isinstance(h, JobHandle) else h for h in handles))
-        return _ResultWatch(self.app.backend, ids, timeout).results()
+        return (result.conflict_with(hashes.get(result.id)) or result
+                for result in _ResultWatch(self.app.backend, ids, timeout).results())
 
     def results(self, handles: Iterable[JobHandle | str], timeout: float | None = None) -> list[JobResult]:
         """All results, in the order of `handles` (failed ones included, not raised)."""
@@ -205,7 +216,8 @@ class Client:
         return [json.loads(letter.raw) for letter in dead_letters.read(self.app.backend.client)]
 
     def requeue_dead_letters(self, ids: Iterable[str] | None = None) -> tuple[list[JobHandle], list[str]]:
-        """Queue dead-lettered jobs again (all for None), with their delivery count reset.
+        """Queue dead-lettered jobs again (all for None), with their delivery count reset; refused messages that
+        are no job (`DeadLetter.requeueable`) stay, with a warning.
 
         The job's stored `dead_letter` result is deleted first (otherwise a worker would take the job as
         done), then the job is published again under the same id and its entry removed. Returns the
@@ -215,6 +227,10 @@ class Client:
         chosen, missing = dead_letters.select(dead_letters.read(store), None if ids is None else list(ids))
         handles = []
         for letter in chosen:
+            if not letter.requeueable:
+                log.warning("dead letter %s is a message the worker refused, not a job: not requeued (purge it)",
+                            json.dumps(letter.summary()))
+                continue
             job = {k: v for k, v in letter.job.items() if k != "submitted_at"}  # restamped: queued again now
             wire = self.prepare(job)
             store.delete(self.app.backend.get_key_for_task(letter.id), DELIVERIES_KEY.format(job_id=letter.id),
@@ -222,7 +238,7 @@ class Client:
             with self.app.producer_or_acquire() as producer:
                 self._publish(producer, wire, retry=True)
             dead_letters.remove(store, letter)
-            handles.append(JobHandle(letter.id, self))
+            handles.append(JobHandle(letter.id, self, content_hash(wire)))
         return handles, missing
 
     def purge_dead_letters(self, ids: Iterable[str] | None = None) -> tuple[int, list[str]]:

@@ -115,6 +115,113 @@ class RedisServer:
         self.start()
 
 
+def make_tls_files(directory: Path, host: str = "127.0.0.1") -> dict[str, Path]:
+    """A self-signed CA and a server certificate it signed for `host` (IP SAN) and localhost: PEM files."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    directory.mkdir(parents=True, exist_ok=True)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    valid = {"not_valid_before": now - datetime.timedelta(minutes=5), "not_valid_after": now + datetime.timedelta(days=1)}
+
+    def name(common: str) -> x509.Name:
+        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common)])
+
+    ca_key, server_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    ca = (x509.CertificateBuilder(subject_name=name("tokenmill test CA"), issuer_name=name("tokenmill test CA"),
+                                  public_key=ca_key.public_key(), serial_number=x509.random_serial_number(), **valid)
+          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+          .sign(ca_key, hashes.SHA256()))
+    san = x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(host)), x509.DNSName("localhost")])
+    server = (x509.CertificateBuilder(subject_name=name("localhost"), issuer_name=ca.subject,
+                                      public_key=server_key.public_key(), serial_number=x509.random_serial_number(), **valid)
+              .add_extension(san, critical=False)
+              .sign(ca_key, hashes.SHA256()))
+    files = {"ca": directory / "ca.pem", "cert": directory / "server.pem", "key": directory / "server.key"}
+    files["ca"].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    files["cert"].write_bytes(server.public_bytes(serialization.Encoding.PEM))
+    files["key"].write_bytes(server_key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                      serialization.NoEncryption()))
+    return files
+
+
+@dataclass
+class TlsRedisServer(RedisServer):
+    """A redis-server that speaks only TLS (`--port 0 --tls-port`) and wants a password; `url` carries both."""
+
+    password: str = "Secret-tls-password"
+    tls: dict[str, Path] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        from urllib.parse import quote
+
+        return f"rediss://:{self.password}@127.0.0.1:{self.port}/0?ssl_ca_certs={quote(str(self.tls['ca']))}"
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(host="127.0.0.1", port=self.port, password=self.password, ssl=True,
+                           ssl_ca_certs=str(self.tls["ca"]), socket_timeout=5)
+
+    def start(self) -> None:
+        if REDIS_SERVER is None:
+            pytest.skip("redis-server is not installed (CI installs it: apt-get install redis-server)")
+        self.tls = self.tls or make_tls_files(self.directory / "tls")
+        self.directory.mkdir(parents=True, exist_ok=True)
+        args = [
+            REDIS_SERVER, "--port", "0", "--tls-port", str(self.port), "--bind", "127.0.0.1",
+            "--tls-cert-file", str(self.tls["cert"]), "--tls-key-file", str(self.tls["key"]),
+            "--tls-ca-cert-file", str(self.tls["ca"]), "--tls-auth-clients", "no", "--requirepass", self.password,
+            "--dir", str(self.directory), "--save", "", "--appendonly", "yes" if self.appendonly else "no",
+            "--appendfsync", "always", "--logfile", str(self.directory / "redis.log"),
+        ]
+        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_for(self._answers, 10, f"TLS redis-server on port {self.port}")
+
+
+class PlainListener:
+    """A TCP listener that is not Redis: it records the first bytes of every connection, then closes it.
+
+    What a client sends to a `rediss://` address that is not TLS shows whether it would have sent its
+    password in the clear.
+    """
+
+    def __init__(self) -> None:
+        import threading
+
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.sock.settimeout(0.2)
+        self.port = self.sock.getsockname()[1]
+        self.received: list[bytes] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except (TimeoutError, OSError):
+                continue
+            with conn:
+                conn.settimeout(2)
+                try:
+                    self.received.append(conn.recv(65536))
+                except OSError:
+                    self.received.append(b"")
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.sock.close()
+
+
 class S3Server:
     """moto's S3-compatible HTTP server in a thread; stop/start keep its data (moto's state is per process)."""
 
@@ -222,6 +329,21 @@ def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
     server.start()
     yield server
     server.kill()
+
+
+@pytest.fixture
+def tls_redis_server(tmp_path: Path) -> Iterator[TlsRedisServer]:
+    server = TlsRedisServer(tmp_path / "redis-tls")
+    server.start()
+    yield server
+    server.kill()
+
+
+@pytest.fixture
+def plain_listener() -> Iterator[PlainListener]:
+    listener = PlainListener()
+    yield listener
+    listener.close()
 
 
 @pytest.fixture

@@ -183,7 +183,10 @@ def test_task_id_that_is_not_a_valid_job_id_is_refused(lone_worker, task_id: str
     broker.lpush(client.queue, json.dumps(message))
     assert client.submit(prompt="the next job runs", max_tokens=2).result(timeout=60).ok
     assert "the task id does not match" in worker.log_text()
-    assert broker.keys(f"*{task_id}*") == []
+    # not run, and answered: the only key naming it is its failed result (the sender does not wait forever)
+    assert broker.keys(f"*{task_id}*") == [f"celery-task-meta-{task_id}".encode()]
+    assert json.loads(broker.get(f"celery-task-meta-{task_id}"))["status"] == "FAILURE"
+    assert broker.get(DELIVERIES_KEY.format(job_id=task_id)) is None
     wait_for(lambda: broker.hlen("unacked") == 0, 10, "nothing left in flight")  # the next job acks after its result
 
 

@@ -4,6 +4,8 @@ and serves its own metrics there."""
 from __future__ import annotations
 
 import socket
+
+import pytest
 import urllib.request
 
 from service_fixtures import RedisServer, free_port, logged_metrics_port
@@ -42,3 +44,28 @@ def test_metrics_port_zero_is_off_and_taken_ports_fail_clearly(redis_server: Red
         stuck = start_worker(redis_server.url, "stuck", metrics_port=base, metrics_port_tries=1)
         assert stuck.process.wait(timeout=120) != 0
     assert f"metrics ports {base}-{base} are all in use" in stuck.log_text()
+
+
+def test_metrics_listen_on_loopback_by_default(redis_server: RedisServer, start_worker) -> None:
+    """Unauthenticated metrics are not reachable from other hosts unless --metrics-addr says so."""
+    worker = start_worker(redis_server.url, "local").wait_ready()
+    port = logged_metrics_port(worker)
+    assert f"metrics endpoint on http://127.0.0.1:{port}/metrics" in worker.log_text()
+    assert _succeeded(port) == 0  # answers on loopback
+    outside = _outward_address()
+    with socket.socket() as probe, pytest.raises(ConnectionRefusedError):  # nothing listens on the host's own address
+        probe.settimeout(5)
+        probe.connect((outside, port))
+
+
+def _outward_address() -> str:
+    """This host's address on its default route (a UDP connect sends nothing); skips where there is none."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp:
+        try:
+            udp.connect(("192.0.2.254", 9))
+        except OSError:
+            pytest.skip("no non-loopback IPv4 address on this host")
+        address = udp.getsockname()[0]
+    if address.startswith("127."):
+        pytest.skip("no non-loopback IPv4 address on this host")
+    return address

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import json
+import re
 import subprocess
 import sys
 import uuid
@@ -16,7 +17,7 @@ from typing import Any
 
 import pytest
 from celery import Celery
-from service_fixtures import REPO, RedisServer, Worker
+from service_fixtures import REPO, RedisServer, Worker, wait_for
 
 from tokenmill.client import Client
 from tokenmill.errors import InvalidRequestError
@@ -256,6 +257,43 @@ def test_the_dead_letter_list_is_bounded_and_expires(service: Service) -> None:
     assert purged.returncode == 0 and "purged 2" in purged.stdout
     assert _cli("purge", "--all", url=service.redis.url).returncode == 0
     assert broker.llen(DEAD_LETTER_KEY) == 0
+
+
+def test_a_refused_task_id_is_answered_never_left_waiting(service: Service) -> None:
+    """An id the worker refuses (not the job-id pattern) still names a result key: the sender gets a failure
+    naming it instead of waiting forever."""
+    odd_id = f"a b/c {uuid.uuid4().hex}"
+    pending = service.team.send_task(TASK_NAME, kwargs={"prompt": "odd id", "max_tokens": 2}, task_id=odd_id)
+    with pytest.raises(Exception, match=re.escape(repr(odd_id))) as refused:
+        pending.get(timeout=60)
+    assert "does not match" in str(refused.value)
+    result = service.client.get(odd_id)
+    assert result.error.code == "task_failure" and odd_id in result.error.message
+
+
+@pytest.mark.parametrize("bad_id", [None, "", 12345, "x" * 5000])
+def test_a_refused_message_without_a_usable_id_is_set_aside_for_the_dead_letter_tool(service: Service, bad_id: Any) -> None:
+    broker = service.redis.client()
+    scratch = f"scratch-{uuid.uuid4().hex}"
+    service.team.send_task(TASK_NAME, kwargs={"prompt": "no usable id"}, queue=scratch)
+    message = json.loads(broker.rpop(scratch))
+    message["headers"]["id"] = bad_id
+    message["properties"]["delivery_info"]["routing_key"] = service.client.queue
+    before = len(service.client.dead_letters())
+    broker.lpush(service.client.queue, json.dumps(message))
+
+    def refused_entries() -> list[dict[str, Any]]:
+        return [json.loads(line) for line in _cli("list", "--full", url=service.redis.url).stdout.splitlines()
+                if "refused_message" in line]
+
+    wait_for(lambda: len(service.client.dead_letters()) > before, 60, "the refused message in the dead-letter list")
+    [entry] = [e for e in refused_entries() if e["job"]["refused_message"]["id"] == repr(bad_id)[:200]]
+    assert entry["job"]["refused_message"]["task"] == TASK_NAME and "without a usable task id" in entry["reason"]
+    assert "no usable id" not in json.dumps(entry)  # the envelope, never the job's content
+    requeue = _cli("requeue", "--all", url=service.redis.url)  # not a job: stays, with a warning
+    assert requeue.returncode == 0 and "not requeued" in requeue.stderr, requeue.stderr
+    assert refused_entries()
+    assert _cli("purge", "--all", url=service.redis.url).returncode == 0 and not refused_entries()
 
 
 def test_the_worker_is_still_serving(service: Service) -> None:

@@ -15,7 +15,7 @@ from tokenmill.queue.names import DELIVERIES_KEY
 def test_results_land_once_s3_is_back(redis_server: RedisServer, s3_server: S3Server, start_worker) -> None:
     client = Client(redis_server.url)
     worker = start_worker(redis_server.url, s3_endpoint_url=s3_server.endpoint, s3_region="us-east-1",
-                          s3_retry_max_delay=0.5).wait_ready()
+                          s3_retry_max_delay=0.5, output_prefixes=f"s3://{S3_BUCKET}/").wait_ready()
     s3_server.stop()
     handles = client.submit_many([{"prompt": f"outage {i}", "max_tokens": 6, "output": f"s3://{S3_BUCKET}/out"} for i in range(10)])
     wait_for(lambda: worker.metrics().get("tokenmill_output_write_retries_total", 0) >= 20, 60, "failed S3 writes being retried")

@@ -21,6 +21,9 @@ from tokenmill.queue.settings import QueueSettings
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.worker.app import create_app
 
+#: Where the module's worker may write: the results bucket under runs/ only.
+OUTPUT_PREFIXES = f"s3://{S3_BUCKET}/runs/"
+
 
 @dataclass
 class Service:
@@ -40,7 +43,8 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
     s3.start()
     s3.client().create_bucket(Bucket=S3_BUCKET)
     results = ResultLog(redis_server)
-    worker = Worker(redis_server.url, root / "worker.log", "main", {"s3-endpoint-url": s3.endpoint, "s3-region": "us-east-1"})
+    worker = Worker(redis_server.url, root / "worker.log", "main", {"s3-endpoint-url": s3.endpoint, "s3-region": "us-east-1",
+                                                                   "output-prefixes": OUTPUT_PREFIXES})
     try:
         worker.wait_ready()
         yield Service(redis_server, s3, worker, Client(redis_server.url), results)
@@ -220,8 +224,10 @@ def test_non_json_malformed_and_pickle_messages_never_run(service: Service, tmp_
     assert (refused.status, refused.error.code, refused.error.field) == ("failed", "invalid_job", "max_tokens")
     assert after.ok and service.worker.process.poll() is None
     assert not marker.exists()
-    for item in discarded:
-        assert service.client.get(item["id"]) is None
+    for item in discarded:  # never run, but answered: the sender gets a failure naming the id, not a wait forever
+        refusal = service.client.results([item["id"]], timeout=30)[0]
+        assert refusal.error.code == "task_failure" and item["id"] in refusal.error.message
+        assert secret not in refusal.error.message and refusal.text is None
     unknown_result = service.client.get(unknown["id"])  # as Celery does: unknown tasks are marked failed
     assert unknown_result.error.code == "task_failure" and "NotRegistered" in unknown_result.error.message
     # late ack: a message is acknowledged just after its result is stored, so the last one may still be in flight
@@ -320,3 +326,98 @@ def test_a_job_id_or_field_name_with_a_newline_cannot_forge_log_lines(service: S
     log = wait_for(lambda: by_id.id in (text := service.worker.log_text()) and by_field.id in text and text, 30,
                    "both refusals logged")
     assert not [line for line in log.splitlines() if line.startswith(forged)], "a forged line reached the log"
+
+
+def _failed_with(service: Service, code: str) -> float:
+    return service.worker.metrics().get(f'tokenmill_jobs_failed_total{{code="{code}"}}', 0.0)
+
+
+def test_a_reused_job_id_with_other_content_is_a_conflict_never_the_old_result(service: Service) -> None:
+    job_id = f"row-{uuid.uuid4().hex}"
+    first = service.client.submit(id=job_id, prompt="prompt A", max_tokens=4).result(timeout=60)
+    assert first.ok
+    conflicts, succeeded = _failed_with(service, "conflict"), service.worker.metrics()["tokenmill_jobs_succeeded_total"]
+    reused = service.client.submit(id=job_id, prompt="prompt B", max_tokens=4)
+    with pytest.raises(JobFailedError, match=f"job id '{job_id}' was already used for a job with different content"):
+        reused.result(timeout=60)
+    assert (reused.get().error.code, reused.get().error.field) == ("conflict", "id")
+    wait_for(lambda: _failed_with(service, "conflict") == conflicts + 1, 30, "the worker to refuse the reused id")
+    assert service.worker.metrics()["tokenmill_jobs_succeeded_total"] == succeeded  # B never ran
+    assert service.client.get(job_id) == first  # and A's result is kept
+    assert service.results.counts[job_id] == 1
+    again = service.client.submit(id=job_id, prompt="prompt A", max_tokens=4)  # same content: still idempotent
+    assert again.result(timeout=60) == first
+    wait_for(lambda: int(service.redis.client().get(DELIVERIES_KEY.format(job_id=job_id))) == 3, 30, "the third delivery")
+    assert service.worker.metrics()["tokenmill_jobs_succeeded_total"] == succeeded
+
+
+def test_a_reused_job_id_in_a_group_message_is_a_conflict_too(service: Service) -> None:
+    from tokenmill.client import JobHandle
+    from tokenmill.queue.names import BATCH_TASK_NAME
+    from tokenmill.queue.schemas import Job, content_hash
+
+    job_id, fresh_id = f"row-{uuid.uuid4().hex}", f"row-{uuid.uuid4().hex}"
+    first = service.client.submit(id=job_id, prompt="group A", max_tokens=3).result(timeout=60)
+    conflicts = _failed_with(service, "conflict")
+    jobs = [Job.from_wire({"id": job_id, "prompt": "group B", "max_tokens": 3}).to_wire(),
+            Job.from_wire({"id": fresh_id, "prompt": "group C", "max_tokens": 3}).to_wire()]
+    app = service.client.app
+    with app.producer_or_acquire() as producer:
+        message = app.amqp.as_task_v2(uuid.uuid4().hex, BATCH_TASK_NAME, args=[{"jobs": jobs}], kwargs={}, ignore_result=True)
+        app.amqp.send_task_message(producer, BATCH_TASK_NAME, message, queue=service.client.queue)
+    reused, fresh = (JobHandle(job["id"], service.client, content_hash(job)) for job in jobs)
+    assert fresh.result(timeout=60).ok
+    assert (reused.get().error.code, reused.get().error.field) == ("conflict", "id")
+    wait_for(lambda: _failed_with(service, "conflict") == conflicts + 1, 30, "the worker to refuse the reused id")
+    assert service.client.get(job_id) == first and service.results.counts[job_id] == 1
+
+
+OUTSIDE = [f"s3://{S3_BUCKET}/other", f"s3://{S3_BUCKET}/runs-x/a", f"s3://{S3_BUCKET}", "s3://elsewhere/runs/a",
+           f"s3://{S3_BUCKET}/runs/../other", f"s3://{S3_BUCKET}/runs//a"]
+
+
+def _objects(service: Service) -> list[str]:
+    return [o["Key"] for o in service.s3.client().list_objects_v2(Bucket=S3_BUCKET).get("Contents", [])]
+
+
+def test_outputs_outside_the_allowed_prefixes_are_refused_before_generating(service: Service) -> None:
+    before, objects = service.worker.metrics(), _objects(service)
+    handles = service.client.submit_many([{"prompt": "escape", "max_tokens": 5, "output": uri} for uri in OUTSIDE])
+    results = service.client.results(handles, timeout=60)
+    for uri, result in zip(OUTSIDE, results):
+        assert (result.status, result.error.code, result.error.field) == ("failed", "invalid_request", "output"), uri
+        assert result.usage is None and result.output_uri is None
+    assert "outside the S3 prefixes this worker may write: " + OUTPUT_PREFIXES in results[0].error.message
+    assert "'..'" in results[4].error.message
+    assert _objects(service) == objects  # nothing written anywhere
+    assert service.worker.metrics()["tokenmill_generated_tokens_total"] == before["tokenmill_generated_tokens_total"]
+    inside = service.client.submit(prompt="inside", max_tokens=3, output=f"s3://{S3_BUCKET}/runs/deeper/b").result(timeout=60)
+    assert inside.output_uri == f"s3://{S3_BUCKET}/runs/deeper/b/{inside.id}.json"
+
+
+def test_group_messages_refuse_outputs_outside_the_prefixes_too(service: Service) -> None:
+    from tokenmill.client import JobHandle
+    from tokenmill.queue.names import BATCH_TASK_NAME
+    from tokenmill.queue.schemas import Job, content_hash
+
+    jobs = [Job.from_wire({"prompt": "group escape", "max_tokens": 3, "output": f"s3://{S3_BUCKET}/other"}).to_wire(),
+            Job.from_wire({"prompt": "group inside", "max_tokens": 3, "output": f"s3://{S3_BUCKET}/runs/g"}).to_wire()]
+    app = service.client.app
+    with app.producer_or_acquire() as producer:
+        message = app.amqp.as_task_v2(uuid.uuid4().hex, BATCH_TASK_NAME, args=[{"jobs": jobs}], kwargs={}, ignore_result=True)
+        app.amqp.send_task_message(producer, BATCH_TASK_NAME, message, queue=service.client.queue)
+    refused, inside = service.client.results([JobHandle(j["id"], service.client, content_hash(j)) for j in jobs], timeout=60)
+    assert (refused.error.code, refused.error.field, refused.usage) == ("invalid_request", "output", None)
+    assert inside.ok and inside.output_uri == f"s3://{S3_BUCKET}/runs/g/{inside.id}.json"
+    assert f"other/{refused.id}.json" not in _objects(service)
+
+
+def test_a_worker_without_output_prefixes_writes_no_s3_output(redis_server: RedisServer, s3_server: S3Server,
+                                                               start_worker) -> None:
+    start_worker(redis_server.url, "nos3", s3_endpoint_url=s3_server.endpoint, s3_region="us-east-1").wait_ready()
+    with Client(redis_server.url) as client:
+        [result] = client.results([client.submit(prompt="x", max_tokens=3, output=f"s3://{S3_BUCKET}/runs/a")], timeout=60)
+    assert (result.error.code, result.error.field) == ("invalid_request", "output")
+    assert "TOKENMILL_OUTPUT_PREFIXES" in result.error.message
+    listed = s3_server.client().list_objects_v2(Bucket=S3_BUCKET).get("Contents", [])  # moto's store is per process
+    assert not [o["Key"] for o in listed if result.id in o["Key"]]

@@ -31,6 +31,9 @@ Every setting below is chosen for "a crash loses nothing, a slow job is not run 
 * `result_backend_always_retry`: a result write during a Redis outage waits (backoff capped at 1 s)
   until Redis is back instead of failing the job.
 * `broker_connection_max_retries=None`: a worker keeps reconnecting to a restarted Redis forever.
+* `broker_use_ssl`, `redis_backend_use_ssl`: for a `rediss://` URL, TLS with the server's certificate
+  verified (`tokenmill.queue.tls`); without them kombu would connect to a `rediss://` URL in plaintext
+  (its TLS switch is the transport's name, and ours is `BROKER_TRANSPORT`).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from typing import Any
 from celery import Celery
 
 from tokenmill.queue.settings import QueueSettings
+from tokenmill.queue.tls import redis_tls
 
 #: kombu transport of every tokenmill app: kombu's Redis transport with an atomic take-and-record of
 #: each message (`tokenmill.queue.transport`). Producers publish exactly as with plain `redis://`.
@@ -59,10 +63,14 @@ def transport_options(visibility_timeout: float) -> dict[str, Any]:
 
 def celery_config(settings: QueueSettings) -> dict[str, Any]:
     """The Celery configuration both sides share; every value is explained in the module docstring."""
+    broker_url, broker_tls = redis_tls(settings.broker_url)
+    backend_url, backend_tls = redis_tls(settings.backend_url)
     return {
-        "broker_url": settings.broker_url,
+        "broker_url": broker_url,
         "broker_transport": BROKER_TRANSPORT,
-        "result_backend": settings.backend_url,
+        "broker_use_ssl": broker_tls or False,
+        "result_backend": backend_url,
+        "redis_backend_use_ssl": backend_tls,
         "task_serializer": "json",
         "result_serializer": "json",
         "accept_content": ["json"],

@@ -1,7 +1,9 @@
 """The dead-letter list: jobs the workers gave up on, bounded, and what it takes to list, requeue or drop them.
 
 A dead letter keeps only what a requeue needs: the job as it travelled (its wire dict) and why it was
-given up on (`reason`, `deliveries`, `dead_lettered_at`). The list is the Redis list
+given up on (`reason`, `deliveries`, `dead_lettered_at`). A message the worker refused and could not answer
+under its id (no usable task id) is kept too, as `{"refused_message": {task, id, content_type, bytes}}` in
+place of the job: it is listed and purged like any entry, but it is no job and cannot be requeued. The list is the Redis list
 `tokenmill:dead_letter`, newest first; each push trims it to `dead_letter_max_len` entries and, unless
 `dead_letter_expires` is 0, sets it to expire that many seconds after the newest entry. Torch-free: the
 worker pushes, the client and `tokenmill dead-letters` read.
@@ -18,6 +20,9 @@ import redis
 
 from tokenmill.queue.names import DEAD_LETTER_KEY
 
+#: The key of a dead letter's `job` when the entry is a refused message rather than a job.
+REFUSED_FIELD = "refused_message"
+
 
 @dataclass
 class DeadLetter:
@@ -32,6 +37,11 @@ class DeadLetter:
     @property
     def id(self) -> str:
         return str(self.job.get("id", ""))
+
+    @property
+    def requeueable(self) -> bool:
+        """Whether the entry is a job (not a refused message, which has no usable id to run under)."""
+        return REFUSED_FIELD not in self.job
 
     def summary(self) -> dict[str, Any]:
         return {"id": self.id, "deliveries": self.deliveries, "dead_lettered_at": self.dead_lettered_at, "reason": self.reason}

@@ -10,6 +10,7 @@ Torch-free on purpose: a producer installs only the light client.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import re
 import time
@@ -34,6 +35,9 @@ SCHEMA_VERSION = 1
 
 #: Job ids end up in Redis keys and S3 object names, so keep them to a safe, printable alphabet.
 JOB_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
+
+#: Wire fields left out of a job's content hash: stamped per submission, not part of what the job asks for.
+VOLATILE_FIELDS = frozenset({"id", "submitted_at"})
 
 _S3_URI = re.compile(r"^s3://(?P<bucket>[a-z0-9][a-z0-9.-]{1,61}[a-z0-9])(?:/(?P<prefix>.*))?$")
 _PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids")
@@ -167,6 +171,15 @@ class Job(BaseModel):
         """The JSON-ready dict that travels as the Celery task's argument."""
         return self.model_dump(mode="json", exclude_none=True)
 
+    def content_hash(self) -> str:
+        """SHA-256 of what the job asks for: its wire form without `VOLATILE_FIELDS`, as canonical JSON.
+
+        Stored in its result (`JobResult.job_hash`), so a job id reused for different content is told
+        apart from a resubmission of the same job (which stays idempotent), as payment APIs do with
+        idempotency keys.
+        """
+        return content_hash(self.to_wire())
+
     @classmethod
     def from_wire(cls, data: Any) -> Job:
         """Parse a job, turning any problem into one `InvalidRequestError` that names the field."""
@@ -174,6 +187,12 @@ class Job(BaseModel):
             return cls.model_validate(data)
         except ValidationError as exc:
             raise invalid_request_from(exc) from None
+
+
+def content_hash(wire: dict[str, Any]) -> str:
+    """`Job.content_hash` of a job's validated wire form (`Job.to_wire()`), without parsing it again."""
+    content = {k: v for k, v in wire.items() if k not in VOLATILE_FIELDS}
+    return hashlib.sha256(json.dumps(content, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def invalid_request_from(exc: ValidationError) -> InvalidRequestError:
@@ -229,7 +248,7 @@ class JobError(BaseModel):
     """Why a job failed. `code` is stable (match on it); `message` is for people; `field` names bad input."""
 
     code: Literal["invalid_job", "invalid_request", "dead_letter", "output_write_failed", "task_failure", "cancelled",
-                  "deadline_exceeded"]
+                  "deadline_exceeded", "conflict"]
     message: str
     field: str | None = None
 
@@ -263,6 +282,7 @@ class JobResult(BaseModel):
     attempt: int | None = None
     worker: str | None = None
     metadata: dict[str, Any] = Field(default_factory=dict)
+    job_hash: str | None = None  # `Job.content_hash()` of the job this is the result of (None: unparsable job, older worker)
 
     @property
     def ok(self) -> bool:
@@ -287,3 +307,16 @@ class JobResult(BaseModel):
 
     def to_wire(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
+
+    def conflict_with(self, job_hash: str | None) -> JobResult | None:
+        """A failed `conflict` result when this stored result belongs to other content under the same id, else None.
+
+        A result without a hash (an older worker's, or a job that could not be parsed) cannot be told apart
+        and is taken as the job's own.
+        """
+        if job_hash is None or self.job_hash is None or self.job_hash == job_hash:
+            return None
+        return JobResult.failure(
+            self.id, "conflict", f"job id {self.id!r} was already used for a job with different content (stored result "
+            f"for content {self.job_hash[:12]}, this job is {job_hash[:12]}); the stored result is that job's and is "
+            "kept: submit this job under a new id", "id", job_hash=job_hash)

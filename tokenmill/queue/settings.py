@@ -6,10 +6,11 @@ a pydantic-settings model read from `TOKENMILL_*` environment variables. Torch-f
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from tokenmill.queue.names import DEFAULT_QUEUE
+from tokenmill.queue.tls import check_redis_url
 
 #: Largest encoded job (its JSON, in bytes) a client queues and a worker accepts (`TOKENMILL_MAX_JOB_BYTES`
 #: changes both). Redis holds every queued job in memory and a worker tokenizes its prompt; prompts larger
@@ -24,7 +25,10 @@ class QueueSettings(BaseSettings):
     # value through when .env sets one and leaves the default here otherwise.
     model_config = SettingsConfigDict(env_prefix="TOKENMILL_", extra="ignore", env_ignore_empty=True)
 
-    broker_url: str = Field("redis://localhost:6379/0", description="Redis URL of the Celery broker.")
+    broker_url: str = Field(
+        "redis://localhost:6379/0", description="Redis URL of the Celery broker; rediss:// means TLS with the server "
+        "certificate verified (CA: its ssl_ca_certs parameter, else the system store).",
+    )
     result_backend: str | None = Field(None, description="Redis URL for results; defaults to the broker URL.")
     queue: str = Field(DEFAULT_QUEUE, min_length=1, description="Queue that jobs are sent to by default.")
     visibility_timeout: float = Field(
@@ -38,6 +42,11 @@ class QueueSettings(BaseSettings):
         MAX_JOB_BYTES, ge=1024, description="Largest encoded job (JSON bytes): clients refuse to queue a larger "
         "one, workers fail it (invalid_job, naming the biggest field) before parsing or tokenizing it.",
     )
+
+    @field_validator("broker_url", "result_backend")
+    @classmethod
+    def _check_tls(cls, value: str | None) -> str | None:
+        return None if value is None else check_redis_url(value)
 
     @property
     def backend_url(self) -> str:

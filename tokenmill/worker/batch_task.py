@@ -6,7 +6,8 @@ throughput). `tokenmill annotate --broker` therefore sends rows in groups. Insid
 guarantees of a single `tokenmill.generate` job:
 
 * its id is its idempotency key: a job whose final result is already stored is not run again (a redelivered
-  group runs only the jobs that have no result yet);
+  group runs only the jobs that have no result yet); a stored result of different content under its id is a
+  conflict, logged and counted, and the stored result is kept;
 * it gets exactly one result, under its own Celery result key, so `Client.get`/`as_completed` read it like
   any job's. Results are written with `SET NX` (never overwriting a stored one) and announced on the key's
   pub/sub channel as Celery does, in one script call per group. (After a broker outage a group may
@@ -93,13 +94,14 @@ class BatchRun:
 
     def _run_mine(self, jobs: list[Job], done: dict[str, dict[str, Any]]) -> int:
         """Check in (a delivery counted per job), dead-letter or run, store; returns how many ran."""
-        from tokenmill.worker.service import Attempt
+        from tokenmill.worker.service import Attempt, stored_job_hash
 
         checked = self.service.check_in([job.id for job in jobs], [self.backend.get_key_for_task(j.id) for j in jobs])
         todo = []
         for job, check in zip(jobs, checked):
             run = Attempt(job, self.started_at, check.attempt)
-            if is_final(check.stored):
+            if is_final(check.stored):  # this job's result (idempotent) or, under a reused id, another's (a conflict)
+                self.service.skip_stored(job, stored_job_hash(check.stored))
                 continue
             if check.cancelled:
                 done[job.id] = self.service.cancelled_before_start(run)
@@ -126,14 +128,21 @@ class BatchRun:
             seen.add(job_id)
             try:
                 check_size(raw, self.service.settings.max_job_bytes)  # per job, as for a single job
-                jobs.append(Job.from_wire(raw))
+                job = Job.from_wire(raw)
             except InvalidRequestError as exc:
                 failed[job_id] = self.service.failed(
                     JobResult.failure(job_id, "invalid_job", exc.message, exc.field, started_at=self.started_at))
+                continue
             except Exception as exc:  # validation itself broke on this job: it fails alone, the group goes on
                 log.exception("group %r: job %r could not be validated", self.task_id, job_id)
                 failed[job_id] = self.service.failed(JobResult.failure(
                     job_id, "invalid_job", f"cannot be validated: {type(exc).__name__}", "job", started_at=self.started_at))
+                continue
+            refused = self.service.refuse_output(job, self.started_at)  # an S3 output outside output_prefixes
+            if refused is None:
+                jobs.append(job)
+            else:
+                failed[job_id] = refused
         return jobs, failed
 
     def _generate(self, runs: list[Any], done: dict[str, dict[str, Any]]) -> None:

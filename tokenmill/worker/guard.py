@@ -13,6 +13,12 @@ Only the tasks in `ALLOWED_TASKS` run: a message naming any other task, Celery's
 `JOB_ID_PATTERN`, as job ids do, since they name Redis keys (the result, the delivery count).
 Envelopes kombu itself cannot handle never get here: tokenmill's transport sets them aside.
 
+A refused message is answered, so that its sender does not wait forever: when its `id` header can name a
+Celery result (a non-empty string of at most `MAX_RESULT_ID_CHARS` characters, pattern or not: the key
+`celery-task-meta-<id>` holds any), a FAILURE result naming the id and the reason is stored there (Celery's
+own answer to an unknown task); otherwise the message is set aside in the dead-letter list, where
+`tokenmill dead-letters list` shows it (not requeueable: it is no job; `purge` drops it).
+
 It also logs refused messages without their body: Celery's own handlers quote up to 1 KiB of it,
 which would put prompt text in the logs. Torch-free.
 """
@@ -28,6 +34,7 @@ from celery.exceptions import InvalidTaskError, NotRegistered
 from celery.utils.objects import Bunch
 from celery.worker.consumer import Consumer
 
+from tokenmill.queue import dead_letters
 from tokenmill.queue.names import BATCH_TASK_NAME, TASK_NAME
 from tokenmill.queue.schemas import JOB_ID_PATTERN
 
@@ -37,6 +44,15 @@ log = logging.getLogger(__name__)
 #: `celery.chord_unlock` included) is refused by this consumer and marked failed. To add a task, register it
 #: in `tokenmill.worker.app.create_app` and name it here.
 ALLOWED_TASKS: frozenset[str] = frozenset({TASK_NAME, BATCH_TASK_NAME})
+#: Longest task id a refusal is stored under; a longer one is set aside in the dead-letter list instead.
+MAX_RESULT_ID_CHARS = 1024
+
+
+def result_id(message: Any) -> str | None:
+    """The id a refusal of `message` can be stored under, or None: a non-empty string of sane length."""
+    headers = message.headers if isinstance(message.headers, dict) else {}
+    task_id = headers.get("id")
+    return task_id if isinstance(task_id, str) and 0 < len(task_id) <= MAX_RESULT_ID_CHARS else None
 
 
 def protocol_problem(message: Any) -> str | None:
@@ -93,16 +109,34 @@ class GuardedConsumer(Consumer):
     def on_invalid_task(self, body: Any, message: Any, exc: Exception) -> None:
         log.error("discarded an invalid task message %s: %s", _describe(message), exc)
         message.reject_log_error(log, self.connection_errors)
+        self.answer_refusal(message, str(exc))
         signals.task_rejected.send(sender=self, message=message, exc=exc)
 
     def on_decode_error(self, message: Any, exc: Exception) -> None:
         log.error("discarded a task message whose body cannot be decoded %s: %s", _describe(message), type(exc).__name__)
         message.ack()
+        self.answer_refusal(message, f"its body cannot be decoded ({type(exc).__name__}, content type "
+                                     f"{message.content_type!r}; only JSON is accepted)")
 
     def on_unknown_message(self, body: Any, message: Any) -> None:
         log.warning("discarded a message that is not a Celery task %s", _describe(message))
         message.reject_log_error(log, self.connection_errors)
+        self.answer_refusal(message, "not a Celery task message")
         signals.task_rejected.send(sender=self, message=message, exc=None)
+
+    def answer_refusal(self, message: Any, reason: str) -> None:
+        """Store a FAILURE naming the id and `reason` under the message's id, or set the message aside when its
+        id cannot name a result. Best effort: Redis being down must not stop the consumer (the message is gone
+        either way)."""
+        task_id = result_id(message)
+        try:
+            if task_id is not None:
+                error = InvalidTaskError(f"task {task_id!r} refused by the tokenmill worker: {reason}")
+                self.app.backend.mark_as_failure(task_id, error, request=_request(message))
+            else:
+                _set_aside(message, reason)
+        except Exception as exc:  # noqa: BLE001: whatever the store raises, the consumer goes on
+            log.error("could not record the refusal of %s: %s", _describe(message), type(exc).__name__)
 
     def on_unknown_task(self, body: Any, message: Any, exc: Exception) -> None:
         """As Celery does (reject, mark the task failed with NotRegistered), minus the body in the log."""
@@ -110,12 +144,32 @@ class GuardedConsumer(Consumer):
         task_id, name = headers.get("id"), headers.get("task")
         log.error("discarded a message for a task this worker does not run %s", _describe(message))
         message.reject_log_error(log, self.connection_errors)
-        if task_id and name:
-            properties = message.properties or {}
-            request = Bunch(name=name, chord=None, root_id=headers.get("root_id"), errbacks=None,
-                                    correlation_id=properties.get("correlation_id"), reply_to=properties.get("reply_to"))
-            self.app.backend.mark_as_failure(task_id, NotRegistered(name), request=request)
+        if result_id(message) is not None and name:
+            self.app.backend.mark_as_failure(task_id, NotRegistered(name), request=_request(message))
+        else:
+            self.answer_refusal(message, f"task {name!r} is not run by tokenmill workers")
         signals.task_unknown.send(sender=self, message=message, exc=exc, name=name, id=task_id)
+
+
+def _request(message: Any) -> Bunch:
+    """What Celery's backend reads of a request when it stores a failure (no chord, no errbacks)."""
+    headers = message.headers if isinstance(message.headers, dict) else {}
+    properties = message.properties if isinstance(message.properties, dict) else {}
+    name = headers.get("task") if isinstance(headers.get("task"), str) else None
+    return Bunch(name=name, chord=None, root_id=headers.get("root_id"), errbacks=None,
+                 correlation_id=properties.get("correlation_id"), reply_to=properties.get("reply_to"))
+
+
+def _set_aside(message: Any, reason: str) -> None:
+    """A refused message whose id cannot name a result, in the dead-letter list: its envelope, never its body."""
+    from tokenmill.worker.runtime import current  # the worker's service: its Redis client and dead-letter limits
+
+    headers = message.headers if isinstance(message.headers, dict) else {}
+    refused = {"task": headers.get("task"), "id": repr(headers.get("id"))[:200], "content_type": message.content_type,
+               "bytes": len(message.body or b"")}
+    service = current()
+    dead_letters.push(service.redis, {dead_letters.REFUSED_FIELD: refused}, f"refused by the worker without a usable "
+                      f"task id: {reason}", 1, service.settings.dead_letter_max_len, service.settings.dead_letter_expires)
 
 
 def _describe(message: Any) -> str:

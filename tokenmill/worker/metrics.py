@@ -65,7 +65,7 @@ class WorkerMetrics:
             "tokenmill_output_write_retries", "Failed attempts to write a result to S3 (retried).", registry=registry
         )
 
-    def serve(self, port: int, addr: str = "0.0.0.0", tries: int = 1) -> int | None:
+    def serve(self, port: int, addr: str = "127.0.0.1", tries: int = 1) -> int | None:
         """Start the HTTP endpoint (a daemon thread) on `port` or the first free one of the `tries` after it.
 
         Returns the port (also `self.port`); None when `port` is 0 (no endpoint). Raises OSError when

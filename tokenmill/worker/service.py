@@ -6,12 +6,16 @@ process and waits, so up to `concurrency` jobs share the engine's running batch.
 
 Per job, in order:
 
-1. Parse the job (`Job.from_wire`); a malformed job ends as a failed result (`invalid_job`).
+1. Parse the job (`Job.from_wire`); a malformed job ends as a failed result (`invalid_job`), one whose S3
+   `output` is outside `output_prefixes` as a failed result (`invalid_request`, field `output`).
 2. If the same job id is already running in this process (delivered again while it runs here),
    wait for that run instead of starting a second one; this is not counted as a delivery.
 3. Idempotency: if a final result for this job id is already stored (the job was finished but its
    ack was lost, a recovery requeued it, or a producer sent it twice), acknowledge without running
-   it again or rewriting it.
+   it again or rewriting it. Each result carries its job's content hash (`Job.content_hash`): a
+   stored result of *different* content under the same id is a conflict (the id was reused), logged
+   and counted (`jobs_failed{code="conflict"}`), never run over the stored result; the producer's
+   `Client` sees its handle's hash differ and gets a failed `conflict` result.
 4. Count the delivery (`INCR tokenmill:deliveries:<id>`, in the same round trip as step 3): a
    delivery is counted only when the job starts running on a worker that does not already run it.
    A job started more than `max_deliveries` times has killed every worker that ran it: it is
@@ -54,11 +58,12 @@ from tokenmill.queue import dead_letters
 from tokenmill.queue.cancels import encode_result, is_final
 from tokenmill.queue.names import CANCEL_KEY, DEAD_LETTER_KEY, DELIVERIES_KEY
 from tokenmill.queue.schemas import JOB_ID_PATTERN, Job, JobError, JobResult, Usage
+from tokenmill.queue.tls import redis_client
 from tokenmill.worker.cancel_listener import CancelListener
 from tokenmill.worker.engine_process import EngineProcess
 from tokenmill.worker.metrics import WorkerMetrics
 from tokenmill.worker.settings import WorkerSettings
-from tokenmill.worker.sinks import OutputWriteError, RetryPolicy, S3Sink, WriteAbandoned
+from tokenmill.worker.sinks import OutputWriteError, RetryPolicy, S3Sink, WriteAbandoned, output_refusal
 
 log = logging.getLogger("tokenmill.worker")
 
@@ -101,6 +106,10 @@ class Attempt:
     started_at: float
     attempt: int
     time_limit: float | None = None  # Celery's time_limit / soft_time_limit of the message, if any
+    job_hash: str = ""
+
+    def __post_init__(self) -> None:
+        self.job_hash = self.job_hash or self.job.content_hash()
 
     @property
     def deadline(self) -> float | None:
@@ -127,7 +136,7 @@ class WorkerService:
         self.metrics = metrics
         self.sink = sink
         self.hostname = host_format(default_nodename(settings.hostname))  # Celery's node name, "%h" expanded
-        self.redis = redis.Redis.from_url(
+        self.redis = redis_client(
             settings.backend_url,
             retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=120),
             retry_on_error=[redis.ConnectionError, redis.TimeoutError],
@@ -199,11 +208,17 @@ class WorkerService:
             job = Job.from_wire(raw)
         except InvalidRequestError as exc:
             return self.failed(JobResult.failure(_safe_id(raw, task_id), "invalid_job", exc.message, exc.field, started_at=started_at))
+        refused = self.refuse_output(job, started_at)
+        if refused is not None:
+            return refused
         mine, running = self.claim([job])
         if running:  # not a new delivery to count: the run in progress answers it
             log.info("job %s is already running here; waiting for that run", job.id)
             result = self._wait(running[0][1], job)
             if result is None or result["status"] == "cancelled":  # that run stored it already, or found it stored
+                raise Ignore()
+            if result.get("job_hash") not in (None, job.content_hash()):  # that run is another job under this id
+                self.skip_stored(job, result.get("job_hash"))
                 raise Ignore()
             return result
         future = mine[0][1]
@@ -219,6 +234,15 @@ class WorkerService:
             self.store_results({result_key: encode_result(backend, result)})
             raise Ignore()
         return result
+
+    def refuse_output(self, job: Job, started_at: float) -> dict[str, Any] | None:
+        """The failed result of a job whose S3 destination is outside `output_prefixes` (nothing generated), or None."""
+        location = job.s3_location
+        problem = None if location is None else output_refusal(location, self.settings.output_prefixes)
+        if problem is None:
+            return None
+        return self.failed(JobResult.failure(job.id, "invalid_request", problem, "output", started_at=started_at,
+                                             queued_at=job.submitted_at, metadata=job.metadata, job_hash=job.content_hash()))
 
     def claim(self, jobs: list[Job]) -> tuple[list[tuple[Job, Future]], list[tuple[Job, Future]]]:
         """Register `jobs` as running here; returns (jobs now mine, with the future their callers wait on;
@@ -262,7 +286,7 @@ class WorkerService:
         job = run.job
         [check] = self.check_in([job.id], [result_key])
         if is_final(check.stored):
-            log.info("job %s already has a result; acknowledging without running it again", job.id)
+            self.skip_stored(job, stored_job_hash(check.stored))
             raise Ignore()
         run.attempt = check.attempt
         if check.cancelled:
@@ -306,16 +330,27 @@ class WorkerService:
 
     def cancelled_before_start(self, run: Attempt) -> dict[str, Any]:
         """The result of a job found cancelled at its check-in: it never reaches the engine."""
-        log.info("job %s was cancelled before it started; not running it", run.job.id)
+        log.info("job %r was cancelled before it started; not running it", run.job.id)
         self.metrics.jobs_cancelled.inc()
         return JobResult.cancelled(run.job.id, "cancelled before it started", attempt=run.attempt, worker=self.hostname,
-                                   metadata=run.job.metadata, **_times(run.job, run)).to_wire()
+                                   metadata=run.job.metadata, job_hash=run.job_hash, **_times(run.job, run)).to_wire()
+
+    def skip_stored(self, job: Job, stored_hash: str | None) -> None:
+        """A final result is stored under `job.id` (or another run of it finishes here): say whether it is this
+        job's (a repeated delivery or submission: idempotent) or another content's (the id was reused: a conflict)."""
+        if stored_hash is not None and stored_hash != job.content_hash():
+            self.metrics.jobs_failed.labels(code="conflict").inc()
+            log.warning("job %s not run: its id holds the result of a job with different content (%s, this job %s); "
+                        "that result is kept", job.id, stored_hash[:12], job.content_hash()[:12])
+        else:
+            log.info("job %s already has a result; acknowledging without running it again", job.id)
 
     def complete(self, run: Attempt, output: Any = None, error: InvalidRequestError | None = None) -> dict[str, Any]:
         """The job's final result from the engine's output (or its refusal), written to S3 if asked."""
         job = run.job
         if error is not None:
-            return self.failed(JobResult.failure(job.id, "invalid_request", error.message, error.field, **_times(job, run)))
+            return self.failed(JobResult.failure(job.id, "invalid_request", error.message, error.field,
+                                                 job_hash=run.job_hash, **_times(job, run)))
         result = _result_from_output(job, run, output, self.hostname)
         if self.settings.log_prompts:
             log.debug("job %s prompt=%r text=%r", job.id, job.prompt or job.messages or job.prompt_token_ids, result.text)
@@ -393,7 +428,7 @@ class WorkerService:
         log.error("job %s dead-lettered after %d deliveries", job.id, attempt)
         return self.failed(
             JobResult.failure(job.id, "dead_letter", message, queued_at=job.submitted_at, started_at=started_at,
-                              attempt=attempt, worker=self.hostname, metadata=job.metadata)
+                              attempt=attempt, worker=self.hostname, metadata=job.metadata, job_hash=job.content_hash())
         )
 
     def _succeeded(self, result: JobResult) -> dict[str, Any]:
@@ -439,12 +474,20 @@ def _result_from_output(job: Job, run: Attempt, output: Any, worker: str) -> Job
         attempt=run.attempt,
         worker=worker,
         metadata=job.metadata,
+        job_hash=run.job_hash,
         **{**_times(job, run), "finished_at": output.finished_time or time.time()},
     )
 
 
 def _times(job: Job, run: Attempt) -> dict[str, Any]:
     return {"queued_at": job.submitted_at, "started_at": run.started_at, "finished_at": time.time()}
+
+
+def stored_job_hash(stored: bytes) -> str | None:
+    """The content hash in a stored Celery result's `JobResult`; None for a result without one."""
+    result = json.loads(stored).get("result")
+    value = result.get("job_hash") if isinstance(result, dict) else None
+    return value if isinstance(value, str) else None
 
 
 def _safe_id(raw: dict[str, Any], task_id: str) -> str:

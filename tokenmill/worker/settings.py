@@ -12,6 +12,7 @@ from typing import Annotated, Any
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import NoDecode
 
+from tokenmill.queue.schemas import S3Location
 from tokenmill.queue.settings import QueueSettings
 
 
@@ -55,7 +56,16 @@ class WorkerSettings(QueueSettings):
     metrics_port_tries: int = Field(
         16, ge=1, le=1024, description="Successive ports tried from --metrics-port (1: that port or fail)."
     )
-    metrics_addr: str = Field("0.0.0.0", description="Address the metrics endpoint listens on.")
+    metrics_addr: str = Field(
+        "127.0.0.1", description="Address the metrics endpoint listens on: loopback by default, since the metrics "
+        "name queues and workers and carry no authentication; 0.0.0.0 where a scraper on another host or "
+        "container must reach it (docker-compose.yml sets it for its workers).",
+    )
+    output_prefixes: Annotated[list[str] | None, NoDecode] = Field(
+        None, description="Comma-separated S3 prefixes that jobs may write their results under (s3://bucket/ or "
+        "s3://bucket/prefix/); a job whose output is elsewhere fails (invalid_request, field output) before it is "
+        "generated. Unset: jobs with an output are refused.",
+    )
     s3_endpoint_url: str | None = Field(None, description="S3 endpoint (MinIO, moto, ...); default: AWS.")
     s3_region: str | None = Field(None, description="S3 region name.")
     s3_retry_max_delay: float = Field(30.0, gt=0, description="Longest pause between S3 write attempts (seconds).")
@@ -76,6 +86,17 @@ class WorkerSettings(QueueSettings):
     def _split_queues(cls, value: Any) -> Any:
         if isinstance(value, str):
             return [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
+    @field_validator("output_prefixes", mode="before")
+    @classmethod
+    def _split_prefixes(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = [part.strip() for part in value.split(",") if part.strip()]
+        for entry in value or []:
+            if not isinstance(entry, str) or not entry.startswith("s3://"):
+                raise ValueError(f"{entry!r} is not an s3://bucket/prefix/ URI")
+            S3Location.parse(entry)  # ValueError naming the entry
         return value
 
     @model_validator(mode="after")

@@ -4,6 +4,10 @@ The job's message stays unacknowledged while this retries (the task has not retu
 crash during an S3 outage loses nothing: the job is delivered again. Errors that retrying cannot fix
 (4xx other than throttling: no such bucket, access denied) end the job as failed with code
 `output_write_failed`; its full result is then kept in Redis so the generated text is not lost.
+
+Where a job may write is the worker's `output_prefixes` setting (`output_refusal`), checked before the job
+is generated: a job names its destination, so without it any job could write any object the worker's
+credentials reach.
 """
 
 from __future__ import annotations
@@ -24,6 +28,26 @@ log = logging.getLogger(__name__)
 
 #: 4xx codes that are worth retrying (throttling, timeouts); every other 4xx is permanent.
 _RETRYABLE_CLIENT_CODES = {"RequestTimeout", "RequestTimeTooSkewed", "SlowDown", "Throttling", "ThrottlingException"}
+
+
+def output_refusal(location: S3Location, allowed: list[str] | None) -> str | None:
+    """Why a job may not write under `location` given the allowed `s3://bucket/prefix/` list, or None if it may.
+
+    A prefix allows its bucket's keys under it segment by segment (`s3://b/team-a/` allows `team-a/run1`, not
+    `team-ab`); `.`, `..` and empty segments are refused outright, since some S3-compatible stores normalize them.
+    """
+    uri = location.uri_for("<id>")
+    if not allowed:
+        return f"this worker writes no S3 output ({uri}): its output_prefixes setting (TOKENMILL_OUTPUT_PREFIXES) is unset"
+    segments = location.prefix.split("/") if location.prefix else []
+    if any(segment in ("", ".", "..") for segment in segments):
+        return f"{uri}: empty, '.' and '..' path segments are not allowed"
+    for entry in allowed:
+        prefix = S3Location.parse(entry)
+        inside = not prefix.prefix or location.prefix == prefix.prefix or location.prefix.startswith(prefix.prefix + "/")
+        if prefix.bucket == location.bucket and inside:
+            return None
+    return f"{uri} is outside the S3 prefixes this worker may write: {', '.join(allowed)}"
 
 
 class OutputWriteError(Exception):
