@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from tokenmill.errors import InvalidRequestError
+from tokenmill.schema_support import prepare
 
 #: Upper bound of every integer count and token id: what an int32 tensor holds, far above any vocabulary
 #: or context length, so a value the client accepts never overflows inside the engine.
@@ -170,6 +171,7 @@ def _schema_dict(schema: Any) -> dict[str, Any]:
     error = _schema_error(text)
     if error is not None:
         raise InvalidRequestError("json_schema", error)
+    prepare(schema)  # refuses, naming keyword and pointer, what no backend enforces in full (cached by text)
     return schema
 
 
@@ -178,11 +180,11 @@ def _schema_error(text: str) -> str | None:
     """The metaschema check, cached by the schema's text: a job is validated at the client, the worker and
     the engine process, and a dataset's jobs usually share one schema."""
     from jsonschema.exceptions import SchemaError  # imported only when a schema is given
-    from jsonschema.validators import Draft202012Validator, validator_for
+    from tokenmill.schema_support import draft_of, validator_class
 
     schema = json.loads(text)
     try:
-        validator_for(schema, default=Draft202012Validator).check_schema(schema)
+        validator_class(draft_of(schema)).check_schema(schema)
     except SchemaError as exc:
         where = "/".join(str(part) for part in exc.path)
         return f"is not a valid JSON Schema{f' at {where}' if where else ''}: {exc.message}"

@@ -15,7 +15,7 @@ from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.loader import load
 from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.engine.sampler import SampleResult, SamplingRow
-from tokenmill.engine.structured import Constraint, GrammarCache, GrammarSpec, advance
+from tokenmill.engine.structured import Constraint, GrammarCache, GrammarSpec, advance, check_completion
 from tokenmill.errors import InvalidRequestError
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.scheduler.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
@@ -43,6 +43,9 @@ class RequestOutput:
     # cut by max_tokens or a stop string), and the JSON value for json_schema/json_object when it does.
     constraint_satisfied: bool | None = None
     parsed: Any = None
+    # Why a complete-looking output failed the final check against its constraint ("<field>: <keyword> at
+    # <schema pointer> ..."); then constraint_satisfied is False and parsed None.
+    constraint_error: str | None = None
 
 
 @dataclass
@@ -293,6 +296,7 @@ class LLMEngine:
         seq, constraint = request.seq, request.constraint
         text = request.text if request.text is not None else self._decode(seq)
         satisfied = None if constraint is None else constraint.completed and request.text is None
+        parsed, constraint_error = self._check(request) if satisfied else (None, None)
         return RequestOutput(
             request_id=seq.request_id,
             prompt_token_ids=seq.prompt_token_ids,
@@ -305,9 +309,20 @@ class LLMEngine:
             first_token_time=request.first_token_time,
             finished_time=now,
             error=constraint.error() if constraint is not None else None,
-            constraint_satisfied=satisfied,
-            parsed=constraint.parse(text) if satisfied else None,
+            constraint_satisfied=satisfied and constraint_error is None,
+            parsed=parsed,
+            constraint_error=constraint_error,
         )
+
+    def _check(self, request: _Request) -> tuple[Any, str | None]:
+        """The final check of a grammar-complete output: its text without a trailing stop token (which
+        `skip_special_tokens=False` would show), against the request's constraint in full."""
+        seq = request.seq
+        tokens = seq.output_token_ids
+        if tokens and tokens[-1] in request.stop_ids:
+            tokens = tokens[:-1]
+        text = self.tokenizer.decode(tokens, skip_special_tokens=seq.params.skip_special_tokens)
+        return check_completion(seq.params.structured, text)  # type: ignore[arg-type]
 
     def stats(self) -> EngineStats:
         return EngineStats(

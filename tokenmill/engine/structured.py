@@ -18,9 +18,12 @@ Decisions:
 * Special tokens (BOS, PAD, ...) are removed from the grammar's vocabulary: xgrammar would otherwise
   treat "<s>" as the text "<s>", which decoding with `skip_special_tokens` drops, and the text would no
   longer match the grammar.
-* Two xgrammar 0.2.9 flaws are worked around, each where its data lives: length-bounded strings are handed
-  over as patterns (`_bounded_strings_as_patterns`), and byte tokens are kept to valid UTF-8
-  (`_utf8_invalid`, `_AFTER_LEAD`).
+* A JSON schema reaches xgrammar only as `tokenmill.schema_support.prepare` rewrote it: a core subset xgrammar
+  0.2.9 enforces in full (what it would ignore is merged, rewritten or refused before generation; length
+  bounds become patterns, mlc-ai/xgrammar#800). Byte tokens are kept to valid UTF-8 (`_utf8_invalid`,
+  `_AFTER_LEAD`).
+* Every completed output is checked after decoding (`check_completion`): the last line of defence. An output
+  that fails is reported unsatisfied with the reason, never passed off as valid.
 * Compiling happens at `add_request`, synchronously, and is cached by the grammar's text: in a batch job
   one schema serves the whole dataset. Compile errors are cached too, so a bad schema repeated in every
   job is rejected at dict-lookup cost.
@@ -40,6 +43,7 @@ import numpy as np
 import torch
 
 from tokenmill.errors import InvalidRequestError
+from tokenmill.schema_support import completion_error, prepare, regex_error
 
 if TYPE_CHECKING:
     from tokenmill.sampling_params import SamplingParams
@@ -63,7 +67,7 @@ class GrammarSpec:
             return None
         name, value = structured
         if name == "json_schema":
-            return cls(name, "json_schema", _xgrammar_schema(json.dumps(value)))  # key order kept: it is the output's
+            return cls(name, "json_schema", json.dumps(prepare(value)))  # key order kept: it is the output's
         if name == "json_object":
             return cls(name, "json_object", '{"type": "object"}')
         if name == "regex":
@@ -176,10 +180,21 @@ class Constraint:
             return None
         return f"{self.spec.field}: the grammar rejected sampled token {self.rejected_token}"
 
-    def parse(self, text: str) -> Any:
-        """The JSON value of a JSON-constrained output (complete by the caller's check). `raw_decode`
-        because a sampled stop token may trail the value in the text (`skip_special_tokens=False`)."""
-        return json.JSONDecoder().raw_decode(text)[0] if self.spec.is_json else None
+
+def check_completion(structured: tuple[str, Any], text: str) -> tuple[Any, str | None]:
+    """(parsed JSON value or None, None) if `text` satisfies the request's constraint in full, else (None,
+    "<field>: why"): the JSON Schema of the declared draft (`jsonschema`), no repeated keys, strict JSON; a
+    full regex match (Python `re`); one of the choices."""
+    name, value = structured
+    if name == "json_schema":
+        parsed, error = completion_error(value, text)
+    elif name == "json_object":
+        parsed, error = completion_error({"type": "object"}, text)
+    elif name == "regex":
+        parsed, error = None, regex_error(value, text)
+    else:
+        parsed, error = None, None if text in value else f"{text!r} is not one of the choices"
+    return (parsed, None) if error is None else (None, f"{name}: {error}")
 
 
 def advance(constraints: Sequence[Constraint], token_ids: Sequence[int]) -> None:
@@ -256,36 +271,6 @@ def _after_lead_words(vocab: list[bytes], words: int) -> dict[int, torch.Tensor]
         allowed[[i for i, token in enumerate(vocab) if token and token[0] in allowed_next]] = True
         out[lead] = torch.from_numpy(np.packbits(allowed, bitorder="little").view(np.int32).copy())
     return out
-
-
-@functools.lru_cache(maxsize=256)
-def _xgrammar_schema(text: str) -> str:
-    """The schema text xgrammar compiles, cached: in a batch job every request carries the same schema."""
-    return json.dumps(_bounded_strings_as_patterns(json.loads(text)))
-
-
-def _bounded_strings_as_patterns(schema: Any) -> Any:
-    """Work around xgrammar <= 0.2.9 (mlc-ai/xgrammar#800): a string with minLength/maxLength compiles to
-    `[^"\\\r\n]{min,max}`, which admits raw control characters (invalid JSON) and no escapes. The same
-    bound as a `pattern` goes through xgrammar's JSON-string-aware regex, which excludes control
-    characters and counts code points as JSON Schema does (it admits no escapes either). Only the copy
-    given to xgrammar is rewritten; the request keeps its schema."""
-    if isinstance(schema, list):
-        return [_bounded_strings_as_patterns(item) for item in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {key: value if key in _LITERAL_KEYWORDS else _bounded_strings_as_patterns(value) for key, value in schema.items()}
-    bounded = "minLength" in out or "maxLength" in out
-    if bounded and ("pattern" in out or "format" in out):  # xgrammar would drop the bound and say so on stderr only
-        raise InvalidRequestError("json_schema", "a string with both pattern (or format) and minLength/maxLength "
-                                  "is not supported by xgrammar: put the length bound into the pattern")
-    if out.get("type") == "string" and bounded:
-        low, high = out.pop("minLength", 0), out.pop("maxLength", None)
-        out["pattern"] = f"^.{{{low},{'' if high is None else high}}}$"
-    return out
-
-
-_LITERAL_KEYWORDS = frozenset({"enum", "const", "default", "examples"})
 
 
 def _message(exc: BaseException) -> str:
