@@ -475,7 +475,10 @@ class _Normaliser:
         deps = {**node.get("dependentRequired", {}), **node.get("dependentSchemas", {}), **node.get("dependencies", {})}
         for key, dep in deps.items():
             where = f"{ptr}/dependencies/{_escape(key)}" if key in node.get("dependencies", {}) else ptr
-            d["dependencies"].append((key, dep if isinstance(dep, list) else self.norm(dep, where)))
+            if isinstance(dep, list):
+                d["dependencies"].append((key, "required", dep))
+            else:
+                d["dependencies"].append((key, "schema", self.norm(dep, where)))
 
     # -- intersection -------------------------------------------------------------------------------------
     def intersect(self, a: Disjs, b: Disjs, ptr: str) -> Disjs:
@@ -660,10 +663,10 @@ class _Normaliser:
 
     def _final_object(self, d: Disj, ptr: str, check: bool) -> Disjs:
         if d["dependencies"]:
-            key, dep = d["dependencies"][0]
+            key, how, dep = d["dependencies"][0]
             rest = {**d, "dependencies": d["dependencies"][1:]}
             present = {**rest, "required": rest["required"] | {key}}
-            if isinstance(dep, list):
+            if how == "required":
                 present["required"] = present["required"] | set(dep)
                 branches = [present]
             else:
@@ -741,6 +744,8 @@ class _Normaliser:
             out["items"] = False
         elif items is not None and items != {}:
             out["items"] = items
+        elif d["minItems"] > len(d["prefix"]):  # xgrammar's strict mode reads absent items as none allowed
+            out["items"] = self.emit(_any(), f"{ptr}/items", check)
         if d["minItems"]:
             out["minItems"] = d["minItems"]
         if d["maxItems"] is not None:
@@ -753,10 +758,15 @@ class _Normaliser:
         if d["required"]:
             out["required"] = [k for k in d["props"] if k in d["required"]]
         extra = self.emit(d["additional"], f"{ptr}/additionalProperties", check) if d["additional"] is not None else None
+        # Undeclared properties only where the schema gives them a constraint, or minProperties needs them: no
+        # undeclared property is a sound subset of "any" (and what xgrammar's strict mode generates), said
+        # explicitly so that the rewritten schema means, as JSON Schema, exactly what is enforced.
         if extra is not None and extra is not False and (extra != {} or d["minProperties"] > len(d["props"])):
-            out["additionalProperties"] = extra  # true is left out: no undeclared properties is a sound subset
+            out["additionalProperties"] = extra
         elif extra is None and d["minProperties"] > len(d["props"]):
-            out["additionalProperties"] = True  # only undeclared properties can reach minProperties
+            out["additionalProperties"] = True
+        else:
+            out["additionalProperties"] = False
         if d["minProperties"]:
             out["minProperties"] = d["minProperties"]
         if d["maxProperties"] is not None:
