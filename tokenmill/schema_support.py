@@ -134,8 +134,10 @@ def regex_error(pattern: str, text: str) -> str | None:
 
 @functools.lru_cache(maxsize=256)
 def _validator(text: str) -> Any:
-    schema = json.loads(text)
-    return validator_class(draft_of(schema))(schema)  # no format_checker: format is an annotation
+    from referencing import Registry
+
+    schema = json.loads(text)  # no format_checker: format is an annotation; an empty registry: nothing is fetched
+    return validator_class(draft_of(schema))(schema, registry=Registry())
 
 
 class _RepeatedKey(ValueError):
@@ -312,8 +314,10 @@ class _Normaliser:
     # validation of values against a bundled or emitted subschema: the oracle for enum narrowing
     def valid(self, schema: Any, value: Any, core: bool = False) -> bool:
         draft = "2020-12" if core else self.draft
+        from referencing import Registry
+
         wrapper = {"$defs": self.defs, "allOf": [schema]}
-        return validator_class(draft)(wrapper).is_valid(value)
+        return validator_class(draft)(wrapper, registry=Registry()).is_valid(value)
 
     # -- one node -----------------------------------------------------------------------------------------
     def norm(self, node: Any, ptr: str) -> Disjs:
