@@ -18,6 +18,12 @@ from tokenmill.schema_support import prepare
 MAX_INT = 2**31 - 1
 #: Seeds are unsigned 64-bit, like numpy's and vLLM's; the sampler folds them into its int64 tensors.
 MAX_SEED = 2**64 - 1
+#: Size limits of structured-output options, past which a grammar would take too long or too much memory to
+#: compile (20,000 short choices compile in ~15 s on one core and take ~48 MB): refused naming the field.
+MAX_CHOICES = 50_000
+MAX_CHOICE_CHARS = 1 << 20  # all choices together
+MAX_SCHEMA_BYTES = 256 << 10  # the schema as compact JSON
+MAX_REGEX_LENGTH = 10_000
 #: Temperatures below this sample greedily (as in vLLM): dividing logits by ~1e-300 overflows float32 and
 #: would turn every probability into NaN, so a tiny temperature means "argmax", as its limit does.
 GREEDY_TEMPERATURE = 1e-5
@@ -168,6 +174,8 @@ def _schema_dict(schema: Any) -> dict[str, Any]:
         text = json.dumps(schema)
     except (TypeError, ValueError) as exc:
         raise InvalidRequestError("json_schema", f"is not JSON-serialisable: {exc}") from None
+    if len(text.encode()) > MAX_SCHEMA_BYTES:
+        raise InvalidRequestError("json_schema", f"is {len(text.encode())} bytes as JSON; at most {MAX_SCHEMA_BYTES} are accepted")
     error = _schema_error(text)
     if error is not None:
         raise InvalidRequestError("json_schema", error)
@@ -196,15 +204,22 @@ def _choice_list(choice: Any) -> list[str]:
         raise InvalidRequestError("choice", f"must be a list of strings, got {type(choice).__name__}")
     if not choice:
         raise InvalidRequestError("choice", "must not be empty")
+    if len(choice) > MAX_CHOICES:
+        raise InvalidRequestError("choice", f"has {len(choice)} strings; at most {MAX_CHOICES} are accepted")
     for index, item in enumerate(choice):
         if not isinstance(item, str) or not item:
             raise InvalidRequestError(f"choice[{index}]", f"must be a non-empty string, got {item!r}")
+    total = sum(map(len, choice))
+    if total > MAX_CHOICE_CHARS:
+        raise InvalidRequestError("choice", f"has {total} characters in all; at most {MAX_CHOICE_CHARS} are accepted")
     return list(choice)
 
 
 def _check_regex(pattern: Any) -> None:
     if not isinstance(pattern, str) or not pattern:
         raise InvalidRequestError("regex", f"must be a non-empty string, got {pattern!r}")
+    if len(pattern) > MAX_REGEX_LENGTH:
+        raise InvalidRequestError("regex", f"is {len(pattern)} characters long; at most {MAX_REGEX_LENGTH} are accepted")
     try:
         with warnings.catch_warnings():  # e.g. "possible nested set": valid, and xgrammar decides in the end
             warnings.simplefilter("ignore")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import time
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 import traceback
 from dataclasses import dataclass, field
 from typing import Any
@@ -73,6 +74,18 @@ class _Request:
     row: SamplingRow | None = None  # built once, updated each step it samples
 
 
+@dataclass
+class _Pending:
+    """A structured request waiting, outside the scheduler, for its grammar to compile."""
+
+    token_ids: list[int]
+    params: SamplingParams
+    spec: GrammarSpec
+    future: Future
+    deadline: float
+    arrival_time: float = field(default_factory=time.time)
+
+
 class LLMEngine:
     """Not thread-safe: one thread owns an engine and calls `add_request`/`step` in turn."""
 
@@ -96,6 +109,7 @@ class LLMEngine:
         self._seed_source = random.Random(self.config.seed)
         self._totals = {"prompt": 0, "generated": 0, "preempted": 0, "steps": 0}
         self._grammars: GrammarCache | None = None  # built on the first structured request
+        self._pending: dict[str, _Pending] = {}  # requests whose grammar is compiling
 
     def _max_model_len(self) -> int:
         """The configured length, capped by the model's positions and any sliding window (beyond which our
@@ -137,8 +151,20 @@ class LLMEngine:
         params = params or SamplingParams()
         if request_id in self.requests:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
+        if request_id in self._pending:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
         token_ids = self.tokenize(prompt)
         self._check_prompt(token_ids)
+        spec = GrammarSpec.from_params(params)
+        if spec is not None and not self._grammar_cache(spec).is_ready(spec):
+            future = self._grammar_cache(spec).compile_async(spec)
+            deadline = time.time() + self.config.grammar_compile_timeout
+            self._pending[request_id] = _Pending(token_ids, params, spec, future, deadline)
+            return
+        self._admit(request_id, token_ids, params)
+
+    def _admit(self, request_id: str, token_ids: list[int], params: SamplingParams, arrival: float | None = None) -> None:
+        """Into the scheduler: the request's grammar, if any, is compiled by now."""
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
         constraint = self._constraint(params, stop_ids)
         seq = Sequence(request_id, token_ids, params)
@@ -148,6 +174,8 @@ class LLMEngine:
         suppressed = (sorted(stop_ids) if params.min_tokens > 0 else []) + banned
         row = SamplingRow(params, seed, 0, seq.token_ids, suppressed, constraint=constraint)
         self.requests[request_id] = _Request(seq, seed, stop_ids, constraint=constraint, row=row)
+        if arrival is not None:
+            self.requests[request_id].arrival_time = arrival
         self._totals["prompt"] += len(token_ids)
 
     def _check_prompt(self, token_ids: list[int]) -> None:
@@ -164,20 +192,47 @@ class LLMEngine:
         spec = GrammarSpec.from_params(params)
         if spec is None:
             return None
+        return self._grammar_cache(spec).constraint(spec, sorted(stop_ids))
+
+    def _grammar_cache(self, spec: GrammarSpec) -> GrammarCache:
         if self._grammars is None:
             try:
-                self._grammars = GrammarCache(self.tokenizer, self.runner.vocab_size, self.eos_ids)
+                self._grammars = GrammarCache(self.tokenizer, self.runner.vocab_size, self.eos_ids,
+                                              limit_bytes=self.config.grammar_cache_bytes)
             except ImportError as exc:
                 raise InvalidRequestError(spec.field, f"structured outputs need the xgrammar package ({exc})") from None
-        return self._grammars.constraint(spec, sorted(stop_ids))
+        return self._grammars
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Admit the waiting requests whose grammar is ready; fail those whose grammar does not compile or
+        took longer than `grammar_compile_timeout`. With nothing else to run, wait a little for one."""
+        if not self._pending:
+            return []
+        if not self.scheduler.has_unfinished():
+            wait([p.future for p in self._pending.values()], timeout=0.01, return_when=FIRST_COMPLETED)
+        failed, now = [], time.time()
+        for request_id, pending in list(self._pending.items()):
+            if not pending.future.done() and now < pending.deadline:
+                continue
+            del self._pending[request_id]
+            try:
+                if not pending.future.done():
+                    raise InvalidRequestError(pending.spec.field, f"compiling its grammar took longer than "
+                                              f"grammar_compile_timeout ({self.config.grammar_compile_timeout:g} s)")
+                self._admit(request_id, pending.token_ids, pending.params, pending.arrival_time)
+            except InvalidRequestError as exc:
+                failed.append(RequestOutput(request_id, pending.token_ids, [], "", "error", arrival_time=pending.arrival_time,
+                                            finished_time=now, error=str(exc)))
+        return failed
 
     def abort_request(self, request_id: str) -> None:
+        self._pending.pop(request_id, None)
         request = self.requests.pop(request_id, None)
         if request is not None and not request.seq.is_finished:
             self.scheduler.finish(request.seq, "abort")
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._pending)
 
     # -- the step ---------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -187,17 +242,18 @@ class LLMEngine:
         finishes that request with `finish_reason="error"`; the others go on. Anything else (the model's
         forward pass, out of memory, a device error) is the engine's and is raised.
         """
+        admitted = self._admit_compiled()
         batch = self.scheduler.schedule()
         self._totals["preempted"] += batch.num_preempted
         if not batch.seqs:
-            return []
+            return admitted
         result, failed = self._execute(batch)
         self._totals["steps"] += 1
         grown = self.scheduler.update(batch, result.token_ids)
         self._totals["generated"] += len(grown)
         self._advance_grammars(grown)
         now = time.time()
-        finished = [self._fail(seq, error, now) for seq, error in failed]
+        finished = admitted + [self._fail(seq, error, now) for seq, error in failed]
         for seq, logprobs in zip(grown, result.logprobs):
             request = self.requests[seq.request_id]
             request.first_token_time = request.first_token_time or now
@@ -327,7 +383,7 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         return EngineStats(
             num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
+            num_waiting=len(self.scheduler.waiting) + len(self._pending),  # grammar compiling counts as waiting
             kv_cache_usage=self.scheduler.block_manager.usage(),
             num_prompt_tokens=self._totals["prompt"],
             num_generated_tokens=self._totals["generated"],

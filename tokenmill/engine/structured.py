@@ -24,9 +24,11 @@ Decisions:
   `_AFTER_LEAD`).
 * Every completed output is checked after decoding (`check_completion`): the last line of defence. An output
   that fails is reported unsatisfied with the reason, never passed off as valid.
-* Compiling happens at `add_request`, synchronously, and is cached by the grammar's text: in a batch job
-  one schema serves the whole dataset. Compile errors are cached too, so a bad schema repeated in every
-  job is rejected at dict-lookup cost.
+* Compiling happens on the cache's threads, off the engine loop: a request whose grammar is new waits (not in
+  the scheduler) while the others keep stepping, and fails naming its field past the engine's
+  `grammar_compile_timeout`. Grammars are cached by their text, LRU-bounded by bytes (`grammar_cache_bytes`):
+  in a batch job one schema serves the whole dataset. Compile errors are cached too, so a bad schema repeated
+  in every job is rejected at dict-lookup cost.
 
 xgrammar is imported on first use, so an engine that never sees a structured request does not load it.
 """
@@ -35,6 +37,9 @@ from __future__ import annotations
 
 import functools
 import json
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -83,29 +88,72 @@ class GrammarSpec:
 class GrammarCache:
     """One per engine: the tokenizer's vocabulary as xgrammar sees it, a compiler, and compiled grammars."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_ids: Sequence[int]) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_ids: Sequence[int], limit_bytes: int = 512 << 20) -> None:
         import xgrammar as xgr
 
         self.vocab_size = vocab_size
         self.stop_ids = sorted(stop_ids)
         self.info, vocab = _tokenizer_info(xgr, tokenizer, vocab_size, self.stop_ids)
-        self.compiler = xgr.GrammarCompiler(self.info, max_threads=2)
+        # xgrammar's own cache is unbounded (40 distinct 3,000-choice lists kept 1.2 GiB): ours is LRU by bytes.
+        self.compiler = xgr.GrammarCompiler(self.info, max_threads=2, cache_enabled=False)
+        self.limit_bytes, self.total_bytes = limit_bytes, 0
+        self._lock = threading.Lock()
+        self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar-compile")
+        self._inflight: dict[GrammarSpec, Future] = {}
         self.scratch = xgr.allocate_token_bitmask(1, vocab_size)  # for completion checks (one thread owns the engine)
         self.last_byte = [token[-1] if token else -1 for token in vocab]
         self.after_lead = _after_lead_words(vocab, self.scratch.shape[1])
-        self._compiled: dict[GrammarSpec, Any] = {}
+        self._compiled: OrderedDict[GrammarSpec, tuple[Any, int]] = OrderedDict()  # spec -> (grammar or error, bytes)
         self._empty: dict[tuple[GrammarSpec, frozenset[int]], bool] = {}
         self._non_stop: dict[frozenset[int], np.ndarray] = {}
 
+    def is_ready(self, spec: GrammarSpec) -> bool:
+        """Whether `spec` is compiled (or known not to compile): a request with it can start at once."""
+        with self._lock:
+            return spec in self._compiled
+
+    def compile_async(self, spec: GrammarSpec) -> Future:
+        """Compile `spec` on the cache's thread (xgrammar releases the GIL while compiling), so the engine loop
+        keeps stepping; one compile per distinct spec however many requests wait for it."""
+        with self._lock:
+            future = self._inflight.get(spec)
+            if future is None:
+                future = self._inflight[spec] = self._executor.submit(self._compile_and_store, spec)
+            return future
+
+    def _compile_and_store(self, spec: GrammarSpec) -> None:
+        try:
+            compiled: Any = self._compile(spec)
+        except Exception as exc:  # xgrammar raises RuntimeError/ValueError with its parser's message
+            compiled = InvalidRequestError(spec.field, f"cannot be compiled into a grammar: {_message(exc)}")
+        with self._lock:
+            self._store(spec, compiled)
+            self._inflight.pop(spec, None)
+
+    def _store(self, spec: GrammarSpec, compiled: Any) -> None:
+        """Insert as most recent, then evict least recently used grammars past `limit_bytes` (the newest stays
+        even if larger; matchers already built keep their grammar alive on their own)."""
+        size = _grammar_bytes(spec, compiled)
+        self._compiled[spec] = (compiled, size)
+        self._compiled.move_to_end(spec)
+        self.total_bytes += size
+        while self.total_bytes > self.limit_bytes and len(self._compiled) > 1:
+            old, (_, old_size) = self._compiled.popitem(last=False)
+            self.total_bytes -= old_size
+            for key in [k for k in self._empty if k[0] == old]:
+                del self._empty[key]
+
     def compile(self, spec: GrammarSpec) -> Any:
-        """The compiled grammar for `spec`, or InvalidRequestError naming its field. Cached either way."""
-        compiled = self._compiled.get(spec)
-        if compiled is None:
-            try:
-                compiled = self._compile(spec)
-            except Exception as exc:  # xgrammar raises RuntimeError/ValueError with its parser's message
-                compiled = InvalidRequestError(spec.field, f"cannot be compiled into a grammar: {_message(exc)}")
-            self._compiled[spec] = compiled
+        """The compiled grammar for `spec`, or InvalidRequestError naming its field. Cached either way (LRU)."""
+        with self._lock:
+            entry = self._compiled.get(spec)
+            if entry is not None:
+                self._compiled.move_to_end(spec)
+        if entry is None:
+            self.compile_async(spec).result()
+            with self._lock:
+                entry = self._compiled[spec]
+        compiled = entry[0]
         if isinstance(compiled, InvalidRequestError):
             raise compiled
         return compiled
@@ -126,9 +174,10 @@ class GrammarCache:
         banned and the request ends when nothing else can follow or at max_tokens."""
         constraint = Constraint(self, spec, self.compile(spec), stop_ids)
         key = (spec, constraint.stop_ids)
-        if key not in self._empty:  # every fresh matcher of a grammar starts in the same state
-            self._empty[key] = constraint.only_stops_allowed()
-        if self._empty[key]:
+        empty = self._empty.get(key)  # every fresh matcher of a grammar starts in the same state
+        if empty is None:
+            empty = self._empty[key] = constraint.only_stops_allowed()
+        if empty:
             raise InvalidRequestError(spec.field, "matches only the empty string")
         return constraint
 
@@ -271,6 +320,12 @@ def _after_lead_words(vocab: list[bytes], words: int) -> dict[int, torch.Tensor]
         allowed[[i for i, token in enumerate(vocab) if token and token[0] in allowed_next]] = True
         out[lead] = torch.from_numpy(np.packbits(allowed, bitorder="little").view(np.int32).copy())
     return out
+
+
+def _grammar_bytes(spec: GrammarSpec, compiled: Any) -> int:
+    """What a cache entry holds: xgrammar's own figure for a grammar, the source text for a cached error."""
+    size = getattr(compiled, "memory_size_bytes", None)
+    return int(size) if isinstance(size, int) else len(spec.source)
 
 
 def _message(exc: BaseException) -> str:
