@@ -411,8 +411,37 @@ class _Normaliser:
         other = self.norm(node.get("else", True), f"{ptr}/else")
         branches = [self.intersect(condition, then, ptr)]
         if other:
-            branches.append(self.intersect(self.complement(condition, f"{ptr}/if"), other, ptr))
+            try:
+                negated = self.complement(condition, f"{ptr}/if")
+            except UnsupportedSchema:
+                negated = self.discriminator_complement(condition, self.typed(node, ptr), ptr)
+                if negated is None:
+                    raise
+            branches.append(self.intersect(negated, other, ptr))
         return self.union(branches, ptr)
+
+    def discriminator_complement(self, condition: Disjs, base: Disjs, ptr: str) -> Disjs | None:
+        """`not if` for the discriminator pattern: `if` constrains one property k of an object
+        (`{"properties": {"kind": {"const": "a"}}}`, non-objects pass it) and this node's own object branch
+        requires k with a finite enum. Then "not if" within that branch is k's enum less the values `if`
+        accepts. None where the pattern does not apply."""
+        objects = [d for d in condition if d.get("type") == "object"]
+        others = {d["type"] for d in condition if d.get("type") != "object" and _is_bare(d)}
+        if len(objects) != 1 or others != set(TYPES) - {"object"} or len(objects[0]["props"]) != 1:
+            return None
+        (key, accepted), = objects[0]["props"].items()
+        if {**objects[0], "props": {}, "required": objects[0]["required"] - {key}} != _typed("object"):
+            return None
+        out = []
+        for branch in base:
+            if branch.get("type") != "object":
+                continue  # non-objects pass `if`: none of them is in "not if"
+            values = branch["props"].get(key)
+            if values is None or key not in branch["required"] or not all("enum" in v for v in values):
+                return None
+            rest = [v for v in values if not self.valid(self.emit(accepted, ptr, check=False), v["enum"][0], core=True)]
+            out.append({**branch, "props": {**branch["props"], key: rest}})
+        return out or None
 
     # -- the type keywords of one node --------------------------------------------------------------------
     def typed(self, node: dict[str, Any], ptr: str) -> Disjs:
