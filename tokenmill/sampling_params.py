@@ -188,6 +188,7 @@ def _schema_error(text: str) -> str | None:
     """The metaschema check, cached by the schema's text: a job is validated at the client, the worker and
     the engine process, and a dataset's jobs usually share one schema."""
     from jsonschema.exceptions import SchemaError  # imported only when a schema is given
+
     from tokenmill.schema_support import draft_of, validator_class
 
     schema = json.loads(text)

@@ -301,7 +301,7 @@ class _Normaliser:
             raise UnsupportedSchema("schema", "", "no value is valid under it (unsatisfiable)")
         emitted: dict[str, Any] = {}
         while self.opaque - set(emitted):
-            name = sorted(self.opaque - set(emitted))[0]
+            name = min(self.opaque - set(emitted))
             self.stack = [name]
             body = self.emit(self.norm(self.defs[name], self.def_pointers[name]), self.def_pointers[name])
             if body is False:
@@ -569,7 +569,7 @@ class _Normaliser:
 
     def _meet_array(self, x: Disj, y: Disj, ptr: str) -> Disjs:
         length = max(len(x["prefix"]), len(y["prefix"]))
-        at = lambda d, i: d["prefix"][i] if i < len(d["prefix"]) else (d["items"] if d["items"] is not None else _any())  # noqa: E731
+        at = lambda d, i: d["prefix"][i] if i < len(d["prefix"]) else (d["items"] if d["items"] is not None else _any())
         x["prefix"] = [self.intersect(at(x, i), at(y, i), ptr) for i in range(length)]
         x["items"] = y["items"] if x["items"] is None else x["items"] if y["items"] is None else self.intersect(x["items"], y["items"], ptr)
         x["items_set"] = x["items_set"] or y["items_set"]
@@ -581,7 +581,7 @@ class _Normaliser:
         return [x]
 
     def _meet_object(self, x: Disj, y: Disj, ptr: str) -> Disjs:
-        rule = lambda d, k: d["props"][k] if k in d["props"] else d["additional"]  # noqa: E731
+        rule = lambda d, k: d["props"][k] if k in d["props"] else d["additional"]
         props = {}
         for key in [*x["props"], *(k for k in y["props"] if k not in x["props"])]:
             a, b = rule(x, key), rule(y, key)

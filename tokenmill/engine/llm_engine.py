@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import random
 import time
-from concurrent.futures import FIRST_COMPLETED, Future, wait
 import traceback
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from typing import Any
 
