@@ -22,7 +22,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "tokenmill"
 
 #: Room of each module: its subpackage, or its own name for a top-level module. `common` is what every room
 #: may use: the errors and the sampling parameters, which the engine, the scheduler and the contract share.
-COMMON = {"errors", "sampling_params"}
+COMMON = {"errors", "sampling_params", "schema_support"}
 #: Which rooms each room may import. The engine side runs worker -> engine -> scheduler -> kernels; the queue
 #: side applications -> client/worker -> queue (the contract); the contract imports neither side.
 ALLOWED: dict[str, set[str]] = {

@@ -239,7 +239,7 @@ def _generate(args: argparse.Namespace) -> int:
         if getattr(out, "error", None):
             line["error"] = out.error
         if out.constraint_satisfied is not None:
-            line.update(constraint_satisfied=out.constraint_satisfied, parsed=out.parsed)
+            line.update(constraint_satisfied=out.constraint_satisfied, parsed=out.parsed, constraint_error=out.constraint_error)
         print(json.dumps(line), flush=True)
     return 0
 

@@ -11,12 +11,19 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from tokenmill.errors import InvalidRequestError
+from tokenmill.schema_support import prepare
 
 #: Upper bound of every integer count and token id: what an int32 tensor holds, far above any vocabulary
 #: or context length, so a value the client accepts never overflows inside the engine.
 MAX_INT = 2**31 - 1
 #: Seeds are unsigned 64-bit, like numpy's and vLLM's; the sampler folds them into its int64 tensors.
 MAX_SEED = 2**64 - 1
+#: Size limits of structured-output options, past which a grammar would take too long or too much memory to
+#: compile (20,000 short choices compile in ~15 s on one core and take ~48 MB): refused naming the field.
+MAX_CHOICES = 50_000
+MAX_CHOICE_CHARS = 1 << 20  # all choices together
+MAX_SCHEMA_BYTES = 256 << 10  # the schema as compact JSON
+MAX_REGEX_LENGTH = 10_000
 #: Temperatures below this sample greedily (as in vLLM): dividing logits by ~1e-300 overflows float32 and
 #: would turn every probability into NaN, so a tiny temperature means "argmax", as its limit does.
 GREEDY_TEMPERATURE = 1e-5
@@ -208,9 +215,12 @@ def _schema_dict(schema: Any) -> dict[str, Any]:
         text = json.dumps(schema)
     except (TypeError, ValueError) as exc:
         raise InvalidRequestError("json_schema", f"is not JSON-serialisable: {exc}") from None
+    if len(text.encode()) > MAX_SCHEMA_BYTES:
+        raise InvalidRequestError("json_schema", f"is {len(text.encode())} bytes as JSON; at most {MAX_SCHEMA_BYTES} are accepted")
     error = _schema_error(text)
     if error is not None:
         raise InvalidRequestError("json_schema", error)
+    prepare(schema)  # refuses, naming keyword and pointer, what no backend enforces in full (cached by text)
     return schema
 
 
@@ -219,11 +229,12 @@ def _schema_error(text: str) -> str | None:
     """The metaschema check, cached by the schema's text: a job is validated at the client, the worker and
     the engine process, and a dataset's jobs usually share one schema."""
     from jsonschema.exceptions import SchemaError  # imported only when a schema is given
-    from jsonschema.validators import Draft202012Validator, validator_for
+
+    from tokenmill.schema_support import draft_of, validator_class
 
     schema = json.loads(text)
     try:
-        validator_for(schema, default=Draft202012Validator).check_schema(schema)
+        validator_class(draft_of(schema)).check_schema(schema)
     except SchemaError as exc:
         where = "/".join(str(part) for part in exc.path)
         return f"is not a valid JSON Schema{f' at {where}' if where else ''}: {exc.message}"
@@ -235,15 +246,22 @@ def _choice_list(choice: Any) -> list[str]:
         raise InvalidRequestError("choice", f"must be a list of strings, got {type(choice).__name__}")
     if not choice:
         raise InvalidRequestError("choice", "must not be empty")
+    if len(choice) > MAX_CHOICES:
+        raise InvalidRequestError("choice", f"has {len(choice)} strings; at most {MAX_CHOICES} are accepted")
     for index, item in enumerate(choice):
         if not isinstance(item, str) or not item:
             raise InvalidRequestError(f"choice[{index}]", f"must be a non-empty string, got {item!r}")
+    total = sum(map(len, choice))
+    if total > MAX_CHOICE_CHARS:
+        raise InvalidRequestError("choice", f"has {total} characters in all; at most {MAX_CHOICE_CHARS} are accepted")
     return list(choice)
 
 
 def _check_regex(pattern: Any) -> None:
     if not isinstance(pattern, str) or not pattern:
         raise InvalidRequestError("regex", f"must be a non-empty string, got {pattern!r}")
+    if len(pattern) > MAX_REGEX_LENGTH:
+        raise InvalidRequestError("regex", f"is {len(pattern)} characters long; at most {MAX_REGEX_LENGTH} are accepted")
     if (depth := _group_depth(pattern)) > MAX_NESTING:  # `re`'s parser recurses per group
         raise InvalidRequestError("regex", f"groups nest {depth} deep, more than {MAX_NESTING}")
     try:

@@ -33,6 +33,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     attention_backend: str | None = None
     seed: int = 0
+    # Structured outputs: seconds a new grammar may take to compile (off the engine loop) before its request
+    # fails naming the field, and the bytes of compiled grammars kept (LRU).
+    grammar_compile_timeout: float = 60.0
+    grammar_cache_bytes: int = 512 << 20
 
     def __post_init__(self) -> None:
         if self.load_format not in ("auto", "dummy"):
@@ -44,6 +48,8 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name}: must be >= 1, got {value}")
+        if not self.grammar_compile_timeout > 0 or self.grammar_cache_bytes < 1:
+            raise ValueError("grammar_compile_timeout and grammar_cache_bytes: must be > 0")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
 

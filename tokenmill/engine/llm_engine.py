@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 import time
 import traceback
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,7 +17,7 @@ from tokenmill.engine.loader import load
 from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.engine.prompt_limits import check_prompt_chars, max_prompt_chars
 from tokenmill.engine.sampler import SampleResult, SamplingRow
-from tokenmill.engine.structured import Constraint, GrammarCache, GrammarSpec, advance
+from tokenmill.engine.structured import Constraint, GrammarCache, GrammarSpec, advance, check_completion
 from tokenmill.errors import InvalidRequestError
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.scheduler.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
@@ -45,6 +46,9 @@ class RequestOutput:
     # cut by max_tokens or a stop string), and the JSON value for json_schema/json_object when it does.
     constraint_satisfied: bool | None = None
     parsed: Any = None
+    # Why a complete-looking output failed the final check against its constraint ("<field>: <keyword> at
+    # <schema pointer> ..."); then constraint_satisfied is False and parsed None.
+    constraint_error: str | None = None
 
 
 @dataclass
@@ -73,6 +77,18 @@ class _Request:
     row: SamplingRow | None = None  # built once, updated each step it samples
 
 
+@dataclass
+class _Pending:
+    """A structured request waiting, outside the scheduler, for its grammar to compile."""
+
+    token_ids: list[int]
+    params: SamplingParams
+    spec: GrammarSpec
+    future: Future
+    deadline: float
+    arrival_time: float = field(default_factory=time.time)
+
+
 class LLMEngine:
     """Not thread-safe: one thread owns an engine and calls `add_request`/`step` in turn."""
 
@@ -98,6 +114,7 @@ class LLMEngine:
         self._seed_source = random.Random(self.config.seed)
         self._totals = {"prompt": 0, "generated": 0, "preempted": 0, "steps": 0}
         self._grammars: GrammarCache | None = None  # built on the first structured request
+        self._pending: dict[str, _Pending] = {}  # requests whose grammar is compiling
 
     def _max_model_len(self) -> int:
         """The configured length, capped by the model's positions and any sliding window (beyond which our
@@ -141,8 +158,20 @@ class LLMEngine:
         params = params or SamplingParams()
         if request_id in self.requests:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
+        if request_id in self._pending:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
         token_ids = self.tokenize(prompt)
         self._check_prompt(token_ids)
+        spec = GrammarSpec.from_params(params)
+        if spec is not None and not self._grammar_cache(spec).is_ready(spec):
+            future = self._grammar_cache(spec).compile_async(spec)
+            deadline = time.time() + self.config.grammar_compile_timeout
+            self._pending[request_id] = _Pending(token_ids, params, spec, future, deadline)
+            return
+        self._admit(request_id, token_ids, params)
+
+    def _admit(self, request_id: str, token_ids: list[int], params: SamplingParams, arrival: float | None = None) -> None:
+        """Into the scheduler: the request's grammar, if any, is compiled by now."""
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
         constraint = self._constraint(params, stop_ids)
         seq = Sequence(request_id, token_ids, params)
@@ -153,6 +182,8 @@ class LLMEngine:
         row = SamplingRow(params, seed, 0, seq.token_ids, suppressed, constraint=constraint)
         stops = StopMatcher(params.stop) if params.stop else None
         self.requests[request_id] = _Request(seq, seed, stop_ids, constraint=constraint, row=row, stops=stops)
+        if arrival is not None:
+            self.requests[request_id].arrival_time = arrival
         self._totals["prompt"] += len(token_ids)
 
     def _check_prompt(self, token_ids: list[int]) -> None:
@@ -169,14 +200,41 @@ class LLMEngine:
         spec = GrammarSpec.from_params(params)
         if spec is None:
             return None
+        return self._grammar_cache(spec).constraint(spec, sorted(stop_ids))
+
+    def _grammar_cache(self, spec: GrammarSpec) -> GrammarCache:
         if self._grammars is None:
             try:
-                self._grammars = GrammarCache(self.tokenizer, self.runner.vocab_size, self.eos_ids)
+                self._grammars = GrammarCache(self.tokenizer, self.runner.vocab_size, self.eos_ids,
+                                              limit_bytes=self.config.grammar_cache_bytes)
             except ImportError as exc:
                 raise InvalidRequestError(spec.field, f"structured outputs need the xgrammar package ({exc})") from None
-        return self._grammars.constraint(spec, sorted(stop_ids))
+        return self._grammars
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Admit the waiting requests whose grammar is ready; fail those whose grammar does not compile or
+        took longer than `grammar_compile_timeout`. With nothing else to run, wait a little for one."""
+        if not self._pending:
+            return []
+        if not self.scheduler.has_unfinished():
+            wait([p.future for p in self._pending.values()], timeout=0.01, return_when=FIRST_COMPLETED)
+        failed, now = [], time.time()
+        for request_id, pending in list(self._pending.items()):
+            if not pending.future.done() and now < pending.deadline:
+                continue
+            del self._pending[request_id]
+            try:
+                if not pending.future.done():
+                    raise InvalidRequestError(pending.spec.field, f"compiling its grammar took longer than "
+                                              f"grammar_compile_timeout ({self.config.grammar_compile_timeout:g} s)")
+                self._admit(request_id, pending.token_ids, pending.params, pending.arrival_time)
+            except InvalidRequestError as exc:
+                failed.append(RequestOutput(request_id, pending.token_ids, [], "", "error", arrival_time=pending.arrival_time,
+                                            finished_time=now, error=str(exc)))
+        return failed
 
     def abort_request(self, request_id: str) -> None:
+        self._pending.pop(request_id, None)
         request = self.requests.pop(request_id, None)
         if request is not None and not request.seq.is_finished:
             self.scheduler.finish(request.seq, "abort")
@@ -197,7 +255,7 @@ class LLMEngine:
                                  finished_time=time.time())
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._pending)
 
     # -- the step ---------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -207,17 +265,18 @@ class LLMEngine:
         finishes that request with `finish_reason="error"`; the others go on. Anything else (the model's
         forward pass, out of memory, a device error) is the engine's and is raised.
         """
+        admitted = self._admit_compiled()
         batch = self.scheduler.schedule()
         self._totals["preempted"] += batch.num_preempted
         if not batch.seqs:
-            return []
+            return admitted
         result, failed = self._execute(batch)
         self._totals["steps"] += 1
         grown = self.scheduler.update(batch, result.token_ids)
         self._totals["generated"] += len(grown)
         self._advance_grammars(grown)
         now = time.time()
-        finished = [self._fail(seq, error, now) for seq, error in failed]
+        finished = admitted + [self._fail(seq, error, now) for seq, error in failed]
         for seq, logprobs in zip(grown, result.logprobs):
             request = self.requests[seq.request_id]
             request.first_token_time = request.first_token_time or now
@@ -316,6 +375,7 @@ class LLMEngine:
         seq, constraint = request.seq, request.constraint
         text = request.text if request.text is not None else self._decode(seq)
         satisfied = None if constraint is None else constraint.completed and request.text is None
+        parsed, constraint_error = self._check(request) if satisfied else (None, None)
         return RequestOutput(
             request_id=seq.request_id,
             prompt_token_ids=seq.prompt_token_ids,
@@ -328,14 +388,25 @@ class LLMEngine:
             first_token_time=request.first_token_time,
             finished_time=now,
             error=constraint.error() if constraint is not None else None,
-            constraint_satisfied=satisfied,
-            parsed=constraint.parse(text) if satisfied else None,
+            constraint_satisfied=satisfied and constraint_error is None,
+            parsed=parsed,
+            constraint_error=constraint_error,
         )
+
+    def _check(self, request: _Request) -> tuple[Any, str | None]:
+        """The final check of a grammar-complete output: its text without a trailing stop token (which
+        `skip_special_tokens=False` would show), against the request's constraint in full."""
+        seq = request.seq
+        tokens = seq.output_token_ids
+        if tokens and tokens[-1] in request.stop_ids:
+            tokens = tokens[:-1]
+        text = self.tokenizer.decode(tokens, skip_special_tokens=seq.params.skip_special_tokens)
+        return check_completion(seq.params.structured, text)  # type: ignore[arg-type]
 
     def stats(self) -> EngineStats:
         return EngineStats(
             num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
+            num_waiting=len(self.scheduler.waiting) + len(self._pending),  # grammar compiling counts as waiting
             kv_cache_usage=self.scheduler.block_manager.usage(),
             num_prompt_tokens=self._totals["prompt"],
             num_generated_tokens=self._totals["generated"],

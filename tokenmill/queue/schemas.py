@@ -272,6 +272,9 @@ class JobResult(BaseModel):
     logprobs: list[Any] | None = None
     parsed: Any = None  # json_schema / json_object: the completion's JSON value, when it satisfies the constraint
     constraint_satisfied: bool | None = None  # structured outputs: False when cut by max_tokens or a stop string
+    # structured outputs: why a complete output failed the engine's final check (keyword and schema pointer);
+    # optional, so results written before it still parse
+    constraint_error: str | None = None
     usage: Usage | None = None
     queued_at: Timestamp = None
     started_at: Timestamp = None

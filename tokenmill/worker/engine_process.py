@@ -71,6 +71,7 @@ class EngineOutput:
     finished_time: float
     parsed: Any = None
     constraint_satisfied: bool | None = None
+    constraint_error: str | None = None
 
 
 @dataclass
@@ -457,6 +458,7 @@ def _output_fields(output: Any) -> dict[str, Any]:
         "finished_time": output.finished_time,
         "parsed": output.parsed,
         "constraint_satisfied": output.constraint_satisfied,
+        "constraint_error": output.constraint_error,
     }
 
 
