@@ -9,6 +9,8 @@ import re
 import jsonschema
 import pydantic
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from model_fixtures import random_prompts
 from subword_model import build_subword_model_dir
 
@@ -253,3 +255,13 @@ def test_masks_keep_byte_tokens_to_valid_utf8(tiny: LLM) -> None:
     allowed = [set(torch.isfinite(row).nonzero()[:, 0].tolist()) for row in apply_token_masks(torch.zeros(3, 320), constraints)]
     assert {0xC0, 0xC1, 0xF5, 0xFF}.isdisjoint(allowed[0]) and {ord("a"), 0xE0, 0xED, 0xF0}.issubset(allowed[0])
     assert allowed[1] == set(range(0xA0, 0xC0)) and allowed[2] == set(range(0x80, 0xA0))
+
+
+@given(st.lists(st.text(min_size=1, alphabet=st.characters(blacklist_categories=("Cs",))), min_size=1, max_size=30))
+def test_a_choice_grammar_is_each_choice_as_a_json_string_joined_by_or(choices: list[str]) -> None:
+    """The one-dump construction of a choice grammar (quotes, commas, backslashes and ', ' inside choices
+    included) equals dumping each choice on its own."""
+    from tokenmill.engine.structured import GrammarSpec
+
+    expected = " | ".join(json.dumps(c, ensure_ascii=False) for c in dict.fromkeys(choices))
+    assert GrammarSpec.from_params(SamplingParams(choice=choices)).source == f"root ::= {expected}"

@@ -168,12 +168,13 @@ class LLMEngine:
             deadline = time.time() + self.config.grammar_compile_timeout
             self._pending[request_id] = _Pending(token_ids, params, spec, future, deadline)
             return
-        self._admit(request_id, token_ids, params)
+        self._admit(request_id, token_ids, params, spec=spec)
 
-    def _admit(self, request_id: str, token_ids: list[int], params: SamplingParams, arrival: float | None = None) -> None:
-        """Into the scheduler: the request's grammar, if any, is compiled by now."""
+    def _admit(self, request_id: str, token_ids: list[int], params: SamplingParams, arrival: float | None = None,
+               spec: GrammarSpec | None = None) -> None:
+        """Into the scheduler: the request's grammar (`spec`, built once in `add_request`), if any, is compiled by now."""
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
-        constraint = self._constraint(params, stop_ids)
+        constraint = self._constraint(spec, stop_ids)
         seq = Sequence(request_id, token_ids, params)
         self.scheduler.add(seq)
         seed = params.seed if params.seed is not None else self._seed_source.getrandbits(63)
@@ -195,9 +196,8 @@ class LLMEngine:
                     "prompt_token_ids", f"token {token!r} at index {index} is outside the vocabulary [0, {self.runner.vocab_size})"
                 )
 
-    def _constraint(self, params: SamplingParams, stop_ids: frozenset[int]) -> Constraint | None:
+    def _constraint(self, spec: GrammarSpec | None, stop_ids: frozenset[int]) -> Constraint | None:
         """The request's grammar matcher (compiled once per distinct grammar), or None for free text."""
-        spec = GrammarSpec.from_params(params)
         if spec is None:
             return None
         return self._grammar_cache(spec).constraint(spec, sorted(stop_ids))
@@ -227,7 +227,7 @@ class LLMEngine:
                 if not pending.future.done():
                     raise InvalidRequestError(pending.spec.field, f"compiling its grammar took longer than "
                                               f"grammar_compile_timeout ({self.config.grammar_compile_timeout:g} s)")
-                self._admit(request_id, pending.token_ids, pending.params, pending.arrival_time)
+                self._admit(request_id, pending.token_ids, pending.params, pending.arrival_time, pending.spec)
             except InvalidRequestError as exc:
                 failed.append(RequestOutput(request_id, pending.token_ids, [], "", "error", arrival_time=pending.arrival_time,
                                             finished_time=now, error=str(exc)))
