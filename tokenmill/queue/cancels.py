@@ -44,8 +44,7 @@ for i = 1, n do
   local final = false
   if stored then
     local ok, meta = pcall(cjson.decode, stored)
-    final = ok and type(meta) == 'table' and (meta.status == 'SUCCESS' or meta.status == 'FAILURE'
-                                              or meta.status == 'REVOKED')
+    final = ok and type(meta) == 'table' and (FINAL_STATES)
   end
   if final then
     outcomes[i] = 'finished'
@@ -63,6 +62,8 @@ for i = 1, n do
 end
 return outcomes
 """
+# the states `is_final` takes as final, spelled once
+_CANCEL = _CANCEL.replace("FINAL_STATES", " or ".join(f"meta.status == '{state}'" for state in FINAL_STATES))
 
 
 def is_final(stored: bytes | None) -> bool:
@@ -96,7 +97,8 @@ def cancel(backend: Any, job_ids: Iterable[str], expires: int) -> dict[str, Outc
         chunk = ids[start : start + _CHUNK]
         keys = []
         for job_id in chunk:
-            keys += [backend.get_key_for_task(job_id), CANCEL_KEY.format(job_id=job_id), DELIVERIES_KEY.format(job_id=job_id)]
+            keys += [backend.get_key_for_task(job_id), CANCEL_KEY.format(job_id=job_id),
+                     DELIVERIES_KEY.format(job_id=job_id)]
         unstarted = [encode_result(backend, JobResult.cancelled(job_id, "cancelled before it started").to_wire())
                      for job_id in chunk]
         outcomes = script(keys=keys, args=[int(expires), CANCEL_CHANNEL, *chunk, *unstarted])
