@@ -77,9 +77,11 @@ def test_celery_revoke_and_terminate_cancel_like_the_client(redis_server: RedisS
     with Client(redis_server.url) as client:
         plain, terminate = client.submit(prompt="revoke me", **LONG), client.submit(prompt="terminate me", **LONG)
         _generating(worker, sequences=2)
-        replies = app.control.revoke(plain.id, reply=True, timeout=10)
+        # limit=1: return at the one worker's answer (a broadcast waits out its whole timeout otherwise, long
+        # enough on an idle machine for the second job to finish before its revoke is even sent)
+        replies = app.control.revoke(plain.id, reply=True, timeout=10, limit=1)
         assert replies and f"{plain.id}: cancelling" in str(replies)
-        app.control.revoke(terminate.id, terminate=True, reply=True, timeout=10)
+        app.control.revoke(terminate.id, terminate=True, reply=True, timeout=10, limit=1)
         _assert_cancelled_while_running(client, plain.id)
         _assert_cancelled_while_running(client, terminate.id)
         celery_view = app.AsyncResult(plain.id)
@@ -183,7 +185,7 @@ def test_remote_commands_that_cannot_work_or_change_the_worker_answer_with_an_er
     for name, arguments in (("rate_limit", {"task_name": TASK_NAME, "rate_limit": "1/s"}),
                             ("time_limit", {"task_name": TASK_NAME, "soft": 1, "hard": 2}),
                             ("shutdown", {}), ("pool_shrink", {"n": 1}), ("add_consumer", {"queue": "x"})):
-        [reply] = app.control.broadcast(name, arguments=arguments, reply=True, timeout=10)
+        [reply] = app.control.broadcast(name, arguments=arguments, reply=True, timeout=10, limit=1)
         [answer] = reply.values()
         assert "error" in answer and "ok" not in answer, (name, answer)
     assert worker.process.poll() is None  # the shutdown was refused
