@@ -255,7 +255,8 @@ class S3Server:
 class Worker:
     """A `tokenmill worker` subprocess on builtin:tiny."""
 
-    def __init__(self, broker_url: str, log_path: Path, name: str, options: dict[str, Any], new_session: bool = False) -> None:
+    def __init__(self, broker_url: str, log_path: Path, name: str, options: dict[str, Any], new_session: bool = False,
+                 extra_env: dict[str, str] | None = None) -> None:
         self.name = name
         self.log_path = log_path
         self.metrics_port = free_port()
@@ -270,6 +271,7 @@ class Worker:
             self.command += [f"--{flag}"] if value is True else [f"--{flag}", str(value)]
         env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENMILL_")}
         env.update(AWS_ENV, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        env.update(extra_env or {})
         self._log = open(log_path, "ab")
         self.process = subprocess.Popen(self.command, stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=REPO,
                                         start_new_session=new_session)
@@ -357,15 +359,18 @@ def s3_server() -> Iterator[S3Server]:
 
 @pytest.fixture
 def start_worker(tmp_path: Path) -> Iterator[Callable[..., Worker]]:
-    """`start_worker(broker_url, name="w1", new_session=False, **flags)` starts a worker; all are killed at teardown.
+    """`start_worker(broker_url, name="w1", new_session=False, extra_env=None, **flags)` starts a worker; all are
+    killed at teardown.
 
-    `new_session=True` gives the worker its own process group, so a test can signal the whole group.
+    `new_session=True` gives the worker its own process group, so a test can signal the whole group;
+    `extra_env` is set in its environment last (e.g. other AWS credentials than the test ones).
     """
     workers: list[Worker] = []
 
-    def start(broker_url: str, name: str = "w1", new_session: bool = False, **options: Any) -> Worker:
+    def start(broker_url: str, name: str = "w1", new_session: bool = False, extra_env: dict[str, str] | None = None,
+              **options: Any) -> Worker:
         options = {key.replace("_", "-"): value for key, value in options.items()}
-        worker = Worker(broker_url, tmp_path / f"{name}-{len(workers)}.log", name, options, new_session)
+        worker = Worker(broker_url, tmp_path / f"{name}-{len(workers)}.log", name, options, new_session, extra_env)
         workers.append(worker)
         return worker
 

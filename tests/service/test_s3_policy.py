@@ -1,0 +1,138 @@
+"""The workers' S3 credentials in compose reach the results bucket only: the policy docker-compose.yml's
+`minio-init` writes, enforced by a real S3 server with access control on, under a real worker.
+
+MinIO cannot run here (its image cannot be pulled and Debian does not package it), so the server is moto's,
+started with `INITIAL_NO_AUTH_ACTION_COUNT`: past that many set-up calls, every request must be signed by an
+IAM user it knows and is allowed only what that user's policies allow, in the same policy language MinIO uses.
+The policy document is produced by running the compose file's own `printf` line. What this does not run are
+the `mc admin` commands that load the policy into MinIO and attach it to the workers' user.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import boto3
+import pytest
+import yaml
+from botocore.exceptions import ClientError
+from service_fixtures import REPO, RedisServer, free_port, wait_for
+
+from tokenmill.client import Client
+
+RESULTS_BUCKET = "results"
+OTHER_BUCKET = "prod-config"
+#: The unauthenticated calls of `_set_up`: two buckets, two users, one inline policy each, one access key each.
+SET_UP_CALLS = 8
+
+
+def compose_results_policy(bucket: str) -> str:
+    """The policy document `minio-init` writes for `bucket`, by running its own printf line in a shell."""
+    compose = yaml.safe_load((REPO / "docker-compose.yml").read_text())
+    script = compose["services"]["minio-init"]["command"][0].replace("$$", "$")  # compose's escaping of `$`
+    match = re.search(r"printf '[^']*'\s*\\?\s*\"\$RESULTS_BUCKET\"\s*>\s*(\S+)", script)
+    assert match, "minio-init no longer writes the results policy with printf"
+    policy_path = match.group(1)
+    assert f"mc admin policy create local tokenmill-results {policy_path}" in script
+    assert 'mc admin policy attach local tokenmill-results --user "$MINIO_WORKER_USER"' in script
+    printf = match.group(0)[: match.group(0).rindex(">")]
+    return subprocess.run(["sh", "-c", printf], env={"RESULTS_BUCKET": bucket, "PATH": os.environ["PATH"]},
+                          check=True, capture_output=True, text=True).stdout
+
+
+@dataclass
+class Keys:
+    access_key: str
+    secret_key: str
+
+    def s3(self, endpoint: str) -> object:
+        return boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
+                            aws_access_key_id=self.access_key, aws_secret_access_key=self.secret_key)
+
+
+@dataclass
+class EnforcingS3:
+    endpoint: str
+    worker: Keys
+    admin: Keys
+
+
+def _set_up(endpoint: str, worker_policy: str) -> EnforcingS3:
+    unsigned = {"endpoint_url": endpoint, "region_name": "us-east-1", "aws_access_key_id": "setup",
+                "aws_secret_access_key": "setup"}
+    s3, iam = boto3.client("s3", **unsigned), boto3.client("iam", **unsigned)
+    s3.create_bucket(Bucket=RESULTS_BUCKET)
+    s3.create_bucket(Bucket=OTHER_BUCKET)
+    keys = {}
+    admin_policy = '{"Version":"2012-10-17","Statement":[{"Effect":"Allow","Action":["s3:*"],"Resource":["*"]}]}'
+    for user, policy in (("tokenmill-worker", worker_policy), ("admin", admin_policy)):
+        iam.create_user(UserName=user)
+        iam.put_user_policy(UserName=user, PolicyName="policy", PolicyDocument=policy)
+        key = iam.create_access_key(UserName=user)["AccessKey"]
+        keys[user] = Keys(key["AccessKeyId"], key["SecretAccessKey"])
+    return EnforcingS3(endpoint, keys["tokenmill-worker"], keys["admin"])
+
+
+@pytest.fixture
+def enforcing_s3(tmp_path: Path) -> Iterator[EnforcingS3]:
+    port = free_port()
+    env = dict(os.environ, INITIAL_NO_AUTH_ACTION_COUNT=str(SET_UP_CALLS))
+    with open(tmp_path / "moto.log", "wb") as log:
+        server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                                  env=env, stdout=log, stderr=subprocess.STDOUT)
+    endpoint = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: _answers(endpoint), 30, "moto server")
+        yield _set_up(endpoint, compose_results_policy(RESULTS_BUCKET))
+    finally:
+        server.kill()
+        server.wait(timeout=10)
+
+
+def _answers(endpoint: str) -> bool:
+    try:
+        urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=2)  # moto's dashboard: not an S3 action
+        return True
+    except OSError:
+        return False
+
+
+def _keys_in(s3: EnforcingS3, bucket: str) -> list[str]:
+    return [o["Key"] for o in s3.admin.s3(s3.endpoint).list_objects_v2(Bucket=bucket).get("Contents", [])]
+
+
+def test_the_compose_policy_lets_workers_put_results_and_nothing_else(enforcing_s3: EnforcingS3,
+                                                                       redis_server: RedisServer, start_worker) -> None:
+    s3 = enforcing_s3
+    worker_s3 = s3.worker.s3(s3.endpoint)
+    with pytest.raises(ClientError, match="InvalidAccessKeyId"):  # the server checks credentials at all
+        boto3.client("s3", endpoint_url=s3.endpoint, region_name="us-east-1", aws_access_key_id="testing",
+                     aws_secret_access_key="testing").list_objects_v2(Bucket=RESULTS_BUCKET)
+    for call in (lambda: worker_s3.get_object(Bucket=RESULTS_BUCKET, Key="x"),
+                 lambda: worker_s3.list_objects_v2(Bucket=RESULTS_BUCKET),
+                 lambda: worker_s3.delete_object(Bucket=RESULTS_BUCKET, Key="x"),
+                 lambda: worker_s3.put_object(Bucket=OTHER_BUCKET, Key="app/settings.json", Body=b"{}")):
+        with pytest.raises(ClientError, match="AccessDenied"):
+            call()
+
+    # A worker misconfigured to allow both buckets: the store's policy is the second wall.
+    start_worker(redis_server.url, "policy", s3_endpoint_url=s3.endpoint, s3_region="us-east-1",
+                 output_prefixes=f"s3://{RESULTS_BUCKET}/,s3://{OTHER_BUCKET}/",
+                 extra_env={"AWS_ACCESS_KEY_ID": s3.worker.access_key,
+                            "AWS_SECRET_ACCESS_KEY": s3.worker.secret_key}).wait_ready()
+    with Client(redis_server.url) as client:
+        handles = [client.submit(prompt="hi", max_tokens=3, output=f"s3://{RESULTS_BUCKET}/run1", id="row-1"),
+                   client.submit(prompt="hi", max_tokens=3, output=f"s3://{OTHER_BUCKET}/app", id="settings")]
+        stored, refused = client.results(handles, timeout=120)
+    assert stored.ok and stored.output_uri == f"s3://{RESULTS_BUCKET}/run1/row-1.json"
+    assert _keys_in(s3, RESULTS_BUCKET) == ["run1/row-1.json"]
+    assert refused.error.code == "output_write_failed" and "AccessDenied" in refused.error.message
+    assert len(refused.token_ids) == 3  # the generated text is kept in Redis though S3 refused it
+    assert _keys_in(s3, OTHER_BUCKET) == []
