@@ -33,17 +33,17 @@ OTHER_BUCKET = "prod-config"
 SET_UP_CALLS = 8
 
 
-def compose_results_policy(bucket: str) -> str:
-    """The policy document `minio-init` writes for `bucket`, by running its own printf line in a shell."""
+def compose_policy(bucket_variable: str, policy: str, user_variable: str, bucket: str) -> str:
+    """The policy document `minio-init` writes for the bucket in `$bucket_variable`, by running its own printf
+    line in a shell; checks that the script loads it as `policy` and attaches it to the user in `$user_variable`."""
     compose = yaml.safe_load((REPO / "docker-compose.yml").read_text())
     script = compose["services"]["minio-init"]["command"][0].replace("$$", "$")  # compose's escaping of `$`
-    match = re.search(r"printf '[^']*'\s*\\?\s*\"\$RESULTS_BUCKET\"\s*>\s*(\S+)", script)
-    assert match, "minio-init no longer writes the results policy with printf"
-    policy_path = match.group(1)
-    assert f"mc admin policy create local tokenmill-results {policy_path}" in script
-    assert 'mc admin policy attach local tokenmill-results --user "$MINIO_WORKER_USER"' in script
+    match = re.search(rf"printf '[^']*'\s*\\?\s*\"\${bucket_variable}\"\s*>\s*(\S+)", script)
+    assert match, f"minio-init no longer writes the {policy} policy with printf"
+    assert f"mc admin policy create local {policy} {match.group(1)}" in script
+    assert f'mc admin policy attach local {policy} --user "${user_variable}"' in script
     printf = match.group(0)[: match.group(0).rindex(">")]
-    return subprocess.run(["sh", "-c", printf], env={"RESULTS_BUCKET": bucket, "PATH": os.environ["PATH"]},
+    return subprocess.run(["sh", "-c", printf], env={bucket_variable: bucket, "PATH": os.environ["PATH"]},
                           check=True, capture_output=True, text=True).stdout
 
 
@@ -90,7 +90,7 @@ def enforcing_s3(tmp_path: Path) -> Iterator[EnforcingS3]:
     endpoint = f"http://127.0.0.1:{port}"
     try:
         wait_for(lambda: _answers(endpoint), 30, "moto server")
-        yield _set_up(endpoint, compose_results_policy(RESULTS_BUCKET))
+        yield _set_up(endpoint, compose_policy("RESULTS_BUCKET", "tokenmill-results", "MINIO_WORKER_USER", RESULTS_BUCKET))
     finally:
         server.kill()
         server.wait(timeout=10)
