@@ -4,6 +4,7 @@ render or a stale generated page fails the suite (and so CI), not a reader."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -42,3 +43,12 @@ def test_a_broken_link_fails_the_build(tmp_path: Path) -> None:
     page.write_text(page.read_text() + "\nSee [the missing page](guides/no-such-page.md).\n")
     done = build(copy / "mkdocs.yml", tmp_path / "site")
     assert done.returncode != 0 and "no-such-page.md" in done.stderr, done.stderr[-3000:]
+
+
+def test_the_readme_links_point_at_files_that_exist() -> None:
+    """The README is not part of the site, so its relative links (into docs/, read on GitHub) are checked here."""
+    text = (REPO / "README.md").read_text()
+    links = [target.split("#")[0] for target in re.findall(r"\]\(([^)\s]+)\)", text) if "://" not in target]
+    assert len(links) > 20, "the README links into the docs"
+    missing = sorted({link for link in links if link and not (REPO / link).exists()})
+    assert not missing, f"README.md links to missing files: {missing}"
