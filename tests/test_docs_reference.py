@@ -1,122 +1,120 @@
-"""The README's configuration reference against the settings classes, and docker-compose.yml against both.
+"""The generated reference pages against the code, and docker-compose.yml against the settings.
 
-Every field of every pydantic-settings class in the package must have a row in the README section
-"Configuration reference" with its environment variable, its `tokenmill worker` flag and its default,
-and every row must name a real setting: adding a setting without documenting it fails here, and the
-failure message prints the rows to paste. The compose file may only set variables that exist.
+docs/reference/configuration.md is generated from every pydantic-settings class of the package and
+docs/reference/cli.md from the argparse parsers (`python docs/hooks/generated.py`); both are committed, and
+these tests fail while either differs from what the code gives, so adding, renaming or re-defaulting a
+setting or a flag without regenerating the docs fails here, naming the command to run. The row checks below
+say which setting is missing or wrong. The compose file may only set variables that exist.
 """
 
 from __future__ import annotations
 
-import importlib
-import inspect
+import difflib
+import importlib.util
 import re
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from pydantic_settings import BaseSettings
-
-import tokenmill
-from tokenmill.cli import build_parser
 
 REPO = Path(__file__).resolve().parent.parent
-SECTION = "## Configuration reference"
+CONFIGURATION = REPO / "docs" / "reference" / "configuration.md"
+CLI = REPO / "docs" / "reference" / "cli.md"
 
 
-def settings_classes() -> list[type[BaseSettings]]:
-    """Every BaseSettings subclass defined in a tokenmill module that defines a class named *Settings."""
-    package = Path(tokenmill.__file__).parent
-    found: list[type[BaseSettings]] = []
-    for path in sorted(package.rglob("*.py")):
-        if not re.search(r"^class \w*Settings\(", path.read_text(), re.MULTILINE):
-            continue
-        module = importlib.import_module(".".join(path.relative_to(package.parent).with_suffix("").parts))
-        for _, cls in inspect.getmembers(module, inspect.isclass):
-            if issubclass(cls, BaseSettings) and cls.__module__ == module.__name__:
-                found.append(cls)
-    return found
+def load_generator() -> Any:
+    spec = importlib.util.spec_from_file_location("docs_generated", REPO / "docs" / "hooks" / "generated.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def settings_fields() -> dict[str, tuple[str, Any]]:
-    """Environment variable -> (field name, field info), over all settings classes."""
-    fields: dict[str, tuple[str, Any]] = {}
-    for cls in settings_classes():
-        prefix = cls.model_config.get("env_prefix", "")
-        for name, info in cls.model_fields.items():
-            fields[f"{prefix}{name}".upper()] = (name, info)
-    return fields
+generated = load_generator()
+settings_fields = generated.settings_fields
+render_default = generated.render_default
+worker_flags = generated.worker_flags
 
 
-def render_default(info: Any) -> str:
-    """How the README writes a default: `value` in backticks, `unset` for None (the description says what then)."""
-    value = info.get_default(call_default_factory=True)
-    if value is None:
-        return "unset"
-    if isinstance(value, bool):
-        return f"`{str(value).lower()}`"
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    return f"`{value}`"
+def differences(path: Path, want: str) -> str:
+    have = path.read_text() if path.exists() else ""
+    diff = difflib.unified_diff(have.splitlines(), want.splitlines(), "committed", "generated", lineterm="", n=1)
+    return "\n".join(list(diff)[:60])
 
 
-def readme_rows() -> dict[str, list[str]]:
-    """Environment variable -> the cells of its row in the README's configuration reference."""
-    text = (REPO / "README.md").read_text()
-    assert SECTION in text, f"README.md has no '{SECTION}' section"
-    section = text.split(SECTION, 1)[1].split("\n## ", 1)[0]
+def page_rows() -> dict[str, list[str]]:
+    """Environment variable -> the cells of its row in the configuration reference page."""
     rows: dict[str, list[str]] = {}
-    for line in section.splitlines():
-        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+    for line in CONFIGURATION.read_text().splitlines():
+        cells = [cell.strip() for cell in re.split(r"(?<!\\)\|", line.strip().strip("|"))]
         match = re.fullmatch(r"`([A-Z][A-Z0-9_]*)`", cells[0]) if line.startswith("|") else None
         if match:
             rows[match.group(1)] = cells
     return rows
 
 
-def worker_flags() -> dict[str, list[str]]:
-    """Field name -> the `tokenmill worker` flags that set it."""
-    worker = build_parser()._subparsers._group_actions[0].choices["worker"]
-    return {action.dest: list(action.option_strings) for action in worker._actions if action.option_strings}
-
-
-def suggested_row(variable: str, name: str, info: Any) -> str:
-    flags = ", ".join(f"`{flag}`" for flag in worker_flags().get(name, [])) or "–"
-    return f"| `{variable}` | {flags} | {render_default(info)} | {info.description} |"
-
-
 def test_the_scan_finds_the_worker_settings() -> None:
-    names = {cls.__name__ for cls in settings_classes()}
-    assert {"QueueSettings", "WorkerSettings"} <= names
+    names = {cls.__name__ for cls in generated.settings_classes()}
+    assert {"QueueSettings", "WorkerSettings", "ServeSettings"} <= names
     assert "TOKENMILL_BROKER_URL" in settings_fields() and "TOKENMILL_MODEL" in settings_fields()
 
 
-def test_every_setting_has_a_readme_row() -> None:
-    rows = readme_rows()
-    missing = {var: field for var, field in settings_fields().items() if var not in rows}
-    suggestions = "\n".join(suggested_row(var, name, info) for var, (name, info) in missing.items())
-    assert not missing, f"settings missing from README '{SECTION}'; add these rows:\n{suggestions}"
+@pytest.mark.parametrize("name", sorted(generated.PAGES))
+def test_the_committed_page_is_what_the_code_generates(name: str) -> None:
+    want = generated.PAGES[name]()
+    path = REPO / "docs" / name
+    assert path.exists() and path.read_text() == want, (
+        f"docs/{name} differs from the code: run `{generated.REGENERATE}` and commit it\n{differences(path, want)}")
 
 
-def test_every_readme_row_is_a_setting() -> None:
-    stale = sorted(set(readme_rows()) - set(settings_fields()))
-    assert not stale, f"README '{SECTION}' documents settings that do not exist: {stale}"
-
-
-def test_readme_defaults_and_flags_match_the_settings() -> None:
-    rows, flags = readme_rows(), worker_flags()
+def test_every_setting_has_a_row_with_its_flags_and_default() -> None:
+    rows, flags = page_rows(), worker_flags()
     wrong = []
     for variable, (name, info) in settings_fields().items():
         cells = rows.get(variable)
         if cells is None or len(cells) < 4:
-            continue  # reported by test_every_setting_has_a_readme_row
+            wrong.append(f"{variable}: no row")
+            continue
         if cells[2] != render_default(info):
-            wrong.append(f"{variable}: README default {cells[2]}, settings say {render_default(info)}")
+            wrong.append(f"{variable}: page default {cells[2]}, settings say {render_default(info)}")
         for flag in flags.get(name, []):
             if f"`{flag}`" not in cells[1]:
-                wrong.append(f"{variable}: README flags {cells[1]!r} lack `{flag}`")
+                wrong.append(f"{variable}: page flags {cells[1]!r} lack `{flag}`")
     assert not wrong, "\n".join(wrong)
+
+
+def test_every_row_is_a_setting() -> None:
+    stale = sorted(set(page_rows()) - set(settings_fields()))
+    assert not stale, f"{CONFIGURATION.relative_to(REPO)} documents settings that do not exist: {stale}"
+
+
+def test_every_command_and_flag_is_on_the_cli_page() -> None:
+    text = CLI.read_text()
+    missing = []
+
+    def walk(parser: Any) -> None:
+        if f"`{parser.prog}`" not in text:
+            missing.append(parser.prog)
+        for action in parser._actions:
+            for flag in action.option_strings:
+                if flag not in ("-h", "--help") and f"`{flag}`" not in text:
+                    missing.append(f"{parser.prog} {flag}")
+        for child in generated.subcommands(parser).values():
+            walk(child)
+
+    walk(generated.build_parser())
+    assert not missing, f"{CLI.relative_to(REPO)} lacks {missing}: run `{generated.REGENERATE}`"
+
+
+def test_the_generator_follows_a_changed_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check can fail: a new default in a settings class changes the generated page (and its row)."""
+    from tokenmill.worker.settings import WorkerSettings
+
+    before = generated.configuration_page()
+    field = WorkerSettings.model_fields["max_deliveries"]
+    monkeypatch.setattr(field, "default", 7)
+    after = generated.configuration_page()
+    assert after != before and "| `TOKENMILL_MAX_DELIVERIES` | `--max-deliveries` | `7` |" in after
 
 
 # -- docker-compose.yml ------------------------------------------------------------------------------
@@ -138,7 +136,7 @@ def test_compose_sets_only_real_settings(compose: dict[str, Any]) -> None:
 def test_compose_redis_never_drops_jobs_and_workers_outlive_their_grace(compose: dict[str, Any]) -> None:
     services = compose["services"]
     redis_command = services["redis"]["command"]
-    # README "Durability": everysec unless .env sets REDIS_APPENDFSYNC
+    # docs/guides/delivery-guarantees.md "Durability": everysec unless .env sets REDIS_APPENDFSYNC
     fsync = "${REDIS_APPENDFSYNC:-everysec}"
     for flag, value in (("--appendonly", "yes"), ("--appendfsync", fsync), ("--maxmemory-policy", "noeviction")):
         assert redis_command[redis_command.index(flag) + 1] == value
@@ -153,7 +151,7 @@ def test_compose_redis_never_drops_jobs_and_workers_outlive_their_grace(compose:
     assert services["worker-cpu"]["build"]["args"]["TORCH_VARIANT"] == "cpu"
 
 
-#: What docker-compose.yml must take from .env, with no usable default (README "Docker compose").
+#: What docker-compose.yml must take from .env, with no usable default (docs/guides/compose.md).
 CREDENTIALS = ("REDIS_PASSWORD", "MINIO_ROOT_USER", "MINIO_ROOT_PASSWORD", "MINIO_WORKER_USER", "MINIO_WORKER_PASSWORD",
                "FLOWER_USER", "FLOWER_PASSWORD")
 

@@ -1,0 +1,134 @@
+"""The docs' examples run: each block titled `example (run by the test suite)` in docs/ and README.md.
+
+A renamed option or a changed API breaks CI here rather than a reader's first try. Each block runs in a fresh
+process in an empty directory, on builtin:tiny, with this checkout first on the path; a block naming
+`redis://localhost:6379/0` runs against a real redis-server and `tokenmill worker` started here, the URL
+replaced by theirs. Blocks that cannot run here must say why in their title (`not run by the test suite:
+<reason>`); see docs/development/docs.md.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "service"))
+from service_fixtures import RedisServer, Worker  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+RUN_TITLE = "example (run by the test suite)"
+NOT_RUN = "not run by the test suite:"
+BROKER = "redis://localhost:6379/0"
+OPENING = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,})(?P<info>.*)$")
+#: Shell functions so `tokenmill` and `python` in a bash example are this checkout's, installed or not.
+BASH_PRELUDE = 'set -euo pipefail\ntokenmill() { "$EXAMPLE_PYTHON" -m tokenmill.cli "$@"; }\n' \
+               'python() { "$EXAMPLE_PYTHON" "$@"; }\n'
+
+
+@dataclass(frozen=True)
+class Block:
+    path: Path
+    line: int
+    lang: str
+    title: str
+    code: str
+
+    @property
+    def where(self) -> str:
+        return f"{self.path.relative_to(REPO)}:{self.line}"
+
+
+def doc_files() -> list[Path]:
+    return [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+
+
+def blocks(path: Path) -> Iterator[Block]:
+    """The fenced python and bash blocks of a page, top level only (not a block shown inside a ```` fence)."""
+    lines = path.read_text().split("\n")
+    number = 0
+    while number < len(lines):
+        opening = OPENING.match(lines[number])
+        number += 1
+        if not opening:
+            continue
+        indent, fence, info = opening["indent"], opening["fence"], opening["info"].strip()
+        body = []
+        while number < len(lines) and lines[number].strip() != fence:
+            body.append(lines[number][len(indent):] if lines[number].startswith(indent) else lines[number])
+            number += 1
+        number += 1
+        lang = info.split()[0] if info else ""
+        if lang in ("python", "bash"):
+            title = re.search(r'title="([^"]*)"', info)
+            yield Block(path, number - len(body) - 1, lang, title[1] if title else "", "\n".join(body) + "\n")
+
+
+ALL = [block for path in doc_files() for block in blocks(path)]
+MARKED = [block for block in ALL if block.title == RUN_TITLE]
+#: Each distinct example once (the README repeats some of the guides' examples word for word).
+RUN = list({(block.lang, block.code): block for block in reversed(MARKED)}.values())[::-1]
+
+
+def test_the_docs_and_readme_have_run_examples() -> None:
+    pages = {block.path.relative_to(REPO).as_posix() for block in MARKED}
+    expected = {"README.md", "docs/getting-started.md", "docs/guides/offline-api.md", "docs/guides/structured-outputs.md",
+                "docs/guides/queue-service.md", "docs/guides/annotate.md"}
+    assert expected <= pages, f"pages without a run example: {sorted(expected - pages)}"
+    assert any(BROKER in block.code for block in RUN), "no example runs against the queue"
+
+
+def test_every_marked_block_is_run_or_says_why_not() -> None:
+    wrong = []
+    for block in ALL:
+        if "test suite" not in block.title or block.title == RUN_TITLE:
+            continue
+        if not block.title.startswith(NOT_RUN) or len(block.title[len(NOT_RUN):].strip()) < 8:
+            wrong.append(f"{block.where}: title {block.title!r}: want {RUN_TITLE!r} or '{NOT_RUN} <reason>'")
+    assert not wrong, "\n".join(wrong)
+
+
+def example_env() -> dict[str, str]:
+    env = {key: value for key, value in os.environ.items() if not key.startswith("TOKENMILL_")}
+    env.update(PYTHONPATH=str(REPO), EXAMPLE_PYTHON=sys.executable, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return env
+
+
+def run_block(block: Block, cwd: Path, broker_url: str | None = None) -> str:
+    code = block.code if broker_url is None else block.code.replace(BROKER, broker_url)
+    command = [sys.executable, "-c", code] if block.lang == "python" else ["bash", "-c", BASH_PRELUDE + code]
+    done = subprocess.run(command, cwd=cwd, env=example_env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, (f"{block.where} exited {done.returncode}:\n{code}\n--- stdout\n{done.stdout[-3000:]}"
+                                  f"\n--- stderr\n{done.stderr[-3000:]}")
+    return done.stdout
+
+
+@pytest.mark.parametrize("block", [b for b in RUN if BROKER not in b.code], ids=lambda b: b.where)
+def test_offline_example_runs(block: Block, tmp_path: Path) -> None:
+    assert run_block(block, tmp_path).strip(), f"{block.where} printed nothing"
+
+
+@pytest.fixture(scope="module")
+def queue(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real redis-server and one `tokenmill worker` on builtin:tiny, for the examples that use the queue."""
+    directory = tmp_path_factory.mktemp("docs-queue")
+    server = RedisServer(directory / "redis")
+    server.start()
+    worker = Worker(server.url, directory / "worker.log", "docs", {})
+    try:
+        worker.wait_ready()
+        yield server.url
+    finally:
+        worker.close()
+        server.kill()
+
+
+@pytest.mark.parametrize("block", [b for b in RUN if BROKER in b.code], ids=lambda b: b.where)
+def test_queue_example_runs(block: Block, queue: str, tmp_path: Path) -> None:
+    run_block(block, tmp_path, broker_url=queue)
