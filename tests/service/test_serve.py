@@ -21,6 +21,7 @@ from openai import OpenAI
 from service_fixtures import REPO, free_port, wait_for
 
 from tokenmill.apps.batch import batch as run_batch
+from tokenmill.queue.served import announce
 
 KEYS = {"alice": "sk-alice-0123", "bob": "sk-bob-4567"}
 
@@ -81,9 +82,9 @@ def serve(tmp_path: Path) -> Iterator[Callable[..., Server]]:
         server.close()
 
 
-def chat_line(custom_id: str, content: str, max_tokens: int = 6, **body: Any) -> dict[str, Any]:
+def chat_line(custom_id: str, content: str, max_tokens: int = 6, model: str = "builtin:tiny", **body: Any) -> dict[str, Any]:
     return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
-            "body": {"model": "tiny", "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
+            "body": {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
                      "temperature": 0, **body}}
 
 
@@ -259,7 +260,8 @@ def test_cancel_mid_run_keeps_the_finished_lines(tmp_path, redis_server, start_w
 
 
 def test_a_batch_past_its_completion_window_expires_with_what_finished(tmp_path, redis_server, serve) -> None:
-    server = serve(redis_server.url)  # no worker: nothing finishes
+    server = serve(redis_server.url)  # no worker takes the jobs: nothing finishes
+    announce(redis_server.client(), "absent@host", "builtin:tiny", ["tokenmill"], ttl=60)  # but one says it serves
     client = server.client()
     source = write_jsonl(tmp_path / "in.jsonl", [chat_line(f"r{i}", "hi") for i in range(5)])
     batch = client.batches.create(input_file_id=upload(client, source), endpoint="/v1/chat/completions",
@@ -291,3 +293,47 @@ def test_server_kill_9_mid_batch_another_server_finishes_it_running_nothing_twic
     assert finished == [f"r{i}" for i in range(160)] and errors == []
     wait_for(lambda: len(result_log.counts) >= 160, 30, "every job's result announced")
     assert len(result_log.counts) == 160 and set(result_log.counts.values()) == {1}  # each job stored once
+
+
+def test_lines_naming_a_model_no_worker_serves_error_and_the_batch_completes(tmp_path, redis_server, start_worker,
+                                                                           serve) -> None:
+    worker = start_worker(redis_server.url).wait_ready()
+    server = serve(redis_server.url)
+    client = server.client()
+    assert [m.id for m in client.models.list()] == ["builtin:tiny"]  # what the live worker announces
+    lines = [chat_line("a", "hi"), chat_line("b", "hi", model="gpt-4o"), chat_line("c", "hello"),
+             chat_line("d", "hey", model="builtin:huge")]
+    batch = client.batches.create(input_file_id=upload(client, write_jsonl(tmp_path / "in.jsonl", lines)),
+                                  endpoint="/v1/chat/completions", completion_window="24h")
+    done = wait_status(client, batch.id, ("completed", "failed", "cancelled", "expired"), 120)
+    assert done.status == "completed"
+    assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (4, 2, 2)
+    finished, errors = outcome_ids(client, done)
+    assert finished == ["a", "c"]
+    assert [(e["custom_id"], e["error"]["code"], e["response"]) for e in errors] == [
+        ("b", "model_not_found", None), ("d", "model_not_found", None)]
+    assert "'gpt-4o'" in errors[0]["error"]["message"] and "builtin:tiny" in errors[0]["error"]["message"]
+    assert worker.terminate() == 0  # a worker that stops withdraws its model
+    assert list(client.models.list()) == []
+
+
+def test_worker_kill_9_mid_batch_the_batch_completes_each_result_stored_once(tmp_path, redis_server, start_worker,
+                                                                             serve, result_log) -> None:
+    doomed = start_worker(redis_server.url, name="doomed", max_num_seqs=8).wait_ready()
+    start_worker(redis_server.url, name="survivor", max_num_seqs=8).wait_ready()
+    server = serve(redis_server.url)
+    client = server.client()
+    source = write_jsonl(tmp_path / "in.jsonl", [chat_line(f"r{i}", f"count {i}", max_tokens=32) for i in range(120)])
+    batch = client.batches.create(input_file_id=upload(client, source), endpoint="/v1/chat/completions",
+                                  completion_window="24h")
+    wait_for(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 3, 120, "some requests done")
+    doomed.kill()
+    assert client.batches.retrieve(batch.id).request_counts.completed < 120  # killed while jobs were left
+    done = wait_status(client, batch.id, ("completed", "failed", "cancelled", "expired"), 240)
+    assert done.status == "completed" and done.request_counts.completed == 120
+    finished, errors = outcome_ids(client, done)
+    assert finished == [f"r{i}" for i in range(120)] and errors == []
+    wait_for(lambda: len(result_log.counts) >= 120, 30, "every job's result announced")
+    assert len(result_log.counts) == 120 and set(result_log.counts.values()) == {1}  # each job stored once
+    results = [json.loads(redis_server.client().get(f"celery-task-meta-{job}"))["result"] for job in result_log.counts]
+    assert any(r["attempt"] >= 2 and r["worker"].startswith("survivor@") for r in results)  # the killed one's jobs

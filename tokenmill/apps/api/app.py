@@ -25,6 +25,7 @@ from tokenmill.apps.api.files import FileStore, new_file_id
 from tokenmill.apps.api.records import FINAL, Records, batch_key, now
 from tokenmill.apps.api.settings import ServeSettings
 from tokenmill.apps.batch import URLS
+from tokenmill.queue.served import served_models
 
 _WINDOW = re.compile(r"^([1-9][0-9]*)(h|m|s)$")
 _SECONDS = {"h": 3600, "m": 60, "s": 1}
@@ -75,9 +76,10 @@ def create_app(settings: ServeSettings, keys: Keys) -> FastAPI:
 
     @app.get("/v1/models")
     def models(_: Tenant) -> dict[str, Any]:
-        ids = [m.strip() for m in settings.served_models.split(",") if m.strip()]
+        """The models live workers on this server's queue announce (`tokenmill.queue.served`)."""
+        served = served_models(services.records.redis, settings.queue)
         return {"object": "list", "data": [{"id": m, "object": "model", "created": 0, "owned_by": "tokenmill"}
-                                           for m in ids]}
+                                           for m in sorted(served)]}
 
     return app
 

@@ -28,5 +28,3 @@ class ServeSettings(QueueSettings):
                                         "when `tokenmill serve` queues a batch.")
     default_max_tokens: int = Field(256, ge=1, description="max_tokens of a batch request that sets neither "
                                     "max_tokens nor max_completion_tokens (as `tokenmill batch --max-tokens`).")
-    served_models: str = Field("builtin:tiny", description="Comma-separated model ids `GET /v1/models` lists "
-                               "(the workers' models).")
