@@ -18,7 +18,7 @@ from typing import Any
 import openai
 import pytest
 from openai import OpenAI
-from service_fixtures import REPO, free_port, wait_for
+from service_fixtures import REPO, S3_BUCKET, free_port, wait_for
 
 from tokenmill.apps.batch import batch as run_batch
 from tokenmill.queue.served import announce
@@ -337,3 +337,29 @@ def test_worker_kill_9_mid_batch_the_batch_completes_each_result_stored_once(tmp
     assert len(result_log.counts) == 120 and set(result_log.counts.values()) == {1}  # each job stored once
     results = [json.loads(redis_server.client().get(f"celery-task-meta-{job}"))["result"] for job in result_log.counts]
     assert any(r["attempt"] >= 2 and r["worker"].startswith("survivor@") for r in results)  # the killed one's jobs
+
+
+def test_files_in_s3(tmp_path, redis_server, start_worker, s3_server, serve) -> None:
+    start_worker(redis_server.url).wait_ready()
+    server = serve(redis_server.url, **{"files-dir": f"s3://{S3_BUCKET}/serve", "s3-endpoint-url": s3_server.endpoint})
+    client = server.client()
+    source = write_jsonl(tmp_path / "in.jsonl", [chat_line(f"r{i}", f"hi {i}") for i in range(4)] +
+                         [chat_line("x", "hi", model="nope")])
+    file_id = upload(client, source)
+    s3 = s3_server.client()
+    assert s3.get_object(Bucket=S3_BUCKET, Key=f"serve/{file_id}")["Body"].read() == source.read_bytes()
+    assert client.files.content(file_id).content == source.read_bytes()
+    batch = client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
+    done = wait_status(client, batch.id, ("completed", "failed", "cancelled", "expired"), 120)
+    assert done.status == "completed", done.errors
+    finished, errors = outcome_ids(client, done)
+    assert finished == [f"r{i}" for i in range(4)] and [e["custom_id"] for e in errors] == ["x"]
+    keys = {o["Key"] for o in s3.list_objects_v2(Bucket=S3_BUCKET, Prefix="serve/")["Contents"]}
+    assert keys == {f"serve/{file_id}", f"serve/{done.output_file_id}", f"serve/{done.error_file_id}"}
+    assert s3.get_object(Bucket=S3_BUCKET, Key=f"serve/{done.output_file_id}")["Body"].read() == \
+        client.files.content(done.output_file_id).content
+    assert not (tmp_path / "files").exists()  # nothing kept on local disk
+    client.files.delete(file_id)
+    assert f"serve/{file_id}" not in {o["Key"] for o in s3.list_objects_v2(Bucket=S3_BUCKET, Prefix="serve/")["Contents"]}
+    with pytest.raises(openai.NotFoundError):
+        client.files.content(file_id)

@@ -7,24 +7,27 @@ Handlers are plain functions (FastAPI runs them in its thread pool), since Redis
 synchronous; the batches themselves are driven by `driver.Supervisor`'s threads, never by a request.
 """
 
+import itertools
 import re
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Annotated, Any
+from urllib.parse import quote
 
 from fastapi import Depends, FastAPI, File, Form, Header, Query, Request, UploadFile
-from fastapi.responses import FileResponse
+from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
 from tokenmill.apps.api import errors
 from tokenmill.apps.api.auth import Keys
 from tokenmill.apps.api.driver import Supervisor, file_object
 from tokenmill.apps.api.errors import APIError, not_found
-from tokenmill.apps.api.files import FileStore, new_file_id
+from tokenmill.apps.api.files import new_file_id, open_store
 from tokenmill.apps.api.records import FINAL, Records, batch_key, now
 from tokenmill.apps.api.settings import ServeSettings
 from tokenmill.apps.batch import URLS
+from tokenmill.apps.datasets import s3_endpoint
 from tokenmill.queue.served import served_models
 
 _WINDOW = re.compile(r"^([1-9][0-9]*)(h|m|s)$")
@@ -51,7 +54,7 @@ class Services:
         self.settings = settings
         self.keys = keys
         self.records = Records(settings.backend_url)
-        self.store = FileStore(settings.files_dir)
+        self.store = open_store(settings.files_dir, s3_endpoint(settings.s3_endpoint_url))
         self.supervisor = Supervisor(settings, self.records, self.store)
 
 
@@ -121,9 +124,13 @@ def _file_routes(app: FastAPI, services: Services, Tenant: Any) -> None:
         return owned(tenant, file_id)
 
     @app.get("/v1/files/{file_id}/content")
-    def content(file_id: str, tenant: Tenant) -> FileResponse:
+    def content(file_id: str, tenant: Tenant) -> StreamingResponse:
         found = owned(tenant, file_id)
-        return FileResponse(store.path(file_id), media_type="application/octet-stream", filename=found["filename"])
+        chunks = store.chunks(file_id)
+        first = next(chunks, b"")  # a missing file is a 404 here, before the response starts
+        return StreamingResponse(itertools.chain([first], chunks), media_type="application/octet-stream",
+                                 headers={"Content-Length": str(found["bytes"]),
+                                          "Content-Disposition": f"attachment; filename*=UTF-8''{quote(found['filename'])}"})
 
     @app.delete("/v1/files/{file_id}")
     def delete(file_id: str, tenant: Tenant) -> dict[str, Any]:

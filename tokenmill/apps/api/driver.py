@@ -101,7 +101,7 @@ class Driver(threading.Thread):
             batch = self.validate(batch)
             if batch["status"] == "failed":
                 return
-        source = Source(str(self.store.path(batch["input_file_id"])), None, MAX_ROW_BYTES)
+        source = Source(self.store.uri(batch["input_file_id"]), self.store.endpoint, MAX_ROW_BYTES)
         plan = Plan([(n, r) for n, r in parse_requests(source, self.parser) if isinstance(r, Request)])
         for _, request in plan.requests:
             for choice, unit in enumerate(request.units):
@@ -133,7 +133,7 @@ class Driver(threading.Thread):
         errors: list[dict[str, Any]] = []
         seen, total = SeenSet(), 0
         try:
-            for number, raw in enumerate(read_lines(str(self.store.path(batch["input_file_id"]))), start=1):
+            for number, raw in enumerate(read_lines(self.store.uri(batch["input_file_id"]), self.store.endpoint), start=1):
                 self.heartbeat()
                 if not isinstance(raw, TooLong) and not raw.strip():
                     continue

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from tokenmill.queue.settings import QueueSettings
 
@@ -16,8 +16,10 @@ class ServeSettings(QueueSettings):
     api_keys_file: str | None = Field(
         None, description="File of hashed API keys for `tokenmill serve`: one `tenant sha256:<hex of the key>` a "
         "line (`#` comments), used with TOKENMILL_API_KEYS if both are set.")
-    files_dir: str = Field("tokenmill-files", description="Directory where `tokenmill serve` keeps uploaded and "
-                           "output files (shared by every server process of one deployment).")
+    files_dir: str = Field("tokenmill-files", description="Where `tokenmill serve` keeps uploaded and output files: "
+                           "a directory, or `s3://bucket/prefix` (MinIO and other S3 stores through "
+                           "TOKENMILL_S3_ENDPOINT_URL); shared by every server process of one deployment.")
+    s3_endpoint_url: str | None = Field(None, description="S3 endpoint (MinIO, moto, ...); default: AWS.")
     max_upload_bytes: int = Field(200 * 1024 * 1024, ge=1, description="Largest file `POST /v1/files` accepts (bytes).")
     max_batch_lines: int = Field(50_000, ge=1, description="Most requests one batch's input file may hold; more "
                                  "fails the batch's validation.")
@@ -28,3 +30,10 @@ class ServeSettings(QueueSettings):
                                         "when `tokenmill serve` queues a batch.")
     default_max_tokens: int = Field(256, ge=1, description="max_tokens of a batch request that sets neither "
                                     "max_tokens nor max_completion_tokens (as `tokenmill batch --max-tokens`).")
+
+    @field_validator("files_dir")
+    @classmethod
+    def _check_files_dir(cls, value: str) -> str:
+        if value.startswith("s3://") and not value.removeprefix("s3://").split("/", 1)[0]:
+            raise ValueError(f"{value!r}: an S3 files store is s3://bucket or s3://bucket/prefix")
+        return value
