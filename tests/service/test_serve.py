@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -29,7 +31,8 @@ KEYS = {"alice": "sk-alice-0123", "bob": "sk-bob-4567"}
 class Server:
     """A `tokenmill serve` subprocess; `kill()` is kill -9."""
 
-    def __init__(self, broker_url: str, files_dir: Path, log_path: Path, port: int | None = None, **flags: Any) -> None:
+    def __init__(self, broker_url: str, files_dir: Path, log_path: Path, port: int | None = None,
+                 env: dict[str, str] | None = None, **flags: Any) -> None:
         self.port = port or free_port()
         self.log_path = log_path
         args = {"broker": broker_url, "port": self.port, "files-dir": files_dir, "lease-seconds": 2,
@@ -37,7 +40,7 @@ class Server:
         self.command = [sys.executable, "-m", "tokenmill.cli", "serve"]
         for flag, value in args.items():
             self.command += [f"--{flag}"] if value is True else [f"--{flag}", str(value)]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENMILL_")}
+        env = {**{k: v for k, v in os.environ.items() if not k.startswith("TOKENMILL_")}, **(env or {})}
         env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         self._log = open(log_path, "ab")
         self.process = subprocess.Popen(self.command, stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
@@ -363,3 +366,77 @@ def test_files_in_s3(tmp_path, redis_server, start_worker, s3_server, serve) -> 
     assert f"serve/{file_id}" not in {o["Key"] for o in s3.list_objects_v2(Bucket=S3_BUCKET, Prefix="serve/")["Contents"]}
     with pytest.raises(openai.NotFoundError):
         client.files.content(file_id)
+
+
+class Receiver:
+    """A real HTTP endpoint that records each webhook delivery (headers, body, whether its signature verifies
+    with the `standardwebhooks` library) and answers 500 to the first; the second waits until `release` is
+    set, so a test can kill the server while that delivery is in flight."""
+
+    def __init__(self, secret: str) -> None:
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        from standardwebhooks.webhooks import Webhook
+
+        self.deliveries: list[dict[str, Any]] = []
+        self.release = threading.Event()
+        receiver, verifier = self, Webhook(secret)
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                try:
+                    verifier.verify(body, dict(self.headers.items()))
+                    verified = True
+                except Exception:
+                    verified = False
+                receiver.deliveries.append({"at": time.time(), "id": self.headers["webhook-id"], "verified": verified,
+                                            "body": json.loads(body)})
+                number = len(receiver.deliveries)
+                if number == 2:
+                    receiver.release.wait(30)
+                self.send_response(500 if number <= 2 else 200)
+                self.end_headers()
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_port}/hooks"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.release.set()
+        self.server.shutdown()
+
+
+def test_webhooks_are_signed_retried_and_delivered_after_a_server_kill(tmp_path, redis_server, serve) -> None:
+    secret = "whsec_" + base64.b64encode(b"0123456789abcdef0123456789abcdef").decode()
+    receiver = Receiver(secret)
+    try:
+        hooks = {"env": {"TOKENMILL_WEBHOOK_SECRET": secret}, "webhook-url": receiver.url, "webhook-timeout": 2}
+        first = serve(redis_server.url, **hooks)
+        client = first.client()
+        unserved = upload(client, write_jsonl(tmp_path / "in.jsonl", [chat_line("a", "hi", model="nope")]))
+        batch = client.batches.create(input_file_id=unserved, endpoint="/v1/chat/completions", completion_window="24h")
+        assert wait_status(client, batch.id, ("completed", "failed"), 30).status == "completed"  # no worker needed
+        wait_for(lambda: len(receiver.deliveries) >= 2, 30, "a retry after the first delivery failed")
+        first.kill()  # while the second delivery is in flight
+        receiver.release.set()
+        second = serve(redis_server.url, **hooks)  # any server picks the event up
+        wait_for(lambda: len(receiver.deliveries) >= 3, 60, "the delivery by the second server")
+        bad = upload(second.client(), write_jsonl(tmp_path / "bad.jsonl", ["{not json"]))
+        failed = second.client().batches.create(input_file_id=bad, endpoint="/v1/chat/completions",
+                                                completion_window="24h")
+        wait_for(lambda: len(receiver.deliveries) >= 4, 30, "the failed batch's event")
+        time.sleep(3)
+    finally:
+        receiver.close()
+    deliveries = receiver.deliveries
+    assert all(d["verified"] for d in deliveries)
+    assert len({d["id"] for d in deliveries[:3]}) == 1 and deliveries[3]["id"] != deliveries[0]["id"]
+    assert deliveries[1]["at"] - deliveries[0]["at"] >= 0.9  # backed off
+    assert [(d["body"]["type"], d["body"]["data"]["id"]) for d in deliveries] == [
+        ("batch.completed", batch.id)] * 3 + [("batch.failed", failed.id)]
+    assert len(deliveries) == 4  # each delivered, none again after a 2xx
+    assert deliveries[0]["body"]["object"] == "event" and deliveries[0]["body"]["id"] == deliveries[0]["id"]

@@ -26,6 +26,7 @@ from tokenmill.apps.api.errors import APIError, not_found
 from tokenmill.apps.api.files import new_file_id, open_store
 from tokenmill.apps.api.records import FINAL, Records, batch_key, now
 from tokenmill.apps.api.settings import ServeSettings
+from tokenmill.apps.api.webhooks import Deliverer
 from tokenmill.apps.batch import URLS
 from tokenmill.apps.datasets import s3_endpoint
 from tokenmill.queue.served import served_models
@@ -53,9 +54,12 @@ class Services:
     def __init__(self, settings: ServeSettings, keys: Keys) -> None:
         self.settings = settings
         self.keys = keys
-        self.records = Records(settings.backend_url)
+        self.records = Records(settings.backend_url, webhooks=settings.webhook_url is not None)
         self.store = open_store(settings.files_dir, s3_endpoint(settings.s3_endpoint_url))
         self.supervisor = Supervisor(settings, self.records, self.store)
+        self.deliverer = None if settings.webhook_url is None else Deliverer(
+            self.records, settings.webhook_url, settings.webhook_secret or "", settings.webhook_timeout,
+            settings.webhook_max_attempts, self.supervisor.stopping)
 
 
 def create_app(settings: ServeSettings, keys: Keys) -> FastAPI:
@@ -64,6 +68,8 @@ def create_app(settings: ServeSettings, keys: Keys) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         services.supervisor.start()  # takes over the batches of a server that died, at once
+        if services.deliverer is not None:
+            services.deliverer.start()  # and the webhook events it left undelivered
         yield
         services.supervisor.stop()
 

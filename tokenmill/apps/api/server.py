@@ -31,6 +31,9 @@ def add_parser(commands: Any) -> None:
     serve.add_argument("--max-upload-bytes", type=int, help="[env TOKENMILL_MAX_UPLOAD_BYTES]")
     serve.add_argument("--max-batch-lines", type=int, help="[env TOKENMILL_MAX_BATCH_LINES]")
     serve.add_argument("--lease-seconds", type=float, help="[env TOKENMILL_LEASE_SECONDS]")
+    serve.add_argument("--webhook-url", help="where batch events are POSTed [env TOKENMILL_WEBHOOK_URL; the secret: "
+                       "env TOKENMILL_WEBHOOK_SECRET]")
+    serve.add_argument("--webhook-timeout", type=float, help="[env TOKENMILL_WEBHOOK_TIMEOUT]")
     serve.add_argument("--insecure-no-auth", action="store_true",
                        help="serve without API keys (anyone who reaches the port is one tenant)")
     serve.add_argument("--log-level", default="info")
@@ -43,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
     from tokenmill.apps.api.settings import ServeSettings
 
     names = ("broker_url", "result_backend", "queue", "files_dir", "s3_endpoint_url", "api_keys", "api_keys_file",
-             "max_upload_bytes", "max_batch_lines", "lease_seconds")
+             "max_upload_bytes", "max_batch_lines", "lease_seconds", "webhook_url", "webhook_timeout")
     try:
         settings = ServeSettings(**{n: getattr(args, n) for n in names if getattr(args, n) is not None})
         keys = Keys(settings, insecure=args.insecure_no_auth)

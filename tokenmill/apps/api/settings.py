@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from tokenmill.queue.settings import QueueSettings
 
@@ -30,6 +30,29 @@ class ServeSettings(QueueSettings):
                                         "when `tokenmill serve` queues a batch.")
     default_max_tokens: int = Field(256, ge=1, description="max_tokens of a batch request that sets neither "
                                     "max_tokens nor max_completion_tokens (as `tokenmill batch --max-tokens`).")
+    webhook_url: str | None = Field(None, description="URL `tokenmill serve` POSTs batch.completed / batch.failed / "
+                                    "batch.cancelled / batch.expired events to, signed as Standard Webhooks says; "
+                                    "unset: no webhooks.")
+    webhook_secret: str | None = Field(None, description="The `whsec_<base64>` secret webhooks are signed with "
+                                       "(required with TOKENMILL_WEBHOOK_URL).")
+    webhook_timeout: float = Field(10.0, gt=0, description="Seconds one webhook delivery may take.")
+    webhook_max_attempts: int = Field(10, ge=1, description="Deliveries of one webhook event before it is given up "
+                                      "(retried after 1, 2, 4 ... s, at most an hour apart).")
+
+    @model_validator(mode="after")
+    def _check_webhook(self) -> "ServeSettings":
+        if self.webhook_url is not None:
+            if not self.webhook_url.startswith(("http://", "https://")):
+                raise ValueError(f"TOKENMILL_WEBHOOK_URL: an http:// or https:// URL, got {self.webhook_url!r}")
+            if not self.webhook_secret:
+                raise ValueError("TOKENMILL_WEBHOOK_URL is set but TOKENMILL_WEBHOOK_SECRET is not (whsec_<base64>)")
+            from standardwebhooks.webhooks import Webhook
+
+            try:
+                Webhook(self.webhook_secret)
+            except Exception as exc:
+                raise ValueError(f"TOKENMILL_WEBHOOK_SECRET: not a whsec_<base64> secret ({exc})") from None
+        return self
 
     @field_validator("files_dir")
     @classmethod
