@@ -23,7 +23,6 @@ from openai import OpenAI
 from service_fixtures import REPO, S3_BUCKET, free_port, wait_for
 
 from tokenmill.apps.batch import batch as run_batch
-from tokenmill.queue.served import announce
 
 KEYS = {"alice": "sk-alice-0123", "bob": "sk-bob-4567"}
 
@@ -263,8 +262,7 @@ def test_cancel_mid_run_keeps_the_finished_lines(tmp_path, redis_server, start_w
 
 
 def test_a_batch_past_its_completion_window_expires_with_what_finished(tmp_path, redis_server, serve) -> None:
-    server = serve(redis_server.url)  # no worker takes the jobs: nothing finishes
-    announce(redis_server.client(), "absent@host", "builtin:tiny", ["tokenmill"], ttl=60)  # but one says it serves
+    server = serve(redis_server.url)  # no worker: nothing finishes
     client = server.client()
     source = write_jsonl(tmp_path / "in.jsonl", [chat_line(f"r{i}", "hi") for i in range(5)])
     batch = client.batches.create(input_file_id=upload(client, source), endpoint="/v1/chat/completions",
@@ -417,18 +415,20 @@ def test_webhooks_are_signed_retried_and_delivered_after_a_server_kill(tmp_path,
         hooks = {"env": {"TOKENMILL_WEBHOOK_SECRET": secret}, "webhook-url": receiver.url, "webhook-timeout": 2}
         first = serve(redis_server.url, **hooks)
         client = first.client()
-        unserved = upload(client, write_jsonl(tmp_path / "in.jsonl", [chat_line("a", "hi", model="nope")]))
-        batch = client.batches.create(input_file_id=unserved, endpoint="/v1/chat/completions", completion_window="24h")
-        assert wait_status(client, batch.id, ("completed", "failed"), 30).status == "completed"  # no worker needed
+        bad = upload(client, write_jsonl(tmp_path / "bad.jsonl", ["{not json"]))
+        batch = client.batches.create(input_file_id=bad, endpoint="/v1/chat/completions", completion_window="24h")
+        assert wait_status(client, batch.id, ("completed", "failed"), 30).status == "failed"
         wait_for(lambda: len(receiver.deliveries) >= 2, 30, "a retry after the first delivery failed")
         first.kill()  # while the second delivery is in flight
         receiver.release.set()
         second = serve(redis_server.url, **hooks)  # any server picks the event up
         wait_for(lambda: len(receiver.deliveries) >= 3, 60, "the delivery by the second server")
-        bad = upload(second.client(), write_jsonl(tmp_path / "bad.jsonl", ["{not json"]))
-        failed = second.client().batches.create(input_file_id=bad, endpoint="/v1/chat/completions",
-                                                completion_window="24h")
-        wait_for(lambda: len(receiver.deliveries) >= 4, 30, "the failed batch's event")
+        waiting = upload(second.client(), write_jsonl(tmp_path / "in.jsonl", [chat_line("a", "hi")]))
+        cancelled = second.client().batches.create(input_file_id=waiting, endpoint="/v1/chat/completions",
+                                                   completion_window="24h")  # no worker: it waits
+        wait_status(second.client(), cancelled.id, ("in_progress",), 30)
+        second.client().batches.cancel(cancelled.id)
+        wait_for(lambda: len(receiver.deliveries) >= 4, 30, "the cancelled batch's event")
         time.sleep(3)
     finally:
         receiver.close()
@@ -437,6 +437,6 @@ def test_webhooks_are_signed_retried_and_delivered_after_a_server_kill(tmp_path,
     assert len({d["id"] for d in deliveries[:3]}) == 1 and deliveries[3]["id"] != deliveries[0]["id"]
     assert deliveries[1]["at"] - deliveries[0]["at"] >= 0.9  # backed off
     assert [(d["body"]["type"], d["body"]["data"]["id"]) for d in deliveries] == [
-        ("batch.completed", batch.id)] * 3 + [("batch.failed", failed.id)]
+        ("batch.failed", batch.id)] * 3 + [("batch.cancelled", cancelled.id)]
     assert len(deliveries) == 4  # each delivered, none again after a 2xx
     assert deliveries[0]["body"]["object"] == "event" and deliveries[0]["body"]["id"] == deliveries[0]["id"]

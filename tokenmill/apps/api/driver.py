@@ -200,8 +200,11 @@ class Driver(threading.Thread):
 
     def _served(self, plan: Plan, units: list[Unit]) -> tuple[list[Unit], dict[str, str]]:
         """The units whose model a live worker on the queue announces, and an error for each of the others
-        (never queued: no worker would take them as that model)."""
+        (never queued: no worker would take them as that model). With no live worker at all every unit is queued:
+        the jobs wait for workers, as any job does (and the completion window still ends the batch)."""
         served = served_models(self.records.redis, self.settings.queue)
+        if not served:
+            return units, {}
         unserved = {u.job_id: plan.models[u.job_id] for u in units if plan.models[u.job_id] not in served}
         known = ", ".join(sorted(served)) or "none"
         return [u for u in units if u.job_id not in unserved], {
