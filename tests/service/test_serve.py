@@ -440,3 +440,17 @@ def test_webhooks_are_signed_retried_and_delivered_after_a_server_kill(tmp_path,
         ("batch.failed", batch.id)] * 3 + [("batch.cancelled", cancelled.id)]
     assert len(deliveries) == 4  # each delivered, none again after a 2xx
     assert deliveries[0]["body"]["object"] == "event" and deliveries[0]["body"]["id"] == deliveries[0]["id"]
+
+
+def test_a_worker_announcement_lapses_without_renewal(redis_server) -> None:
+    """A killed worker never withdraws its model: its entry stops counting once its time is up, and is dropped."""
+    from tokenmill.queue.served import SERVED_KEY, announce, served_models
+
+    redis = redis_server.client()
+    announce(redis, "a@host", "m1", ["tokenmill"], ttl=0.5)
+    announce(redis, "b@host", "m2", ["other"], ttl=30)
+    assert served_models(redis, "tokenmill") == {"m1": ["a@host"]}
+    assert served_models(redis, "other") == {"m2": ["b@host"]}
+    time.sleep(0.6)
+    assert served_models(redis, "tokenmill") == {}
+    assert redis.hkeys(SERVED_KEY) == [b"b@host"]
