@@ -3,6 +3,7 @@
 #   docker build -t tokenmill:cpu .                                   # CPU torch (PyTorch's CPU wheel index)
 #   docker build -t tokenmill:cuda --build-arg TORCH_VARIANT=cuda .    # CUDA torch from PyPI (CUDA libraries as wheels)
 #   docker build -t tokenmill:flower --target flower .                 # Celery's Flower + the light tokenmill, no torch
+#   docker build -t tokenmill:api --target api .                       # `tokenmill serve` (the OpenAI Batch API), no torch
 #
 # Base images are build arguments (defaults: the usual public images), so the file builds wherever they
 # are mirrored: --build-arg BASE_IMAGE=registry.example/python:3.11-slim-bookworm. A base without
@@ -13,7 +14,7 @@
 # Model weights are never baked in: they are downloaded at run time into $HF_HOME (a volume in
 # docker-compose.yml).
 # No `# syntax=` line: the file builds with BuildKit and with the classic builder alike. The classic
-# builder runs every stage before its target, so the order is: python, wheel, flower, worker.
+# builder runs every stage before its target, so the order is: python, wheel, flower, api, worker.
 
 ARG BASE_IMAGE=python:3.11-slim-bookworm
 
@@ -56,6 +57,23 @@ HEALTHCHECK --interval=15s --timeout=5s --start-period=30s --retries=3 \
     CMD ["python3", "-c", "import os, urllib.request; urllib.request.urlopen(f'http://127.0.0.1:{os.environ.get(\"FLOWER_PORT\", \"5555\")}/healthcheck', timeout=4)"]
 ENTRYPOINT ["celery"]
 CMD ["-A", "tokenmill.worker.app", "flower"]
+
+# -- api: `tokenmill serve`, the OpenAI Files and Batches API in front of the queue. The light tokenmill plus the
+# `serve` extra (FastAPI, uvicorn, pyarrow for the batch files, boto3 for files in S3/MinIO); no torch, no model.
+FROM python AS api
+RUN python3 -m venv /opt/venv \
+    && pip install -c /opt/requirements.lock "celery[redis]" "redis[hiredis]" kombu pydantic pydantic-settings jsonschema \
+        pyarrow jinja2 rich tqdm fastapi uvicorn python-multipart boto3 standardwebhooks
+COPY --from=wheel /dist /opt/dist
+RUN pip install --no-deps /opt/dist/tokenmill-*.whl && pip check && tokenmill serve --help >/dev/null
+USER tokenmill
+WORKDIR /home/tokenmill
+EXPOSE 8000
+# Up once it answers HTTP (401 without a key is an answer).
+HEALTHCHECK --interval=10s --timeout=5s --start-period=30s --retries=3 \
+    CMD ["python3", "-c", "import urllib.request, urllib.error\ntry: urllib.request.urlopen('http://127.0.0.1:8000/v1/models', timeout=4)\nexcept urllib.error.HTTPError: pass"]
+ENTRYPOINT ["tokenmill"]
+CMD ["serve", "--host", "0.0.0.0", "--port", "8000"]
 
 # -- worker (the default target) -------------------------------------------------------------------
 FROM python AS worker

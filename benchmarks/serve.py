@@ -1,12 +1,13 @@
 """`tokenmill serve` against `tokenmill batch --broker`: the same kind of file on the same worker.
 
-    python benchmarks/serve.py [--lines 1000] [--max-tokens 16] [--rounds 2]
+    python benchmarks/serve.py [--lines 10000] [--max-tokens 16] [--rounds 2]
 
 Starts its own redis-server, one `tokenmill worker` on builtin:tiny (benchmarks/job_queue.py's `QueuePath`) and
 one `tokenmill serve` subprocess. Each round runs one file through `tokenmill.apps.batch.batch(broker=...)` and
 one through the server with the `openai` SDK (upload, create, poll every 0.2 s, download the output), the two
-alternating which goes first; every round's prompts are new, so no stored result is reused. Reports each path's
-median wall time, their ratio (serve / batch throughput) and the server process's CPU seconds per line.
+alternating which goes first; every file has the same shape (lines, prompt lengths, max_tokens) but new prompts, so
+no stored result is reused. Reports each path's median wall time, their ratio (serve / batch throughput; the goal
+is >= 0.95x) and the server process's CPU seconds per line (user + system, from /proc).
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ KEY = "sk-bench"
 def write_file(path: Path, lines: int, max_tokens: int, tag: str) -> Path:
     with open(path, "w") as out:
         for i in range(lines):
-            body = {"messages": [{"role": "user", "content": f"{tag} line {i}"}], "max_tokens": max_tokens, "temperature": 0}
+            body = {"model": "builtin:tiny", "messages": [{"role": "user", "content": f"{tag} line {i}"}],
+                    "max_tokens": max_tokens, "temperature": 0}
             out.write(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions", "body": body}) + "\n")
     return path
 
@@ -79,7 +81,7 @@ def through_serve(client, path: Path) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--lines", type=int, default=1000)
+    parser.add_argument("--lines", type=int, default=10_000)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--max-num-seqs", type=int, default=64)

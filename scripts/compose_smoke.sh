@@ -9,19 +9,19 @@
 # 2. Starts a private dockerd (own socket, data root under $TOKENMILL_COMPOSE_CACHE, no iptables, no
 #    bridge: the test uses host networking only) and stops it on exit.
 # 3. Makes the base image from Debian packages (debootstrap, `docker import`): no image is ever pulled.
-# 4. Builds tokenmill:cpu and tokenmill:flower from the Dockerfile on that base (torch from the CPU wheel
+# 4. Builds tokenmill:cpu, tokenmill:flower and tokenmill:api from the Dockerfile on that base (torch from the CPU wheel
 #    this machine's pip finds locally, served on loopback; the rest from PyPI), plus Redis and S3 (moto)
 #    stand-ins. Builds use the host network (`--network host`).
 # 5. Generates the credentials docker-compose.yml requires (Redis password, MinIO root and worker keys,
-#    Flower basic auth: random for each run) into an env file, then
+#    Flower basic auth, the api's key and MinIO user: random for each run) into an env file, then
 #    `compose -f docker-compose.yml -f scripts/compose-smoke/compose.smoke.yml --profile cpu up -d`, waits
 #    for health, and runs scripts/compose_smoke_check.py from the host (see there for the checks).
 # 6. `compose down -v`, and checks that nothing is left.
 #
 # Everything built is cached in $TOKENMILL_COMPOSE_CACHE (default /var/cache/tokenmill-compose): the base
 # rootfs tarball, the torch wheel and Docker's data root with its layers, so a rerun on the same machine rebuilds only what
-# changed. Ports (loopback only): SMOKE_{REDIS,S3,METRICS,FLOWER,WHEELS}_PORT, defaults 16379, 19000,
-# 19400, 15555, 18000: below Linux's ephemeral range (32768-60999), where the outgoing connections and
+# changed. Ports (loopback only): SMOKE_{REDIS,S3,METRICS,FLOWER,WHEELS,API}_PORT, defaults 16379, 19000,
+# 19400, 15555, 18000, 18080: below Linux's ephemeral range (32768-60999), where the outgoing connections and
 # "free port" picks of other processes on the machine could take them mid-run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -36,6 +36,7 @@ DOCKER=/usr/bin/docker
 export SMOKE_REDIS_PORT="${SMOKE_REDIS_PORT:-16379}" SMOKE_S3_PORT="${SMOKE_S3_PORT:-19000}"
 export SMOKE_METRICS_PORT="${SMOKE_METRICS_PORT:-19400}" SMOKE_FLOWER_PORT="${SMOKE_FLOWER_PORT:-15555}"
 SMOKE_WHEELS_PORT="${SMOKE_WHEELS_PORT:-18000}"
+export SMOKE_API_PORT="${SMOKE_API_PORT:-18080}"
 export COMPOSE_PROJECT_NAME=tokenmill-smoke DOCKER_BUILDKIT=0 COMPOSE_DOCKER_CLI_BUILD=0
 BASE_IMAGE=tokenmill-base:bookworm
 TORCH_VERSION=2.13.0
@@ -96,11 +97,12 @@ make_env_file() {
     REDIS_PASSWORD="$(secret)" MINIO_ROOT_USER="root-$(secret | cut -c1-8)" MINIO_ROOT_PASSWORD="$(secret)"
     MINIO_WORKER_USER="worker-$(secret | cut -c1-8)" MINIO_WORKER_PASSWORD="$(secret)"
     FLOWER_USER="flower-$(secret | cut -c1-8)" FLOWER_PASSWORD="$(secret)"
+    MINIO_API_USER="api-$(secret | cut -c1-8)" MINIO_API_PASSWORD="$(secret)" API_KEY="sk-$(secret)"
     ENV_FILE="$RUN_DIR/smoke.env"
     (umask 077; {
         cat scripts/compose-smoke/smoke.env
         for name in REDIS_PASSWORD MINIO_ROOT_USER MINIO_ROOT_PASSWORD MINIO_WORKER_USER MINIO_WORKER_PASSWORD \
-                    FLOWER_USER FLOWER_PASSWORD; do
+                    FLOWER_USER FLOWER_PASSWORD MINIO_API_USER MINIO_API_PASSWORD API_KEY; do
             echo "$name=${!name}"
         done
     } > "$ENV_FILE")
@@ -221,6 +223,7 @@ build_images() {
     build tokenmill:cpu . --target worker --build-arg TORCH_VARIANT=cpu --build-arg TORCH_CPU_INDEX= \
         --build-arg "PIP_FIND_LINKS=http://127.0.0.1:$SMOKE_WHEELS_PORT/"
     build tokenmill:flower . --target flower
+    build tokenmill:api . --target api
     build tokenmill-smoke/redis:bookworm scripts/compose-smoke -f scripts/compose-smoke/redis.Dockerfile
     build tokenmill-smoke/s3:bookworm scripts/compose-smoke -f scripts/compose-smoke/s3.Dockerfile
     log "images built in $((SECONDS - started))s"
@@ -266,13 +269,13 @@ render_compose
 make_base_image
 check_ports_free "$SMOKE_WHEELS_PORT"
 build_images
-check_ports_free "$SMOKE_REDIS_PORT" "$SMOKE_S3_PORT" "$SMOKE_METRICS_PORT" "$SMOKE_FLOWER_PORT"
+check_ports_free "$SMOKE_REDIS_PORT" "$SMOKE_S3_PORT" "$SMOKE_METRICS_PORT" "$SMOKE_FLOWER_PORT" "$SMOKE_API_PORT"
 
 "${COMPOSE[@]}" down -v --remove-orphans >/dev/null 2>&1 || true   # leftovers of an interrupted run
 log "compose up"
 STACK_UP=1
 "${COMPOSE[@]}" up -d --no-build || fail "compose up failed"
-for service in redis minio flower worker-cpu; do wait_healthy "$service" 180; done
+for service in redis minio flower api worker-cpu; do wait_healthy "$service" 180; done
 init_state="$("$DOCKER" inspect -f '{{.State.Status}} {{.State.ExitCode}}' "$("${COMPOSE[@]}" ps -q minio-init)")"
 [ "$init_state" = "exited 0" ] || fail "minio-init did not create the bucket ($init_state)"
 networks="$("$DOCKER" network ls --format '{{.Name}}' | grep -vxE 'host|none' || true)"
@@ -284,7 +287,7 @@ PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" python3 scripts/compose_smoke_chec
     --broker "redis://:$REDIS_PASSWORD@127.0.0.1:$SMOKE_REDIS_PORT/0" --s3 "http://127.0.0.1:$SMOKE_S3_PORT" \
     --s3-keys "$MINIO_ROOT_USER:$MINIO_ROOT_PASSWORD" --worker-s3-user "$MINIO_WORKER_USER" \
     --metrics "http://127.0.0.1:$SMOKE_METRICS_PORT/metrics" --flower "http://127.0.0.1:$SMOKE_FLOWER_PORT" \
-    --flower-auth "$FLOWER_USER:$FLOWER_PASSWORD"
+    --flower-auth "$FLOWER_USER:$FLOWER_PASSWORD" --api "http://127.0.0.1:$SMOKE_API_PORT/v1" --api-key "$API_KEY"
 
 log "compose down -v"
 "${COMPOSE[@]}" down -v --remove-orphans

@@ -16,6 +16,10 @@
    start) and stored once, every job has a completed run in the worker's log (across its restarts), and
    the killed runs were redelivered (a result with attempt > 1). A run killed after generating but
    before its result was stored is generated again; that is reported, not counted as a second finish.
+7. The `api` service with the `openai` SDK: `GET /v1/models` lists the worker's model; a batch file is
+   uploaded (its bytes land in the files bucket), run to `completed`, and its output file holds every line in
+   input order with equal completions for equal greedy prompts; a line naming a model no worker serves is in
+   the error file (`model_not_found`); a wrong key gets 401.
 
 Exits non-zero (an AssertionError or timeout) on any failure.
 """
@@ -261,9 +265,48 @@ def step_exactly_once(stack: Stack) -> None:
         f"{repeated or ''}".rstrip())
 
 
+def step_api(stack: Stack) -> None:
+    import openai
+    from openai import OpenAI
+
+    client = OpenAI(base_url=stack.args.api, api_key=stack.args.api_key, max_retries=2)
+    wait_for("the worker's model in GET /v1/models", lambda: "builtin:tiny" in [m.id for m in client.models.list()], 60)
+    lines = [{"custom_id": f"api-{i}", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"model": "builtin:tiny", "messages": [{"role": "user", "content": f"Smoke prompt {i % 3}"}],
+                       "max_tokens": 8, "temperature": 0}} for i in range(12)]
+    lines.append({"custom_id": "unserved", "method": "POST", "url": "/v1/chat/completions",
+                  "body": {"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]}})
+    data = "".join(json.dumps(line) + "\n" for line in lines).encode()
+    uploaded = client.files.create(file=("smoke.jsonl", data), purpose="batch")
+    user, password = stack.args.s3_keys.split(":", 1)
+    s3 = boto3.client("s3", endpoint_url=stack.args.s3, region_name="us-east-1",
+                      aws_access_key_id=user, aws_secret_access_key=password)
+    assert s3.get_object(Bucket="files", Key=uploaded.id)["Body"].read() == data, "the upload is not in the files bucket"
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="1h")
+    done = wait_for("the batch to finish", lambda: (b := client.batches.retrieve(batch.id)).status in (
+        "completed", "failed", "cancelled", "expired") and b, 300, interval=1)
+    assert done.status == "completed", (done.status, done.errors)
+    counts = done.request_counts
+    assert (counts.total, counts.completed, counts.failed) == (13, 12, 1), counts
+    output = [json.loads(line) for line in client.files.content(done.output_file_id).text.splitlines()]
+    assert [line["custom_id"] for line in output] == [f"api-{i}" for i in range(12)]
+    texts = [line["response"]["body"]["choices"][0]["message"]["content"] for line in output]
+    assert all(texts[i] == texts[i % 3] for i in range(12)), "equal greedy prompts gave different completions"
+    [error] = [json.loads(line) for line in client.files.content(done.error_file_id).text.splitlines()]
+    assert error["custom_id"] == "unserved" and error["error"]["code"] == "model_not_found", error
+    try:
+        OpenAI(base_url=stack.args.api, api_key="sk-wrong", max_retries=0).files.list()
+        raise AssertionError("a wrong API key was accepted")
+    except openai.AuthenticationError:
+        pass
+    log(f"api: batch {batch.id} of 13 lines through the openai SDK: 12 completed in input order, 1 model_not_found; "
+        "files in the files bucket; a wrong key gets 401")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    for name in ("docker", "compose", "broker", "s3", "s3-keys", "worker-s3-user", "metrics", "flower", "flower-auth"):
+    for name in ("docker", "compose", "broker", "s3", "s3-keys", "worker-s3-user", "metrics", "flower", "flower-auth",
+                 "api", "api-key"):
         parser.add_argument(f"--{name}", required=True)
     stack = Stack(parser.parse_args())
     step_jobs_and_s3(stack)
@@ -273,6 +316,7 @@ def main() -> None:
     step_process_kill(stack)
     step_docker_kill(stack)
     step_exactly_once(stack)
+    step_api(stack)  # after the exactly-once count, which counts every stored result as one of its jobs
     log("all checks passed")
 
 

@@ -153,7 +153,7 @@ def test_compose_redis_never_drops_jobs_and_workers_outlive_their_grace(compose:
 
 #: What docker-compose.yml must take from .env, with no usable default (docs/guides/compose.md).
 CREDENTIALS = ("REDIS_PASSWORD", "MINIO_ROOT_USER", "MINIO_ROOT_PASSWORD", "MINIO_WORKER_USER", "MINIO_WORKER_PASSWORD",
-               "FLOWER_USER", "FLOWER_PASSWORD")
+               "MINIO_API_USER", "MINIO_API_PASSWORD", "FLOWER_USER", "FLOWER_PASSWORD", "API_KEY")
 
 
 def test_compose_credentials_come_from_env_with_no_default(compose: dict[str, Any]) -> None:
@@ -164,7 +164,7 @@ def test_compose_credentials_come_from_env_with_no_default(compose: dict[str, An
     services = compose["services"]
     redis_command = services["redis"]["command"]
     assert redis_command[redis_command.index("--requirepass") + 1].startswith("${REDIS_PASSWORD:?")
-    for service in ("worker", "worker-cpu", "flower"):
+    for service in ("worker", "worker-cpu", "flower", "api"):
         assert services[service]["environment"]["TOKENMILL_BROKER_URL"].startswith("redis://:${REDIS_PASSWORD:?"), service
     for service in ("worker", "worker-cpu"):
         env = services[service]["environment"]
@@ -172,6 +172,10 @@ def test_compose_credentials_come_from_env_with_no_default(compose: dict[str, An
         assert env["TOKENMILL_OUTPUT_PREFIXES"] == "s3://${RESULTS_BUCKET:-results}/"
         assert env["TOKENMILL_METRICS_ADDR"] == "0.0.0.0"  # Prometheus scrapes worker:9400 in the network
     assert services["flower"]["environment"]["FLOWER_BASIC_AUTH"].startswith("${FLOWER_USER:?")
+    api = services["api"]["environment"]
+    assert api["TOKENMILL_API_KEYS"].startswith("default=${API_KEY:?")
+    assert api["AWS_ACCESS_KEY_ID"].startswith("${MINIO_API_USER:?")  # its own MinIO user, never root's
+    assert all(port.startswith("127.0.0.1:") for port in services["api"]["ports"])
     assert "FLOWER_UNAUTHENTICATED_API" not in text
     example = (REPO / ".env.example").read_text()
     for name in CREDENTIALS:

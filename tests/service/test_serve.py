@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -18,7 +20,7 @@ from typing import Any
 import openai
 import pytest
 from openai import OpenAI
-from service_fixtures import REPO, free_port, wait_for
+from service_fixtures import REPO, S3_BUCKET, free_port, wait_for
 
 from tokenmill.apps.batch import batch as run_batch
 
@@ -28,7 +30,8 @@ KEYS = {"alice": "sk-alice-0123", "bob": "sk-bob-4567"}
 class Server:
     """A `tokenmill serve` subprocess; `kill()` is kill -9."""
 
-    def __init__(self, broker_url: str, files_dir: Path, log_path: Path, port: int | None = None, **flags: Any) -> None:
+    def __init__(self, broker_url: str, files_dir: Path, log_path: Path, port: int | None = None,
+                 env: dict[str, str] | None = None, **flags: Any) -> None:
         self.port = port or free_port()
         self.log_path = log_path
         args = {"broker": broker_url, "port": self.port, "files-dir": files_dir, "lease-seconds": 2,
@@ -36,7 +39,7 @@ class Server:
         self.command = [sys.executable, "-m", "tokenmill.cli", "serve"]
         for flag, value in args.items():
             self.command += [f"--{flag}"] if value is True else [f"--{flag}", str(value)]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENMILL_")}
+        env = {**{k: v for k, v in os.environ.items() if not k.startswith("TOKENMILL_")}, **(env or {})}
         env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         self._log = open(log_path, "ab")
         self.process = subprocess.Popen(self.command, stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
@@ -81,9 +84,9 @@ def serve(tmp_path: Path) -> Iterator[Callable[..., Server]]:
         server.close()
 
 
-def chat_line(custom_id: str, content: str, max_tokens: int = 6, **body: Any) -> dict[str, Any]:
+def chat_line(custom_id: str, content: str, max_tokens: int = 6, model: str = "builtin:tiny", **body: Any) -> dict[str, Any]:
     return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
-            "body": {"model": "tiny", "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
+            "body": {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
                      "temperature": 0, **body}}
 
 
@@ -291,3 +294,163 @@ def test_server_kill_9_mid_batch_another_server_finishes_it_running_nothing_twic
     assert finished == [f"r{i}" for i in range(160)] and errors == []
     wait_for(lambda: len(result_log.counts) >= 160, 30, "every job's result announced")
     assert len(result_log.counts) == 160 and set(result_log.counts.values()) == {1}  # each job stored once
+
+
+def test_lines_naming_a_model_no_worker_serves_error_and_the_batch_completes(tmp_path, redis_server, start_worker,
+                                                                           serve) -> None:
+    worker = start_worker(redis_server.url).wait_ready()
+    server = serve(redis_server.url)
+    client = server.client()
+    assert [m.id for m in client.models.list()] == ["builtin:tiny"]  # what the live worker announces
+    lines = [chat_line("a", "hi"), chat_line("b", "hi", model="gpt-4o"), chat_line("c", "hello"),
+             chat_line("d", "hey", model="builtin:huge")]
+    batch = client.batches.create(input_file_id=upload(client, write_jsonl(tmp_path / "in.jsonl", lines)),
+                                  endpoint="/v1/chat/completions", completion_window="24h")
+    done = wait_status(client, batch.id, ("completed", "failed", "cancelled", "expired"), 120)
+    assert done.status == "completed"
+    assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (4, 2, 2)
+    finished, errors = outcome_ids(client, done)
+    assert finished == ["a", "c"]
+    assert [(e["custom_id"], e["error"]["code"], e["response"]) for e in errors] == [
+        ("b", "model_not_found", None), ("d", "model_not_found", None)]
+    assert "'gpt-4o'" in errors[0]["error"]["message"] and "builtin:tiny" in errors[0]["error"]["message"]
+    assert worker.terminate() == 0  # a worker that stops withdraws its model
+    assert list(client.models.list()) == []
+
+
+def test_worker_kill_9_mid_batch_the_batch_completes_each_result_stored_once(tmp_path, redis_server, start_worker,
+                                                                             serve, result_log) -> None:
+    doomed = start_worker(redis_server.url, name="doomed", max_num_seqs=8).wait_ready()
+    start_worker(redis_server.url, name="survivor", max_num_seqs=8).wait_ready()
+    server = serve(redis_server.url)
+    client = server.client()
+    source = write_jsonl(tmp_path / "in.jsonl", [chat_line(f"r{i}", f"count {i}", max_tokens=32) for i in range(120)])
+    batch = client.batches.create(input_file_id=upload(client, source), endpoint="/v1/chat/completions",
+                                  completion_window="24h")
+    wait_for(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 3, 120, "some requests done")
+    doomed.kill()
+    assert client.batches.retrieve(batch.id).request_counts.completed < 120  # killed while jobs were left
+    done = wait_status(client, batch.id, ("completed", "failed", "cancelled", "expired"), 240)
+    assert done.status == "completed" and done.request_counts.completed == 120
+    finished, errors = outcome_ids(client, done)
+    assert finished == [f"r{i}" for i in range(120)] and errors == []
+    wait_for(lambda: len(result_log.counts) >= 120, 30, "every job's result announced")
+    assert len(result_log.counts) == 120 and set(result_log.counts.values()) == {1}  # each job stored once
+    results = [json.loads(redis_server.client().get(f"celery-task-meta-{job}"))["result"] for job in result_log.counts]
+    assert any(r["attempt"] >= 2 and r["worker"].startswith("survivor@") for r in results)  # the killed one's jobs
+
+
+def test_files_in_s3(tmp_path, redis_server, start_worker, s3_server, serve) -> None:
+    start_worker(redis_server.url).wait_ready()
+    server = serve(redis_server.url, **{"files-dir": f"s3://{S3_BUCKET}/serve", "s3-endpoint-url": s3_server.endpoint})
+    client = server.client()
+    source = write_jsonl(tmp_path / "in.jsonl", [chat_line(f"r{i}", f"hi {i}") for i in range(4)] +
+                         [chat_line("x", "hi", model="nope")])
+    file_id = upload(client, source)
+    s3 = s3_server.client()
+    assert s3.get_object(Bucket=S3_BUCKET, Key=f"serve/{file_id}")["Body"].read() == source.read_bytes()
+    assert client.files.content(file_id).content == source.read_bytes()
+    batch = client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
+    done = wait_status(client, batch.id, ("completed", "failed", "cancelled", "expired"), 120)
+    assert done.status == "completed", done.errors
+    finished, errors = outcome_ids(client, done)
+    assert finished == [f"r{i}" for i in range(4)] and [e["custom_id"] for e in errors] == ["x"]
+    keys = {o["Key"] for o in s3.list_objects_v2(Bucket=S3_BUCKET, Prefix="serve/")["Contents"]}
+    assert keys == {f"serve/{file_id}", f"serve/{done.output_file_id}", f"serve/{done.error_file_id}"}
+    assert s3.get_object(Bucket=S3_BUCKET, Key=f"serve/{done.output_file_id}")["Body"].read() == \
+        client.files.content(done.output_file_id).content
+    assert not (tmp_path / "files").exists()  # nothing kept on local disk
+    client.files.delete(file_id)
+    assert f"serve/{file_id}" not in {o["Key"] for o in s3.list_objects_v2(Bucket=S3_BUCKET, Prefix="serve/")["Contents"]}
+    with pytest.raises(openai.NotFoundError):
+        client.files.content(file_id)
+
+
+class Receiver:
+    """A real HTTP endpoint that records each webhook delivery (headers, body, whether its signature verifies
+    with the `standardwebhooks` library) and answers 500 to the first; the second waits until `release` is
+    set, so a test can kill the server while that delivery is in flight."""
+
+    def __init__(self, secret: str) -> None:
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        from standardwebhooks.webhooks import Webhook
+
+        self.deliveries: list[dict[str, Any]] = []
+        self.release = threading.Event()
+        receiver, verifier = self, Webhook(secret)
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                try:
+                    verifier.verify(body, dict(self.headers.items()))
+                    verified = True
+                except Exception:
+                    verified = False
+                receiver.deliveries.append({"at": time.time(), "id": self.headers["webhook-id"], "verified": verified,
+                                            "body": json.loads(body)})
+                number = len(receiver.deliveries)
+                if number == 2:
+                    receiver.release.wait(30)
+                self.send_response(500 if number <= 2 else 200)
+                self.end_headers()
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_port}/hooks"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.release.set()
+        self.server.shutdown()
+
+
+def test_webhooks_are_signed_retried_and_delivered_after_a_server_kill(tmp_path, redis_server, serve) -> None:
+    secret = "whsec_" + base64.b64encode(b"0123456789abcdef0123456789abcdef").decode()
+    receiver = Receiver(secret)
+    try:
+        hooks = {"env": {"TOKENMILL_WEBHOOK_SECRET": secret}, "webhook-url": receiver.url, "webhook-timeout": 2}
+        first = serve(redis_server.url, **hooks)
+        client = first.client()
+        bad = upload(client, write_jsonl(tmp_path / "bad.jsonl", ["{not json"]))
+        batch = client.batches.create(input_file_id=bad, endpoint="/v1/chat/completions", completion_window="24h")
+        assert wait_status(client, batch.id, ("completed", "failed"), 30).status == "failed"
+        wait_for(lambda: len(receiver.deliveries) >= 2, 30, "a retry after the first delivery failed")
+        first.kill()  # while the second delivery is in flight
+        receiver.release.set()
+        second = serve(redis_server.url, **hooks)  # any server picks the event up
+        wait_for(lambda: len(receiver.deliveries) >= 3, 60, "the delivery by the second server")
+        waiting = upload(second.client(), write_jsonl(tmp_path / "in.jsonl", [chat_line("a", "hi")]))
+        cancelled = second.client().batches.create(input_file_id=waiting, endpoint="/v1/chat/completions",
+                                                   completion_window="24h")  # no worker: it waits
+        wait_status(second.client(), cancelled.id, ("in_progress",), 30)
+        second.client().batches.cancel(cancelled.id)
+        wait_for(lambda: len(receiver.deliveries) >= 4, 30, "the cancelled batch's event")
+        time.sleep(3)
+    finally:
+        receiver.close()
+    deliveries = receiver.deliveries
+    assert all(d["verified"] for d in deliveries)
+    assert len({d["id"] for d in deliveries[:3]}) == 1 and deliveries[3]["id"] != deliveries[0]["id"]
+    assert deliveries[1]["at"] - deliveries[0]["at"] >= 0.9  # backed off
+    assert [(d["body"]["type"], d["body"]["data"]["id"]) for d in deliveries] == [
+        ("batch.failed", batch.id)] * 3 + [("batch.cancelled", cancelled.id)]
+    assert len(deliveries) == 4  # each delivered, none again after a 2xx
+    assert deliveries[0]["body"]["object"] == "event" and deliveries[0]["body"]["id"] == deliveries[0]["id"]
+
+
+def test_a_worker_announcement_lapses_without_renewal(redis_server) -> None:
+    """A killed worker never withdraws its model: its entry stops counting once its time is up, and is dropped."""
+    from tokenmill.queue.served import SERVED_KEY, announce, served_models
+
+    redis = redis_server.client()
+    announce(redis, "a@host", "m1", ["tokenmill"], ttl=0.5)
+    announce(redis, "b@host", "m2", ["other"], ttl=30)
+    assert served_models(redis, "tokenmill") == {"m1": ["a@host"]}
+    assert served_models(redis, "other") == {"m2": ["b@host"]}
+    time.sleep(0.6)
+    assert served_models(redis, "tokenmill") == {}
+    assert redis.hkeys(SERVED_KEY) == [b"b@host"]

@@ -58,6 +58,7 @@ from tokenmill.queue import dead_letters
 from tokenmill.queue.cancels import encode_result, is_final
 from tokenmill.queue.names import CANCEL_KEY, DEAD_LETTER_KEY, DELIVERIES_KEY
 from tokenmill.queue.schemas import JOB_ID_PATTERN, Job, JobError, JobResult, Usage
+from tokenmill.queue.served import Announcer
 from tokenmill.queue.tls import redis_client
 from tokenmill.worker.cancel_listener import CancelListener
 from tokenmill.worker.engine_process import EngineProcess
@@ -148,6 +149,7 @@ class WorkerService:
         self._stopping = threading.Event()
         self.grace_expired = threading.Event()
         self.cancels = CancelListener(self.redis, self.running_ids, self.cancel_running)
+        self.announcer = Announcer(self.redis, self.hostname, settings.model, settings.queues or [settings.queue])
 
     @classmethod
     def start(cls, settings: WorkerSettings) -> WorkerService:
@@ -171,6 +173,7 @@ class WorkerService:
         )
         service = cls(settings, engine, metrics, sink)
         service.cancels.start()
+        service.announcer.start()  # the model is loaded: `tokenmill serve` may send it jobs
         return service
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -187,6 +190,7 @@ class WorkerService:
 
     def close(self) -> None:
         self.grace_expired.set()
+        self.announcer.stop()
         self.cancels.stop()
         self.engine.stop(timeout=10)
 

@@ -7,24 +7,29 @@ Handlers are plain functions (FastAPI runs them in its thread pool), since Redis
 synchronous; the batches themselves are driven by `driver.Supervisor`'s threads, never by a request.
 """
 
+import itertools
 import re
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Annotated, Any
+from urllib.parse import quote
 
 from fastapi import Depends, FastAPI, File, Form, Header, Query, Request, UploadFile
-from fastapi.responses import FileResponse
+from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
 from tokenmill.apps.api import errors
 from tokenmill.apps.api.auth import Keys
 from tokenmill.apps.api.driver import Supervisor, file_object
 from tokenmill.apps.api.errors import APIError, not_found
-from tokenmill.apps.api.files import FileStore, new_file_id
+from tokenmill.apps.api.files import new_file_id, open_store
 from tokenmill.apps.api.records import FINAL, Records, batch_key, now
 from tokenmill.apps.api.settings import ServeSettings
+from tokenmill.apps.api.webhooks import Deliverer
 from tokenmill.apps.batch import URLS
+from tokenmill.apps.datasets import s3_endpoint
+from tokenmill.queue.served import served_models
 
 _WINDOW = re.compile(r"^([1-9][0-9]*)(h|m|s)$")
 _SECONDS = {"h": 3600, "m": 60, "s": 1}
@@ -49,9 +54,12 @@ class Services:
     def __init__(self, settings: ServeSettings, keys: Keys) -> None:
         self.settings = settings
         self.keys = keys
-        self.records = Records(settings.backend_url)
-        self.store = FileStore(settings.files_dir)
+        self.records = Records(settings.backend_url, webhooks=settings.webhook_url is not None)
+        self.store = open_store(settings.files_dir, s3_endpoint(settings.s3_endpoint_url))
         self.supervisor = Supervisor(settings, self.records, self.store)
+        self.deliverer = None if settings.webhook_url is None else Deliverer(
+            self.records, settings.webhook_url, settings.webhook_secret or "", settings.webhook_timeout,
+            settings.webhook_max_attempts, self.supervisor.stopping)
 
 
 def create_app(settings: ServeSettings, keys: Keys) -> FastAPI:
@@ -60,6 +68,8 @@ def create_app(settings: ServeSettings, keys: Keys) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         services.supervisor.start()  # takes over the batches of a server that died, at once
+        if services.deliverer is not None:
+            services.deliverer.start()  # and the webhook events it left undelivered
         yield
         services.supervisor.stop()
 
@@ -75,9 +85,10 @@ def create_app(settings: ServeSettings, keys: Keys) -> FastAPI:
 
     @app.get("/v1/models")
     def models(_: Tenant) -> dict[str, Any]:
-        ids = [m.strip() for m in settings.served_models.split(",") if m.strip()]
+        """The models live workers on this server's queue announce (`tokenmill.queue.served`)."""
+        served = served_models(services.records.redis, settings.queue)
         return {"object": "list", "data": [{"id": m, "object": "model", "created": 0, "owned_by": "tokenmill"}
-                                           for m in ids]}
+                                           for m in sorted(served)]}
 
     return app
 
@@ -119,9 +130,13 @@ def _file_routes(app: FastAPI, services: Services, Tenant: Any) -> None:
         return owned(tenant, file_id)
 
     @app.get("/v1/files/{file_id}/content")
-    def content(file_id: str, tenant: Tenant) -> FileResponse:
+    def content(file_id: str, tenant: Tenant) -> StreamingResponse:
         found = owned(tenant, file_id)
-        return FileResponse(store.path(file_id), media_type="application/octet-stream", filename=found["filename"])
+        chunks = store.chunks(file_id)
+        first = next(chunks, b"")  # a missing file is a 404 here, before the response starts
+        return StreamingResponse(itertools.chain([first], chunks), media_type="application/octet-stream",
+                                 headers={"Content-Length": str(found["bytes"]),
+                                          "Content-Disposition": f"attachment; filename*=UTF-8''{quote(found['filename'])}"})
 
     @app.delete("/v1/files/{file_id}")
     def delete(file_id: str, tenant: Tenant) -> dict[str, Any]:

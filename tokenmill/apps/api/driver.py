@@ -30,6 +30,7 @@ from tokenmill.apps.datasets import MAX_ROW_BYTES, DatasetError, TooLong, read_l
 from tokenmill.apps.runners import QueueRunner, Unit, outcome_from_result
 from tokenmill.apps.store import Outcome, SeenSet
 from tokenmill.client import Client, JobTimeoutError
+from tokenmill.queue.served import served_models
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,7 @@ class Plan:
 
     requests: list[tuple[int, Request]]
     units: list[Unit] = field(default_factory=list)
+    models: dict[str, str] = field(default_factory=dict)  # job id -> the model its request names
 
     def __post_init__(self) -> None:
         self.units = [unit for _, request in self.requests for unit in request.units]
@@ -99,11 +101,12 @@ class Driver(threading.Thread):
             batch = self.validate(batch)
             if batch["status"] == "failed":
                 return
-        source = Source(str(self.store.path(batch["input_file_id"])), None, MAX_ROW_BYTES)
+        source = Source(self.store.uri(batch["input_file_id"]), self.store.endpoint, MAX_ROW_BYTES)
         plan = Plan([(n, r) for n, r in parse_requests(source, self.parser) if isinstance(r, Request)])
         for _, request in plan.requests:
             for choice, unit in enumerate(request.units):
                 unit.job_id = job_id(self.batch_id, request.custom_id, choice)
+                plan.models[unit.job_id] = request.model
         with Client(self.settings.broker_url, result_backend=self.settings.result_backend,
                     queue=self.settings.queue) as client:
             if batch["status"] == "in_progress":
@@ -130,7 +133,7 @@ class Driver(threading.Thread):
         errors: list[dict[str, Any]] = []
         seen, total = SeenSet(), 0
         try:
-            for number, raw in enumerate(read_lines(str(self.store.path(batch["input_file_id"]))), start=1):
+            for number, raw in enumerate(read_lines(self.store.uri(batch["input_file_id"]), self.store.endpoint), start=1):
                 self.heartbeat()
                 if not isinstance(raw, TooLong) and not raw.strip():
                     continue
@@ -188,10 +191,25 @@ class Driver(threading.Thread):
             if self.records.field(self.batch_id, "cancel"):
                 return
             self.heartbeat()
-            refused, _ = runner.submit(plan.units[start : start + size])
-            if refused:
-                self.records.redis.hset(refused_key(self.batch_id), mapping={u.job_id: o.error for u, o in refused})
+            units, unserved = self._served(plan, plan.units[start : start + size])
+            refused = runner.submit(units)[0] if units else []
+            failed = {**unserved, **{u.job_id: o.error for u, o in refused}}
+            if failed:
+                self.records.redis.hset(refused_key(self.batch_id), mapping=failed)
             self.records.set_field(self.batch_id, "published", start + size)
+
+    def _served(self, plan: Plan, units: list[Unit]) -> tuple[list[Unit], dict[str, str]]:
+        """The units whose model a live worker on the queue announces, and an error for each of the others
+        (never queued: no worker would take them as that model). With no live worker at all every unit is queued:
+        the jobs wait for workers, as any job does (and the completion window still ends the batch)."""
+        served = served_models(self.records.redis, self.settings.queue)
+        if not served:
+            return units, {}
+        unserved = {u.job_id: plan.models[u.job_id] for u in units if plan.models[u.job_id] not in served}
+        known = ", ".join(sorted(served)) or "none"
+        return [u for u in units if u.job_id not in unserved], {
+            job: f"model_not_found: the model {model!r} is not served by any worker on queue {self.settings.queue!r} "
+                 f"(served: {known})" for job, model in unserved.items()}
 
     def collect(self, client: Client, plan: Plan) -> dict[str, Outcome]:
         """Every job's outcome, counting requests as they finish; a cancel or the deadline cancels the rest."""

@@ -1,15 +1,21 @@
-"""File contents on local disk, under `TOKENMILL_FILES_DIR`: one file per id, written to a temporary name and
-renamed, so a killed server never leaves half a file under a real id. Metadata lives in Redis (`records`)."""
+"""File contents by id: in a local (or shared) directory, or in S3 (`s3://bucket/prefix`, MinIO in compose).
+Metadata lives in Redis (`records`); a store only keeps bytes.
+
+Both stores make a file appear whole or not at all: the directory writes a temporary name and renames it, S3
+makes an object visible only once its upload completed. So a killed server never leaves half a file under a
+real id. The driver reads input files through `uri` with `tokenmill batch`'s own reader (`read_lines`, which
+takes local paths and `s3://` alike).
+"""
 
 from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO, Protocol
 
-from tokenmill.apps.api.errors import APIError
+from tokenmill.apps.api.errors import APIError, not_found
 
 _CHUNK = 1 << 20
 
@@ -18,55 +24,132 @@ def new_file_id() -> str:
     return f"file-{uuid.uuid4().hex[:24]}"
 
 
-class FileStore:
-    """Files by id in one directory (shared by every server process of a deployment)."""
+def checked(file_id: str) -> str:
+    """The id, if it is one this server could have made (so it is safe as a file name or object key)."""
+    if not file_id.startswith("file-") or not file_id[5:].replace("-", "").isalnum():
+        raise not_found("file", file_id)
+    return file_id
+
+
+def upload_size(source: BinaryIO, limit: int) -> int:
+    """The size of an upload (spooled by the ASGI stack, so seekable); 413 over `limit` bytes."""
+    size = source.seek(0, os.SEEK_END)
+    source.seek(0)
+    if size > limit:
+        raise APIError(413, f"file: larger than the {limit}-byte upload limit (TOKENMILL_MAX_UPLOAD_BYTES)",
+                       param="file", code="file_too_large")
+    return size
+
+
+class FileStore(Protocol):
+    """Where file contents live, shared by every server process of a deployment."""
+
+    endpoint: str | None  # the S3 endpoint `uri`s are read through (None: AWS or a local path)
+
+    def uri(self, file_id: str) -> str: ...
+    def save(self, file_id: str, source: BinaryIO, limit: int) -> int: ...
+    def write_lines(self, file_id: str, lines: Iterable[bytes]) -> int: ...
+    def chunks(self, file_id: str) -> Iterator[bytes]: ...
+    def delete(self, file_id: str) -> None: ...
+
+
+def open_store(location: str, endpoint: str | None = None) -> FileStore:
+    """`s3://bucket/prefix` -> `S3Store`, anything else a directory."""
+    if location.startswith("s3://"):
+        return S3Store(location, endpoint)
+    return DirectoryStore(location)
+
+
+class DirectoryStore:
+    """Files by id in one directory."""
+
+    endpoint = None
 
     def __init__(self, directory: str) -> None:
         self.directory = Path(directory).expanduser().resolve()
         self.directory.mkdir(parents=True, exist_ok=True)
 
-    def path(self, file_id: str) -> Path:
-        if not file_id.startswith("file-") or not file_id[5:].replace("-", "").isalnum():
-            raise APIError(404, f"No file found with id '{file_id}'.", param="id", code="not_found")
-        return self.directory / file_id
+    def uri(self, file_id: str) -> str:
+        return str(self.directory / checked(file_id))
 
     def save(self, file_id: str, source: BinaryIO, limit: int) -> int:
-        """Copy an upload to `file_id`; refuses (413) one over `limit` bytes. Returns its size."""
-        size = 0
-        with self._writing(file_id) as (target, temporary):
+        size = upload_size(source, limit)
+        with _Writing(Path(self.uri(file_id))) as target:
             while chunk := source.read(_CHUNK):
-                size += len(chunk)
-                if size > limit:
-                    raise APIError(413, f"file: larger than the {limit}-byte upload limit (TOKENMILL_MAX_UPLOAD_BYTES)",
-                                   param="file", code="file_too_large")
                 target.write(chunk)
         return size
 
     def write_lines(self, file_id: str, lines: Iterable[bytes]) -> int:
-        """Write an output file (JSONL lines, each ending in a newline); returns its size."""
         size = 0
-        with self._writing(file_id) as (target, _):
+        with _Writing(Path(self.uri(file_id))) as target:
             for line in lines:
                 size += target.write(line)
         return size
 
-    def delete(self, file_id: str) -> None:
-        self.path(file_id).unlink(missing_ok=True)
+    def chunks(self, file_id: str) -> Iterator[bytes]:
+        try:
+            handle = open(self.uri(file_id), "rb")
+        except FileNotFoundError:
+            raise not_found("file", file_id) from None
+        with handle:
+            while chunk := handle.read(_CHUNK):
+                yield chunk
 
-    def _writing(self, file_id: str) -> _Writing:
-        return _Writing(self.path(file_id))
+    def delete(self, file_id: str) -> None:
+        Path(self.uri(file_id)).unlink(missing_ok=True)
+
+
+class S3Store:
+    """Files by id as objects under `s3://bucket/prefix/` (boto3; credentials from the usual AWS variables)."""
+
+    def __init__(self, location: str, endpoint: str | None = None) -> None:
+        import boto3
+        from botocore.config import Config
+
+        self.bucket, _, prefix = location.removeprefix("s3://").partition("/")  # checked by ServeSettings
+        self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
+        self.endpoint = endpoint
+        region = os.environ.get("AWS_DEFAULT_REGION") or os.environ.get("AWS_REGION") or "us-east-1"
+        self.s3: Any = boto3.client("s3", endpoint_url=endpoint, region_name=region,
+                                    config=Config(retries={"mode": "standard", "max_attempts": 5}))
+
+    def key(self, file_id: str) -> str:
+        return self.prefix + checked(file_id)
+
+    def uri(self, file_id: str) -> str:
+        return f"s3://{self.bucket}/{self.key(file_id)}"
+
+    def save(self, file_id: str, source: BinaryIO, limit: int) -> int:
+        size = upload_size(source, limit)
+        self.s3.upload_fileobj(source, self.bucket, self.key(file_id))
+        return size
+
+    def write_lines(self, file_id: str, lines: Iterable[bytes]) -> int:
+        body = b"".join(lines)
+        self.s3.put_object(Bucket=self.bucket, Key=self.key(file_id), Body=body)
+        return len(body)
+
+    def chunks(self, file_id: str) -> Iterator[bytes]:
+        try:
+            body = self.s3.get_object(Bucket=self.bucket, Key=self.key(file_id))["Body"]
+        except self.s3.exceptions.NoSuchKey:
+            raise not_found("file", file_id) from None
+        yield from body.iter_chunks(_CHUNK)
+
+    def delete(self, file_id: str) -> None:
+        self.s3.delete_object(Bucket=self.bucket, Key=self.key(file_id))
 
 
 class _Writing:
-    """A file written under a temporary name, renamed into place only if the block ends without an error."""
+    """A local file written under a temporary name, renamed into place only if the block ends without an error."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self.temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.partial")
 
-    def __enter__(self) -> tuple[BinaryIO, Path]:
+    def __enter__(self) -> BinaryIO:
         self.handle = open(self.temporary, "wb")
-        return self.handle, self.temporary
+        return self.handle
 
     def __exit__(self, kind: object, *rest: object) -> None:
         self.handle.close()

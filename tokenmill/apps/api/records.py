@@ -8,7 +8,9 @@ Keys (the API's own, beside the queue's):
   far), `cancel` (`cancel` or `expire` once asked); `tokenmill:api:batches:<tenant>`: the tenant's batches;
 * `tokenmill:api:active`: the batches not final yet, which some server process must drive;
 * `tokenmill:api:lease:<id>`: which server process drives that batch (a token, expiring unless renewed);
-* `tokenmill:api:refused:<id>`: jobs of the batch the client refused to queue, with the reason.
+* `tokenmill:api:refused:<id>`: jobs of the batch the client refused to queue, with the reason;
+* `tokenmill:api:webhooks`: the webhook outbox, event ids scored by when they are due; `tokenmill:api:webhook-events`
+  their bodies, `tokenmill:api:webhook-attempts` their failed deliveries (`webhooks`).
 
 Every change of a batch object goes through `update` (WATCH/MULTI), so the driver's counts and a cancel
 from another process never overwrite each other.
@@ -27,6 +29,9 @@ PREFIX = "tokenmill:api:"
 SEQUENCE = PREFIX + "seq"
 ACTIVE = PREFIX + "active"
 FINAL = ("completed", "failed", "cancelled", "expired")
+OUTBOX = PREFIX + "webhooks"
+EVENTS = PREFIX + "webhook-events"
+ATTEMPTS = PREFIX + "webhook-attempts"
 
 _RENEW = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end return 0"
 _RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
@@ -55,8 +60,9 @@ def _index(kind: str, tenant: str) -> str:
 class Records:
     """The API's records on one Redis (the queue's result backend)."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, webhooks: bool = False) -> None:
         self.redis = redis.Redis.from_url(url)
+        self.webhooks = webhooks  # write a webhook event when a batch becomes final
         self._renew = self.redis.register_script(_RENEW)
         self._release = self.redis.register_script(_RELEASE)
 
@@ -113,11 +119,14 @@ class Records:
 
         def attempt(pipe: Any) -> dict[str, Any]:
             batch = json.loads(pipe.hget(key, "object"))
+            was_final = batch["status"] in FINAL
             change(batch)
             pipe.multi()
             pipe.hset(key, "object", json.dumps(batch))
             if batch["status"] in FINAL:
                 pipe.srem(ACTIVE, batch_id)
+                if self.webhooks and not was_final:
+                    enqueue_event(pipe, batch)
             return batch
 
         return self.redis.transaction(attempt, key, value_from_callable=True)
@@ -159,6 +168,17 @@ class Records:
         else:
             ids = self.redis.zrangebyscore(index, bound, "+inf", start=0, num=limit + 1)
         return [i.decode() for i in ids[:limit]], len(ids) > limit
+
+
+def enqueue_event(pipe: Any, batch: dict[str, Any]) -> None:
+    """Put the `batch.<status>` event of a batch that just became final into the webhook outbox, due now (in the
+    caller's MULTI, so the event exists exactly when the final status does). Its body is OpenAI's: the batch id
+    in `data`."""
+    event_id = f"evt_{batch['id'].removeprefix('batch_')}_{batch['status']}"
+    body = {"object": "event", "id": event_id, "type": f"batch.{batch['status']}", "created_at": now(),
+            "data": {"id": batch["id"]}}
+    pipe.hset(EVENTS, event_id, json.dumps(body))
+    pipe.zadd(OUTBOX, {event_id: time.time()})
 
 
 def now() -> int:

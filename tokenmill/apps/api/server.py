@@ -22,12 +22,18 @@ def add_parser(commands: Any) -> None:
     serve.add_argument("--broker", dest="broker_url", help="Redis URL [env TOKENMILL_BROKER_URL]")
     serve.add_argument("--result-backend", help="Redis URL of results, if not the broker [env TOKENMILL_RESULT_BACKEND]")
     serve.add_argument("--queue", help="queue the jobs go to [env TOKENMILL_QUEUE]")
-    serve.add_argument("--files-dir", help="where files are kept [env TOKENMILL_FILES_DIR]")
+    serve.add_argument("--files-dir", help="where files are kept: a directory or s3://bucket/prefix "
+                       "[env TOKENMILL_FILES_DIR]")
+    serve.add_argument("--s3-endpoint-url", help="S3 endpoint of an s3:// files store, e.g. MinIO's "
+                       "[env TOKENMILL_S3_ENDPOINT_URL]")
     serve.add_argument("--api-keys", help="comma-separated tenant=key or keys [env TOKENMILL_API_KEYS]")
     serve.add_argument("--api-keys-file", help="file of 'tenant sha256:<hex>' lines [env TOKENMILL_API_KEYS_FILE]")
     serve.add_argument("--max-upload-bytes", type=int, help="[env TOKENMILL_MAX_UPLOAD_BYTES]")
     serve.add_argument("--max-batch-lines", type=int, help="[env TOKENMILL_MAX_BATCH_LINES]")
     serve.add_argument("--lease-seconds", type=float, help="[env TOKENMILL_LEASE_SECONDS]")
+    serve.add_argument("--webhook-url", help="where batch events are POSTed [env TOKENMILL_WEBHOOK_URL; the secret: "
+                       "env TOKENMILL_WEBHOOK_SECRET]")
+    serve.add_argument("--webhook-timeout", type=float, help="[env TOKENMILL_WEBHOOK_TIMEOUT]")
     serve.add_argument("--insecure-no-auth", action="store_true",
                        help="serve without API keys (anyone who reaches the port is one tenant)")
     serve.add_argument("--log-level", default="info")
@@ -39,8 +45,8 @@ def run(args: argparse.Namespace) -> int:
     from tokenmill.apps.api.auth import Keys
     from tokenmill.apps.api.settings import ServeSettings
 
-    names = ("broker_url", "result_backend", "queue", "files_dir", "api_keys", "api_keys_file", "max_upload_bytes",
-             "max_batch_lines", "lease_seconds")
+    names = ("broker_url", "result_backend", "queue", "files_dir", "s3_endpoint_url", "api_keys", "api_keys_file",
+             "max_upload_bytes", "max_batch_lines", "lease_seconds", "webhook_url", "webhook_timeout")
     try:
         settings = ServeSettings(**{n: getattr(args, n) for n in names if getattr(args, n) is not None})
         keys = Keys(settings, insecure=args.insecure_no_auth)

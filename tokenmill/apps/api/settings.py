@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, field_validator, model_validator
 
 from tokenmill.queue.settings import QueueSettings
 
@@ -16,8 +16,10 @@ class ServeSettings(QueueSettings):
     api_keys_file: str | None = Field(
         None, description="File of hashed API keys for `tokenmill serve`: one `tenant sha256:<hex of the key>` a "
         "line (`#` comments), used with TOKENMILL_API_KEYS if both are set.")
-    files_dir: str = Field("tokenmill-files", description="Directory where `tokenmill serve` keeps uploaded and "
-                           "output files (shared by every server process of one deployment).")
+    files_dir: str = Field("tokenmill-files", description="Where `tokenmill serve` keeps uploaded and output files: "
+                           "a directory, or `s3://bucket/prefix` (MinIO and other S3 stores through "
+                           "TOKENMILL_S3_ENDPOINT_URL); shared by every server process of one deployment.")
+    s3_endpoint_url: str | None = Field(None, description="S3 endpoint (MinIO, moto, ...); default: AWS.")
     max_upload_bytes: int = Field(200 * 1024 * 1024, ge=1, description="Largest file `POST /v1/files` accepts (bytes).")
     max_batch_lines: int = Field(50_000, ge=1, description="Most requests one batch's input file may hold; more "
                                  "fails the batch's validation.")
@@ -28,5 +30,33 @@ class ServeSettings(QueueSettings):
                                         "when `tokenmill serve` queues a batch.")
     default_max_tokens: int = Field(256, ge=1, description="max_tokens of a batch request that sets neither "
                                     "max_tokens nor max_completion_tokens (as `tokenmill batch --max-tokens`).")
-    served_models: str = Field("builtin:tiny", description="Comma-separated model ids `GET /v1/models` lists "
-                               "(the workers' models).")
+    webhook_url: str | None = Field(None, description="URL `tokenmill serve` POSTs batch.completed / batch.failed / "
+                                    "batch.cancelled / batch.expired events to, signed as Standard Webhooks says; "
+                                    "unset: no webhooks.")
+    webhook_secret: str | None = Field(None, description="The `whsec_<base64>` secret webhooks are signed with "
+                                       "(required with TOKENMILL_WEBHOOK_URL).")
+    webhook_timeout: float = Field(10.0, gt=0, description="Seconds one webhook delivery may take.")
+    webhook_max_attempts: int = Field(10, ge=1, description="Deliveries of one webhook event before it is given up "
+                                      "(retried after 1, 2, 4 ... s, at most an hour apart).")
+
+    @model_validator(mode="after")
+    def _check_webhook(self) -> "ServeSettings":
+        if self.webhook_url is not None:
+            if not self.webhook_url.startswith(("http://", "https://")):
+                raise ValueError(f"TOKENMILL_WEBHOOK_URL: an http:// or https:// URL, got {self.webhook_url!r}")
+            if not self.webhook_secret:
+                raise ValueError("TOKENMILL_WEBHOOK_URL is set but TOKENMILL_WEBHOOK_SECRET is not (whsec_<base64>)")
+            from standardwebhooks.webhooks import Webhook
+
+            try:
+                Webhook(self.webhook_secret)
+            except Exception as exc:
+                raise ValueError(f"TOKENMILL_WEBHOOK_SECRET: not a whsec_<base64> secret ({exc})") from None
+        return self
+
+    @field_validator("files_dir")
+    @classmethod
+    def _check_files_dir(cls, value: str) -> str:
+        if value.startswith("s3://") and not value.removeprefix("s3://").split("/", 1)[0]:
+            raise ValueError(f"{value!r}: an S3 files store is s3://bucket or s3://bucket/prefix")
+        return value
