@@ -52,6 +52,13 @@ def child_pids(pid: int) -> list[int]:
     return children
 
 
+def engine_pid(worker_pid: int) -> int:
+    """The worker's engine process (a multiprocessing "spawn" child, beside multiprocessing's resource tracker)."""
+    pids = [pid for pid in child_pids(worker_pid) if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    assert len(pids) == 1, f"expected one engine process under {worker_pid}, found {pids}"
+    return pids[0]
+
+
 def wait_for(check: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
     """Poll `check` until it returns something truthy; fail the test with `what` after `timeout` seconds."""
     deadline = time.monotonic() + timeout

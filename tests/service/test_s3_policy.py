@@ -154,7 +154,7 @@ def test_the_compose_policy_lets_workers_put_results_and_nothing_else(enforcing_
 
 def test_the_compose_policy_lets_the_api_keep_files_and_nothing_else(enforcing_s3: EnforcingS3, tmp_path: Path,
                                                                       redis_server: RedisServer, start_worker,
-                                                                      serve) -> None:
+                                                                      serve) -> None:  # noqa: F811 (the fixture)
     """`tokenmill serve` with the api user's keys keeps a batch's files in the files bucket (upload, output,
     download, delete: every S3 call it makes), and those keys reach no other bucket."""
     s3 = enforcing_s3

@@ -20,7 +20,7 @@ from typing import Any
 import openai
 import pytest
 from openai import OpenAI
-from service_fixtures import REPO, S3_BUCKET, free_port, wait_for
+from service_fixtures import REPO, S3_BUCKET, engine_pid, free_port, wait_for
 
 from tokenmill.apps.batch import batch as run_batch
 
@@ -321,23 +321,26 @@ def test_lines_naming_a_model_no_worker_serves_error_and_the_batch_completes(tmp
 def test_worker_kill_9_mid_batch_the_batch_completes_each_result_stored_once(tmp_path, redis_server, start_worker,
                                                                              serve, result_log) -> None:
     doomed = start_worker(redis_server.url, name="doomed", max_num_seqs=8).wait_ready()
-    start_worker(redis_server.url, name="survivor", max_num_seqs=8).wait_ready()
     server = serve(redis_server.url)
     client = server.client()
     source = write_jsonl(tmp_path / "in.jsonl", [chat_line(f"r{i}", f"count {i}", max_tokens=32) for i in range(120)])
     batch = client.batches.create(input_file_id=upload(client, source), endpoint="/v1/chat/completions",
                                   completion_window="24h")
-    wait_for(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 3, 120, "some requests done")
+    broker = redis_server.client()
+    wait_for(lambda: next(broker.scan_iter("tokenmill:deliveries:*"), None), 120, "the doomed worker to take a group")
+    engine = engine_pid(doomed.process.pid)
+    os.kill(engine, signal.SIGSTOP)  # the group it holds cannot finish before the kill, however slow the machine
+    start_worker(redis_server.url, name="survivor", max_num_seqs=8).wait_ready()
     doomed.kill()
-    assert client.batches.retrieve(batch.id).request_counts.completed < 120  # killed while jobs were left
+    os.kill(engine, signal.SIGKILL)  # kill -9 of the whole worker, its engine process too
     done = wait_status(client, batch.id, ("completed", "failed", "cancelled", "expired"), 240)
     assert done.status == "completed" and done.request_counts.completed == 120
     finished, errors = outcome_ids(client, done)
     assert finished == [f"r{i}" for i in range(120)] and errors == []
     wait_for(lambda: len(result_log.counts) >= 120, 30, "every job's result announced")
     assert len(result_log.counts) == 120 and set(result_log.counts.values()) == {1}  # each job stored once
-    results = [json.loads(redis_server.client().get(f"celery-task-meta-{job}"))["result"] for job in result_log.counts]
-    assert any(r["attempt"] >= 2 and r["worker"].startswith("survivor@") for r in results)  # the killed one's jobs
+    results = [json.loads(broker.get(f"celery-task-meta-{job}"))["result"] for job in result_log.counts]
+    assert any(r["attempt"] >= 2 and r["worker"].startswith("survivor@") for r in results)  # the frozen group
 
 
 def test_files_in_s3(tmp_path, redis_server, start_worker, s3_server, serve) -> None:

@@ -8,10 +8,9 @@ import os
 import signal
 import time
 import uuid
-from pathlib import Path
 
 import redis
-from service_fixtures import TEST_VISIBILITY_TIMEOUT, RedisServer, ResultLog, Worker, child_pids, wait_for
+from service_fixtures import TEST_VISIBILITY_TIMEOUT, RedisServer, ResultLog, Worker, engine_pid, wait_for
 
 from tokenmill.client import Client
 from tokenmill.queue.names import DELIVERIES_KEY
@@ -72,16 +71,9 @@ def test_job_that_keeps_killing_workers_is_dead_lettered(redis_server: RedisServ
     assert client.submit(prompt="the next job runs", max_tokens=2).result(timeout=60).ok
 
 
-def _engine_pid(worker_pid: int) -> int:
-    """The worker's engine process (a multiprocessing "spawn" child, beside multiprocessing's resource tracker)."""
-    pids = [pid for pid in child_pids(worker_pid) if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
-    assert len(pids) == 1, f"expected one engine process under {worker_pid}, found {pids}"
-    return pids[0]
-
-
 def _freeze_engine(worker: Worker) -> int:
     """SIGSTOP the worker's engine process, so that no job it is given can finish, however slow the machine."""
-    pid = _engine_pid(worker.process.pid)
+    pid = engine_pid(worker.process.pid)
     os.kill(pid, signal.SIGSTOP)
     return pid
 
