@@ -297,6 +297,15 @@ class Worker:
         wait_for(ready, timeout, f"worker {self.name} to be ready", interval=0.1)
         return self
 
+    def wait_listening(self, app: Any, timeout: float = 60) -> Worker:
+        """Until the worker answers a remote-control ping. Broadcasts travel over Redis pub/sub, which keeps nothing
+        for a subscriber that is not listening yet, and "ready" in the log does not prove the mailbox listens: in
+        a full-suite run on a loaded machine a revoke and a shutdown sent right after it were never received. A
+        test that sends a broadcast waits for this first."""
+        wait_for(lambda: any(f"{self.name}@" in node for reply in app.control.ping(timeout=1) for node in reply),
+                 timeout, f"worker {self.name} to answer a ping")
+        return self
+
     def metrics(self) -> dict[str, float]:
         """The worker's Prometheus samples, `name{labels}` -> value."""
         text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).read().decode()

@@ -72,8 +72,8 @@ def test_a_queued_job_never_starts_and_a_running_one_stops_and_frees_its_slot(
 
 def test_celery_revoke_and_terminate_cancel_like_the_client(redis_server: RedisServer, start_worker: Any) -> None:
     """What Flower's buttons send: revoke(id) and revoke(id, terminate=True) both stop a running job."""
-    worker = start_worker(redis_server.url, max_num_seqs=4, num_kv_blocks=KV_BLOCKS).wait_ready()
     app = queue_app(QueueSettings(broker_url=redis_server.url))
+    worker = start_worker(redis_server.url, max_num_seqs=4, num_kv_blocks=KV_BLOCKS).wait_ready().wait_listening(app)
     with Client(redis_server.url) as client:
         plain, terminate = client.submit(prompt="revoke me", **LONG), client.submit(prompt="terminate me", **LONG)
         _generating(worker, sequences=2)
@@ -94,8 +94,9 @@ def test_celery_revoke_and_terminate_cancel_like_the_client(redis_server: RedisS
 def test_a_revoke_sent_while_no_worker_takes_the_queue_is_honoured_by_a_worker_started_later(
     redis_server: RedisServer, start_worker: Any, result_log: ResultLog
 ) -> None:
-    start_worker(redis_server.url, name="other", queues="elsewhere", num_kv_blocks=KV_BLOCKS).wait_ready()  # hears the revoke, not the job
     app = queue_app(QueueSettings(broker_url=redis_server.url))
+    other = start_worker(redis_server.url, name="other", queues="elsewhere", num_kv_blocks=KV_BLOCKS)  # hears the revoke, not the job
+    other.wait_ready().wait_listening(app)
     with Client(redis_server.url, queue="later") as client:
         job = client.submit(prompt="revoked before any worker took it", **SHORT)
         app.control.revoke(job.id)
@@ -180,8 +181,8 @@ def test_deadlines_end_a_job_with_its_partial_output(redis_server: RedisServer, 
 def test_remote_commands_that_cannot_work_or_change_the_worker_answer_with_an_error(
     redis_server: RedisServer, start_worker: Any
 ) -> None:
-    worker = start_worker(redis_server.url, num_kv_blocks=KV_BLOCKS).wait_ready()
     app = queue_app(QueueSettings(broker_url=redis_server.url))
+    worker = start_worker(redis_server.url, num_kv_blocks=KV_BLOCKS).wait_ready().wait_listening(app)
     for name, arguments in (("rate_limit", {"task_name": TASK_NAME, "rate_limit": "1/s"}),
                             ("time_limit", {"task_name": TASK_NAME, "soft": 1, "hard": 2}),
                             ("shutdown", {}), ("pool_shrink", {"n": 1}), ("add_consumer", {"queue": "x"})):
@@ -197,8 +198,8 @@ def test_remote_commands_that_cannot_work_or_change_the_worker_answer_with_an_er
 def test_remote_control_writes_turns_the_state_changing_commands_back_on(
     redis_server: RedisServer, start_worker: Any
 ) -> None:
-    worker = start_worker(redis_server.url, remote_control_writes=True, num_kv_blocks=KV_BLOCKS).wait_ready()
     app = queue_app(QueueSettings(broker_url=redis_server.url))
+    worker = start_worker(redis_server.url, remote_control_writes=True, num_kv_blocks=KV_BLOCKS).wait_ready().wait_listening(app)
     app.control.broadcast("shutdown", reply=True, timeout=10)  # Celery's own handler: the worker stops
     assert worker.process.wait(timeout=60) is not None
 
