@@ -7,6 +7,8 @@ import time
 import traceback
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
+from itertools import compress
+from operator import attrgetter
 from typing import Any
 
 import torch
@@ -75,6 +77,10 @@ class _Request:
     stops: StopMatcher | None = None  # the request's stop strings, matched step by step
     constraint: Constraint | None = None  # the grammar of a structured-output request
     row: SamplingRow | None = None  # built once, updated each step it samples
+    # A request with no stop strings, grammar or min_tokens can only finish on a stop token or at this
+    # length (max_tokens or max_model_len): the step checks just that before asking `_finish_reason`.
+    end_len: int = 0
+    plain: bool = False
 
 
 @dataclass
@@ -87,6 +93,9 @@ class _Pending:
     future: Future
     deadline: float
     arrival_time: float = field(default_factory=time.time)
+
+
+_request_id, _constraint = attrgetter("request_id"), attrgetter("constraint")
 
 
 class LLMEngine:
@@ -182,7 +191,10 @@ class LLMEngine:
         suppressed = (sorted(stop_ids) if params.min_tokens > 0 else []) + banned
         row = SamplingRow(params, seed, 0, seq.token_ids, suppressed, constraint=constraint)
         stops = StopMatcher(params.stop) if params.stop else None
-        self.requests[request_id] = _Request(seq, seed, stop_ids, constraint=constraint, row=row, stops=stops)
+        end_len = min(len(token_ids) + params.max_tokens, self.max_model_len)
+        plain = stops is None and constraint is None and params.min_tokens == 0
+        self.requests[request_id] = _Request(seq, seed, stop_ids, constraint=constraint, row=row, stops=stops,
+                                             end_len=end_len, plain=plain)
         if arrival is not None:
             self.requests[request_id].arrival_time = arrival
         self._totals["prompt"] += len(token_ids)
@@ -274,14 +286,22 @@ class LLMEngine:
         self._totals["steps"] += 1
         grown = self.scheduler.update(batch, result.token_ids)
         self._totals["generated"] += len(grown)
-        self._advance_grammars(grown)
+        requests = list(map(self.requests.__getitem__, map(_request_id, grown)))
+        self._advance_grammars(requests)
         now = time.time()
         finished = admitted + [self._fail(seq, error, now) for seq, error in failed]
-        for seq, logprobs in zip(grown, result.logprobs):
-            request = self.requests[seq.request_id]
-            request.first_token_time = request.first_token_time or now
-            if logprobs is not None:
-                request.logprobs.append(logprobs)
+        if result.logprobs.count(None) != len(result.logprobs):
+            for request, logprobs in zip(requests, result.logprobs):
+                if logprobs is not None:
+                    request.logprobs.append(logprobs)
+        for request in requests:
+            if request.first_token_time is None:
+                request.first_token_time = now
+        # Only these can finish this step (see `_Request.plain`); `_finish_reason` decides.
+        candidates = [r for r in requests if not r.plain or r.seq.token_ids[-1] in r.stop_ids
+                      or len(r.seq.token_ids) >= r.end_len]
+        for request in candidates:
+            seq = request.seq
             try:
                 reason = self._finish_reason(request)
                 output = None if reason is None else self._output(request, now, reason)
@@ -301,7 +321,7 @@ class LLMEngine:
         Rerunning is safe: nothing was updated yet. Returns the result for the batch without the failed
         requests, and those requests.
         """
-        rows = [self._sampling_row(seq) for seq, samples in zip(batch.seqs, batch.sample_mask) if samples]
+        rows = self._sampling_rows(list(compress(batch.seqs, batch.sample_mask)))
         try:
             return self.runner.execute(batch, rows), []
         except Exception as exc:
@@ -314,7 +334,7 @@ class LLMEngine:
             alone = ScheduledBatch(count)
             alone.add(seq, count)
             try:
-                result = self.runner.execute(alone, [self._sampling_row(seq)] if samples else [])
+                result = self.runner.execute(alone, self._sampling_rows([seq] if samples else []))
             except Exception as exc:
                 if not _raised_in_sampler(exc):
                     raise
@@ -333,19 +353,22 @@ class LLMEngine:
         return RequestOutput(seq.request_id, seq.prompt_token_ids, seq.output_token_ids, "", "error",
                              arrival_time=request.arrival_time, finished_time=now, error=str(error))
 
-    def _advance_grammars(self, grown: list[Sequence]) -> None:
-        constraints = [(c, seq.token_ids[-1]) for seq in grown if (c := self.requests[seq.request_id].constraint)]
-        if constraints:
-            advance(*zip(*constraints))
+    def _advance_grammars(self, grown: list[_Request]) -> None:
+        if not any(map(_constraint, grown)):
+            return
+        constraints = [(r.constraint, r.seq.token_ids[-1]) for r in grown if r.constraint is not None]
+        advance(*zip(*constraints))
 
-    def _sampling_row(self, seq: Sequence) -> SamplingRow:
-        """The request's row, built at admission (it shares `seq.token_ids`), brought to this step."""
-        request = self.requests[seq.request_id]
-        row = request.row
-        row.num_output_tokens = len(seq.token_ids) - seq.num_prompt_tokens
-        if seq.params.min_tokens and row.num_output_tokens >= seq.params.min_tokens:
-            row.suppressed_ids = request.constraint.banned_ids if request.constraint is not None else []
-        return row
+    def _sampling_rows(self, seqs: list[Sequence]) -> list[SamplingRow]:
+        """The requests' rows, built at admission (each shares its `seq.token_ids`), brought to this step."""
+        rows = []
+        for request in map(self.requests.__getitem__, map(_request_id, seqs)):
+            row, seq = request.row, request.seq
+            row.num_output_tokens = len(seq.token_ids) - seq.num_prompt_tokens
+            if seq.params.min_tokens and row.num_output_tokens >= seq.params.min_tokens:
+                row.suppressed_ids = request.constraint.banned_ids if request.constraint is not None else []
+            rows.append(row)
+        return rows
 
     def _finish_reason(self, request: _Request) -> str | None:
         seq, params = request.seq, request.seq.params
