@@ -11,6 +11,12 @@ benchmark times `--steps` decode steps and reports microseconds of host time per
     python benchmarks/step_overhead.py                       # 256 and 1,024 running sequences
     PYTHONPATH=/path/to/other/checkout python benchmarks/step_overhead.py   # the same on another version
     python benchmarks/step_overhead.py --profile 1024        # cProfile of the decode steps, top functions
+    python benchmarks/step_overhead.py --against /path/to/other/checkout   # both, side by side, alternating
+
+The figure is CPU time of the stepping thread (`time.thread_time`; torch runs on that one thread), so a loaded
+machine costs wall time but not CPU time; it still inflates CPU time somewhat (shared caches, a sibling
+hyperthread), which is why `--against` alternates the two versions, in fresh processes, `--rounds` times
+and reports the median of each and their ratio.
 
 It only uses `LLMEngine`, `tokenmill.engine.llm_engine.load` and the model call convention of the runner,
 so it runs unchanged against older checkouts (how the "before" column of the README table was measured).
@@ -20,10 +26,12 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import json
 import os
 import pstats
 import random
 import statistics
+import subprocess
 import sys
 import time
 from types import SimpleNamespace
@@ -142,6 +150,30 @@ def measure(num_seqs: int, context: int, steps: int, temperature: float,
     return statistics.median(walls) * scale, statistics.median(cpus) * scale
 
 
+def against(args: argparse.Namespace) -> None:
+    """Both versions on the same machine in the same run: one process per size, version and round, the order
+    of the two versions alternating each round."""
+    versions = {"before": args.against, "after": os.environ.get("PYTHONPATH", "")}
+    print(f"before: {args.against}; after: {versions['after'] or 'the installed tokenmill'}")
+    print("| running seqs | before: CPU us/seq/step | after: CPU us/seq/step | after/before | load average |")
+    print("|---:|---:|---:|---:|---:|")
+    for size in args.sizes:
+        cpus: dict[str, list[float]] = {"before": [], "after": []}
+        loads = []
+        for round_ in range(args.rounds):
+            for name in (("before", "after") if round_ % 2 == 0 else ("after", "before")):
+                loads.append(os.getloadavg()[0])
+                command = [sys.executable, os.path.abspath(__file__), str(size), "--one", "--context", str(args.context),
+                           "--steps", str(args.steps), "--temperature", str(args.temperature)]
+                env = dict(os.environ, PYTHONPATH=versions[name])
+                out = subprocess.run(command, env=env, check=True, capture_output=True, text=True).stdout
+                cpus[name].append(json.loads(out.splitlines()[-1])["cpu"])
+        before, after = (statistics.median(cpus[k]) for k in ("before", "after"))
+        spread = {k: f"{min(v):.2f}-{max(v):.2f}" for k, v in cpus.items()}
+        print(f"| {size} | {before:.2f} ({spread['before']}) | {after:.2f} ({spread['after']}) | {after / before:.2f} "
+              f"| {min(loads):.1f}-{max(loads):.1f} |", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("sizes", nargs="*", type=int, default=[256, 1024], help="running sequences")
@@ -150,8 +182,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy rows")
     parser.add_argument("--profile", action="store_true", help="cProfile the timed steps")
     parser.add_argument("--split", action="store_true", help="CPU time per phase (schedule, inputs, ...)")
+    parser.add_argument("--against", metavar="PATH", help="compare with the tokenmill checkout at PATH")
+    parser.add_argument("--rounds", type=int, default=3, help="with --against: runs of each version per size")
+    parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # a child of --against: JSON
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    if args.against:
+        against(args)
+        return 0
+    if args.one:
+        wall, cpu = measure(args.sizes[0], args.context, args.steps, args.temperature)
+        print(json.dumps({"wall": wall, "cpu": cpu}))
+        return 0
     import tokenmill
 
     print(f"tokenmill from {os.path.dirname(tokenmill.__file__)}; load average {os.getloadavg()[0]:.2f}")

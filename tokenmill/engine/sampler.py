@@ -21,7 +21,7 @@ import torch
 
 from tokenmill.engine.structured import apply_token_masks
 from tokenmill.engine.transfer import read_back, to_device
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import GREEDY_TEMPERATURE, SamplingParams
 
 if TYPE_CHECKING:
     from tokenmill.engine.structured import Constraint
@@ -128,6 +128,7 @@ def _race(probs: torch.Tensor, row_keys: torch.Tensor, token_ids: torch.Tensor |
 # a thousand rows per step Python list comprehensions over them cost microseconds per row.
 _params, _logprobs_n = attrgetter("params"), attrgetter("logprobs")
 _suppressed, _penalty = attrgetter("suppressed_ids"), attrgetter("params.repetition_penalty")
+_constraint, _temperature = attrgetter("constraint"), attrgetter("temperature")
 
 
 class Sampler:
@@ -137,12 +138,14 @@ class Sampler:
         want_logprobs = list(map(_logprobs_n, params))
         wants = want_logprobs.count(None) != len(want_logprobs)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if wants else None
-        logits = apply_token_masks(logits, [row.constraint for row in rows])  # before every other filter; logprobs stay the model's
+        constraints = list(map(_constraint, rows))
+        if constraints.count(None) != len(constraints):  # before every other filter; logprobs stay the model's
+            logits = apply_token_masks(logits, constraints)
         logits = self._suppress(logits, rows)
         logits = self._penalise(logits, rows)
         # Greedy or not is known on the host: no device read decides which rows draw noise.
-        greedy = [p.greedy for p in params]
-        sampled = [] if all(greedy) else [i for i, g in enumerate(greedy) if not g]
+        all_greedy = max(map(_temperature, params), default=0.0) < GREEDY_TEMPERATURE
+        sampled = [] if all_greedy else [i for i, p in enumerate(params) if not p.greedy]
         if sampled and len(sampled) == len(rows):
             tokens = self._sample(logits, rows)
         else:
