@@ -282,25 +282,16 @@ class LLMEngine:
         self._totals["preempted"] += batch.num_preempted
         if not batch.seqs:
             return admitted
-        result, failed = self._execute(batch)
+        sampling = self._requests_of(list(compress(batch.seqs, batch.sample_mask)))
+        result, failed = self._execute(batch, sampling)
         self._totals["steps"] += 1
         grown = self.scheduler.update(batch, result.token_ids)
         self._totals["generated"] += len(grown)
-        requests = list(map(self.requests.__getitem__, map(_request_id, grown)))
+        requests = self._requests_of(grown) if failed else sampling
         self._advance_grammars(requests)
         now = time.time()
         finished = admitted + [self._fail(seq, error, now) for seq, error in failed]
-        if result.logprobs.count(None) != len(result.logprobs):
-            for request, logprobs in zip(requests, result.logprobs):
-                if logprobs is not None:
-                    request.logprobs.append(logprobs)
-        for request in requests:
-            if request.first_token_time is None:
-                request.first_token_time = now
-        # Only these can finish this step (see `_Request.plain`); `_finish_reason` decides.
-        candidates = [r for r in requests if not r.plain or r.seq.token_ids[-1] in r.stop_ids
-                      or len(r.seq.token_ids) >= r.end_len]
-        for request in candidates:
+        for request in self._note_tokens(requests, result, now):
             seq = request.seq
             try:
                 reason = self._finish_reason(request)
@@ -315,13 +306,34 @@ class LLMEngine:
                 finished.append(output)
         return finished
 
-    def _execute(self, batch: ScheduledBatch) -> tuple[SampleResult, list[tuple[Sequence, InvalidRequestError]]]:
-        """Run the batch; if sampling fails, find the requests it fails for by running each one alone.
+    def _requests_of(self, seqs: list[Sequence]) -> list[_Request]:
+        return list(map(self.requests.__getitem__, map(_request_id, seqs)))
+
+    def _note_tokens(self, requests: list[_Request], result: SampleResult, now: float) -> list[_Request]:
+        """Record the step's first-token times and logprobs; return the requests that may have finished
+        (see `_Request.plain`: only these need `_finish_reason`)."""
+        if result.logprobs.count(None) != len(result.logprobs):
+            for request, logprobs in zip(requests, result.logprobs):
+                if logprobs is not None:
+                    request.logprobs.append(logprobs)
+        candidates = []
+        for request in requests:
+            if request.first_token_time is None:
+                request.first_token_time = now
+            tokens = request.seq.token_ids
+            if not request.plain or tokens[-1] in request.stop_ids or len(tokens) >= request.end_len:
+                candidates.append(request)
+        return candidates
+
+    def _execute(self, batch: ScheduledBatch,
+                 sampling: list[_Request]) -> tuple[SampleResult, list[tuple[Sequence, InvalidRequestError]]]:
+        """Run the batch (`sampling`: the requests of its sampling sequences, in order); if sampling fails,
+        find the requests it fails for by running each one alone.
 
         Rerunning is safe: nothing was updated yet. Returns the result for the batch without the failed
         requests, and those requests.
         """
-        rows = self._sampling_rows(list(compress(batch.seqs, batch.sample_mask)))
+        rows = self._sampling_rows(sampling)
         try:
             return self.runner.execute(batch, rows), []
         except Exception as exc:
@@ -334,7 +346,7 @@ class LLMEngine:
             alone = ScheduledBatch(count)
             alone.add(seq, count)
             try:
-                result = self.runner.execute(alone, self._sampling_rows([seq] if samples else []))
+                result = self.runner.execute(alone, self._sampling_rows(self._requests_of([seq] if samples else [])))
             except Exception as exc:
                 if not _raised_in_sampler(exc):
                     raise
@@ -359,10 +371,10 @@ class LLMEngine:
         constraints = [(r.constraint, r.seq.token_ids[-1]) for r in grown if r.constraint is not None]
         advance(*zip(*constraints))
 
-    def _sampling_rows(self, seqs: list[Sequence]) -> list[SamplingRow]:
+    def _sampling_rows(self, requests: list[_Request]) -> list[SamplingRow]:
         """The requests' rows, built at admission (each shares its `seq.token_ids`), brought to this step."""
         rows = []
-        for request in map(self.requests.__getitem__, map(_request_id, seqs)):
+        for request in requests:
             row, seq = request.row, request.seq
             row.num_output_tokens = len(seq.token_ids) - seq.num_prompt_tokens
             if seq.params.min_tokens and row.num_output_tokens >= seq.params.min_tokens:

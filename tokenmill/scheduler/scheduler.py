@@ -34,12 +34,17 @@ class SchedulerConfig:
 
 @dataclass
 class ScheduledBatch:
-    """Sequences of one step, in batch order, with the number of new tokens each computes."""
+    """Sequences of one step, in batch order, with the number of new tokens each computes.
+
+    The planner puts the decoding sequences first; `num_decodes` says how many leading sequences are known
+    to compute one token each and sample (0 when unknown), so per-sequence work can skip them in bulk.
+    """
 
     budget: int
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     num_preempted: int = 0
+    num_decodes: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -55,6 +60,7 @@ class ScheduledBatch:
             index = self.seqs.index(seq)
             self.budget += self.num_new_tokens.pop(index)
             del self.seqs[index]
+            self.num_decodes = 0
             self.__dict__.pop("sample_mask", None)  # cached for the old batch
 
     def samples(self, index: int) -> bool:
@@ -66,8 +72,9 @@ class ScheduledBatch:
     def sample_mask(self) -> list[bool]:
         """`samples(i)` for every sequence, computed once for the engine and the runner alike. Read it
         between `Scheduler.schedule` and `Scheduler.update` (which advances the sequences)."""
-        return [seq.num_computed_tokens + count == len(seq.token_ids)
-                for seq, count in zip(self.seqs, self.num_new_tokens)]
+        head = self.num_decodes
+        return [True] * head + [seq.num_computed_tokens + count == len(seq.token_ids)
+                                for seq, count in zip(self.seqs[head:], self.num_new_tokens[head:])]
 
 
 class Scheduler:
@@ -108,9 +115,9 @@ class Scheduler:
             # per-sequence loop below (budget, status, reservation) would only confirm it, one at a time.
             batch.seqs, batch.num_new_tokens = decoding, [1] * len(decoding)
             batch.budget -= len(decoding)
-            head, rest = len(decoding), prefilling
+            batch.num_decodes, rest = len(decoding), prefilling
         else:
-            head, filling, rest = 0, [], decoding + prefilling
+            filling, rest = [], decoding + prefilling
         block_size = self.config.block_size
         for seq in rest:
             if batch.budget == 0:
@@ -121,7 +128,7 @@ class Scheduler:
             # Most steps need no new block: skip the reservation (and its preemption search) then.
             if seq.num_computed_tokens + count <= len(seq.block_table) * block_size or self._reserve(seq, count, batch):
                 batch.add(seq, count)
-        self._publish(batch, head, filling)
+        self._publish(batch, filling)
         self._admit(batch)
         return batch
 
@@ -156,14 +163,13 @@ class Scheduler:
             manager.allocate(seq, seq.num_computed_tokens + 1)
         return True
 
-    def _publish(self, batch: ScheduledBatch, head: int, filling: list[Sequence]) -> None:
-        """Register the blocks this step fills, now that no preemption is left to undo it. Unless someone was
-        preempted, the batch starts with `head` one-token decodes, of which `filling` fill a block."""
+    def _publish(self, batch: ScheduledBatch, filling: list[Sequence]) -> None:
+        """Register the blocks this step fills, now that no preemption is left to undo it. `filling` are
+        those of the batch's leading `num_decodes` decodes that fill a block (0 if a preemption reset it)."""
         block_size = self.config.block_size
         cache_full_blocks = self.block_manager.cache_full_blocks
-        if batch.num_preempted:
-            head = 0
-        else:
+        head = batch.num_decodes
+        if head:
             for seq in filling:
                 cache_full_blocks(seq, seq.num_computed_tokens + 1)
         for seq, count in zip(batch.seqs[head:], batch.num_new_tokens[head:]):
@@ -211,9 +217,13 @@ class Scheduler:
         grown = list(compress(batch.seqs, batch.sample_mask))
         if len(sampled) != len(grown):
             raise ValueError(f"sampled: {len(sampled)} tokens for {len(grown)} sampling sequences")
-        for seq, count in zip(batch.seqs, batch.num_new_tokens):
+        head = batch.num_decodes
+        for seq, token in zip(grown[:head], sampled):
+            seq.num_computed_tokens += 1
+            seq.token_ids.append(token)
+        for seq, count in zip(batch.seqs[head:], batch.num_new_tokens[head:]):
             seq.num_computed_tokens += count
-        for seq, token in zip(grown, sampled):
+        for seq, token in zip(grown[head:], sampled[head:]):
             seq.token_ids.append(token)
         return grown
 
