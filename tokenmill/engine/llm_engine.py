@@ -8,7 +8,6 @@ import traceback
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from itertools import compress
-from operator import attrgetter
 from typing import Any
 
 import torch
@@ -76,7 +75,10 @@ class _Request:
     text: str | None = None  # set when a stop string cut the text short
     stops: StopMatcher | None = None  # the request's stop strings, matched step by step
     constraint: Constraint | None = None  # the grammar of a structured-output request
-    row: SamplingRow | None = None  # built once, updated each step it samples
+    row: SamplingRow | None = None  # built once, updated each step it samples (see `row_changes`)
+    # Whether the row changes from step to step: its output position seeds the noise of a sampled request,
+    # and min_tokens lifts its suppressed ids. A greedy row without min_tokens is the same every step.
+    row_changes: bool = True
     # A request with no stop strings, grammar or min_tokens can only finish on a stop token or at this
     # length (max_tokens or max_model_len): the step checks just that before asking `_finish_reason`.
     end_len: int = 0
@@ -93,9 +95,6 @@ class _Pending:
     future: Future
     deadline: float
     arrival_time: float = field(default_factory=time.time)
-
-
-_request_id, _constraint = attrgetter("request_id"), attrgetter("constraint")
 
 
 class LLMEngine:
@@ -194,7 +193,8 @@ class LLMEngine:
         end_len = min(len(token_ids) + params.max_tokens, self.max_model_len)
         plain = stops is None and constraint is None and params.min_tokens == 0
         self.requests[request_id] = _Request(seq, seed, stop_ids, constraint=constraint, row=row, stops=stops,
-                                             end_len=end_len, plain=plain)
+                                             end_len=end_len, plain=plain,
+                                             row_changes=not params.greedy or params.min_tokens > 0)
         if arrival is not None:
             self.requests[request_id].arrival_time = arrival
         self._totals["prompt"] += len(token_ids)
@@ -307,7 +307,8 @@ class LLMEngine:
         return finished
 
     def _requests_of(self, seqs: list[Sequence]) -> list[_Request]:
-        return list(map(self.requests.__getitem__, map(_request_id, seqs)))
+        requests = self.requests
+        return [requests[seq.request_id] for seq in seqs]
 
     def _note_tokens(self, requests: list[_Request], result: SampleResult, now: float) -> list[_Request]:
         """Record the step's first-token times and logprobs; return the requests that may have finished
@@ -366,21 +367,18 @@ class LLMEngine:
                              arrival_time=request.arrival_time, finished_time=now, error=str(error))
 
     def _advance_grammars(self, grown: list[_Request]) -> None:
-        if not any(map(_constraint, grown)):
-            return
-        constraints = [(r.constraint, r.seq.token_ids[-1]) for r in grown if r.constraint is not None]
-        advance(*zip(*constraints))
+        constrained = [r for r in grown if r.constraint is not None]
+        if constrained:
+            advance([r.constraint for r in constrained], [r.seq.token_ids[-1] for r in constrained])
 
     def _sampling_rows(self, requests: list[_Request]) -> list[SamplingRow]:
         """The requests' rows, built at admission (each shares its `seq.token_ids`), brought to this step."""
-        rows = []
-        for request in requests:
+        for request in [r for r in requests if r.row_changes]:
             row, seq = request.row, request.seq
             row.num_output_tokens = len(seq.token_ids) - seq.num_prompt_tokens
             if seq.params.min_tokens and row.num_output_tokens >= seq.params.min_tokens:
                 row.suppressed_ids = request.constraint.banned_ids if request.constraint is not None else []
-            rows.append(row)
-        return rows
+        return [request.row for request in requests]
 
     def _finish_reason(self, request: _Request) -> str | None:
         seq, params = request.seq, request.seq.params
