@@ -1,5 +1,7 @@
-"""The step's finish check: it asks `_finish_reason` only of requests that could finish (a stop token, their
-length limit, or anything beyond those two: stop strings, a grammar, min_tokens). Nothing it skips is done."""
+"""The step's per-request shortcuts lose nothing. The finish check asks `_finish_reason` only of requests that
+could finish (a stop token, their length limit, or anything beyond those two: stop strings, a grammar,
+min_tokens), so nothing it skips may be done; sampling rows are updated only where they change, so every
+row the sampler sees must still hold its request's state."""
 
 from __future__ import annotations
 
@@ -36,3 +38,36 @@ def test_no_running_request_is_past_its_end_after_any_step(random_seed: int) -> 
             assert len(tokens) == p.max_tokens, output
         else:
             assert output.finish_reason == "stop" and tokens[-1] in stop_ids and len(tokens) >= p.min_tokens, output
+
+
+def test_the_sampler_gets_each_row_at_its_current_position_and_suppression(random_seed: int) -> None:
+    """Rows are built once and brought up to date only where they change (sampled requests: the output
+    position seeds the noise; min_tokens: the stop ids are banned until it is reached). Every row the
+    sampler sees must hold the request's state at that step."""
+    rng = random.Random(random_seed)
+    engine = LLMEngine("builtin:tiny", max_num_seqs=6, block_size=4, seed=random_seed)
+    vocab = engine.runner.vocab_size
+    for i in range(10):
+        prompt = [rng.randrange(4, vocab) for _ in range(rng.randint(1, 12))]
+        max_tokens = rng.randint(3, 12)
+        engine.add_request(str(i), prompt, SamplingParams(
+            max_tokens=max_tokens, temperature=rng.choice([0.0, 0.8]), seed=i,
+            min_tokens=rng.choice([0, 3]), stop_token_ids=rng.sample(range(vocab), 4)))
+    seen = []
+    execute = engine.runner.execute
+
+    def checked(batch, rows):  # noqa: ANN001, ANN202 - calls through: the real runner and sampler run
+        for seq, row in zip([s for s, f in zip(batch.seqs, batch.sample_mask) if f], rows):
+            request = engine.requests[seq.request_id]
+            assert row is request.row and row.token_ids is seq.token_ids
+            if not seq.params.greedy:
+                assert row.num_output_tokens == seq.num_output_tokens, seq.request_id
+            banned = seq.params.min_tokens > seq.num_output_tokens
+            assert bool(row.suppressed_ids) == banned, (seq.request_id, seq.num_output_tokens)
+            seen.append((seq.params.greedy, seq.num_output_tokens))
+        return execute(batch, rows)
+
+    engine.runner.execute = checked
+    while engine.has_unfinished():
+        engine.step()
+    assert any(not greedy and n > 1 for greedy, n in seen)  # sampled rows seen past their first tokens
