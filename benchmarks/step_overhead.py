@@ -11,20 +11,35 @@ benchmark times `--steps` decode steps and reports microseconds of host time per
     python benchmarks/step_overhead.py                       # 256 and 1,024 running sequences
     PYTHONPATH=/path/to/other/checkout python benchmarks/step_overhead.py   # the same on another version
     python benchmarks/step_overhead.py --profile 1024        # cProfile of the decode steps, top functions
+    python benchmarks/step_overhead.py --against /path/to/other/checkout   # both, side by side, alternating
+    python benchmarks/step_overhead.py --against /path/to/other/checkout --instructions   # under callgrind
+
+The figure is CPU time of the stepping thread (`time.thread_time`; torch runs on that one thread), so a loaded
+machine costs wall time but not CPU time; it still inflates CPU time somewhat (shared caches, a sibling
+hyperthread), which is why `--against` alternates the two versions, in fresh processes, `--rounds` times
+and reports the median of each and their ratio. `--instructions` counts the instructions the timed steps
+execute instead (valgrind's callgrind, switched on only around them through a client request; needs
+valgrind, its headers and a C compiler): the same on an idle and a loaded machine, but the setup runs
+under valgrind too (minutes at 1,024 sequences).
 
 It only uses `LLMEngine`, `tokenmill.engine.llm_engine.load` and the model call convention of the runner,
-so it runs unchanged against older checkouts (how the "before" column of the README table was measured).
+so it runs unchanged against older checkouts (how the "before" column of docs/benchmarks/step-overhead.md was measured).
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import ctypes
+import glob
+import json
 import os
 import pstats
 import random
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from types import SimpleNamespace
 
@@ -120,6 +135,9 @@ def measure(num_seqs: int, context: int, steps: int, temperature: float,
     walls, cpus = [], []
     phases = Split(engine) if split else None
     profiler = cProfile.Profile() if profile else None
+    callgrind = ctypes.CDLL(os.environ["STEP_OVERHEAD_CALLGRIND"]) if "STEP_OVERHEAD_CALLGRIND" in os.environ else None
+    if callgrind:
+        callgrind.timed_start()
     for _ in range(steps):
         wall0, cpu0 = time.perf_counter(), time.thread_time()
         if profiler:
@@ -130,6 +148,8 @@ def measure(num_seqs: int, context: int, steps: int, temperature: float,
         walls.append(time.perf_counter() - wall0)
         cpus.append(time.thread_time() - cpu0)
         assert not finished, [(f.finish_reason, len(f.token_ids)) for f in finished[:3]]
+    if callgrind:
+        callgrind.timed_stop()
     if profiler:
         pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
     scale = 1e6 / num_seqs
@@ -142,6 +162,60 @@ def measure(num_seqs: int, context: int, steps: int, temperature: float,
     return statistics.median(walls) * scale, statistics.median(cpus) * scale
 
 
+CALLGRIND_SOURCE = """#include <valgrind/callgrind.h>
+void timed_start(void) { CALLGRIND_ZERO_STATS; CALLGRIND_START_INSTRUMENTATION; }
+void timed_stop(void) { CALLGRIND_STOP_INSTRUMENTATION; CALLGRIND_DUMP_STATS_AT("timed"); }
+"""
+
+
+def run_child(args: argparse.Namespace, size: int, pythonpath: str, workdir: str) -> float:
+    """One measurement in a fresh process: CPU microseconds, or with --instructions instructions, per
+    running sequence per step."""
+    command = [sys.executable, os.path.abspath(__file__), str(size), "--one", "--context", str(args.context),
+               "--steps", str(args.steps), "--temperature", str(args.temperature)]
+    env = dict(os.environ, PYTHONPATH=pythonpath)
+    if not args.instructions:
+        out = subprocess.run(command, env=env, check=True, capture_output=True, text=True).stdout
+        return json.loads(out.splitlines()[-1])["cpu"]
+    env["STEP_OVERHEAD_CALLGRIND"] = os.path.join(workdir, "libcallgrind.so")
+    for old in glob.glob(os.path.join(workdir, "callgrind.out*")):
+        os.remove(old)
+    out_file = os.path.join(workdir, "callgrind.out")
+    subprocess.run(["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out_file}",
+                    *command], env=env, check=True, capture_output=True, text=True)
+    with open(out_file + ".1") as dump:  # the part dumped by timed_stop
+        totals = next(int(line.split()[1]) for line in dump if line.startswith("totals:"))
+    return totals / (args.steps * size)
+
+
+def against(args: argparse.Namespace) -> None:
+    """Both versions on the same machine in the same run: one process per size, version and round, the order
+    of the two versions alternating each round."""
+    versions = {"before": args.against, "after": os.environ.get("PYTHONPATH", "")}
+    print(f"before: {args.against}; after: {versions['after'] or 'the installed tokenmill'}")
+    unit = "instructions/seq/step" if args.instructions else "CPU us/seq/step"
+    print(f"| running seqs | before: {unit} | after: {unit} | after/before | load average |")
+    print("|---:|---:|---:|---:|---:|")
+    workdir = tempfile.mkdtemp(prefix="step_overhead_")
+    if args.instructions:
+        source = os.path.join(workdir, "callgrind.c")
+        with open(source, "w") as file:
+            file.write(CALLGRIND_SOURCE)
+        subprocess.run(["cc", "-shared", "-fPIC", "-o", os.path.join(workdir, "libcallgrind.so"), source], check=True)
+    for size in args.sizes:
+        cpus: dict[str, list[float]] = {"before": [], "after": []}
+        loads = []
+        for round_ in range(args.rounds):
+            for name in (("before", "after") if round_ % 2 == 0 else ("after", "before")):
+                loads.append(os.getloadavg()[0])
+                cpus[name].append(run_child(args, size, versions[name], workdir))
+        before, after = (statistics.median(cpus[k]) for k in ("before", "after"))
+        digits = 0 if args.instructions else 2
+        spread = {k: f"{min(v):.{digits}f}-{max(v):.{digits}f}" for k, v in cpus.items()}
+        print(f"| {size} | {before:.{digits}f} ({spread['before']}) | {after:.{digits}f} ({spread['after']}) "
+              f"| {after / before:.2f} | {min(loads):.1f}-{max(loads):.1f} |", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("sizes", nargs="*", type=int, default=[256, 1024], help="running sequences")
@@ -150,8 +224,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy rows")
     parser.add_argument("--profile", action="store_true", help="cProfile the timed steps")
     parser.add_argument("--split", action="store_true", help="CPU time per phase (schedule, inputs, ...)")
+    parser.add_argument("--against", metavar="PATH", help="compare with the tokenmill checkout at PATH")
+    parser.add_argument("--rounds", type=int, default=3, help="with --against: runs of each version per size")
+    parser.add_argument("--instructions", action="store_true",
+                        help="with --against: count instructions under callgrind instead of CPU time")
+    parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # a child of --against: JSON
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    if args.against:
+        against(args)
+        return 0
+    if args.one:
+        wall, cpu = measure(args.sizes[0], args.context, args.steps, args.temperature)
+        print(json.dumps({"wall": wall, "cpu": cpu}))
+        return 0
     import tokenmill
 
     print(f"tokenmill from {os.path.dirname(tokenmill.__file__)}; load average {os.getloadavg()[0]:.2f}")

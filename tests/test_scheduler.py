@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from tokenmill.errors import InvalidRequestError
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.scheduler.block_manager import BlockManager, chain_hash
-from tokenmill.scheduler.scheduler import Scheduler, SchedulerConfig
+from tokenmill.scheduler.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from tokenmill.scheduler.sequence import Sequence, SequenceStatus
 
 EOS = 0
@@ -189,3 +189,79 @@ def test_any_sequence_of_operations_keeps_the_invariants(requests, budget, block
     assert all(seq.is_finished for seq in admitted)
     assert all(block.ref_count == 0 for block in scheduler.block_manager.blocks)
     assert scheduler.block_manager.num_free_blocks == num_blocks
+
+
+class PerSequenceScheduler(Scheduler):
+    """The planner as it was before its decode fast path: every running sequence through one loop. The
+    fast path must plan exactly what this plans, block ids, prefix hashes and preemptions included."""
+
+    def schedule(self):  # noqa: ANN201
+        batch = ScheduledBatch(self.config.max_num_batched_tokens)
+        block_size = self.config.block_size
+        decoding = [s for s in self.running if len(s.token_ids) - s.num_computed_tokens == 1]
+        prefilling = [s for s in self.running if len(s.token_ids) - s.num_computed_tokens != 1]
+        for seq in decoding + prefilling:
+            if batch.budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            count = min(len(seq.token_ids) - seq.num_computed_tokens, batch.budget)
+            if seq.num_computed_tokens + count <= len(seq.block_table) * block_size or self._reserve(seq, count, batch):
+                batch.add(seq, count)
+        for seq, count in zip(batch.seqs, batch.num_new_tokens):
+            if (seq.num_computed_tokens + count) // block_size > seq.num_computed_tokens // block_size:
+                self.block_manager.cache_full_blocks(seq, seq.num_computed_tokens + count)
+        self._admit(batch)
+        return batch
+
+
+def planner_state(scheduler: Scheduler) -> tuple:
+    manager = scheduler.block_manager
+    live = [(s.request_id, s.status, s.num_computed_tokens, list(s.block_table)) for s in scheduler.running]
+    return (live, [s.request_id for s in scheduler.waiting], list(manager.free_blocks),
+            dict(manager.cached_blocks), [(b.hash, b.ref_count) for b in manager.blocks])
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    requests=st.lists(request_strategy, min_size=1, max_size=24),
+    budget=st.integers(1, 48),
+    block_size=st.sampled_from([1, 2, 4, 16]),
+    num_blocks=st.integers(4, 40),
+    max_num_seqs=st.integers(1, 8),
+    caching=st.booleans(),
+    tokens=st.lists(st.sampled_from([EOS, 1, 1, 1, 2]), max_size=200),
+)
+def test_decode_fast_path_plans_what_the_per_sequence_loop_plans(requests, budget, block_size, num_blocks,
+                                                                  max_num_seqs, caching, tokens) -> None:
+    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=64,
+                             block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=caching)
+    fast, slow = Scheduler(config), PerSequenceScheduler(config)
+    prefixes = [[], [5] * 8, [6] * 17, [7] * 33]
+    for scheduler in (fast, slow):
+        for i, (n, m, p) in enumerate(requests):
+            seq = make_seq((prefixes[p] + [9] * n)[:52], max_tokens=m, request_id=str(i))
+            if scheduler.block_manager.blocks_needed(seq.num_tokens + m) <= num_blocks:
+                scheduler.add(seq)
+    for token in tokens + [1] * 2000:
+        if not fast.has_unfinished():
+            break
+        plans = []
+        for scheduler in (fast, slow):
+            batch = scheduler.schedule()
+            plans.append(([s.request_id for s in batch.seqs], batch.num_new_tokens, batch.num_preempted,
+                          batch.sample_mask, planner_state(scheduler)))
+            sampled = [token] * batch.sample_mask.count(True)
+            for seq in scheduler.update(batch, sampled):
+                if seq.token_ids[-1] == EOS or seq.num_output_tokens >= seq.params.max_tokens:
+                    scheduler.finish(seq, "stop")
+        assert plans[0] == plans[1]
+    assert not fast.has_unfinished() and not slow.has_unfinished()
+
+
+def test_update_refuses_a_token_count_that_does_not_match_the_sampling_sequences() -> None:
+    scheduler = Scheduler(SchedulerConfig(block_size=4, num_blocks=8))
+    scheduler.add(make_seq([1, 2, 3]))
+    batch = scheduler.schedule()
+    with pytest.raises(ValueError, match="2 tokens for 1 sampling"):
+        scheduler.update(batch, [4, 5])

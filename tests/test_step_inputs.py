@@ -1,5 +1,6 @@
 """The persistent step inputs equal the same inputs built from scratch from the batch, on every step of
-random schedules with chunked prefill, preemption, prefix hits, finishing and aborts."""
+random schedules with chunked prefill, preemption, prefix hits, finishing and aborts, with the reused
+staging buffer poisoned before every step."""
 
 from __future__ import annotations
 
@@ -13,6 +14,11 @@ from tokenmill.engine.step_inputs import StepInputBuilder
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.scheduler.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from tokenmill.scheduler.sequence import Sequence
+
+
+POISON = -0x5EED_0000_5EED  # an int64 whose halves are no valid int32 block, slot or length either
+DTYPES = dict(input_ids=torch.int64, positions=torch.int64, slot_mapping=torch.int64, sample_rows=torch.int64,
+              cu_seqlens_q=torch.int32, seq_lens=torch.int32, block_tables=torch.int32)
 
 
 def expected(batch: ScheduledBatch, block_size: int) -> dict[str, list]:
@@ -55,9 +61,12 @@ def test_inputs_match_a_rebuild_from_scratch(seed: int, block_size: int, budget:
             break
         batch = scheduler.schedule()
         if batch.seqs:
+            builder.host[:] = POISON  # whatever an earlier step left in the staging buffer must not show
+            builder.mirror.table[builder.mirror.free_rows] = POISON  # nor what a released row held
             inputs = builder.build(batch)
             for name, value in expected(batch, block_size).items():
                 assert getattr(inputs, name).tolist() == value, name
+                assert getattr(inputs, name).dtype == DTYPES[name], name
             assert inputs.max_seq_len == max(expected(batch, block_size)["seq_lens"])
         sampled = [rng.randrange(50) for flag in batch.sample_mask if flag]
         for seq in scheduler.update(batch, sampled):

@@ -7,6 +7,7 @@ import time
 import traceback
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
+from itertools import compress
 from typing import Any
 
 import torch
@@ -74,7 +75,14 @@ class _Request:
     text: str | None = None  # set when a stop string cut the text short
     stops: StopMatcher | None = None  # the request's stop strings, matched step by step
     constraint: Constraint | None = None  # the grammar of a structured-output request
-    row: SamplingRow | None = None  # built once, updated each step it samples
+    row: SamplingRow | None = None  # built once, updated each step it samples (see `row_changes`)
+    # Whether the row changes from step to step: its output position seeds the noise of a sampled request,
+    # and min_tokens lifts its suppressed ids. A greedy row without min_tokens is the same every step.
+    row_changes: bool = True
+    # A request with no stop strings, grammar or min_tokens can only finish on a stop token or at this
+    # length (max_tokens or max_model_len): the step checks just that before asking `_finish_reason`.
+    end_len: int = 0
+    plain: bool = False
 
 
 @dataclass
@@ -182,7 +190,11 @@ class LLMEngine:
         suppressed = (sorted(stop_ids) if params.min_tokens > 0 else []) + banned
         row = SamplingRow(params, seed, 0, seq.token_ids, suppressed, constraint=constraint)
         stops = StopMatcher(params.stop) if params.stop else None
-        self.requests[request_id] = _Request(seq, seed, stop_ids, constraint=constraint, row=row, stops=stops)
+        end_len = min(len(token_ids) + params.max_tokens, self.max_model_len)
+        plain = stops is None and constraint is None and params.min_tokens == 0
+        self.requests[request_id] = _Request(seq, seed, stop_ids, constraint=constraint, row=row, stops=stops,
+                                             end_len=end_len, plain=plain,
+                                             row_changes=not params.greedy or params.min_tokens > 0)
         if arrival is not None:
             self.requests[request_id].arrival_time = arrival
         self._totals["prompt"] += len(token_ids)
@@ -270,18 +282,17 @@ class LLMEngine:
         self._totals["preempted"] += batch.num_preempted
         if not batch.seqs:
             return admitted
-        result, failed = self._execute(batch)
+        sampling = self._requests_of(list(compress(batch.seqs, batch.sample_mask)))
+        result, failed = self._execute(batch, sampling)
         self._totals["steps"] += 1
         grown = self.scheduler.update(batch, result.token_ids)
         self._totals["generated"] += len(grown)
-        self._advance_grammars(grown)
+        requests = self._requests_of(grown) if failed else sampling
+        self._advance_grammars(requests)
         now = time.time()
         finished = admitted + [self._fail(seq, error, now) for seq, error in failed]
-        for seq, logprobs in zip(grown, result.logprobs):
-            request = self.requests[seq.request_id]
-            request.first_token_time = request.first_token_time or now
-            if logprobs is not None:
-                request.logprobs.append(logprobs)
+        for request in self._note_tokens(requests, result, now):
+            seq = request.seq
             try:
                 reason = self._finish_reason(request)
                 output = None if reason is None else self._output(request, now, reason)
@@ -295,13 +306,35 @@ class LLMEngine:
                 finished.append(output)
         return finished
 
-    def _execute(self, batch: ScheduledBatch) -> tuple[SampleResult, list[tuple[Sequence, InvalidRequestError]]]:
-        """Run the batch; if sampling fails, find the requests it fails for by running each one alone.
+    def _requests_of(self, seqs: list[Sequence]) -> list[_Request]:
+        requests = self.requests
+        return [requests[seq.request_id] for seq in seqs]
+
+    def _note_tokens(self, requests: list[_Request], result: SampleResult, now: float) -> list[_Request]:
+        """Record the step's first-token times and logprobs; return the requests that may have finished
+        (see `_Request.plain`: only these need `_finish_reason`)."""
+        if result.logprobs.count(None) != len(result.logprobs):
+            for request, logprobs in zip(requests, result.logprobs):
+                if logprobs is not None:
+                    request.logprobs.append(logprobs)
+        candidates = []
+        for request in requests:
+            if request.first_token_time is None:
+                request.first_token_time = now
+            tokens = request.seq.token_ids
+            if not request.plain or tokens[-1] in request.stop_ids or len(tokens) >= request.end_len:
+                candidates.append(request)
+        return candidates
+
+    def _execute(self, batch: ScheduledBatch,
+                 sampling: list[_Request]) -> tuple[SampleResult, list[tuple[Sequence, InvalidRequestError]]]:
+        """Run the batch (`sampling`: the requests of its sampling sequences, in order); if sampling fails,
+        find the requests it fails for by running each one alone.
 
         Rerunning is safe: nothing was updated yet. Returns the result for the batch without the failed
         requests, and those requests.
         """
-        rows = [self._sampling_row(seq) for seq, samples in zip(batch.seqs, batch.sample_mask) if samples]
+        rows = self._sampling_rows(sampling)
         try:
             return self.runner.execute(batch, rows), []
         except Exception as exc:
@@ -314,7 +347,7 @@ class LLMEngine:
             alone = ScheduledBatch(count)
             alone.add(seq, count)
             try:
-                result = self.runner.execute(alone, [self._sampling_row(seq)] if samples else [])
+                result = self.runner.execute(alone, self._sampling_rows(self._requests_of([seq] if samples else [])))
             except Exception as exc:
                 if not _raised_in_sampler(exc):
                     raise
@@ -333,19 +366,19 @@ class LLMEngine:
         return RequestOutput(seq.request_id, seq.prompt_token_ids, seq.output_token_ids, "", "error",
                              arrival_time=request.arrival_time, finished_time=now, error=str(error))
 
-    def _advance_grammars(self, grown: list[Sequence]) -> None:
-        constraints = [(c, seq.token_ids[-1]) for seq in grown if (c := self.requests[seq.request_id].constraint)]
-        if constraints:
-            advance(*zip(*constraints))
+    def _advance_grammars(self, grown: list[_Request]) -> None:
+        constrained = [r for r in grown if r.constraint is not None]
+        if constrained:
+            advance([r.constraint for r in constrained], [r.seq.token_ids[-1] for r in constrained])
 
-    def _sampling_row(self, seq: Sequence) -> SamplingRow:
-        """The request's row, built at admission (it shares `seq.token_ids`), brought to this step."""
-        request = self.requests[seq.request_id]
-        row = request.row
-        row.num_output_tokens = len(seq.token_ids) - seq.num_prompt_tokens
-        if seq.params.min_tokens and row.num_output_tokens >= seq.params.min_tokens:
-            row.suppressed_ids = request.constraint.banned_ids if request.constraint is not None else []
-        return row
+    def _sampling_rows(self, requests: list[_Request]) -> list[SamplingRow]:
+        """The requests' rows, built at admission (each shares its `seq.token_ids`), brought to this step."""
+        for request in [r for r in requests if r.row_changes]:
+            row, seq = request.row, request.seq
+            row.num_output_tokens = len(seq.token_ids) - seq.num_prompt_tokens
+            if seq.params.min_tokens and row.num_output_tokens >= seq.params.min_tokens:
+                row.suppressed_ids = request.constraint.banned_ids if request.constraint is not None else []
+        return [request.row for request in requests]
 
     def _finish_reason(self, request: _Request) -> str | None:
         seq, params = request.seq, request.seq.params

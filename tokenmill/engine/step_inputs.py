@@ -3,8 +3,9 @@
 The host work per step follows what changed, not batch x context: each live sequence's block table is
 mirrored in a row of a persistent array and only appended to when the sequence gains a block; ids,
 positions, slots, query boundaries, context lengths, sampling rows and the step's block-table rows are
-computed with numpy into one persistent int64 staging buffer (pinned on CUDA) and copied to the device
-with a single non-blocking transfer.
+computed with numpy into one persistent int64 staging buffer (pinned on CUDA; the int32 parts packed two
+to an element) and copied to the device with a single non-blocking transfer: the step's tensors are views
+of what arrives, with no conversion on the device.
 
 Reusing the staging buffer is safe: a step normally ends with the host reading the sampled tokens back,
 which waits for the stream that carried its copy; a step that read nothing back (the engine reruns requests
@@ -115,45 +116,63 @@ class StepInputBuilder:
         self.host = self.staging.numpy()  # the same memory, written with numpy
 
     def build(self, batch: ScheduledBatch) -> StepInputs:
-        seqs, block_size = batch.seqs, self.block_size
-        count = np.array(batch.num_new_tokens, dtype=np.int64)
-        start = np.array([seq.num_computed_tokens for seq in seqs], dtype=np.int64)
-        rows = np.array(self.mirror.rows(seqs), dtype=np.int64)
+        seqs, block_size, counts = batch.seqs, self.block_size, batch.num_new_tokens
         num_seqs = len(seqs)
-        cu = np.zeros(num_seqs + 1, dtype=np.int64)
-        np.cumsum(count, out=cu[1:])
-        num_tokens = int(cu[-1])
-        end = start + count
+        starts = [seq.num_computed_tokens for seq in seqs]
+        rows = np.array(self.mirror.rows(seqs), dtype=np.int64)
+        start = np.array(starts, dtype=np.int64)
+        num_tokens = sum(counts)
         if num_tokens == num_seqs:  # decode only: one token per sequence
-            ids = [seq.token_ids[s] for seq, s in zip(seqs, start.tolist())]
-            positions, token_rows = start, rows
+            ids = [seq.token_ids[s] for seq, s in zip(seqs, starts)]
+            end, cu = start + 1, np.arange(num_seqs + 1, dtype=np.int64)
+            positions, token_rows, max_seqlen_q = start, rows, 1
         else:
-            ids = [t for seq, s, e in zip(seqs, start.tolist(), end.tolist()) for t in seq.token_ids[s:e]]
-            first = np.repeat(start - cu[:-1], count)
-            positions = np.arange(num_tokens, dtype=np.int64) + first
-            token_rows = np.repeat(rows, count)
-        width = -(-int(end.max()) // block_size)
+            count = np.array(counts, dtype=np.int64)
+            cu = np.zeros(num_seqs + 1, dtype=np.int64)
+            np.cumsum(count, out=cu[1:])
+            end = start + count
+            ids = [t for seq, s, e in zip(seqs, starts, end.tolist()) for t in seq.token_ids[s:e]]
+            positions = np.arange(num_tokens, dtype=np.int64) + np.repeat(start - cu[:-1], count)
+            token_rows, max_seqlen_q = np.repeat(rows, count), max(counts)
+        max_seq_len = int(end.max())
+        width = -(-max_seq_len // block_size)
         table = self.mirror.table
         slots = table[token_rows, positions // block_size] * block_size + positions % block_size
-        sample_rows = cu[1:][np.array(batch.sample_mask, dtype=bool)] - 1
-        parts = (ids, positions, slots, sample_rows, cu, end, table[rows, :width].reshape(-1))
-        sizes = [len(p) for p in parts]
-        offsets = np.cumsum([0, *sizes])
-        if offsets[-1] > self.staging.shape[0]:
-            self._allocate_staging(2 * int(offsets[-1]))
+        mask = batch.sample_mask
+        sample_rows = cu[1:] - 1 if mask.count(True) == num_seqs else cu[1:][np.array(mask, dtype=bool)] - 1
+        wide = (ids, positions, slots, sample_rows)
+        narrow = (cu, end, table[rows, :width].reshape(-1))
+        wide_sizes = [num_tokens, num_tokens, num_tokens, len(sample_rows)]
+        narrow_sizes = [num_seqs + 1, num_seqs, num_seqs * width]
+        device = self._transfer(wide, wide_sizes, narrow, narrow_sizes)
+        ids, positions, slots, sample_rows = device[0].split_with_sizes(wide_sizes)
+        cu, seq_lens, tables = device[1].split_with_sizes(narrow_sizes)
+        return StepInputs(
+            input_ids=ids[None], positions=positions[None], slot_mapping=slots, sample_rows=sample_rows,
+            cu_seqlens_q=cu, seq_lens=seq_lens, block_tables=tables.view(num_seqs, width),
+            max_seqlen_q=max_seqlen_q, max_seq_len=max_seq_len,
+        )
+
+    def _transfer(self, wide: tuple, wide_sizes: list[int], narrow: tuple,
+                  narrow_sizes: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copy the int64 parts (`wide`), then the int32 parts (`narrow`, two to an int64 element) to the
+        device in one transfer; returns the two regions there, the second already seen as int32."""
+        num_wide, num_narrow = sum(wide_sizes), sum(narrow_sizes)
+        total = num_wide + (num_narrow + 1) // 2
+        if total > self.staging.shape[0]:
+            self._allocate_staging(2 * total)
         if self._copied is not None:  # the last copy out of the buffer (a step that read nothing back)
             self._copied.synchronize()
-        host = self.host
-        for part, a, b in zip(parts, offsets[:-1], offsets[1:]):
-            host[a:b] = part
-        device = self.staging[: offsets[-1]].to(self.device, non_blocking=True)
+        host, offset = self.host, 0
+        for part, size in zip(wide, wide_sizes):
+            host[offset : offset + size] = part
+            offset += size
+        host32, offset = host.view(np.int32), 2 * num_wide
+        for part, size in zip(narrow, narrow_sizes):
+            host32[offset : offset + size] = part
+            offset += size
+        device = self.staging[:total].to(self.device, non_blocking=True)
         if self.device.type == "cuda":
             self._copied = torch.cuda.Event()
             self._copied.record()
-        views = [device[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
-        return StepInputs(
-            input_ids=views[0][None], positions=views[1][None], slot_mapping=views[2], sample_rows=views[3],
-            cu_seqlens_q=views[4].to(torch.int32), seq_lens=views[5].to(torch.int32),
-            block_tables=views[6].view(num_seqs, width).to(torch.int32),
-            max_seqlen_q=int(count.max()), max_seq_len=int(end.max()),
-        )
+        return device[:num_wide], device[num_wide:].view(torch.int32)[:num_narrow]

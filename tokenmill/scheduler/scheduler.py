@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 from functools import cached_property
+from itertools import compress
 
 from tokenmill.errors import InvalidRequestError
 from tokenmill.scheduler.block_manager import BlockManager
@@ -33,12 +34,17 @@ class SchedulerConfig:
 
 @dataclass
 class ScheduledBatch:
-    """Sequences of one step, in batch order, with the number of new tokens each computes."""
+    """Sequences of one step, in batch order, with the number of new tokens each computes.
+
+    The planner puts the decoding sequences first; `num_decodes` says how many leading sequences are known
+    to compute one token each and sample (0 when unknown), so per-sequence work can skip them in bulk.
+    """
 
     budget: int
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     num_preempted: int = 0
+    num_decodes: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -54,6 +60,7 @@ class ScheduledBatch:
             index = self.seqs.index(seq)
             self.budget += self.num_new_tokens.pop(index)
             del self.seqs[index]
+            self.num_decodes = 0
             self.__dict__.pop("sample_mask", None)  # cached for the old batch
 
     def samples(self, index: int) -> bool:
@@ -65,8 +72,9 @@ class ScheduledBatch:
     def sample_mask(self) -> list[bool]:
         """`samples(i)` for every sequence, computed once for the engine and the runner alike. Read it
         between `Scheduler.schedule` and `Scheduler.update` (which advances the sequences)."""
-        return [seq.num_computed_tokens + count == len(seq.token_ids)
-                for seq, count in zip(self.seqs, self.num_new_tokens)]
+        head = self.num_decodes
+        return [True] * head + [seq.num_computed_tokens + count == len(seq.token_ids)
+                                for seq, count in zip(self.seqs[head:], self.num_new_tokens[head:])]
 
 
 class Scheduler:
@@ -101,12 +109,17 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch(self.config.max_num_batched_tokens)
+        decoding, prefilling, growing, filling = self._split_running()
+        if decoding and len(decoding) <= batch.budget and self._grow_without_preempting(growing):
+            # The common step: every decoding sequence gets its one token and no one is preempted, so the
+            # per-sequence loop below (budget, status, reservation) would only confirm it, one at a time.
+            batch.seqs, batch.num_new_tokens = decoding, [1] * len(decoding)
+            batch.budget -= len(decoding)
+            batch.num_decodes, rest = len(decoding), prefilling
+        else:
+            filling, rest = [], decoding + prefilling
         block_size = self.config.block_size
-        decoding: list[Sequence] = []
-        prefilling: list[Sequence] = []
-        for seq in self.running:
-            (decoding if len(seq.token_ids) - seq.num_computed_tokens == 1 else prefilling).append(seq)
-        for seq in decoding + prefilling:
+        for seq in rest:
             if batch.budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
@@ -115,13 +128,53 @@ class Scheduler:
             # Most steps need no new block: skip the reservation (and its preemption search) then.
             if seq.num_computed_tokens + count <= len(seq.block_table) * block_size or self._reserve(seq, count, batch):
                 batch.add(seq, count)
-        # Only now, with no preemption left to undo it, publish the blocks this step fills.
-        cache_full_blocks = self.block_manager.cache_full_blocks
-        for seq, count in zip(batch.seqs, batch.num_new_tokens):
-            if (seq.num_computed_tokens + count) // block_size > seq.num_computed_tokens // block_size:  # fills one
-                cache_full_blocks(seq, seq.num_computed_tokens + count)
+        self._publish(batch, filling)
         self._admit(batch)
         return batch
+
+    def _split_running(self) -> tuple[list[Sequence], list[Sequence], list[Sequence], list[Sequence]]:
+        """The running sequences that decode (one token left) and those that prefill, in admission order,
+        and of the decoding ones, those whose token needs a new block and those whose token fills one."""
+        block_size = self.config.block_size
+        decoding: list[Sequence] = []
+        prefilling: list[Sequence] = []
+        growing: list[Sequence] = []
+        filling: list[Sequence] = []
+        for seq in self.running:
+            computed = seq.num_computed_tokens
+            if len(seq.token_ids) - computed == 1:
+                decoding.append(seq)
+                if computed >= len(seq.block_table) * block_size:
+                    growing.append(seq)
+                if (computed + 1) % block_size == 0:
+                    filling.append(seq)
+            else:
+                prefilling.append(seq)
+        return decoding, prefilling, growing, filling
+
+    def _grow_without_preempting(self, growing: list[Sequence]) -> bool:
+        """Give each of `growing` (decoding sequences) the block its next token needs, in order, if the free
+        blocks suffice for all of them; otherwise change nothing and return False (the caller preempts)."""
+        manager = self.block_manager
+        needed = [manager.blocks_needed(seq.num_computed_tokens + 1) - len(seq.block_table) for seq in growing]
+        if sum(needed) > manager.num_free_blocks:
+            return False
+        for seq in growing:
+            manager.allocate(seq, seq.num_computed_tokens + 1)
+        return True
+
+    def _publish(self, batch: ScheduledBatch, filling: list[Sequence]) -> None:
+        """Register the blocks this step fills, now that no preemption is left to undo it. `filling` are
+        those of the batch's leading `num_decodes` decodes that fill a block (0 if a preemption reset it)."""
+        block_size = self.config.block_size
+        cache_full_blocks = self.block_manager.cache_full_blocks
+        head = batch.num_decodes
+        if head:
+            for seq in filling:
+                cache_full_blocks(seq, seq.num_computed_tokens + 1)
+        for seq, count in zip(batch.seqs[head:], batch.num_new_tokens[head:]):
+            if (seq.num_computed_tokens + count) // block_size > seq.num_computed_tokens // block_size:  # fills one
+                cache_full_blocks(seq, seq.num_computed_tokens + count)
 
     def _reserve(self, seq: Sequence, count: int, batch: ScheduledBatch) -> bool:
         """Make room for `count` more tokens of `seq`, preempting the most recently admitted sequences."""
@@ -161,13 +214,17 @@ class Scheduler:
     def update(self, batch: ScheduledBatch, sampled: list[int]) -> list[Sequence]:
         """Account for a finished forward pass. `sampled` holds one token per sampling sequence, in batch
         order. Returns the sequences that received a token (the caller decides whether they finish)."""
-        grown = []
-        tokens = iter(sampled)
-        for seq, count, samples in zip(batch.seqs, batch.num_new_tokens, batch.sample_mask):
+        grown = list(compress(batch.seqs, batch.sample_mask))
+        if len(sampled) != len(grown):
+            raise ValueError(f"sampled: {len(sampled)} tokens for {len(grown)} sampling sequences")
+        head = batch.num_decodes
+        for seq, token in zip(grown[:head], sampled):
+            seq.num_computed_tokens += 1
+            seq.token_ids.append(token)
+        for seq, count in zip(batch.seqs[head:], batch.num_new_tokens[head:]):
             seq.num_computed_tokens += count
-            if samples:
-                seq.append_token(next(tokens))
-                grown.append(seq)
+        for seq, token in zip(grown[head:], sampled[head:]):
+            seq.token_ids.append(token)
         return grown
 
     def finish(self, seq: Sequence, reason: str) -> None:

@@ -68,6 +68,3 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
-
-    def append_token(self, token_id: int) -> None:
-        self.token_ids.append(token_id)
