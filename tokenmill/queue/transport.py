@@ -55,6 +55,8 @@ from kombu.transport import virtual
 from kombu.utils.json import loads
 from kombu.utils.objects import cached_property
 
+from tokenmill.queue.batching import Coalescer
+
 log = logging.getLogger(__name__)
 
 #: Hash: processing list key -> JSON {"consumer": id, "source": queue list key}.
@@ -69,16 +71,46 @@ MALFORMED_KEY = "tokenmill:malformed"
 MALFORMED_KEEP = 100
 MALFORMED_BYTES = 64 * 1024
 
-# KEYS: processing, unacked, unacked_index. ARGV: item, delivery tag, unacked record, now.
-# Returns 1 when recorded, 0 when the item is no longer in the processing list (a sweep requeued it
-# because this consumer's heartbeat lapsed), -1 when the tag is already in flight (a producer reused it).
+# KEYS: unacked, unacked_index, then each item's processing list. ARGV[1]: now; then per item: item, delivery
+# tag, unacked record. Returns per item 1 when recorded, 0 when the item is no longer in its processing list (a
+# sweep requeued it because this consumer's heartbeat lapsed), -1 when the tag is already in flight (a producer
+# reused it).
 _RECORD = """
-if redis.call('HEXISTS', KEYS[2], ARGV[2]) == 1 then return -1 end
-if redis.call('LREM', KEYS[1], 1, ARGV[1]) == 0 then return 0 end
-redis.call('HSET', KEYS[2], ARGV[2], ARGV[3])
-redis.call('ZADD', KEYS[3], ARGV[4], ARGV[2])
-return 1
+local codes = {}
+for i = 3, #KEYS do
+  local item, tag, record = ARGV[3 * i - 7], ARGV[3 * i - 6], ARGV[3 * i - 5]
+  if redis.call('HEXISTS', KEYS[1], tag) == 1 then
+    codes[i - 2] = -1
+  elseif redis.call('LREM', KEYS[i], 1, item) == 0 then
+    codes[i - 2] = 0
+  else
+    redis.call('HSET', KEYS[1], tag, record)
+    redis.call('ZADD', KEYS[2], ARGV[1], tag)
+    codes[i - 2] = 1
+  end
+end
+return codes
 """
+# KEYS: the source lists in kombu's order, then their processing lists. ARGV[1]: the most items to move.
+# Moves up to that many items, oldest first, each from its queue to its processing list (what BLMOVE does
+# for one, without blocking). Returns source index, item, source index, item, ...
+_TAKE = """
+local n = #KEYS / 2
+local limit = 2 * tonumber(ARGV[1])
+local taken = {}
+for i = 1, n do
+  while #taken < limit do
+    local item = redis.call('LMOVE', KEYS[i], KEYS[n + i], 'RIGHT', 'LEFT')
+    if not item then break end
+    taken[#taken + 1] = i
+    taken[#taken + 1] = item
+  end
+end
+return taken
+"""
+#: The most messages one take moves (fewer when fewer prefetch slots are free). Under load one take and one
+#: record script serve this many messages instead of a BLMOVE, an LLEN round and a record script each.
+TAKE_MAX = 64
 # KEYS: processing, malformed. ARGV: item, the copy to keep, how many to keep.
 _DISCARD = """
 redis.call('LREM', KEYS[1], 1, ARGV[1])
@@ -158,6 +190,7 @@ class QoS(kombu_redis.QoS):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         _live_qos.add(self)
+        self._acks: Coalescer[str, None] = Coalescer(self._ack_many, limit=1000)
 
     def append(self, message: Any, delivery_tag: str) -> None:
         claimed = self.channel.claimed_tags
@@ -168,11 +201,17 @@ class QoS(kombu_redis.QoS):
             super().append(message, delivery_tag)
 
     def ack(self, delivery_tag: str) -> None:
-        """As kombu, but the local record goes even if Redis is down (else the prefetch slot leaks)."""
+        """As kombu, but acks from several pool threads at once go in one round trip (`Coalescer`), and the local
+        record goes even if Redis is down (else the prefetch slot leaks)."""
         try:
-            self._remove_from_indices(delivery_tag).execute()
+            self._acks.call(delivery_tag)
         finally:
             virtual.QoS.ack(self, delivery_tag)
+
+    def _ack_many(self, tags: list[str]) -> list[None]:
+        with self.channel.conn_or_acquire() as client:
+            client.pipeline().zrem(self.unacked_index_key, *tags).hdel(self.unacked_key, *tags).execute()
+        return [None] * len(tags)
 
     def restore_visible(self, start: int = 0, num: int = 10, interval: int = 10) -> None:
         self.channel.recover_orphans()
@@ -192,6 +231,8 @@ class Channel(kombu_redis.Channel):
         self._params: dict[bool, dict[str, Any]] = {}
         self._sources: set[str] = set()
         self._blmove_source: str | None = None
+        self._take_many = True  # whether the next poll takes without blocking (the last one found messages)
+        self._take_keys: list[str] = []
         self._beat_at = float("-inf")
         self._no_ack_queues: set[str] = set()
         self._sync_client: Any = None
@@ -249,18 +290,39 @@ class Channel(kombu_redis.Channel):
         return super()._basic_cancel(consumer_tag)
 
     def _brpop_start(self, timeout: float | None = None) -> None:
-        """Send BLMOVE for the first non-empty list in kombu's order (queues fairly cycled, then priority)."""
+        """Take what is waiting, up to the free prefetch slots, in one script; when the last take found
+        nothing, block in BLMOVE for the first non-empty list in kombu's order (queues fairly cycled, then
+        priority) instead."""
         if timeout is None:
             timeout = self.brpop_timeout
         queues = self._queue_cycle.consume(len(self.active_queues))
         if not queues:
             return
         keys = list(dict.fromkeys(self._q_for_pri(queue, pri) for pri in self.priority_steps for queue in queues))
+        room = self.qos.can_consume_max_estimate()
+        limit = TAKE_MAX if room is None else min(TAKE_MAX, room)
+        if self._take_many and limit > 1:
+            self._register_sources(keys)
+            self._blmove_source = None
+            self._take_keys = keys
+            self._in_poll = self.client.connection
+            self.client.connection.send_command(
+                "EVAL", _TAKE, 2 * len(keys), *keys, *(self._processing_key(key) for key in keys), limit)
+            return
         source = self._choose_source(keys)
         self._blmove_source = source
         self._in_poll = self.client.connection
         self._brpop_sent_at = monotonic()
         self.client.connection.send_command("BLMOVE", source, self._processing_key(source), "RIGHT", "LEFT", timeout or 0)
+
+    def _register_sources(self, keys: list[str]) -> None:
+        """Register new processing lists (before anything is moved into them) and renew the heartbeat when due."""
+        if any(key not in self._sources for key in keys) or monotonic() - self._beat_at > self.consumer_ttl / 4:
+            self._sources.update(keys)
+            with self.conn_or_acquire() as client:
+                pipe = client.pipeline(transaction=False)
+                self._beat(pipe)
+                pipe.execute()
 
     def _choose_source(self, keys: list[str]) -> str:
         """One round trip: register new processing lists, renew the heartbeat, find a non-empty list.
@@ -289,59 +351,85 @@ class Channel(kombu_redis.Channel):
 
     def _brpop_read(self, **options: Any) -> bool:
         try:
+            command = "BLMOVE" if self._blmove_source is not None else "EVAL"
             try:
-                item = self.client.parse_response(self.client.connection, "BLMOVE", **options)
+                reply = self.client.parse_response(self.client.connection, command, **options)
             except self.connection_errors:
                 self.client.connection.disconnect()
                 raise
-            source = self._blmove_source
-            if not item or source is None:
+            if command == "BLMOVE":
+                taken = [(self._blmove_source, reply)] if reply else []
+            else:
+                taken = [(self._take_keys[int(index) - 1], item) for index, item in zip(reply[::2], reply[1::2])]
+            self._take_many = bool(taken)  # found some: more are likely waiting; none: block next time
+            if not taken:
                 raise kombu_redis.Empty()
-            queue = source.rsplit(self.sep, 1)[0]
-            self._queue_cycle.rotate(queue)
-            payload = self._claim(source, item, record=queue not in self._no_ack_queues)
-            self.connection._deliver(payload, queue)
+            for source in dict.fromkeys(source for source, _ in taken):
+                self._queue_cycle.rotate(source.rsplit(self.sep, 1)[0])
+            delivered = self._claim_many(taken)
+            for payload, queue in delivered:
+                self.connection._deliver(payload, queue)
+            if not delivered:
+                raise kombu_redis.Empty()
             return True
         finally:
             self._in_poll = None
+            self._blmove_source = None
             self._flush_brpop_reauth()
 
-    def _claim(self, source: str, item: bytes, record: bool = True) -> dict[str, Any]:
-        """Record `item` as unacked and remove it from the processing list, atomically; or discard it.
+    def _claim_many(self, taken: list[tuple[str, bytes]]) -> list[tuple[dict[str, Any], str]]:
+        """Record the taken items as unacked and remove them from their processing lists, in one atomic
+        script; discard those that are no kombu messages. Returns (payload, queue) of the messages to deliver.
 
-        With `record` False (a no-ack consumer, as kombu: nothing to acknowledge) it is only removed.
+        Items of a no-ack consumer (as kombu: nothing to acknowledge) are only removed.
         """
-        processing = self._processing_key(source)
-        try:
-            payload = loads(item.decode())
-        except Exception:  # not JSON, too deeply nested, or kombu's object hook refused a "__type__" value
-            payload, problem = None, "not JSON kombu can decode"
-        else:
-            try:
-                problem = envelope_problem(payload, self.decode_body)
-            except Exception as exc:  # whatever the envelope holds, it must not stop the consumer
-                problem = f"unusable envelope ({type(exc).__name__})"
-        if problem is None and not record:
-            with self.conn_or_acquire() as client:
-                if client.lrem(processing, 1, item):
-                    return payload
-            raise kombu_redis.Empty()
-        if problem is None:
+        now, keys, args, recorded, delivered = time(), [self.unacked_key, self.unacked_index_key], [], [], []
+        for source, item in taken:
+            queue = source.rsplit(self.sep, 1)[0]
+            processing = self._processing_key(source)
+            payload, problem = self._decode(item)
+            if problem is None and queue in self._no_ack_queues:
+                with self.conn_or_acquire() as client:
+                    if client.lrem(processing, 1, item):
+                        delivered.append((payload, queue))
+                continue
+            if problem is not None:
+                self._discard(source, item, problem)
+                continue
             tag = payload["properties"]["delivery_tag"]
             info = payload["properties"]["delivery_info"]
             record = b"[%s, %s, %s]" % (item, json.dumps(info["exchange"]).encode(), json.dumps(info["routing_key"]).encode())
-            claimed = self._scripts["record"](keys=[processing, self.unacked_key, self.unacked_index_key],
-                                              args=[item, tag, record, time()])
-            if claimed == 1:
-                self.claimed_tags.add(tag)
-                return payload
-            if claimed == 0:  # a sweep already requeued it: whoever takes it next runs it
-                raise kombu_redis.Empty()
-            problem = "its delivery_tag is already in flight"
-        self._scripts["discard"](keys=[processing, MALFORMED_KEY], args=[item, item[:MALFORMED_BYTES], MALFORMED_KEEP])
+            keys.append(processing)
+            args += [item, tag, record]
+            recorded.append((source, item, payload, queue))
+        if not recorded:
+            return delivered
+        codes = self._scripts["record"](keys=keys, args=[now, *args])
+        for (source, item, payload, queue), code in zip(recorded, codes):
+            if code == 1:
+                self.claimed_tags.add(payload["properties"]["delivery_tag"])
+                delivered.append((payload, queue))
+            elif code == -1:
+                self._discard(source, item, "its delivery_tag is already in flight")
+            # 0: a sweep already requeued it: whoever takes it next runs it
+        return delivered
+
+    def _decode(self, item: bytes) -> tuple[Any, str | None]:
+        """The item's kombu envelope, and why it is not one kombu and Celery can handle (None if it is)."""
+        try:
+            payload = loads(item.decode())
+        except Exception:  # not JSON, too deeply nested, or kombu's object hook refused a "__type__" value
+            return None, "not JSON kombu can decode"
+        try:
+            return payload, envelope_problem(payload, self.decode_body)
+        except Exception as exc:  # whatever the envelope holds, it must not stop the consumer
+            return payload, f"unusable envelope ({type(exc).__name__})"
+
+    def _discard(self, source: str, item: bytes, problem: str) -> None:
+        self._scripts["discard"](keys=[self._processing_key(source), MALFORMED_KEY],
+                                 args=[item, item[:MALFORMED_BYTES], MALFORMED_KEEP])
         log.error("discarded a malformed message from %r (%d bytes): %s; kept in the Redis list %s",
                   source, len(item), problem, MALFORMED_KEY)
-        raise kombu_redis.Empty()
 
     # -- consumers that died -----------------------------------------------------------------
 
@@ -378,7 +466,7 @@ class Channel(kombu_redis.Channel):
             try:
                 if self._in_poll:
                     self._in_poll = None
-                    self.client.parse_response(self.client.connection, "BLMOVE")
+                    self.client.parse_response(self.client.connection, "BLMOVE" if self._blmove_source else "EVAL")
             except Exception:
                 pass  # its item (if any) stays in the processing list; the recovery below or a sweep requeues it
             try:

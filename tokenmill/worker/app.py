@@ -43,6 +43,7 @@ from tokenmill.queue.settings import QueueSettings
 from tokenmill.worker import control  # noqa: F401  (tokenmill's revoke, refusals of what cannot work)
 from tokenmill.worker.batch_task import register as register_batch_task
 from tokenmill.worker.leases import LeaseRenewal
+from tokenmill.worker.results import BACKEND_OVERRIDES
 
 #: Celery renders each task's return value with `saferepr` for logs and task events (Flower). Cut at
 #: 64 characters it shows the job's id and status but no completion text, and is cheap to compute
@@ -71,6 +72,7 @@ def create_app(settings: QueueSettings | None = None) -> Celery:
     """A new worker app for `settings` with the `tokenmill.generate` and `tokenmill.generate_batch` tasks."""
     new = queue_app(settings)
     new.conf.update(WORKER_CONFIG)
+    new.loader.override_backends = {**new.loader.override_backends, **BACKEND_OVERRIDES}  # results in batches
     new.steps["consumer"].add(LeaseRenewal)
     new.task(
         name=TASK_NAME, bind=True, acks_late=True, reject_on_worker_lost=True, resultrepr_maxsize=RESULT_REPR_MAXSIZE

@@ -27,6 +27,9 @@ Per job, in order:
    stub holding `output_uri`.
 7. Return the result; Celery stores it in Redis, then acks the message.
 
+Steps 3-5 and the result write are shared with the other jobs that reach them at the same moment (one Redis
+script or engine-process message for all, see `tokenmill.queue.batching`); each job's outcome is its own.
+
 On SIGTERM Celery stops taking jobs and waits for the running ones; they get `shutdown_grace`
 seconds, after which any job still generating or still retrying S3 is requeued (`Reject`), so the
 worker always exits and nothing is lost.
@@ -55,6 +58,7 @@ from redis.retry import Retry
 
 from tokenmill.errors import InvalidRequestError
 from tokenmill.queue import dead_letters
+from tokenmill.queue.batching import Coalescer
 from tokenmill.queue.cancels import encode_result, is_final
 from tokenmill.queue.names import CANCEL_KEY, DEAD_LETTER_KEY, DELIVERIES_KEY
 from tokenmill.queue.schemas import JOB_ID_PATTERN, Job, JobError, JobResult, Usage
@@ -70,6 +74,7 @@ log = logging.getLogger("tokenmill.worker")
 
 FATAL_EXIT_CODE = 70  # EX_SOFTWARE: the engine failed; a supervisor restarts the worker
 SHUTDOWN_CHECK_INTERVAL = 2.0  # seconds
+CHECK_IN_LIMIT = 500  # single jobs per check-in script call (Redis runs a script alone) and per engine message
 
 # KEYS: n result keys, the n jobs' delivery-count keys, then their cancel marks; ARGV[1]: the counts' expiry
 # in seconds. Returns, per job, its stored result (nil if none), its delivery number after this one and
@@ -150,6 +155,9 @@ class WorkerService:
         self.grace_expired = threading.Event()
         self.cancels = CancelListener(self.redis, self.running_ids, self.cancel_running)
         self.announcer = Announcer(self.redis, self.hostname, settings.model, settings.queues or [settings.queue])
+        # single jobs' check-ins and engine requests: one call of each for all the pool threads that need one at once
+        self._admits: Coalescer[tuple[Attempt, bytes], tuple[CheckIn, tuple[Future, str] | None]] = Coalescer(
+            self._admit_many, limit=CHECK_IN_LIMIT)
 
     @classmethod
     def start(cls, settings: WorkerSettings) -> WorkerService:
@@ -288,35 +296,43 @@ class WorkerService:
     def _run_once(self, run: Attempt, result_key: bytes) -> dict[str, Any]:
         """Steps 3-7 for a job that is not already running in this process."""
         job = run.job
-        [check] = self.check_in([job.id], [result_key])
+        check, submitted = self._admits.call((run, result_key))
         if is_final(check.stored):
             self.skip_stored(job, stored_job_hash(check.stored))
             raise Ignore()
-        run.attempt = check.attempt
         if check.cancelled:
             return self.cancelled_before_start(run)
         if run.attempt > self.settings.max_deliveries:
             return self.dead_letter(job, run.attempt, run.started_at)
+        assert submitted is not None  # `_admit_many` submitted every job that gets here
         self.metrics.jobs_in_flight.inc()
         try:
-            return self._execute(run)
+            return self._execute(run, *submitted)
         finally:
             self.metrics.jobs_in_flight.dec()
 
-    def _execute(self, run: Attempt) -> dict[str, Any]:
-        future, request_id = self._submit(run)
+    def _admit_many(self, items: list[tuple[Attempt, bytes]]) -> list[tuple[CheckIn, tuple[Future, str] | None]]:
+        """Check in single jobs (one script call) and hand those to run to the engine (one pipe message): the
+        threads of jobs taken together wake once, each with its check-in and, if it runs, its engine request."""
+        checks = self.check_in([run.job.id for run, _ in items], [key for _, key in items])
+        runnable = []
+        for (run, _), check in zip(items, checks):
+            run.attempt = check.attempt  # the caller's checks below, in the same order
+            if not is_final(check.stored) and not check.cancelled and check.attempt <= self.settings.max_deliveries:
+                runnable.append(run)
+        submitted = dict(zip((id(run) for run in runnable), self.submit_many(runnable))) if runnable else {}
+        return [(check, submitted.get(id(run))) for (run, _), check in zip(items, checks)]
+
+    def _execute(self, run: Attempt, future: Future, request_id: str) -> dict[str, Any]:
         try:
             output = self._wait(future, run.job, request_id, run.deadline)
         except InvalidRequestError as exc:
             return self.complete(run, error=exc)
         return self.complete(run, output=output)
 
-    def _submit(self, run: Attempt) -> tuple[Future, str]:
-        """Hand the job to the engine; returns the engine's future and request id (to abort it)."""
-        return self.submit_many([run])[0]
-
     def submit_many(self, runs: list[Attempt]) -> list[tuple[Future, str]]:
-        """`_submit` for several jobs in one message to the engine process (a group's jobs)."""
+        """Hand jobs to the engine in one pipe message (a group's jobs, or single jobs admitted together); returns
+        each one's engine future and request id (to abort it)."""
         requests = []
         for run in runs:
             job = run.job
