@@ -127,6 +127,25 @@ def completion_error(schema: dict[str, Any], text: str) -> tuple[Any, str | None
     return None, f"{error.validator} at {where} (value at {error.json_path}): {error.message}"
 
 
+def xgrammar_gap(prepared: Any, pointer: str = "") -> str | None:
+    """Why xgrammar 0.2.9 cannot enforce a prepared schema in full (llguidance can), or None: a pattern beside
+    minLength/maxLength, where xgrammar would ignore the length."""
+    if isinstance(prepared, dict):
+        if prepared.get("type") == "string" and "pattern" in prepared and ("minLength" in prepared or "maxLength" in prepared):
+            return f"pattern at {pointer or '/'}: beside minLength/maxLength is enforced by llguidance only"
+        for key, value in prepared.items():
+            if key not in ("enum", "const"):
+                found = xgrammar_gap(value, f"{pointer}/{_escape(key)}")
+                if found:
+                    return found
+    elif isinstance(prepared, list):
+        for i, value in enumerate(prepared):
+            found = xgrammar_gap(value, f"{pointer}/{i}")
+            if found:
+                return found
+    return None
+
+
 def regex_error(pattern: str, text: str) -> str | None:
     """Python `re.fullmatch`: the whole completion must match (ECMA-262 differences: see README)."""
     return None if re.fullmatch(pattern, text) else f"the text does not fully match {pattern!r}"
@@ -651,9 +670,6 @@ class _Normaliser:
         if kind == "string":
             if d["maxLength"] is not None and d["minLength"] > d["maxLength"]:
                 return []
-            if check and d["pattern"] is not None and (d["minLength"] or d["maxLength"] is not None):
-                raise UnsupportedSchema("pattern", ptr, "a string with both pattern and minLength/maxLength is not "
-                                        "supported by xgrammar: put the length bound into the pattern")
             return [d]
         if kind == "array":
             return self._final_array(dict(d), ptr, check)
@@ -759,6 +775,10 @@ class _Normaliser:
         elif kind == "string":
             if d["pattern"] is not None:
                 out["pattern"] = d["pattern"]
+                if d["minLength"]:  # both: llguidance enforces them, xgrammar refuses (`xgrammar_gap`)
+                    out["minLength"] = d["minLength"]
+                if d["maxLength"] is not None:
+                    out["maxLength"] = d["maxLength"]
             elif d["minLength"] or d["maxLength"] is not None:  # mlc-ai/xgrammar#800: a bound as a pattern
                 out["pattern"] = f"^.{{{d['minLength']},{'' if d['maxLength'] is None else d['maxLength']}}}$"
             elif d["format"] in XGRAMMAR_FORMATS:
