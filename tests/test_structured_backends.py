@@ -41,15 +41,16 @@ def allowed_after(cache: GrammarCache, params: SamplingParams, text: str) -> set
 
 
 def test_auto_picks_per_request_and_records_the_backend(engines: dict[str, LLM]) -> None:
-    """JSON and regex go to llguidance; a choice, and a format llguidance does not know, to xgrammar (which
-    knows it); the result says which."""
+    """xgrammar where it enforces the constraint in full (its masks are faster); llguidance for a pattern beside a
+    length bound, which xgrammar would ignore; the result says which."""
     params = [SamplingParams(max_tokens=48, json_schema=SCHEMA), SamplingParams(max_tokens=8, choice=["yes", "no"]),
               SamplingParams(max_tokens=8, regex=r"[0-9]{3}"),
-              SamplingParams(max_tokens=48, json_schema={"type": "string", "format": "uri-template"}),
+              SamplingParams(max_tokens=48, json_schema={"type": "string", "pattern": "^[a-z]+$", "maxLength": 4}),
               SamplingParams(max_tokens=8)]
     outs = engines["auto"].generate(["x"] * len(params), params, use_tqdm=False)
-    assert [o.constraint_backend for o in outs] == ["llguidance", "xgrammar", "llguidance", "xgrammar", None]
-    assert all(o.constraint_satisfied for o in outs[:3]), [(o.text, o.constraint_error) for o in outs]
+    assert [o.constraint_backend for o in outs] == ["xgrammar", "xgrammar", "xgrammar", "llguidance", None]
+    assert all(o.constraint_satisfied for o in outs[:4]), [(o.text, o.constraint_error) for o in outs]
+    assert len(json.loads(outs[3].text)) <= 4
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
