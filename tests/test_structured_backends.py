@@ -5,7 +5,7 @@ served; generated schemas checked through each backend."""
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 import torch
@@ -168,3 +168,18 @@ def test_generated_schemas_through_each_backend_claim_satisfaction_only_when_val
             assert out.error.startswith("json_schema: cannot be compiled") and not out.token_ids, out.error
         elif out.constraint_satisfied:
             assert independently_valid(as_dict(schema), out.text), (schema, out.text)
+
+
+def test_a_map_keyed_by_a_literal_is_served_as_optional_properties(engines: dict[str, LLM]) -> None:
+    """pydantic's dict[Literal["a", "b"], bool] is propertyNames {"enum": ...} beside additionalProperties: refused
+    before, now each name an optional property and nothing else."""
+    import pydantic
+
+    class Flags(pydantic.BaseModel):
+        flags: dict[Literal["hate", "violence", "spam"], bool]
+
+    schema = Flags.model_json_schema()
+    outs = generate(engines["auto"], [schema], per_schema=8)[0]
+    assert all(o.finish_reason == "stop" and o.constraint_satisfied for o in outs), [(o.text, o.error) for o in outs]
+    assert all(independently_valid(schema, o.text) and set(json.loads(o.text)["flags"]) <= {"hate", "violence", "spam"}
+               for o in outs)

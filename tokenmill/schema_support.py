@@ -725,7 +725,12 @@ class _Normaliser:
             return [f for b in branches if b is not None for f in self.finalise(b, ptr, check)]
         if d["names"] is not None:
             names, where = d["names"]
-            if d["additional"] is not None or d["minProperties"] > len(d["props"]):
+            finite = self._finite_names(names, where)
+            if finite is not None:  # a closed set of names (dict[Literal[...], V]): each one an optional property
+                extra = d["additional"] if d["additional"] is not None else _any()
+                d["props"] = {**d["props"], **{n: extra for n in finite if n not in d["props"]}}
+                d["additional"], d["additional_set"] = [], True
+            elif d["additional"] is not None or d["minProperties"] > len(d["props"]):
                 raise UnsupportedSchema("propertyNames", where, "is enforced only where additional properties are not allowed")
             for key in [k for k in d["props"] if not self.valid(names, k)]:
                 if self._forbid(d, key, ptr) is None:
@@ -745,6 +750,13 @@ class _Normaliser:
         if d["maxProperties"] is not None and (len(d["required"]) > d["maxProperties"] or d["minProperties"] > d["maxProperties"]):
             return []
         return [d]
+
+    def _finite_names(self, names: Any, where: str) -> list[str] | None:
+        """The property names `propertyNames` allows, if it is a small finite set of strings (an enum or const)."""
+        disjs = self.norm(names, where)
+        if not disjs or len(disjs) > MAX_BRANCHES or not all("enum" in x and isinstance(x["enum"][0], str) for x in disjs):
+            return None
+        return [x["enum"][0] for x in disjs]
 
     def _as_object(self, disjs: Disjs, ptr: str) -> Disj:
         """A dependent schema applies to this object only: its object branch (refused if it branches)."""
