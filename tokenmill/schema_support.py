@@ -7,8 +7,9 @@ first (`prepare`), and every completion is validated after decoding (`completion
 * `_Bundler`: every `$ref` (local pointers, `$anchor`s, `$id`-relative, URNs) is resolved with `referencing`
   and rewritten to a local `#/$defs/tm<N>` pointer; remote references (nothing is fetched), `$dynamicRef` and
   `$recursiveRef` are refused. Draft-7 `$ref` siblings are dropped, as draft 7 ignores them.
-* `_Normaliser`: the bundled schema is rewritten into a core subset that xgrammar 0.2.9 enforces in full (one
-  "type" per branch with only that type's keywords, `enum`, `anyOf`, local `$ref`); each keyword is either
+* `_Normaliser`: the bundled schema is rewritten into a core subset that xgrammar 0.2.9 and llguidance enforce in
+  full (one "type" per branch with only that type's keywords, `enum`, `anyOf`, local `$ref`; a pattern beside a
+  length bound is llguidance's only, `xgrammar_gap` says so to the engine); each keyword is either
   kept, soundly rewritten (allOf and sibling keywords merged, if/then/else and not where the complement is a
   set of types, enum/const narrowed by validation, bounded multipleOf enumerated, contains as prefixItems,
   dependencies split into branches, ...) or refused with `UnsupportedSchema` naming the keyword and its JSON
