@@ -64,10 +64,10 @@ JSON_SEPARATORS = (",", ":")
 #: The grammar backends, and "auto" (the default): per request, the first of `AUTO_ORDER[kind]` that enforces it.
 BACKENDS = ("auto", "xgrammar", "llguidance")
 # xgrammar first: its masks are precomputed per grammar state, llguidance's computed per step (benchmarks/
-# structured.py --backends, 32k-token BPE, 256 rows of one schema, CPU time on a loaded 2-core machine: fill 1.3 vs
-# 3.9 ms a step), and in a batch job one compile serves the whole dataset. llguidance where xgrammar cannot enforce
+# structured.py --backends, 32k-token BPE, 256 rows of one schema, CPU time on a loaded 2-core machine: fill 1.3-1.6
+# vs 3.9-5.5 ms a step), and in a batch job one compile serves the whole dataset. llguidance where xgrammar cannot enforce
 # the constraint in full: a pattern beside minLength/maxLength (`xgrammar_gap`), or what xgrammar fails to compile.
-# llguidance compiles faster (corpus p99 6 vs 42 ms), which matters only for a grammar's first request.
+# llguidance compiles faster (corpus p99 6 vs 34-42 ms), which matters only for a grammar's first request.
 AUTO_ORDER = {"json_schema": ("xgrammar", "llguidance"), "json_object": ("xgrammar", "llguidance"),
               "regex": ("xgrammar", "llguidance"), "ebnf": ("xgrammar", "llguidance")}
 
@@ -112,7 +112,7 @@ class GrammarSpec:
 
 
 class GrammarCache:
-    """One per engine: the tokenizer's vocabulary as xgrammar sees it, a compiler, and compiled grammars."""
+    """One per engine: the tokenizer's vocabulary as each backend sees it, xgrammar's compiler, compiled grammars."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_ids: Sequence[int], limit_bytes: int = 512 << 20,
                  backend: str = "auto") -> None:
@@ -140,6 +140,7 @@ class GrammarCache:
         self._words: dict[frozenset[int], torch.Tensor] = {}
         self._non_stop: dict[frozenset[int], np.ndarray] = {}
         self._llg: llg_backend.LLGuidanceVocab | InvalidRequestError | None = None
+        self._llg_lock = threading.Lock()  # not `_lock`: building it takes up to a second, the engine loop needs that
 
     def is_ready(self, spec: GrammarSpec) -> bool:
         """Whether `spec` is compiled (or known not to compile): a request with it can start at once."""
@@ -225,7 +226,7 @@ class GrammarCache:
 
     def llguidance_vocab(self) -> llg_backend.LLGuidanceVocab:
         """llguidance's view of the tokenizer, built on first use (InvalidRequestError if it cannot be)."""
-        with self._lock:
+        with self._llg_lock:
             if self._llg is None:
                 try:
                     self._llg = llg_backend.LLGuidanceVocab(self.tokenizer, self.vocab_size, self.stop_ids)
