@@ -183,3 +183,17 @@ def test_a_map_keyed_by_a_literal_is_served_as_optional_properties(engines: dict
     assert all(o.finish_reason == "stop" and o.constraint_satisfied for o in outs), [(o.text, o.error) for o in outs]
     assert all(independently_valid(schema, o.text) and set(json.loads(o.text)["flags"]) <= {"hate", "violence", "spam"}
                for o in outs)
+
+
+@pytest.mark.parametrize("schema", [
+    {"if": {"type": "integer"}},
+    {"type": "integer", "minimum": 0, "maximum": 20, "if": {"maximum": 5}, "else": {"multipleOf": 5}},
+    {"if": {"properties": {"a": {"type": "string"}}}, "else": {"type": "boolean"}},
+], ids=["if alone", "if else numbers", "if else object"])
+def test_if_without_then_is_served_as_if_or_else(engines: dict[str, LLM], schema: dict) -> None:
+    """Refused before (the complement of `if` was needed, and is not enforceable for these): without `then`,
+    (if and true) or (not if and else) is exactly "if or else"; `if` alone constrains nothing."""
+    outs = generate(engines["auto"], [schema], per_schema=8)[0]
+    assert all(o.finish_reason != "error" for o in outs), [o.error for o in outs]
+    assert any(o.constraint_satisfied for o in outs)
+    assert all(independently_valid(schema, o.text) for o in outs if o.constraint_satisfied)

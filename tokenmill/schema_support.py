@@ -425,10 +425,15 @@ class _Normaliser:
         return [_typed(k) for k in TYPES if k not in kinds]
 
     def conditional(self, node: dict[str, Any], ptr: str) -> Disjs:
-        """if/then/else as anyOf[allOf[if, then], allOf[not if, else]], the second branch only if needed."""
+        """if/then/else as anyOf[allOf[if, then], allOf[not if, else]], the second branch only if needed; without
+        `then` it is anyOf[if, else], without both nothing."""
+        if "then" not in node and "else" not in node:  # `if` alone constrains nothing
+            return _any()
         condition = self.norm(node["if"], f"{ptr}/if")
         then = self.norm(node.get("then", True), f"{ptr}/then")
         other = self.norm(node.get("else", True), f"{ptr}/else")
+        if _is_any(then):  # (if and true) or (not if and else) is exactly "if or else": no complement needed
+            return self.union([condition, other], ptr)
         branches = [self.intersect(condition, then, ptr)]
         if other:
             try:
