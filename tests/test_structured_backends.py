@@ -11,7 +11,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from model_fixtures import random_prompts
-from test_structured_schemas import _schemas, as_dict, generate, independently_valid
+from test_structured_schemas import as_dict, generate, independently_valid, schema_strategy
 
 from tokenmill import LLM, InvalidRequestError, SamplingParams
 from tokenmill.engine.structured import GrammarCache, GrammarSpec, advance, apply_token_masks, check_completion
@@ -156,7 +156,7 @@ def test_the_boolean_schema_false_is_refused_naming_it() -> None:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-@given(schema=_schemas())
+@given(schema=schema_strategy())
 def test_generated_schemas_through_each_backend_claim_satisfaction_only_when_valid(
         engines: dict[str, LLM], backend: str, schema: Any) -> None:
     try:

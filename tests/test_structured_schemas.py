@@ -213,7 +213,7 @@ def test_check_completion_accepts_valid_and_treats_format_as_annotation() -> Non
 
 
 # -- property tests ----------------------------------------------------------------------------------------
-def _schemas() -> st.SearchStrategy[Any]:
+def schema_strategy() -> st.SearchStrategy[Any]:
     """Schemas over the keyword classes of the issue: types, numeric and string bounds with and without a type,
     enum/const, arrays (items, prefixItems, contains), objects (properties, required, additionalProperties,
     dependencies, unevaluatedProperties), allOf/anyOf/oneOf/not/if-then-else and booleans."""
@@ -258,7 +258,7 @@ _VALUES = st.recursive(st.none() | st.booleans() | st.integers(-25, 25) | st.sam
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(schema=_schemas(), values=st.lists(_VALUES, min_size=1, max_size=8))
+@given(schema=schema_strategy(), values=st.lists(_VALUES, min_size=1, max_size=8))
 def test_rewriting_is_sound_on_random_values(schema: Any, values: list[Any]) -> None:
     """Whatever the rewritten schema (what the backend enforces) admits, the original admits; a refusal names
     keyword and pointer. Checked on random values, no model needed."""
@@ -274,7 +274,7 @@ def test_rewriting_is_sound_on_random_values(schema: Any, values: list[Any]) -> 
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-@given(schema=_schemas())
+@given(schema=schema_strategy())
 def test_generated_schemas_completions_claiming_satisfaction_validate(tiny: LLM, schema: Any) -> None:
     """Hypothesis schemas through the engine: every completion that claims satisfaction validates."""
     try:
