@@ -197,3 +197,20 @@ def test_if_without_then_is_served_as_if_or_else(engines: dict[str, LLM], schema
     assert all(o.finish_reason != "error" for o in outs), [o.error for o in outs]
     assert any(o.constraint_satisfied for o in outs)
     assert all(independently_valid(schema, o.text) for o in outs if o.constraint_satisfied)
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "object", "patternProperties": {"^n_": {"type": "integer", "minimum": 0, "maximum": 9}}, "minProperties": 1,
+     "additionalProperties": False},
+    {"type": "object", "properties": {"id": {"type": "integer"}}, "required": ["id"],
+     "patternProperties": {"^x-": {"type": "string", "maxLength": 3}}, "additionalProperties": {"type": "boolean"}},
+])
+def test_pattern_properties_are_enforced_by_llguidance(engines: dict[str, LLM], schema: dict) -> None:
+    """Refused before (`patternProperties at /patternProperties: is not supported`); llguidance enforces them, so
+    auto picks it; forced xgrammar refuses naming the keyword."""
+    outs = generate(engines["auto"], [schema], per_schema=8)[0]
+    assert all(o.finish_reason != "error" and o.constraint_backend == "llguidance" for o in outs), [o.error for o in outs]
+    assert any(o.constraint_satisfied for o in outs) and all(o.constraint_error is None for o in outs)
+    assert all(independently_valid(schema, o.text) for o in outs if o.constraint_satisfied)
+    forced = generate(engines["xgrammar"], [schema], per_schema=1)[0][0]
+    assert forced.finish_reason == "error" and "patternProperties at /: is enforced by llguidance only" in forced.error
