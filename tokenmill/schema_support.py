@@ -9,7 +9,7 @@ first (`prepare`), and every completion is validated after decoding (`completion
   `$recursiveRef` are refused. Draft-7 `$ref` siblings are dropped, as draft 7 ignores them.
 * `_Normaliser`: the bundled schema is rewritten into a core subset that xgrammar 0.2.9 and llguidance enforce in
   full (one "type" per branch with only that type's keywords, `enum`, `anyOf`, local `$ref`; a pattern beside a
-  length bound is llguidance's only, `xgrammar_gap` says so to the engine); each keyword is either
+  length bound and patternProperties are llguidance's only, `xgrammar_gap` says so to the engine); each keyword is either
   kept, soundly rewritten (allOf and sibling keywords merged, if/then/else and not where the complement is a
   set of types, enum/const narrowed by validation, bounded multipleOf enumerated, contains as prefixItems,
   dependencies split into branches, ...) or refused with `UnsupportedSchema` naming the keyword and its JSON
@@ -130,7 +130,7 @@ def completion_error(schema: dict[str, Any], text: str) -> tuple[Any, str | None
 
 def xgrammar_gap(prepared: Any, pointer: str = "") -> str | None:
     """Why xgrammar 0.2.9 cannot enforce a prepared schema in full (llguidance can), or None: a pattern beside
-    minLength/maxLength, where xgrammar would ignore the length."""
+    minLength/maxLength, where xgrammar would ignore the length; patternProperties."""
     if isinstance(prepared, dict):
         if prepared.get("type") == "string" and "pattern" in prepared and ("minLength" in prepared or "maxLength" in prepared):
             return f"pattern at {pointer or '/'}: beside minLength/maxLength is enforced by llguidance only"

@@ -20,7 +20,8 @@ Decisions:
   treat "<s>" as the text "<s>", which decoding with `skip_special_tokens` drops, and the text would no
   longer match the grammar.
 * A JSON schema reaches a backend only as `tokenmill.schema_support.prepare` rewrote it: a core subset xgrammar
-  0.2.9 enforces in full, except a pattern beside a length bound, which only llguidance does (`xgrammar_gap`) (what it would ignore is merged, rewritten or refused before generation; length
+  0.2.9 enforces in full, except a pattern beside a length bound and patternProperties, which only llguidance does
+  (`xgrammar_gap`) (what it would ignore is merged, rewritten or refused before generation; length
   bounds become patterns, mlc-ai/xgrammar#800). Byte tokens are kept to valid UTF-8 (`_utf8_invalid`,
   `_AFTER_LEAD`).
 * Every completed output is checked after decoding (`check_completion`): the last line of defence. An output
@@ -67,8 +68,8 @@ BACKENDS = ("auto", "xgrammar", "llguidance")
 # structured.py --backends, 32k-token BPE, 256 rows of one schema, CPU time, loaded 2-core machine: fill 1.4 vs 5.5
 # ms a step), and in a batch job one compile serves the whole dataset. llguidance compiles far faster (583 corpus
 # schemas: p50 0.65 vs 8.8 ms, p99 2.6 vs 166 ms), which pays only for a schema used for a few hundred row-steps
-# or less. llguidance where xgrammar cannot enforce the constraint in full: a pattern beside minLength/maxLength
-# (`xgrammar_gap`), or what xgrammar fails to compile.
+# or less. llguidance where xgrammar cannot enforce the constraint in full: a pattern beside minLength/maxLength,
+# patternProperties (`xgrammar_gap`), or what xgrammar fails to compile.
 AUTO_ORDER = {"json_schema": ("xgrammar", "llguidance"), "json_object": ("xgrammar", "llguidance"),
               "regex": ("xgrammar", "llguidance"), "ebnf": ("xgrammar", "llguidance")}
 
