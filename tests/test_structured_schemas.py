@@ -177,12 +177,12 @@ def test_over_refused_schemas_are_served(tiny: LLM) -> None:
         assert all(independently_valid(schema, o.text) for o in outs if o.constraint_satisfied)
 
 
-def test_the_final_check_catches_what_the_grammar_lets_through(tiny: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_final_check_catches_what_the_grammar_lets_through(monkeypatch: pytest.MonkeyPatch) -> None:
     """With the analyser bypassed (xgrammar given the schema as is, as before), xgrammar ignores a maximum
     without "type": the final check marks those outputs unsatisfied, naming keyword and pointer."""
     monkeypatch.setattr(structured, "prepare", lambda schema: schema)
     schema = {"properties": {"n": {"maximum": 3}}, "required": ["n"], "type": "object"}
-    outs = generate(tiny, [schema], per_schema=24)[0]
+    outs = generate(LLM("builtin:tiny", constraint_backend="xgrammar"), [schema], per_schema=24)[0]
     caught = [o for o in outs if o.constraint_error]
     assert caught, [o.text for o in outs]
     for out in caught:
@@ -213,7 +213,7 @@ def test_check_completion_accepts_valid_and_treats_format_as_annotation() -> Non
 
 
 # -- property tests ----------------------------------------------------------------------------------------
-def _schemas() -> st.SearchStrategy[Any]:
+def schema_strategy() -> st.SearchStrategy[Any]:
     """Schemas over the keyword classes of the issue: types, numeric and string bounds with and without a type,
     enum/const, arrays (items, prefixItems, contains), objects (properties, required, additionalProperties,
     dependencies, unevaluatedProperties), allOf/anyOf/oneOf/not/if-then-else and booleans."""
@@ -239,7 +239,9 @@ def _schemas() -> st.SearchStrategy[Any]:
                 "properties": st.dictionaries(names, inner, max_size=3), "required": st.lists(names, max_size=2, unique=True),
                 "additionalProperties": st.sampled_from([False, {"type": "boolean"}]),
                 "dependentRequired": st.dictionaries(names, st.lists(names, max_size=2, unique=True), max_size=1),
-                "unevaluatedProperties": st.just(False)}),
+                "unevaluatedProperties": st.just(False),
+                "propertyNames": st.sampled_from([{"enum": ["a", "b"]}, {"const": "c"}]),
+                "patternProperties": st.dictionaries(st.sampled_from(["^a", "b$", "^[cd]$"]), inner, max_size=2)}),
             st.builds(lambda xs: {"allOf": xs}, st.lists(inner, min_size=1, max_size=3)),
             st.builds(lambda xs: {"anyOf": xs}, st.lists(inner, min_size=1, max_size=3)),
             st.builds(lambda xs: {"oneOf": xs}, st.lists(inner, min_size=1, max_size=3)),
@@ -257,7 +259,7 @@ _VALUES = st.recursive(st.none() | st.booleans() | st.integers(-25, 25) | st.sam
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(schema=_schemas(), values=st.lists(_VALUES, min_size=1, max_size=8))
+@given(schema=schema_strategy(), values=st.lists(_VALUES, min_size=1, max_size=8))
 def test_rewriting_is_sound_on_random_values(schema: Any, values: list[Any]) -> None:
     """Whatever the rewritten schema (what the backend enforces) admits, the original admits; a refusal names
     keyword and pointer. Checked on random values, no model needed."""
@@ -273,7 +275,7 @@ def test_rewriting_is_sound_on_random_values(schema: Any, values: list[Any]) -> 
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-@given(schema=_schemas())
+@given(schema=schema_strategy())
 def test_generated_schemas_completions_claiming_satisfaction_validate(tiny: LLM, schema: Any) -> None:
     """Hypothesis schemas through the engine: every completion that claims satisfaction validates."""
     try:

@@ -7,8 +7,9 @@ first (`prepare`), and every completion is validated after decoding (`completion
 * `_Bundler`: every `$ref` (local pointers, `$anchor`s, `$id`-relative, URNs) is resolved with `referencing`
   and rewritten to a local `#/$defs/tm<N>` pointer; remote references (nothing is fetched), `$dynamicRef` and
   `$recursiveRef` are refused. Draft-7 `$ref` siblings are dropped, as draft 7 ignores them.
-* `_Normaliser`: the bundled schema is rewritten into a core subset that xgrammar 0.2.9 enforces in full (one
-  "type" per branch with only that type's keywords, `enum`, `anyOf`, local `$ref`); each keyword is either
+* `_Normaliser`: the bundled schema is rewritten into a core subset that xgrammar 0.2.9 and llguidance enforce in
+  full (one "type" per branch with only that type's keywords, `enum`, `anyOf`, local `$ref`; a pattern beside a
+  length bound and patternProperties are llguidance's only, `xgrammar_gap` says so to the engine); each keyword is either
   kept, soundly rewritten (allOf and sibling keywords merged, if/then/else and not where the complement is a
   set of types, enum/const narrowed by validation, bounded multipleOf enumerated, contains as prefixItems,
   dependencies split into branches, ...) or refused with `UnsupportedSchema` naming the keyword and its JSON
@@ -125,6 +126,27 @@ def completion_error(schema: dict[str, Any], text: str) -> tuple[Any, str | None
         return value, None
     where = "/" + "/".join(str(p) for p in error.absolute_schema_path)
     return None, f"{error.validator} at {where} (value at {error.json_path}): {error.message}"
+
+
+def xgrammar_gap(prepared: Any, pointer: str = "") -> str | None:
+    """Why xgrammar 0.2.9 cannot enforce a prepared schema in full (llguidance can), or None: a pattern beside
+    minLength/maxLength, where xgrammar would ignore the length; patternProperties."""
+    if isinstance(prepared, dict):
+        if prepared.get("type") == "string" and "pattern" in prepared and ("minLength" in prepared or "maxLength" in prepared):
+            return f"pattern at {pointer or '/'}: beside minLength/maxLength is enforced by llguidance only"
+        if prepared.get("type") == "object" and isinstance(prepared.get("patternProperties"), dict):
+            return f"patternProperties at {pointer or '/'}: is enforced by llguidance only"
+        for key, value in prepared.items():
+            if key not in ("enum", "const"):
+                found = xgrammar_gap(value, f"{pointer}/{_escape(key)}")
+                if found:
+                    return found
+    elif isinstance(prepared, list):
+        for i, value in enumerate(prepared):
+            found = xgrammar_gap(value, f"{pointer}/{i}")
+            if found:
+                return found
+    return None
 
 
 def regex_error(pattern: str, text: str) -> str | None:
@@ -268,7 +290,7 @@ def _typed(kind: str) -> Disj:
         base.update(prefix=[], items=None, minItems=0, maxItems=None, contains=None, unique=False, items_set=False)
     elif kind == "object":
         base.update(props={}, required=set(), additional=None, additional_set=False, minProperties=0,
-                    maxProperties=None, dependencies=[], names=None)
+                    maxProperties=None, dependencies=[], names=None, patterns={})
     return base
 
 
@@ -405,10 +427,15 @@ class _Normaliser:
         return [_typed(k) for k in TYPES if k not in kinds]
 
     def conditional(self, node: dict[str, Any], ptr: str) -> Disjs:
-        """if/then/else as anyOf[allOf[if, then], allOf[not if, else]], the second branch only if needed."""
+        """if/then/else as anyOf[allOf[if, then], allOf[not if, else]], the second branch only if needed; without
+        `then` it is anyOf[if, else], without both nothing."""
+        if "then" not in node and "else" not in node:  # `if` alone constrains nothing
+            return _any()
         condition = self.norm(node["if"], f"{ptr}/if")
         then = self.norm(node.get("then", True), f"{ptr}/then")
         other = self.norm(node.get("else", True), f"{ptr}/else")
+        if _is_any(then):  # (if and true) or (not if and else) is exactly "if or else": no complement needed
+            return self.union([condition, other], ptr)
         branches = [self.intersect(condition, then, ptr)]
         if other:
             try:
@@ -494,9 +521,13 @@ class _Normaliser:
             d["contains"] = (self.norm(node["contains"], f"{ptr}/contains"), int(node.get("minContains", 1)), ptr)
 
     def _object(self, d: Disj, node: dict[str, Any], ptr: str) -> None:
-        if node.get("patternProperties"):
-            raise UnsupportedSchema("patternProperties", f"{ptr}/patternProperties", "is not supported")
+        d["patterns"] = {}
+        for pattern, sub in node.get("patternProperties", {}).items():
+            where = f"{ptr}/patternProperties/{_escape(pattern)}"
+            _check_pattern(pattern, where)
+            d["patterns"][pattern] = self.norm(sub, where)
         d["props"] = {k: self.norm(s, f"{ptr}/properties/{_escape(k)}") for k, s in node.get("properties", {}).items()}
+        d["props"] = {k: self._matching(d, k, sub, ptr) for k, sub in d["props"].items()}  # a declared key obeys its patterns too
         d["required"] = set(node.get("required", []))
         if "additionalProperties" in node:
             d["additional"] = self.norm(node["additionalProperties"], f"{ptr}/additionalProperties")
@@ -580,13 +611,34 @@ class _Normaliser:
         x["unique"] = x["unique"] or y["unique"]
         return [x]
 
+    def _matching(self, d: Disj, key: str, sub: Disjs | None, ptr: str) -> Disjs | None:
+        """`sub` (a key's own schema, or None for "no constraint") met with every pattern of `d` matching `key`."""
+        for pattern, schema in d["patterns"].items():
+            if re.search(pattern, key):
+                sub = schema if sub is None else self.intersect(sub, schema, ptr)
+        return sub
+
+    def _rule(self, d: Disj, key: str) -> Disjs | None:
+        """What an object branch says about property `key`: its declared schema, else its matching patterns', else
+        its additionalProperties (None: nothing)."""
+        if key in d["props"]:
+            return d["props"][key]
+        if any(re.search(p, key) for p in d["patterns"]):
+            return self._matching(d, key, None, "")
+        return d["additional"]
+
     def _meet_object(self, x: Disj, y: Disj, ptr: str) -> Disjs:
-        rule = lambda d, k: d["props"][k] if k in d["props"] else d["additional"]
+        rule = self._rule
+        if (x["patterns"] or y["patterns"]) and x["patterns"] != y["patterns"] and not (
+                (not y["patterns"] and y["additional"] is None) or (not x["patterns"] and x["additional"] is None)):
+            raise UnsupportedSchema("patternProperties", ptr, "combined with another object's patternProperties or "
+                                    "additionalProperties is not supported")
         props = {}
         for key in [*x["props"], *(k for k in y["props"] if k not in x["props"])]:
             a, b = rule(x, key), rule(y, key)
             props[key] = a if b is None else b if a is None else self.intersect(a, b, ptr)
         x["props"], x["required"] = props, x["required"] | y["required"]
+        x["patterns"] = x["patterns"] or y["patterns"]
         a, b = x["additional"], y["additional"]
         x["additional"] = a if b is None else b if a is None else self.intersect(a, b, ptr)
         x["additional_set"] = x["additional_set"] or y["additional_set"]
@@ -611,7 +663,7 @@ class _Normaliser:
             return _ranges_disjoint(x, y)
         if x["type"] == "object":
             for key in x["required"] & y["required"]:
-                a, b = x["props"].get(key, x["additional"]), y["props"].get(key, y["additional"])
+                a, b = self._rule(x, key), self._rule(y, key)
                 if a is not None and b is not None and all(self.disjoint(p, q) for p in a for q in b):
                     return True
         return False
@@ -651,9 +703,6 @@ class _Normaliser:
         if kind == "string":
             if d["maxLength"] is not None and d["minLength"] > d["maxLength"]:
                 return []
-            if check and d["pattern"] is not None and (d["minLength"] or d["maxLength"] is not None):
-                raise UnsupportedSchema("pattern", ptr, "a string with both pattern and minLength/maxLength is not "
-                                        "supported by xgrammar: put the length bound into the pattern")
             return [d]
         if kind == "array":
             return self._final_array(dict(d), ptr, check)
@@ -709,7 +758,12 @@ class _Normaliser:
             return [f for b in branches if b is not None for f in self.finalise(b, ptr, check)]
         if d["names"] is not None:
             names, where = d["names"]
-            if d["additional"] is not None or d["minProperties"] > len(d["props"]):
+            finite = None if d["patterns"] else self._finite_names(names, where)
+            if finite is not None:  # a closed set of names (dict[Literal[...], V]): each one an optional property
+                extra = d["additional"] if d["additional"] is not None else _any()
+                d["props"] = {**d["props"], **{n: extra for n in finite if n not in d["props"]}}
+                d["additional"], d["additional_set"] = [], True
+            elif d["additional"] is not None or d["patterns"] or d["minProperties"] > len(d["props"]):
                 raise UnsupportedSchema("propertyNames", where, "is enforced only where additional properties are not allowed")
             for key in [k for k in d["props"] if not self.valid(names, k)]:
                 if self._forbid(d, key, ptr) is None:
@@ -717,7 +771,8 @@ class _Normaliser:
                 d = self._forbid(d, key, ptr)
             d["names"] = None
         for key in sorted(d["required"] - set(d["props"])):
-            d["props"] = {**d["props"], key: d["additional"] if d["additional"] is not None else _any()}
+            rule = self._rule(d, key)
+            d["props"] = {**d["props"], key: rule if rule is not None else _any()}
         for key, sub in list(d["props"].items()):
             if not sub or self.emit(sub, ptr, check) is False:
                 if key in d["required"]:
@@ -730,6 +785,13 @@ class _Normaliser:
             return []
         return [d]
 
+    def _finite_names(self, names: Any, where: str) -> list[str] | None:
+        """The property names `propertyNames` allows, if it is a small finite set of strings (an enum or const)."""
+        disjs = self.norm(names, where)
+        if not disjs or len(disjs) > MAX_BRANCHES or not all("enum" in x and isinstance(x["enum"][0], str) for x in disjs):
+            return None
+        return [x["enum"][0] for x in disjs]
+
     def _as_object(self, disjs: Disjs, ptr: str) -> Disj:
         """A dependent schema applies to this object only: its object branch (refused if it branches)."""
         objects = [x for x in disjs if x.get("type") == "object"]
@@ -741,9 +803,10 @@ class _Normaliser:
         """The branch with property `key` absent; None if that is impossible (it is required)."""
         if key in d["required"]:
             return None
-        if d["additional"] is not None and self.emit(d["additional"], ptr, check=False) is not False:
+        rest = self._rule({**d, "props": {}}, key)
+        if rest is not None and self.emit(rest, ptr, check=False) is not False:
             raise UnsupportedSchema("properties", f"{ptr}/properties/{_escape(key)}", "a forbidden property beside "
-                                    "allowed additional properties is not supported")
+                                    "allowed additional or pattern properties is not supported")
         return {**d, "props": {k: v for k, v in d["props"].items() if k != key}}
 
     def emit_one(self, d: Disj, ptr: str, check: bool) -> Any:
@@ -759,6 +822,10 @@ class _Normaliser:
         elif kind == "string":
             if d["pattern"] is not None:
                 out["pattern"] = d["pattern"]
+                if d["minLength"]:  # both: llguidance enforces them, xgrammar refuses (`xgrammar_gap`)
+                    out["minLength"] = d["minLength"]
+                if d["maxLength"] is not None:
+                    out["maxLength"] = d["maxLength"]
             elif d["minLength"] or d["maxLength"] is not None:  # mlc-ai/xgrammar#800: a bound as a pattern
                 out["pattern"] = f"^.{{{d['minLength']},{'' if d['maxLength'] is None else d['maxLength']}}}$"
             elif d["format"] in XGRAMMAR_FORMATS:
@@ -790,6 +857,9 @@ class _Normaliser:
             out["properties"] = {k: self.emit(s, f"{ptr}/properties/{_escape(k)}", check) for k, s in d["props"].items()}
         if d["required"]:
             out["required"] = [k for k in d["props"] if k in d["required"]]
+        if d["patterns"]:  # llguidance only (`xgrammar_gap`)
+            out["patternProperties"] = {p: self.emit(s, f"{ptr}/patternProperties/{_escape(p)}", check)
+                                        for p, s in d["patterns"].items()}
         extra = self.emit(d["additional"], f"{ptr}/additionalProperties", check) if d["additional"] is not None else None
         # Undeclared properties only where the schema gives them a constraint, or minProperties needs them: no
         # undeclared property is a sound subset of "any" (and what xgrammar's strict mode generates), said

@@ -281,10 +281,15 @@ def test_structured_outputs_through_the_queue(service: Service, reference: objec
     expected = reference.generate(["label this"], SamplingParams(max_tokens=48, temperature=0.0, json_schema=Label),
                                   use_tqdm=False)[0]
     assert result.text == expected.text and result.constraint_satisfied is True
+    assert result.constraint_backend == expected.constraint_backend == "xgrammar"
     assert result.parsed == json.loads(result.text) and Label.model_validate(result.parsed)
     app = create_app(QueueSettings(broker_url=service.redis.url))
     picked = app.send_task(TASK_NAME, kwargs={"prompt": "pick", "max_tokens": 8, "choice": ["yes", "no"]}).get(timeout=60)
     assert picked["text"] in ("yes", "no") and picked["constraint_satisfied"] is True and picked["parsed"] is None
+    assert picked["constraint_backend"] == "xgrammar"
+    short = service.client.submit(prompt="x", max_tokens=16, json_schema={"type": "string", "pattern": "^[a-z]+$",
+                                                                       "maxLength": 4}).result(timeout=60)
+    assert short.constraint_backend == "llguidance" and short.constraint_satisfied is True  # xgrammar ignores maxLength here
     with pytest.raises(InvalidRequestError) as error:
         service.client.submit(prompt="x", regex="(unclosed")
     assert error.value.field == "regex"

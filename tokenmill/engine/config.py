@@ -37,6 +37,9 @@ class EngineConfig:
     # fails naming the field, and the bytes of compiled grammars kept (LRU).
     grammar_compile_timeout: float = 60.0
     grammar_cache_bytes: int = 512 << 20
+    # The grammar backend: "auto" (per request, the one that enforces it in full; see engine/structured.py),
+    # "xgrammar" or "llguidance" to force one (what it cannot enforce is refused naming the field).
+    constraint_backend: str = "auto"
 
     def __post_init__(self) -> None:
         if self.load_format not in ("auto", "dummy"):
@@ -50,6 +53,8 @@ class EngineConfig:
                 raise ValueError(f"{name}: must be >= 1, got {value}")
         if not self.grammar_compile_timeout > 0 or self.grammar_cache_bytes < 1:
             raise ValueError("grammar_compile_timeout and grammar_cache_bytes: must be > 0")
+        if self.constraint_backend not in ("auto", "xgrammar", "llguidance"):
+            raise ValueError(f"constraint_backend: must be auto, xgrammar or llguidance, got {self.constraint_backend!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
 

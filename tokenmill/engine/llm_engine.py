@@ -50,6 +50,7 @@ class RequestOutput:
     # Why a complete-looking output failed the final check against its constraint ("<field>: <keyword> at
     # <schema pointer> ..."); then constraint_satisfied is False and parsed None.
     constraint_error: str | None = None
+    constraint_backend: str | None = None  # the grammar backend that enforced the constraint ("xgrammar", "llguidance")
 
 
 @dataclass
@@ -218,7 +219,8 @@ class LLMEngine:
         if self._grammars is None:
             try:
                 self._grammars = GrammarCache(self.tokenizer, self.runner.vocab_size, self.eos_ids,
-                                              limit_bytes=self.config.grammar_cache_bytes)
+                                              limit_bytes=self.config.grammar_cache_bytes,
+                                              backend=self.config.constraint_backend)
             except ImportError as exc:
                 raise InvalidRequestError(spec.field, f"structured outputs need the xgrammar package ({exc})") from None
         return self._grammars
@@ -424,6 +426,7 @@ class LLMEngine:
             constraint_satisfied=satisfied and constraint_error is None,
             parsed=parsed,
             constraint_error=constraint_error,
+            constraint_backend=constraint.backend if constraint is not None else None,
         )
 
     def _check(self, request: _Request) -> tuple[Any, str | None]:

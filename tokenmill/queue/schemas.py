@@ -275,6 +275,8 @@ class JobResult(BaseModel):
     # structured outputs: why a complete output failed the engine's final check (keyword and schema pointer);
     # optional, so results written before it still parse
     constraint_error: str | None = None
+    # structured outputs: the grammar backend that enforced it ("xgrammar" or "llguidance"); optional as above
+    constraint_backend: str | None = None
     usage: Usage | None = None
     queued_at: Timestamp = None
     started_at: Timestamp = None

@@ -72,6 +72,7 @@ class EngineOutput:
     parsed: Any = None
     constraint_satisfied: bool | None = None
     constraint_error: str | None = None
+    constraint_backend: str | None = None
 
 
 @dataclass
@@ -459,6 +460,7 @@ def _output_fields(output: Any) -> dict[str, Any]:
         "parsed": output.parsed,
         "constraint_satisfied": output.constraint_satisfied,
         "constraint_error": output.constraint_error,
+        "constraint_backend": output.constraint_backend,
     }
 
 

@@ -490,6 +490,7 @@ def _result_from_output(job: Job, run: Attempt, output: Any, worker: str) -> Job
         parsed=output.parsed,
         constraint_satisfied=output.constraint_satisfied,
         constraint_error=output.constraint_error,
+        constraint_backend=output.constraint_backend,
         usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens),
         first_token_at=output.first_token_time,
         attempt=run.attempt,

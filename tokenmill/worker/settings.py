@@ -7,7 +7,7 @@ setting has one name, one default and one description, whichever way it is given
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import NoDecode
@@ -80,6 +80,9 @@ class WorkerSettings(QueueSettings):
     block_size: int = Field(16, ge=1, description="Tokens per KV cache block.")
     attention_backend: str | None = Field(None, description="Attention backend name; default: the engine's choice.")
     seed: int = Field(0, description="Engine seed.")
+    constraint_backend: Literal["auto", "xgrammar", "llguidance"] = Field(
+        "auto", description="Structured-output grammar backend: auto (per request, the one that enforces the "
+        "constraint in full, recorded in each result's constraint_backend), or xgrammar / llguidance to force one.")
 
     @field_validator("queues", mode="before")
     @classmethod
@@ -126,4 +129,5 @@ class WorkerSettings(QueueSettings):
             "block_size": self.block_size,
             "attention_backend": self.attention_backend,
             "seed": self.seed,
+            "constraint_backend": self.constraint_backend,
         }
