@@ -214,3 +214,33 @@ def test_pattern_properties_are_enforced_by_llguidance(engines: dict[str, LLM], 
     assert all(independently_valid(schema, o.text) for o in outs if o.constraint_satisfied)
     forced = generate(engines["xgrammar"], [schema], per_schema=1)[0][0]
     assert forced.finish_reason == "error" and "patternProperties at /: is enforced by llguidance only" in forced.error
+
+
+def test_a_token_that_writes_a_whole_repeated_key_is_banned() -> None:
+    """BPE vocabularies hold `"id"`, `,"id"` and `","id"` as single tokens: a token that opens and closes a key its
+    object already has must be banned as well as one that closes it (the scanner itself is the oracle)."""
+    import copy
+
+    from tokenmill.engine.json_keys import KeyTracker, TokenPrefixes
+
+    vocab = [bytes([b]) for b in range(256)] + [b'"id"', b',"id"', b'","id"', b'},"id"', b'],"id"', b'"idx"',
+                                                 b',"idx"', b'"id', b',"x"', b'"x"', b'1,"id"']
+    prefixes = TokenPrefixes(vocab)
+    # state: (tokens that must be banned, repeating tokens the grammar masks anyway: not JSON after the state)
+    cases = {'{"id":1': ({b',"id"'}, set()), '{"id":1,': ({b'"id"'}, {b',"id"', b'1,"id"'}),
+             '{"id":"v': ({b'","id"'}, set()), '{"id":{"x":1': ({b',"x"', b'},"id"'}, {b'],"id"'}),
+             '{"id":[1': ({b'],"id"'}, {b'},"id"'}), '{"id":1,"x":{': ({b'},"id"'}, {b'],"id"'}),
+             '[{"id":1},': (set(), set()), '{"id":1,"i': (set(), {b'","id"'})}
+    for text, (must_ban, not_json) in cases.items():
+        tracker = KeyTracker()
+        tracker.feed(text.encode())
+        banned = {vocab[t] for t in tracker.closing_repeats(prefixes)}
+        repeating = set()
+        for token in vocab:
+            probe = copy.deepcopy(tracker)
+            probe.feed(token)
+            if probe.repeated:
+                repeating.add(token)
+        assert banned <= repeating, (text, banned - repeating)  # never bans a token that repeats nothing
+        assert must_ban <= banned, (text, must_ban - banned)
+        assert repeating - banned <= not_json | {b'1,"id"'}, (text, repeating - banned)  # a digit first: final check

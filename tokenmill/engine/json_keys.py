@@ -4,8 +4,12 @@ Neither xgrammar nor llguidance forbids a key an open map (`additionalProperties
 object) already holds: `{"á":1,"á":0}` is valid for their grammars. RFC 8259 says names SHOULD be unique,
 JSON Schema validators see only the last value, and `parsed` would silently drop one. So each constrained JSON
 row carries a `KeyTracker`, a small scanner of the output's bytes (the grammar guarantees they are a JSON
-prefix) that knows, inside an object key, which keys that object already has. The mask then drops every token
-that would close the key as one of those: a token starting with the rest of a seen key and a quote.
+prefix) that knows which keys each open object already has. The mask then drops every token that would write one
+of those keys to its end: inside a key, a token starting with the rest of a seen key and a quote; where a key may
+start, a token starting with the whole quoted key (`"id"`); in or after a value, one starting with a comma and
+the quoted key (`,"id"`, or `","id"` from inside a value string, `},"id"` closing a nested container), the
+spellings a BPE vocabulary holds as single tokens. A token that writes a repeated key some other way (a digit,
+then `,"id"`) is left to the final check.
 
 Keys are compared as written (`"a"` and `"\\u0061"` are the same name written twice differently): the final
 check parses with a repeated-key hook and catches that case, the last line of defence. Where banning would leave
@@ -50,6 +54,7 @@ class KeyTracker:
         self.in_key = False
         self.escaped = False
         self.key = bytearray()
+        self.repeated = False  # some object got a key it already had (what the mask prevents; the tests' oracle)
 
     def feed(self, data: bytes) -> None:
         for byte in data:
@@ -78,15 +83,31 @@ class KeyTracker:
         elif byte == 0x22:
             self.in_string = False
             if self.in_key:
-                self.stack[-1].keys.add(bytes(self.key))  # type: ignore[union-attr]
+                keys = self.stack[-1].keys  # type: ignore[union-attr]
+                self.repeated |= bytes(self.key) in keys
+                keys.add(bytes(self.key))
             return
         if self.in_key:
             self.key.append(byte)
 
     def closing_repeats(self, prefixes: TokenPrefixes) -> list[int]:
-        """Tokens that would end the key being written as one its object already has (usually none)."""
-        if not (self.in_string and self.in_key) or self.escaped:
+        """Tokens that would write, to its closing quote, a key its object already has (usually none)."""
+        if self.escaped or not self.stack:
             return []
-        seen = self.stack[-1].keys  # type: ignore[union-attr]
-        written = bytes(self.key)
-        return [t for key in seen if key.startswith(written) for t in prefixes.starting_with(key[len(written):] + b'"')]
+        return [token for stem in self._repeat_stems() for token in prefixes.starting_with(stem)]
+
+    def _repeat_stems(self) -> list[bytes]:
+        top = self.stack[-1]
+        if self.in_string and self.in_key:
+            written = bytes(self.key)
+            return [key[len(written):] + b'"' for key in top.keys if key.startswith(written)]  # type: ignore[union-attr]
+        if self.in_string:  # a value string: of object `top`, or of an array (nothing to repeat)
+            return [b'","' + key + b'"' for key in top.keys] if top is not None else []
+        stems = []
+        if top is not None:
+            stems = [(b'"' if top.expect_key else b',"') + key + b'"' for key in top.keys]
+        parent = self.stack[-2] if len(self.stack) >= 2 else None
+        if parent is not None:  # closing `top`, the value of `parent`, and going on to parent's next key
+            closer = b"}" if top is not None else b"]"
+            stems += [closer + b',"' + key + b'"' for key in parent.keys]
+        return stems
