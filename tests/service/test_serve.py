@@ -452,8 +452,25 @@ def test_a_worker_announcement_lapses_without_renewal(redis_server) -> None:
     redis = redis_server.client()
     announce(redis, "a@host", "m1", ["tokenmill"], ttl=0.5)
     announce(redis, "b@host", "m2", ["other"], ttl=30)
+    seconds, micros = redis.time()
+    until = json.loads(redis.hget(SERVED_KEY, "b@host"))["until"]
+    assert abs(until - (seconds + micros / 1e6 + 30)) < 2  # Redis's clock, not this host's
     assert served_models(redis, "tokenmill") == {"m1": ["a@host"]}
     assert served_models(redis, "other") == {"m2": ["b@host"]}
     time.sleep(0.6)
     assert served_models(redis, "tokenmill") == {}
     assert redis.hkeys(SERVED_KEY) == [b"b@host"]
+
+
+def test_a_stopped_announcer_stays_withdrawn(redis_server) -> None:
+    """The renewal thread withdraws as it ends, so no renewal in flight can put a stopped worker back."""
+    from tokenmill.queue.served import SERVED_KEY, Announcer, served_models
+
+    redis = redis_server.client()
+    announcer = Announcer(redis, "w@host", "m1", ["tokenmill"], ttl=0.3)
+    announcer.start()
+    wait_for(lambda: served_models(redis, "tokenmill"), 10, "the announcement")
+    announcer.stop()
+    assert not announcer.is_alive()
+    time.sleep(0.3)  # three renewal periods
+    assert redis.hkeys(SERVED_KEY) == []
