@@ -10,6 +10,7 @@ takes local paths and `s3://` alike).
 from __future__ import annotations
 
 import os
+import tempfile
 import uuid
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -125,9 +126,15 @@ class S3Store:
         return size
 
     def write_lines(self, file_id: str, lines: Iterable[bytes]) -> int:
-        body = b"".join(lines)
-        self.s3.put_object(Bucket=self.bucket, Key=self.key(file_id), Body=body)
-        return len(body)
+        """Spooled to a temporary file past 8 MiB, then uploaded (in parts when large): a 50,000-line output is
+        never held whole in memory."""
+        size = 0
+        with tempfile.SpooledTemporaryFile(max_size=8 << 20) as spool:
+            for line in lines:
+                size += spool.write(line)
+            spool.seek(0)
+            self.s3.upload_fileobj(spool, self.bucket, self.key(file_id))
+        return size
 
     def chunks(self, file_id: str) -> Iterator[bytes]:
         try:
