@@ -62,7 +62,7 @@ if TYPE_CHECKING:
 
 #: Compact JSON separators (item, key), as `json.dumps(separators=...)`.
 JSON_SEPARATORS = (",", ":")
-#: The grammar backends, and "auto" (the default): per request, the first of `AUTO_ORDER[kind]` that enforces it.
+#: The grammar backends, and "auto" (the default): per request, the first of `AUTO_ORDER` that enforces it.
 BACKENDS = ("auto", "xgrammar", "llguidance")
 # xgrammar first: its masks are precomputed per grammar state, llguidance's computed per step (benchmarks/
 # structured.py --backends, 32k-token BPE, 256 rows of one schema, CPU time, loaded 2-core machine: fill 1.4 vs 5.5
@@ -70,8 +70,7 @@ BACKENDS = ("auto", "xgrammar", "llguidance")
 # schemas: p50 0.65 vs 8.8 ms, p99 2.6 vs 166 ms), which pays only for a schema used for a few hundred row-steps
 # or less. llguidance where xgrammar cannot enforce the constraint in full: a pattern beside minLength/maxLength,
 # patternProperties (`xgrammar_gap`), or what xgrammar fails to compile.
-AUTO_ORDER = {"json_schema": ("xgrammar", "llguidance"), "json_object": ("xgrammar", "llguidance"),
-              "regex": ("xgrammar", "llguidance"), "ebnf": ("xgrammar", "llguidance")}
+AUTO_ORDER = ("xgrammar", "llguidance")
 
 
 @dataclass(frozen=True)
@@ -199,7 +198,7 @@ class GrammarCache:
 
     def _compile(self, spec: GrammarSpec) -> Compiled:
         """The first backend (the forced one, or `AUTO_ORDER`) that enforces `spec` in full; else the reasons."""
-        order = AUTO_ORDER[spec.kind] if self.backend == "auto" else (self.backend,)
+        order = AUTO_ORDER if self.backend == "auto" else (self.backend,)
         reasons = []
         for backend in order:
             try:

@@ -206,7 +206,7 @@ class Driver(threading.Thread):
         if not served:
             return units, {}
         unserved = {u.job_id: plan.models[u.job_id] for u in units if plan.models[u.job_id] not in served}
-        known = ", ".join(sorted(served)) or "none"
+        known = ", ".join(sorted(served))
         return [u for u in units if u.job_id not in unserved], {
             job: f"model_not_found: the model {model!r} is not served by any worker on queue {self.settings.queue!r} "
                  f"(served: {known})" for job, model in unserved.items()}
