@@ -1,0 +1,245 @@
+"""Single `tokenmill.generate` jobs without a pool thread each: one intake thread admits them in groups.
+
+Why: with results, check-ins and acks already shared (`tokenmill.queue.batching`), a single job still cost the
+worker ~1.2 ms of CPU (`benchmarks/job_queue.py --intake`), most of it Celery's pool path and its threads: the
+hand-off to a pool thread, `trace_task` (signals, `saferepr` of the result, the store and ack calls one by one)
+and ~6 thread wake-ups per job among up to 1,280 threads (~20% of the worker's CPU in the kernel).
+
+This module is the task's Celery `Strategy`: Celery's own (`celery.worker.strategy.default`), so every
+message still becomes Celery's `Request` (revoked and expired checks, the `task-received` event, `reserved`),
+except that the request is handed to `Intake` instead of the pool. The intake thread takes every request
+waiting and runs them as one group through the group path's `BatchRun` (`tokenmill.worker.batch_task`): one
+check-in script, one engine-process message, results stored as they finish (one script per wave) and their
+acks in one pipeline (`acks_together`). Each request is marked active (`celery inspect active`, the
+`task-started` event) while it runs and ready (`task-succeeded`) once its result is stored and its message
+acked, as the pool path does. While one group is being admitted the next one forms, so under load a group
+holds dozens of jobs and one thread waits for them; alone, a job is admitted at once.
+
+Left to the pool path (unchanged): jobs with a deadline or a Celery time limit, an S3 `output`, an `id` field
+other than the task id, a job body the task cannot read (its failure is worded there), ETA jobs, and a job
+delivered again while it runs here (the pool path waits for that run). A group that fails, or is still running
+when the shutdown grace ends, has its unfinished jobs' messages requeued; the finished ones are stored and
+acked. Messages held by the intake are unacked kombu messages like any other, so leases renew them, the
+prefetch limit counts them and kill -9 loses none. `single_job_intake=false` turns all of this off.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+from celery import bootsteps
+from celery.exceptions import Reject
+from celery.utils.saferepr import saferepr
+from celery.worker.state import task_accepted, task_ready
+from celery.worker.strategy import default
+
+from tokenmill.errors import InvalidRequestError
+from tokenmill.queue.transport import acks_together
+from tokenmill.worker.batch_task import BatchRun
+
+log = logging.getLogger("tokenmill.worker")
+
+#: Most single jobs admitted in one group (one check-in script and one engine message).
+GROUP_LIMIT = 500
+#: How often a failed requeue is tried again, a second apart (Redis down), before the message is left to the
+#: visibility timeout.
+REQUEUE_TRIES = 30
+
+
+def strategy(task: Any, app: Any, consumer: Any, **options: Any) -> Any:
+    """Celery's default strategy for the task, whose requests go to `INTAKE` (or to the pool when they need it)."""
+    INTAKE.attach(consumer.on_task_request)
+    return default(task, app, _Routed(consumer, INTAKE.offer), **options)
+
+
+class _Routed:
+    """The consumer as Celery's strategy sees it, but for where a request goes."""
+
+    def __init__(self, consumer: Any, on_task_request: Any) -> None:
+        self._consumer = consumer
+        self.on_task_request = on_task_request
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._consumer, name)
+
+
+def job_fields(request: Any) -> dict[str, Any] | None:
+    """The job a `tokenmill.generate` request carries, as `run_job` reads it; None when the intake leaves it to
+    the pool path (see the module docstring)."""
+    if any(request.time_limits) or request.task.time_limit or request.task.soft_time_limit:
+        return None
+    from tokenmill.worker.runtime import job_payload  # the worker side only: producers import the app
+
+    fields = dict(request.kwargs)
+    try:
+        payload = job_payload(tuple(request.args), fields)
+    except InvalidRequestError:
+        return None
+    raw = {**payload, **fields}
+    if raw.get("output") or raw.get("deadline_s") or raw.setdefault("id", request.id) != request.id:
+        return None
+    return raw
+
+
+class Intake:
+    """The waiting single-job requests and the thread that admits them."""
+
+    def __init__(self) -> None:
+        self._waiting: list[tuple[Any, dict[str, Any]]] = []
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._groups: set[threading.Thread] = set()
+        self._to_pool: Any = None
+        self.enabled: bool | None = None  # known once the worker's service exists
+
+    def attach(self, on_task_request: Any) -> None:
+        """The consumer's hand-off to its pool (a new consumer after a reconnect brings its own)."""
+        self._to_pool = on_task_request
+
+    def offer(self, request: Any) -> None:
+        raw = None if self.enabled is False else job_fields(request)
+        if raw is None:
+            self._to_pool(request)
+            return
+        with self._cond:
+            self._waiting.append((request, raw))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="tokenmill-intake", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def _loop(self) -> None:
+        from tokenmill.worker.runtime import current
+
+        service = current()  # under plain `celery worker`, the first job builds it (and loads the model)
+        self.enabled = service.settings.single_job_intake
+        while True:
+            with self._cond:
+                while not self._waiting:
+                    self._cond.wait()
+                taken, self._waiting = self._waiting[:GROUP_LIMIT], self._waiting[GROUP_LIMIT:]
+            if not self.enabled:
+                for request, _ in taken:
+                    self._to_pool(request)
+                continue
+            group = IntakeRun(service, taken, self._to_pool)
+            thread = threading.Thread(target=self._run, args=(group,), name="tokenmill-intake-group", daemon=True)
+            with self._cond:
+                self._groups.add(thread)
+            thread.start()
+            group.admitted.wait()  # the next group forms meanwhile
+
+    def _run(self, group: IntakeRun) -> None:
+        try:
+            group.run_all()
+        finally:
+            with self._cond:
+                self._groups.discard(threading.current_thread())
+                self._cond.notify_all()
+
+    def drain(self) -> None:
+        """Wait for every request taken so far to end (the shutdown grace bounds each group's run)."""
+        with self._cond:
+            while self._waiting or self._groups:
+                self._cond.wait(timeout=1.0)
+
+
+INTAKE = Intake()
+
+
+class IntakeRun(BatchRun):
+    """One group of single jobs: `BatchRun`'s run, each job's message acked once its result is stored."""
+
+    store_as_finished = True
+
+    def __init__(self, service: Any, taken: list[tuple[Any, dict[str, Any]]], to_pool: Any) -> None:
+        super().__init__(service, "single jobs", taken[0][0].task.backend)
+        self.requests: dict[str, Any] = {}
+        self.raw: list[dict[str, Any]] = []
+        self.to_pool = to_pool
+        self.admitted = threading.Event()
+        for request, raw in taken:
+            if request.id in self.requests:  # the same job twice in one take: the pool path waits for this run
+                to_pool(request)
+                continue
+            self.requests[request.id] = request
+            self.raw.append(raw)
+
+    def run_all(self) -> None:
+        for request in self.requests.values():
+            _accept(request)
+        try:
+            self.run(self.raw)
+        except Reject as exc:
+            self._requeue_rest(str(exc))
+        except Exception as exc:
+            log.exception("single jobs: a group failed (%s); requeueing its %d unfinished jobs", type(exc).__name__,
+                          len(self.requests))
+            self._requeue_rest(type(exc).__name__)
+        else:
+            if self.requests:  # every job is stored, found stored or joined another run: none should be left
+                log.error("single jobs: %d jobs ended without a stored result; requeueing them", len(self.requests))
+                self._requeue_rest("no result")
+        finally:
+            self.admitted.set()
+
+    def submitted(self) -> None:
+        self.admitted.set()
+
+    def joined(self, jobs: list[Any]) -> None:
+        for job in jobs:
+            self.to_pool(self.requests.pop(job.id))
+
+    def settled(self, job_ids: list[str], results: dict[str, dict[str, Any]]) -> None:
+        requests = [(self.requests.pop(job_id), results.get(job_id)) for job_id in job_ids if job_id in self.requests]
+        with acks_together():
+            for request, _ in requests:
+                request.acknowledge()
+        now = time.time()
+        for request, result in requests:
+            task_ready(request, successful=True)
+            if request.eventer is not None and request.eventer.enabled:
+                request.send_event("task-succeeded", result=saferepr(result, request.task.resultrepr_maxsize),
+                                   runtime=now - (request.time_start or now))
+
+    def _requeue_rest(self, reason: str) -> None:
+        """Put the unfinished jobs' messages back at the head of their queues (kombu's reject with requeue)."""
+        for request in self.requests.values():
+            for _ in range(REQUEUE_TRIES):
+                try:
+                    request.reject(requeue=True)
+                    break
+                except Exception as exc:  # noqa: BLE001: Redis down; the message stays held and renewed meanwhile
+                    log.warning("job %s: requeue failed (%r); trying again", request.id, exc)
+                    time.sleep(1.0)
+            task_ready(request)
+        log.info("single jobs: %d requeued (%s)", len(self.requests), reason)
+        self.requests.clear()
+
+
+def _accept(request: Any) -> None:
+    """What Celery's pool does as a job starts: `active` in `celery inspect`, the `task-started` event."""
+    request.time_start = time.time()
+    request.worker_pid = os.getpid()
+    task_accepted(request)
+    request.send_event("task-started")
+
+
+class IntakeDrain(bootsteps.StartStopStep):
+    """Consumer bootstep: at the worker's shutdown, wait for the intake's jobs (as Celery waits for its pool's)
+    before the broker connection closes. Not at a consumer restart (a broker reconnect): those jobs go on."""
+
+    requires = ("celery.worker.consumer.tasks:Tasks",)
+
+    def stop(self, parent: Any) -> None:
+        from tokenmill.worker.runtime import installed
+
+        service = installed()
+        if service is not None and service.shutting_down:
+            INTAKE.drain()
+
+    shutdown = stop
