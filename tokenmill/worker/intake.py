@@ -16,8 +16,9 @@ acked, as the pool path does. While one group is being admitted the next one for
 holds dozens of jobs and one thread waits for them; alone, a job is admitted at once.
 
 Left to the pool path (unchanged): jobs with a deadline or a Celery time limit, an S3 `output`, an `id` field
-other than the task id, a job body the task cannot read (its failure is worded there), ETA jobs, and a job
-delivered again while it runs here (the pool path waits for that run). A group that fails, or is still running
+other than the task id, a job body the task cannot read (its failure is worded there), ETA jobs, jobs in a chord
+or with linked tasks (Celery's `trace_task` applies those), and a job delivered again while it runs here (the
+pool path waits for that run). A group that fails, or is still running
 when the shutdown grace ends, has its unfinished jobs' messages requeued; the finished ones are stored and
 acked. Messages held by the intake are unacked kombu messages like any other, so leases renew them, the
 prefetch limit counts them and kill -9 loses none. `single_job_intake=false` turns all of this off.
@@ -45,6 +46,9 @@ log = logging.getLogger("tokenmill.worker")
 
 #: Most single jobs admitted in one group (one check-in script and one engine message).
 GROUP_LIMIT = 500
+#: Parts of a message only Celery's `trace_task` applies (a chord's callback once its last part is stored, linked
+#: tasks, a chain's next step): a job that has one takes the pool path.
+_TRACED = ("chord", "callbacks", "errbacks", "chain")
 #: How often a failed requeue is tried again, a second apart (Redis down), before the message is left to the
 #: visibility timeout.
 REQUEUE_TRIES = 30
@@ -71,6 +75,9 @@ def job_fields(request: Any) -> dict[str, Any] | None:
     """The job a `tokenmill.generate` request carries, as `run_job` reads it; None when the intake leaves it to
     the pool path (see the module docstring)."""
     if any(request.time_limits) or request.task.time_limit or request.task.soft_time_limit:
+        return None
+    embed = request.message.payload[2] or {}  # decoded once by kombu, cached
+    if any(embed.get(name) for name in _TRACED):
         return None
     from tokenmill.worker.runtime import job_payload  # the worker side only: producers import the app
 
