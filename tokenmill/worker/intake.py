@@ -205,7 +205,7 @@ class IntakeRun(BatchRun):
         requests = [(self.requests.pop(job_id), results.get(job_id)) for job_id in job_ids if job_id in self.requests]
         with acks_together():
             for request, _ in requests:
-                request.acknowledge()
+                _acknowledge(request)
         now = time.time()
         for request, result in requests:
             task_ready(request, successful=True)
@@ -226,6 +226,14 @@ class IntakeRun(BatchRun):
             task_ready(request)
         log.info("single jobs: %d requeued (%s)", len(self.requests), reason)
         self.requests.clear()
+
+
+def _acknowledge(request: Any) -> None:
+    """`Request.acknowledge`, but in this thread: Celery's `on_ack` schedules each ack on the consumer's event loop,
+    which then acks one message per round trip; here the acks of a wave share one (`acks_together`)."""
+    if not request.acknowledged:
+        request.message.ack_log_error(log, request.connection_errors)
+        request.acknowledged = True
 
 
 def _accept(request: Any) -> None:
