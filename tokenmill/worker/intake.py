@@ -209,7 +209,7 @@ class IntakeRun(BatchRun):
         now = time.time()
         for request, result in requests:
             task_ready(request, successful=True)
-            if request.eventer is not None and request.eventer.enabled:
+            if _sends_task_events(request):  # the result's repr costs ~15 µs: only for an event that is sent
                 request.send_event("task-succeeded", result=saferepr(result, request.task.resultrepr_maxsize),
                                    runtime=now - (request.time_start or now))
 
@@ -226,6 +226,14 @@ class IntakeRun(BatchRun):
             task_ready(request)
         log.info("single jobs: %d requeued (%s)", len(self.requests), reason)
         self.requests.clear()
+
+
+def _sends_task_events(request: Any) -> bool:
+    """Whether `Request.send_event` would send a task event (with `-E`; a worker's dispatcher is on for its
+    heartbeats even without, but then drops task events)."""
+    eventer = request.eventer
+    return bool(eventer is not None and eventer.enabled and request.task.send_events
+                and (not eventer.groups or "task" in eventer.groups))
 
 
 def _acknowledge(request: Any) -> None:
