@@ -122,8 +122,12 @@ class Intake:
     def _loop(self) -> None:
         from tokenmill.worker.runtime import current
 
-        service = current()  # under plain `celery worker`, the first job builds it (and loads the model)
-        self.enabled = service.settings.single_job_intake
+        try:
+            service = current()  # under plain `celery worker`, the first job builds it (and loads the model)
+            self.enabled = service.settings.single_job_intake
+        except Exception:  # the pool path meets (and reports) the same failure, job by job
+            log.exception("single jobs: no worker service; every job takes the pool path")
+            self.enabled = False
         while True:
             with self._cond:
                 while not self._waiting:
@@ -137,7 +141,15 @@ class Intake:
             thread = threading.Thread(target=self._run, args=(group,), name="tokenmill-intake-group", daemon=True)
             with self._cond:
                 self._groups.add(thread)
-            thread.start()
+            try:
+                thread.start()
+            except RuntimeError:  # no thread to be had: these jobs wait for pool threads instead
+                log.exception("single jobs: cannot start a group thread; %d jobs take the pool path", len(group.requests))
+                with self._cond:
+                    self._groups.discard(thread)
+                for request in group.requests.values():
+                    self._to_pool(request)
+                continue
             group.admitted.wait()  # the next group forms meanwhile
 
     def _run(self, group: IntakeRun) -> None:
