@@ -86,3 +86,19 @@ def test_one_take_of_intake_jobs_and_pool_path_jobs_each_ends_as_alone(
     wait_for(lambda: all(i in result_log.counts for i in every), 10, "every result notification")
     assert {i: result_log.counts[i] for i in every} == {i: 1 for i in every}
     assert int(broker.get(DELIVERIES_KEY.format(job_id="twice-1"))) <= 2 and client.get("twice-1").attempt == 1
+
+
+def test_with_the_intake_off_every_job_takes_a_pool_thread(redis_server: RedisServer, start_worker) -> None:
+    """`single_job_intake=false`: held jobs each have their own pool thread again (fails if the switch is ignored)."""
+    client = Client(redis_server.url)
+    worker = start_worker(redis_server.url, "pooled", extra_env={"TOKENMILL_SINGLE_JOB_INTAKE": "false"}).wait_ready()
+    assert client.submit(prompt="warm", **SHORT).result(timeout=60).ok
+    threads_before = _threads(worker.process.pid)
+    engine = engine_pid(worker.process.pid)
+    os.kill(engine, signal.SIGSTOP)
+    try:
+        handles = client.submit_many({"prompt": f"pooled {i}", **SHORT} for i in range(8))
+        wait_for(lambda: _threads(worker.process.pid) - threads_before >= 7, 60, "a pool thread per held job")
+    finally:
+        os.kill(engine, signal.SIGCONT)
+    assert all(r.ok for r in client.results(handles, timeout=60))
