@@ -1,4 +1,4 @@
-"""Single `tokenmill.generate` jobs without a pool thread each: one intake thread admits them in groups.
+"""Single `tokenmill.generate` jobs without a pool thread each: they are admitted and waited for in groups.
 
 Why: with results, check-ins and acks already shared (`tokenmill.queue.batching`), a single job still cost the
 worker ~1.2 ms of CPU (`benchmarks/job_queue.py --intake`), most of it Celery's pool path and its threads: the
@@ -7,19 +7,19 @@ and ~6 thread wake-ups per job among up to 1,280 threads (~20% of the worker's C
 
 This module is the task's Celery `Strategy`: Celery's own (`celery.worker.strategy.default`), so every
 message still becomes Celery's `Request` (revoked and expired checks, the `task-received` event, `reserved`),
-except that the request is handed to `Intake` instead of the pool. The intake thread takes every request
+except that the request is handed to `Intake` instead of the pool. A group thread takes every request
 waiting and runs them as one group through the group path's `BatchRun` (`tokenmill.worker.batch_task`): one
 check-in script, one engine-process message, results stored as they finish (one script per wave) and their
 acks in one pipeline (`acks_together`). Each request is marked active (`celery inspect active`, the
 `task-started` event) while it runs and ready (`task-succeeded`) once its result is stored and its message
 acked, as the pool path does. While one group is being admitted the next one forms, so under load a group
-holds dozens of jobs and one thread waits for them; alone, a job is admitted at once.
+holds dozens of jobs and one thread waits for them; alone, a job is admitted at once (one thread hand-off, as
+to a pool thread).
 
 Left to the pool path (unchanged): jobs with a deadline or a Celery time limit, an S3 `output`, an `id` field
 other than the task id, a job body the task cannot read (its failure is worded there), ETA jobs, jobs in a chord
 or with linked tasks (Celery's `trace_task` applies those), and a job delivered again while it runs here (the
-pool path waits for that run). A group that fails, or is still running
-when the shutdown grace ends, has its unfinished jobs' messages requeued; the finished ones are stored and
+pool path waits for that run). A group that fails, or is still running when the shutdown grace ends, has its unfinished jobs' messages requeued; the finished ones are stored and
 acked. Messages held by the intake are unacked kombu messages like any other, so leases renew them, the
 prefetch limit counts them and kill -9 loses none. `single_job_intake=false` turns all of this off.
 """
@@ -93,14 +93,20 @@ def job_fields(request: Any) -> dict[str, Any] | None:
 
 
 class Intake:
-    """The waiting single-job requests and the thread that admits them."""
+    """The waiting single-job requests and the group threads that run them.
+
+    One group is being admitted at a time: the request that finds none in progress starts a group thread for
+    itself (one hand-off, as to a pool thread); the others wait until that group's jobs are in the engine, when
+    the group thread starts the next group for all of them. A group thread then waits for its own jobs.
+    """
 
     def __init__(self) -> None:
         self._waiting: list[tuple[Any, dict[str, Any]]] = []
         self._cond = threading.Condition()
-        self._thread: threading.Thread | None = None
-        self._groups: set[threading.Thread] = set()
+        self._admitting = False
+        self._groups = 0  # group threads alive
         self._to_pool: Any = None
+        self._service: Any = None
         self.enabled: bool | None = None  # known once the worker's service exists
 
     def attach(self, on_task_request: Any) -> None:
@@ -114,51 +120,58 @@ class Intake:
             return
         with self._cond:
             self._waiting.append((request, raw))
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name="tokenmill-intake", daemon=True)
-                self._thread.start()
-            self._cond.notify()
+            if self._admitting:
+                return
+            self._admitting = True
+        self._next_group()
 
-    def _loop(self) -> None:
-        from tokenmill.worker.runtime import current
-
+    def _next_group(self) -> None:
+        """Start a group of everything waiting, or note that no admission is in progress."""
+        with self._cond:
+            taken, self._waiting = self._waiting[:GROUP_LIMIT], self._waiting[GROUP_LIMIT:]
+            if not taken:
+                self._admitting = False
+                return
+            self._groups += 1
         try:
-            service = current()  # under plain `celery worker`, the first job builds it (and loads the model)
-            self.enabled = service.settings.single_job_intake
-        except Exception:  # the pool path meets (and reports) the same failure, job by job
-            log.exception("single jobs: no worker service; every job takes the pool path")
-            self.enabled = False
-        while True:
-            with self._cond:
-                while not self._waiting:
-                    self._cond.wait()
-                taken, self._waiting = self._waiting[:GROUP_LIMIT], self._waiting[GROUP_LIMIT:]
-            if not self.enabled:
+            threading.Thread(target=self._run, args=(taken,), name="tokenmill-intake-group", daemon=True).start()
+        except RuntimeError:  # no thread to be had: these jobs wait for pool threads instead
+            log.exception("single jobs: cannot start a group thread; %d jobs take the pool path", len(taken))
+            self._ended()
+            for request, _ in taken:
+                self._to_pool(request)
+            self._next_group()
+
+    def _run(self, taken: list[tuple[Any, dict[str, Any]]]) -> None:
+        try:
+            service = self._worker_service()
+            if service is None:
                 for request, _ in taken:
                     self._to_pool(request)
-                continue
-            group = IntakeRun(service, taken, self._to_pool)
-            thread = threading.Thread(target=self._run, args=(group,), name="tokenmill-intake-group", daemon=True)
-            with self._cond:
-                self._groups.add(thread)
-            try:
-                thread.start()
-            except RuntimeError:  # no thread to be had: these jobs wait for pool threads instead
-                log.exception("single jobs: cannot start a group thread; %d jobs take the pool path", len(group.requests))
-                with self._cond:
-                    self._groups.discard(thread)
-                for request in group.requests.values():
-                    self._to_pool(request)
-                continue
-            group.admitted.wait()  # the next group forms meanwhile
-
-    def _run(self, group: IntakeRun) -> None:
-        try:
-            group.run_all()
+                self._next_group()
+                return
+            IntakeRun(service, taken, self._to_pool, self._next_group).run_all()
         finally:
-            with self._cond:
-                self._groups.discard(threading.current_thread())
-                self._cond.notify_all()
+            self._ended()
+
+    def _worker_service(self) -> Any:
+        """The worker's service, or None when the intake is off (or no service can start: the pool path then
+        meets, and reports, that failure job by job)."""
+        if self.enabled is None:
+            from tokenmill.worker.runtime import current
+
+            try:
+                self._service = current()  # under plain `celery worker`, the first job builds it (loads the model)
+                self.enabled = self._service.settings.single_job_intake
+            except Exception:
+                log.exception("single jobs: no worker service; every job takes the pool path")
+                self.enabled = False
+        return self._service if self.enabled else None
+
+    def _ended(self) -> None:
+        with self._cond:
+            self._groups -= 1
+            self._cond.notify_all()
 
     def drain(self) -> None:
         """Wait for every request taken so far to end (the shutdown grace bounds each group's run)."""
@@ -175,12 +188,12 @@ class IntakeRun(BatchRun):
 
     store_as_finished = True
 
-    def __init__(self, service: Any, taken: list[tuple[Any, dict[str, Any]]], to_pool: Any) -> None:
+    def __init__(self, service: Any, taken: list[tuple[Any, dict[str, Any]]], to_pool: Any, admitted: Any) -> None:
         super().__init__(service, "single jobs", taken[0][0].task.backend)
         self.requests: dict[str, Any] = {}
         self.raw: list[dict[str, Any]] = []
         self.to_pool = to_pool
-        self.admitted = threading.Event()
+        self._on_admitted = admitted  # called once, when the jobs are in the engine (or the run ended before)
         for request, raw in taken:
             if request.id in self.requests:  # the same job twice in one take: the pool path waits for this run
                 to_pool(request)
@@ -204,10 +217,12 @@ class IntakeRun(BatchRun):
                 log.error("single jobs: %d jobs ended without a stored result; requeueing them", len(self.requests))
                 self._requeue_rest("no result")
         finally:
-            self.admitted.set()
+            self.submitted()
 
     def submitted(self) -> None:
-        self.admitted.set()
+        admitted, self._on_admitted = self._on_admitted, None
+        if admitted is not None:
+            admitted()
 
     def joined(self, jobs: list[Any]) -> None:
         for job in jobs:
