@@ -76,6 +76,7 @@ class BatchRun:
         self.backend = backend
         self.started_at = time.time()
         self._stored: set[str] = set()
+        self._mine: dict[str, tuple[Job, Any]] = {}
 
     def settled(self, job_ids: list[str], results: dict[str, dict[str, Any]]) -> None:
         """Hook: these jobs' final results are in Redis (stored now, with `results`, or found stored)."""
@@ -93,18 +94,19 @@ class BatchRun:
         jobs, done = self._parse(raw_jobs)
         # A job already running here (as a single job or in another group) is that run's to finish and store.
         mine, running = self.service.claim(jobs)
+        self._mine = {job.id: (job, future) for job, future in mine}  # until stored (`_store` releases them)
         self.joined([job for job, _ in running])
         try:
             ran = self._run_mine([job for job, _ in mine], done)
         except BaseException as exc:
-            for _, future in mine:
+            for _, future in self._mine.values():
                 future.set_exception(exc)
             raise
         else:
-            for job, future in mine:
+            for job, future in self._mine.values():
                 future.set_result(done.get(job.id))
         finally:
-            self.service.release([job for job, _ in mine])
+            self.service.release([job for job, _ in self._mine.values()])
         return {"jobs": len(raw_jobs), "ran": ran, "skipped": len(jobs) - ran}
 
     def _run_mine(self, jobs: list[Job], done: dict[str, dict[str, Any]]) -> int:
@@ -220,4 +222,9 @@ class BatchRun:
             return
         self.service.store_results({key(job_id): encode_result(self.backend, results[job_id], meta) for job_id in new})
         self._stored.update(new)
+        # no longer running here: a delivery from now on is a new one (counted; it finds the result stored)
+        finished = [self._mine.pop(job_id) for job_id in new if job_id in self._mine]
+        for job, future in finished:
+            future.set_result(results[job.id])
+        self.service.release([job for job, _ in finished])
         self.settled(new, results)
