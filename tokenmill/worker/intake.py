@@ -56,7 +56,7 @@ REQUEUE_TRIES = 30
 
 def strategy(task: Any, app: Any, consumer: Any, **options: Any) -> Any:
     """Celery's default strategy for the task, whose requests go to `INTAKE` (or to the pool when they need it)."""
-    INTAKE.attach(consumer.on_task_request)
+    INTAKE.attach(consumer.on_task_request, getattr(consumer, "hub", None))
     return default(task, app, _Routed(consumer, INTAKE.offer), **options)
 
 
@@ -107,11 +107,13 @@ class Intake:
         self._groups = 0  # group threads alive
         self._to_pool: Any = None
         self._service: Any = None
+        self.call_soon: Any = None
         self.enabled: bool | None = None  # known once the worker's service exists
 
-    def attach(self, on_task_request: Any) -> None:
-        """The consumer's hand-off to its pool (a new consumer after a reconnect brings its own)."""
+    def attach(self, on_task_request: Any, hub: Any) -> None:
+        """The consumer's hand-off to its pool and its event loop (a new consumer after a reconnect brings its own)."""
         self._to_pool = on_task_request
+        self.call_soon = hub.call_soon if hub is not None else None
 
     def offer(self, request: Any) -> None:
         raw = None if self.enabled is False else job_fields(request)
@@ -230,9 +232,13 @@ class IntakeRun(BatchRun):
 
     def settled(self, job_ids: list[str], results: dict[str, dict[str, Any]]) -> None:
         requests = [(self.requests.pop(job_id), results.get(job_id)) for job_id in job_ids if job_id in self.requests]
-        with acks_together():
-            for request, _ in requests:
-                _acknowledge(request)
+        acked = [request for request, _ in requests]
+        if INTAKE.call_soon is not None and not self.service.shutting_down:
+            # on the consumer's loop, as Celery acks: the call wakes it, so it takes more messages at once as
+            # prefetch slots free (an ack from this thread left it asleep until its next timer)
+            INTAKE.call_soon(_ack_all, acked)
+        else:  # no loop, or it waits for the intake to drain
+            _ack_all(acked)
         now = time.time()
         for request, result in requests:
             task_ready(request, successful=True)
@@ -263,9 +269,15 @@ def _sends_task_events(request: Any) -> bool:
                 and (not eventer.groups or "task" in eventer.groups))
 
 
+def _ack_all(requests: list[Any]) -> None:
+    with acks_together():
+        for request in requests:
+            _acknowledge(request)
+
+
 def _acknowledge(request: Any) -> None:
-    """`Request.acknowledge`, but in this thread: Celery's `on_ack` schedules each ack on the consumer's event loop,
-    which then acks one message per round trip; here the acks of a wave share one (`acks_together`)."""
+    """`Request.acknowledge`, but in the calling thread: Celery's `on_ack` schedules each ack on the consumer's event
+    loop on its own, one round trip per message; here the acks of a wave share one (`acks_together`)."""
     if not request.acknowledged:
         request.message.ack_log_error(log, request.connection_errors)
         request.acknowledged = True
