@@ -137,7 +137,8 @@ def test_chord_of_jobs_calls_back_with_every_result(service: Service) -> None:
     """Celery's Redis chord: the worker that finishes the last job sends the user's callback task."""
     app = create_app(QueueSettings(broker_url=service.redis.url))
     callback_queue = f"user-callbacks-{uuid.uuid4().hex}"
-    header = [app.tasks[TASK_NAME].s({"prompt": f"chord {i}", "max_tokens": 3}) for i in range(4)]
+    # ignore_eos: sampled at the default temperature, a job may end at EOS before 3 tokens (seen: 'stop' after 2)
+    header = [app.tasks[TASK_NAME].s({"prompt": f"chord {i}", "max_tokens": 3, "ignore_eos": True}) for i in range(4)]
     chord(header)(app.signature("user.collect_results").set(queue=callback_queue))
     raw = wait_for(lambda: service.redis.client().lpop(callback_queue), 60, "the chord's callback message")
     message = json.loads(raw)
