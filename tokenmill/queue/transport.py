@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import uuid
 import weakref
 from collections.abc import Iterator
@@ -130,6 +131,33 @@ return moved
 
 #: Every QoS of this process, old channels' included: their held messages are renewed until acked.
 _live_qos: weakref.WeakSet[QoS] = weakref.WeakSet()
+#: Per thread: the acks `acks_together` collects, or None outside it.
+_together = threading.local()
+
+
+@contextmanager
+def acks_together() -> Iterator[None]:
+    """Acks made in this thread inside the block (kombu's `Message.ack`, Celery's `Request.acknowledge`) go in one
+    round trip per channel when it ends, instead of one each: a thread that finishes many jobs at once acks
+    them together, as concurrent pool threads' acks are (`QoS.ack`). If Redis fails, each message's local record
+    still goes (its lease is no longer renewed, so the visibility timeout redelivers it; its result is stored)."""
+    held: list[tuple[QoS, str]] = []
+    _together.held = held
+    try:
+        yield
+    finally:
+        _together.held = None
+        by_qos: dict[QoS, list[str]] = {}
+        for qos, tag in held:
+            by_qos.setdefault(qos, []).append(tag)
+        for qos, tags in by_qos.items():
+            try:
+                qos._ack_many(tags)
+            except Exception as exc:  # noqa: BLE001: the other channels' acks still go
+                log.warning("could not ack %d messages: %r", len(tags), exc)
+            finally:
+                for tag in tags:
+                    virtual.QoS.ack(qos, tag)
 
 
 def held_deliveries() -> dict[str, list[str]]:
@@ -202,7 +230,12 @@ class QoS(kombu_redis.QoS):
 
     def ack(self, delivery_tag: str) -> None:
         """As kombu, but acks from several pool threads at once go in one round trip (`Coalescer`), and the local
-        record goes even if Redis is down (else the prefetch slot leaks)."""
+        record goes even if Redis is down (else the prefetch slot leaks). Inside `acks_together`, the ack waits
+        for the end of that block."""
+        held = getattr(_together, "held", None)
+        if held is not None:
+            held.append((self, delivery_tag))
+            return
         try:
             self._acks.call(delivery_tag)
         finally:

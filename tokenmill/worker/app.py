@@ -42,6 +42,7 @@ from tokenmill.queue.names import TASK_ROUTES as TASK_ROUTES  # public here too:
 from tokenmill.queue.settings import QueueSettings
 from tokenmill.worker import control  # noqa: F401  (tokenmill's revoke, refusals of what cannot work)
 from tokenmill.worker.batch_task import register as register_batch_task
+from tokenmill.worker.intake import IntakeDrain
 from tokenmill.worker.leases import LeaseRenewal
 from tokenmill.worker.results import BACKEND_OVERRIDES
 
@@ -74,8 +75,10 @@ def create_app(settings: QueueSettings | None = None) -> Celery:
     new.conf.update(WORKER_CONFIG)
     new.loader.override_backends = {**new.loader.override_backends, **BACKEND_OVERRIDES}  # results in batches
     new.steps["consumer"].add(LeaseRenewal)
+    new.steps["consumer"].add(IntakeDrain)
     new.task(
-        name=TASK_NAME, bind=True, acks_late=True, reject_on_worker_lost=True, resultrepr_maxsize=RESULT_REPR_MAXSIZE
+        name=TASK_NAME, bind=True, acks_late=True, reject_on_worker_lost=True, resultrepr_maxsize=RESULT_REPR_MAXSIZE,
+        Strategy="tokenmill.worker.intake:strategy",  # single jobs in groups on one thread (see that module)
     )(_generate)
     register_batch_task(new)  # tokenmill.generate_batch: several jobs per message (tokenmill annotate --broker)
     return new

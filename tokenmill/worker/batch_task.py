@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import re
 import time
-from concurrent.futures import ALL_COMPLETED, wait
+from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, wait
 from typing import TYPE_CHECKING, Any
 
 from celery import states
@@ -66,11 +66,26 @@ def _generate_batch(self: Any, batch: dict[str, Any] | None = None, **fields: An
 class BatchRun:
     """One delivery of one group on one worker."""
 
+    #: Store results as they finish (else once all are done: a group is acked only at its end anyway). The
+    #: single-job intake (`tokenmill.worker.intake`) sets it: each of its jobs is acked once its result is stored.
+    store_as_finished = False
+
     def __init__(self, service: Any, task_id: str, backend: Any) -> None:
         self.service = service
         self.task_id = task_id
         self.backend = backend
         self.started_at = time.time()
+        self._stored: set[str] = set()
+        self._mine: dict[str, tuple[Job, Any]] = {}
+
+    def settled(self, job_ids: list[str], results: dict[str, dict[str, Any]]) -> None:
+        """Hook: these jobs' final results are in Redis (stored now, with `results`, or found stored)."""
+
+    def submitted(self) -> None:
+        """Hook: the jobs to run are in the engine (or none was left to run)."""
+
+    def joined(self, jobs: list[Job]) -> None:
+        """Hook: these jobs are already running in this process; that run finishes and stores them."""
 
     def run(self, raw_jobs: Any) -> dict[str, Any]:
         if not isinstance(raw_jobs, list) or not all(isinstance(j, dict) for j in raw_jobs):
@@ -79,17 +94,19 @@ class BatchRun:
         jobs, done = self._parse(raw_jobs)
         # A job already running here (as a single job or in another group) is that run's to finish and store.
         mine, running = self.service.claim(jobs)
+        self._mine = {job.id: (job, future) for job, future in mine}  # until stored (`_store` releases them)
+        self.joined([job for job, _ in running])
         try:
             ran = self._run_mine([job for job, _ in mine], done)
         except BaseException as exc:
-            for _, future in mine:
+            for _, future in self._mine.values():
                 future.set_exception(exc)
             raise
         else:
-            for job, future in mine:
+            for job, future in self._mine.values():
                 future.set_result(done.get(job.id))
         finally:
-            self.service.release([job for job, _ in mine])
+            self.service.release([job for job, _ in self._mine.values()])
         return {"jobs": len(raw_jobs), "ran": ran, "skipped": len(jobs) - ran}
 
     def _run_mine(self, jobs: list[Job], done: dict[str, dict[str, Any]]) -> int:
@@ -102,6 +119,7 @@ class BatchRun:
             run = Attempt(job, self.started_at, check.attempt)
             if is_final(check.stored):  # this job's result (idempotent) or, under a reused id, another's (a conflict)
                 self.service.skip_stored(job, stored_job_hash(check.stored))
+                self.settled([job.id], {})
                 continue
             if check.cancelled:
                 done[job.id] = self.service.cancelled_before_start(run)
@@ -155,15 +173,17 @@ class BatchRun:
         from tokenmill.worker.service import SHUTDOWN_CHECK_INTERVAL
 
         futures = {future: (run, request_id) for run, (future, request_id) in zip(runs, self.service.submit_many(runs))}
+        self.submitted()
         deadlines = {future: run.deadline for future, (run, _) in futures.items() if run.deadline is not None}
         self.service.metrics.jobs_in_flight.inc(len(runs))
         pending = set(futures)
+        until = FIRST_COMPLETED if self.store_as_finished else ALL_COMPLETED
         try:
             while pending:
-                # one wake-up when all are done (results are stored together anyway), else each check interval
-                # or at the next deadline
+                # one wake-up when all are done (or, storing as they finish, when some are), else each check
+                # interval or at the next deadline
                 timeout = min([SHUTDOWN_CHECK_INTERVAL, *(d - time.time() for d in deadlines.values())])
-                finished, pending = wait(pending, timeout=max(0.0, timeout), return_when=ALL_COMPLETED)
+                finished, pending = wait(pending, timeout=max(0.0, timeout), return_when=until)
                 for future in [f for f, d in deadlines.items() if f in pending and d <= time.time()]:
                     self.service.engine.cancel(futures[future][1], "deadline")  # its partial output follows
                     del deadlines[future]
@@ -173,6 +193,8 @@ class BatchRun:
                         done[run.job.id] = self.service.complete(run, output=future.result())
                     except InvalidRequestError as exc:
                         done[run.job.id] = self.service.complete(run, error=exc)
+                if self.store_as_finished and finished:
+                    self._store(done)
                 if pending and self.service.grace_expired.is_set():
                     log.warning("group %r: %d jobs not finished when the shutdown grace ran out; requeueing it",
                                 self.task_id, len(pending))
@@ -190,10 +212,19 @@ class BatchRun:
 
     def _store(self, results: dict[str, dict[str, Any]]) -> None:
         """Each job's result under its own Celery key (as Celery's meta), unless one is stored already."""
-        if not results:
+        if len(results) <= len(self._stored):
             return
         # the meta's other fields (date_done, children) are the same for every job stored now
         meta = self.backend._get_result_meta(result=None, state=states.SUCCESS, traceback=None, request=None)
         key = self.backend.get_key_for_task
-        self.service.store_results({key(job_id): encode_result(self.backend, wire, meta)
-                                    for job_id, wire in results.items()})
+        new = [job_id for job_id in results if job_id not in self._stored]  # a later store does not repeat them
+        if not new:
+            return
+        self.service.store_results({key(job_id): encode_result(self.backend, results[job_id], meta) for job_id in new})
+        self._stored.update(new)
+        # no longer running here: a delivery from now on is a new one (counted; it finds the result stored)
+        finished = [self._mine.pop(job_id) for job_id in new if job_id in self._mine]
+        for job, future in finished:
+            future.set_result(results[job.id])
+        self.service.release([job for job, _ in finished])
+        self.settled(new, results)

@@ -27,6 +27,11 @@ def install(service: WorkerService) -> None:
     _service = service
 
 
+def installed() -> WorkerService | None:
+    """The service, if one was installed or built already (never builds one)."""
+    return _service
+
+
 def current() -> WorkerService:
     global _service
     with _lock:
@@ -45,7 +50,7 @@ def run_job(task: Any, args: tuple[Any, ...], fields: dict[str, Any]) -> dict[st
     service = current()
     task_id = task.request.id
     try:
-        payload = _payload(args, fields)
+        payload = job_payload(args, fields)
         check_size({**payload, **fields}, service.settings.max_job_bytes)
     except InvalidRequestError as exc:
         return service.failed(JobResult.failure(task_id, "invalid_job", exc.message, exc.field, started_at=time.time()))
@@ -59,7 +64,7 @@ def _time_limit(timelimit: Any) -> float | None:
     return min(limits) if limits else None
 
 
-def _payload(args: tuple[Any, ...], fields: dict[str, Any]) -> dict[str, Any]:
+def job_payload(args: tuple[Any, ...], fields: dict[str, Any]) -> dict[str, Any]:
     """The job object of a task call (empty when the job came as keyword fields only); pops `job` from `fields`."""
     if "job" in fields:
         args = (*args, fields.pop("job"))

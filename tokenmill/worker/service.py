@@ -196,6 +196,10 @@ class WorkerService:
         timer.daemon = True
         timer.start()
 
+    @property
+    def shutting_down(self) -> bool:
+        return self._stopping.is_set()
+
     def close(self) -> None:
         self.grace_expired.set()
         self.announcer.stop()

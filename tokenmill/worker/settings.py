@@ -46,6 +46,10 @@ class WorkerSettings(QueueSettings):
         "autoscale, add/cancel_consumer) from anyone who can write to the broker; off: they answer with an error. "
         "revoke (= cancel), inspect and events always work.",
     )
+    single_job_intake: bool = Field(
+        True, description="Run single tokenmill.generate jobs in groups on one intake thread instead of one Celery "
+        "pool thread each (jobs with a deadline, time limit or S3 output keep the pool path); off: all on the pool.",
+    )
     shutdown_grace: float = Field(
         60.0, ge=0, description="Seconds after SIGTERM that in-flight jobs may take to finish before they are requeued."
     )

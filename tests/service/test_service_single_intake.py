@@ -1,0 +1,104 @@
+"""Single jobs on the intake thread (`tokenmill.worker.intake`), with real redis-server and worker processes on
+builtin:tiny: held by one thread instead of a pool thread each, yet active in `celery inspect`, kept by their
+leases, and each stored once; the jobs the intake leaves to the pool path beside them end as they do alone.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+from service_fixtures import TEST_VISIBILITY_TIMEOUT, RedisServer, ResultLog, engine_pid, wait_for
+
+from tokenmill.client import Client
+from tokenmill.queue.names import DEFAULT_QUEUE, DELIVERIES_KEY, TASK_NAME
+from tokenmill.queue.settings import QueueSettings
+from tokenmill.worker.app import create_app
+
+SHORT = {"max_tokens": 2, "temperature": 0.0, "ignore_eos": True}
+
+
+def _threads(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/task"))
+
+
+def _active_ids(app, node: str) -> set[str]:
+    replies = app.control.inspect(timeout=5, destination=[node]).active() or {}
+    return {task["id"] for task in replies.get(node, []) if task["name"] == TASK_NAME}
+
+
+def test_jobs_held_by_the_intake_thread_are_active_in_inspect_keep_their_leases_and_take_no_thread_each(
+        redis_server: RedisServer, start_worker, result_log: ResultLog) -> None:
+    """Fails on the pool path: each held job had its own pool thread (16 jobs, 16 more threads)."""
+    client = Client(redis_server.url)
+    app = create_app(QueueSettings(broker_url=redis_server.url))
+    worker = start_worker(redis_server.url, "intake").wait_ready().wait_listening(app)
+    node = next(name for reply in app.control.ping(timeout=5) for name in reply if name.startswith("intake@"))
+    assert client.submit(prompt="warm", **SHORT).result(timeout=60).ok
+    threads_before = _threads(worker.process.pid)
+    engine = engine_pid(worker.process.pid)
+    os.kill(engine, signal.SIGSTOP)  # no job can finish: every one is held while the checks below run
+    try:
+        handles = client.submit_many({"prompt": f"held {i}", **SHORT} for i in range(16))  # they arrive together
+        ids = {h.id for h in handles}
+        wait_for(lambda: _active_ids(app, node) == ids, 60, "all 16 jobs active in celery inspect")
+        assert _threads(worker.process.pid) - threads_before <= 3  # a group thread or two
+        time.sleep(3 * TEST_VISIBILITY_TIMEOUT)  # unrenewed, kombu's sweep would requeue them by now
+        assert redis_server.client().llen(DEFAULT_QUEUE) == 0
+    finally:
+        os.kill(engine, signal.SIGCONT)
+    results = client.results(handles, timeout=60)
+    assert all(r.ok and r.attempt == 1 for r in results), [(r.status, r.attempt) for r in results]
+    broker = redis_server.client()
+    assert [int(c) for c in broker.mget([DELIVERIES_KEY.format(job_id=h.id) for h in handles])] == [1] * 16
+    wait_for(lambda: broker.hlen("unacked") == 0 and not _active_ids(app, node), 15, "every message acked, none active")
+    wait_for(lambda: all(h.id in result_log.counts for h in handles), 10, "every result notification")
+    assert {h.id: result_log.counts[h.id] for h in handles} == {h.id: 1 for h in handles}
+
+
+def test_one_take_of_intake_jobs_and_pool_path_jobs_each_ends_as_alone(
+        redis_server: RedisServer, start_worker, result_log: ResultLog) -> None:
+    """Queued before the worker starts, so one take holds them all: plain jobs (the Client's and plain Celery's
+    keyword fields), the same job twice, a deadline, a Celery time limit and a body the task cannot read."""
+    client = Client(redis_server.url)
+    app = create_app(QueueSettings(broker_url=redis_server.url))
+    plain = [client.submit(prompt=f"plain {i}", **SHORT) for i in range(5)]
+    twice = client.submit(prompt="sent twice", id="twice-1", **SHORT)
+    client.submit(prompt="sent twice", id="twice-1", **SHORT)
+    deadline = client.submit(prompt="with a deadline", deadline_s=60, **SHORT)
+    celery_fields = app.send_task(TASK_NAME, kwargs={"prompt": "plain celery", **SHORT})
+    limited = app.send_task(TASK_NAME, kwargs={"prompt": "time limited", **SHORT}, time_limit=60)
+    unreadable = app.send_task(TASK_NAME, args=["a bare prompt"])
+    assert redis_server.client().llen(DEFAULT_QUEUE) == 11
+
+    start_worker(redis_server.url, "mixed").wait_ready()
+    results = client.results([*plain, twice, deadline], timeout=90)
+    assert all(r.ok and r.usage.completion_tokens == 2 for r in results), [r.error for r in results if not r.ok]
+    for handle in (celery_fields, limited):
+        value = handle.get(timeout=60)
+        assert value["status"] == "succeeded" and len(value["token_ids"]) == 2 and value["id"] == handle.id
+    bad = unreadable.get(timeout=60)
+    assert bad["status"] == "failed" and bad["error"]["code"] == "invalid_job" and bad["error"]["field"] == "job"
+    broker = redis_server.client()
+    wait_for(lambda: broker.hlen("unacked") == 0 and broker.llen(DEFAULT_QUEUE) == 0, 15, "every message acked")
+    every = [h.id for h in [*plain, twice, deadline]] + [celery_fields.id, limited.id, unreadable.id]
+    wait_for(lambda: all(i in result_log.counts for i in every), 10, "every result notification")
+    assert {i: result_log.counts[i] for i in every} == {i: 1 for i in every}
+    assert int(broker.get(DELIVERIES_KEY.format(job_id="twice-1"))) <= 2 and client.get("twice-1").attempt == 1
+
+
+def test_with_the_intake_off_every_job_takes_a_pool_thread(redis_server: RedisServer, start_worker) -> None:
+    """`single_job_intake=false`: held jobs each have their own pool thread again (fails if the switch is ignored)."""
+    client = Client(redis_server.url)
+    worker = start_worker(redis_server.url, "pooled", extra_env={"TOKENMILL_SINGLE_JOB_INTAKE": "false"}).wait_ready()
+    assert client.submit(prompt="warm", **SHORT).result(timeout=60).ok
+    threads_before = _threads(worker.process.pid)
+    engine = engine_pid(worker.process.pid)
+    os.kill(engine, signal.SIGSTOP)
+    try:
+        handles = client.submit_many({"prompt": f"pooled {i}", **SHORT} for i in range(8))
+        wait_for(lambda: _threads(worker.process.pid) - threads_before >= 7, 60, "a pool thread per held job")
+    finally:
+        os.kill(engine, signal.SIGCONT)
+    assert all(r.ok for r in client.results(handles, timeout=60))

@@ -1,0 +1,308 @@
+"""Single `tokenmill.generate` jobs without a pool thread each: they are admitted and waited for in groups.
+
+Why: with results, check-ins and acks already shared (`tokenmill.queue.batching`), a single job still cost the
+worker ~1.2 ms of CPU (`benchmarks/job_queue.py --intake`), most of it Celery's pool path and its threads: the
+hand-off to a pool thread, `trace_task` (signals, `saferepr` of the result, the store and ack calls one by one)
+and ~6 thread wake-ups per job among up to 1,280 threads (~20% of the worker's CPU in the kernel).
+
+This module is the task's Celery `Strategy`: Celery's own (`celery.worker.strategy.default`), so every
+message still becomes Celery's `Request` (revoked and expired checks, the `task-received` event, `reserved`),
+except that the request is handed to `Intake` instead of the pool. A group thread takes every request
+waiting and runs them as one group through the group path's `BatchRun` (`tokenmill.worker.batch_task`): one
+check-in script, one engine-process message, results stored as they finish (one script per wave) and their
+acks in one pipeline (`acks_together`), sent through the consumer's event loop so that it wakes and takes more
+messages as prefetch slots free. Each request is marked active (`celery inspect active`, the
+`task-started` event) while it runs and ready (`task-succeeded`) once its result is stored and its message
+acked, as the pool path does. While one group is being admitted the next one forms, so under load a group
+holds dozens of jobs and one thread waits for them; alone, a job is admitted at once (one thread hand-off, as
+to a pool thread).
+
+Left to the pool path (unchanged): jobs with a deadline or a Celery time limit, an S3 `output`, an `id` field
+other than the task id, a job body the task cannot read (its failure is worded there), ETA jobs, jobs in a chord
+or with linked tasks (Celery's `trace_task` applies those), and a job delivered again while it runs here (the
+pool path waits for that run). A group that fails, or is still running when the shutdown grace ends, has its unfinished jobs' messages requeued; the finished ones are stored and
+acked. Messages held by the intake are unacked kombu messages like any other, so leases renew them, the
+prefetch limit counts them and kill -9 loses none. `single_job_intake=false` turns all of this off.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+from celery import bootsteps
+from celery.exceptions import Reject
+from celery.utils.saferepr import saferepr
+from celery.worker.state import task_accepted, task_ready
+from celery.worker.strategy import default
+
+from tokenmill.errors import InvalidRequestError
+from tokenmill.queue.transport import acks_together
+from tokenmill.worker.batch_task import BatchRun
+
+log = logging.getLogger("tokenmill.worker")
+
+#: Most single jobs admitted in one group (one check-in script and one engine message).
+GROUP_LIMIT = 500
+#: Parts of a message only Celery's `trace_task` applies (a chord's callback once its last part is stored, linked
+#: tasks, a chain's next step): a job that has one takes the pool path.
+_TRACED = ("chord", "callbacks", "errbacks", "chain")
+#: How often a failed requeue is tried again, a second apart (Redis down), before the message is left to the
+#: visibility timeout.
+REQUEUE_TRIES = 30
+
+
+def strategy(task: Any, app: Any, consumer: Any, **options: Any) -> Any:
+    """Celery's default strategy for the task, whose requests go to `INTAKE` (or to the pool when they need it)."""
+    INTAKE.attach(consumer.on_task_request, getattr(consumer, "hub", None))
+    return default(task, app, _Routed(consumer, INTAKE.offer), **options)
+
+
+class _Routed:
+    """The consumer as Celery's strategy sees it, but for where a request goes."""
+
+    def __init__(self, consumer: Any, on_task_request: Any) -> None:
+        self._consumer = consumer
+        self.on_task_request = on_task_request
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._consumer, name)
+
+
+def job_fields(request: Any) -> dict[str, Any] | None:
+    """The job a `tokenmill.generate` request carries, as `run_job` reads it; None when the intake leaves it to
+    the pool path (see the module docstring)."""
+    if any(request.time_limits) or request.task.time_limit or request.task.soft_time_limit:
+        return None
+    embed = request.message.payload[2] or {}  # decoded once by kombu, cached
+    if any(embed.get(name) for name in _TRACED):
+        return None
+    from tokenmill.worker.runtime import job_payload  # the worker side only: producers import the app
+
+    fields = dict(request.kwargs)
+    try:
+        payload = job_payload(tuple(request.args), fields)
+    except InvalidRequestError:
+        return None
+    raw = {**payload, **fields}
+    if raw.get("output") or raw.get("deadline_s") or raw.setdefault("id", request.id) != request.id:
+        return None
+    return raw
+
+
+class Intake:
+    """The waiting single-job requests and the group threads that run them.
+
+    One group is being admitted at a time: the request that finds none in progress starts a group thread for
+    itself (one hand-off, as to a pool thread); the others wait until that group's jobs are in the engine, when
+    the group thread starts the next group for all of them. A group thread then waits for its own jobs.
+    """
+
+    def __init__(self) -> None:
+        self._waiting: list[tuple[Any, dict[str, Any]]] = []
+        self._cond = threading.Condition()
+        self._admitting = False
+        self._groups = 0  # group threads alive
+        self._to_pool: Any = None
+        self._service: Any = None
+        self.call_soon: Any = None
+        self.enabled: bool | None = None  # known once the worker's service exists
+
+    def attach(self, on_task_request: Any, hub: Any) -> None:
+        """The consumer's hand-off to its pool and its event loop (a new consumer after a reconnect brings its own)."""
+        self._to_pool = on_task_request
+        self.call_soon = hub.call_soon if hub is not None else None
+
+    def offer(self, request: Any) -> None:
+        raw = None if self.enabled is False else job_fields(request)
+        if raw is None:
+            self._to_pool(request)
+            return
+        with self._cond:
+            self._waiting.append((request, raw))
+            if self._admitting:
+                return
+            self._admitting = True
+        self._next_group()
+
+    def _next_group(self) -> None:
+        """Start a group of everything waiting, or note that no admission is in progress."""
+        with self._cond:
+            taken, self._waiting = self._waiting[:GROUP_LIMIT], self._waiting[GROUP_LIMIT:]
+            if not taken:
+                self._admitting = False
+                return
+            self._groups += 1
+        try:
+            threading.Thread(target=self._run, args=(taken,), name="tokenmill-intake-group", daemon=True).start()
+        except RuntimeError:  # no thread to be had: these jobs wait for pool threads instead
+            log.exception("single jobs: cannot start a group thread; %d jobs take the pool path", len(taken))
+            self._ended()
+            for request, _ in taken:
+                self._to_pool(request)
+            self._next_group()
+
+    def _run(self, taken: list[tuple[Any, dict[str, Any]]]) -> None:
+        try:
+            service = self._worker_service()
+            if service is None:
+                for request, _ in taken:
+                    self._to_pool(request)
+                self._next_group()
+                return
+            IntakeRun(service, taken, self._to_pool, self._next_group).run_all()
+        finally:
+            self._ended()
+
+    def _worker_service(self) -> Any:
+        """The worker's service, or None when the intake is off (or no service can start: the pool path then
+        meets, and reports, that failure job by job)."""
+        if self.enabled is None:
+            from tokenmill.worker.runtime import current
+
+            try:
+                self._service = current()  # under plain `celery worker`, the first job builds it (loads the model)
+                self.enabled = self._service.settings.single_job_intake
+            except Exception:
+                log.exception("single jobs: no worker service; every job takes the pool path")
+                self.enabled = False
+        return self._service if self.enabled else None
+
+    def _ended(self) -> None:
+        with self._cond:
+            self._groups -= 1
+            self._cond.notify_all()
+
+    def drain(self) -> None:
+        """Wait for every request taken so far to end (the shutdown grace bounds each group's run)."""
+        with self._cond:
+            while self._waiting or self._groups:
+                self._cond.wait(timeout=1.0)
+
+
+INTAKE = Intake()
+
+
+class IntakeRun(BatchRun):
+    """One group of single jobs: `BatchRun`'s run, each job's message acked once its result is stored."""
+
+    store_as_finished = True
+
+    def __init__(self, service: Any, taken: list[tuple[Any, dict[str, Any]]], to_pool: Any, admitted: Any) -> None:
+        super().__init__(service, "single jobs", taken[0][0].task.backend)
+        self.requests: dict[str, Any] = {}
+        self.raw: list[dict[str, Any]] = []
+        self.to_pool = to_pool
+        self._on_admitted = admitted  # called once, when the jobs are in the engine (or the run ended before)
+        for request, raw in taken:
+            if request.id in self.requests:  # the same job twice in one take: the pool path waits for this run
+                to_pool(request)
+                continue
+            self.requests[request.id] = request
+            self.raw.append(raw)
+
+    def run_all(self) -> None:
+        for request in self.requests.values():
+            _accept(request)
+        try:
+            self.run(self.raw)
+        except Reject as exc:
+            self._requeue_rest(str(exc))
+        except Exception as exc:
+            log.exception("single jobs: a group failed (%s); requeueing its %d unfinished jobs", type(exc).__name__,
+                          len(self.requests))
+            self._requeue_rest(type(exc).__name__)
+        else:
+            if self.requests:  # every job is stored, found stored or joined another run: none should be left
+                log.error("single jobs: %d jobs ended without a stored result; requeueing them", len(self.requests))
+                self._requeue_rest("no result")
+        finally:
+            self.submitted()
+
+    def submitted(self) -> None:
+        admitted, self._on_admitted = self._on_admitted, None
+        if admitted is not None:
+            admitted()
+
+    def joined(self, jobs: list[Any]) -> None:
+        for job in jobs:
+            self.to_pool(self.requests.pop(job.id))
+
+    def settled(self, job_ids: list[str], results: dict[str, dict[str, Any]]) -> None:
+        requests = [(self.requests.pop(job_id), results.get(job_id)) for job_id in job_ids if job_id in self.requests]
+        acked = [request for request, _ in requests]
+        if INTAKE.call_soon is not None and not self.service.shutting_down:
+            # on the consumer's loop, as Celery acks: the call wakes it, so it takes more messages at once as
+            # prefetch slots free (an ack from this thread left it asleep until its next timer)
+            INTAKE.call_soon(_ack_all, acked)
+        else:  # no loop, or it waits for the intake to drain
+            _ack_all(acked)
+        now = time.time()
+        for request, result in requests:
+            task_ready(request, successful=True)
+            if _sends_task_events(request):  # the result's repr costs ~15 µs: only for an event that is sent
+                request.send_event("task-succeeded", result=saferepr(result, request.task.resultrepr_maxsize),
+                                   runtime=now - (request.time_start or now))
+
+    def _requeue_rest(self, reason: str) -> None:
+        """Put the unfinished jobs' messages back at the head of their queues (kombu's reject with requeue)."""
+        for request in self.requests.values():
+            for _ in range(REQUEUE_TRIES):
+                try:
+                    request.reject(requeue=True)
+                    break
+                except Exception as exc:  # noqa: BLE001: Redis down; the message stays held and renewed meanwhile
+                    log.warning("job %s: requeue failed (%r); trying again", request.id, exc)
+                    time.sleep(1.0)
+            task_ready(request)
+        log.info("single jobs: %d requeued (%s)", len(self.requests), reason)
+        self.requests.clear()
+
+
+def _sends_task_events(request: Any) -> bool:
+    """Whether `Request.send_event` would send a task event (with `-E`; a worker's dispatcher is on for its
+    heartbeats even without, but then drops task events)."""
+    eventer = request.eventer
+    return bool(eventer is not None and eventer.enabled and request.task.send_events
+                and (not eventer.groups or "task" in eventer.groups))
+
+
+def _ack_all(requests: list[Any]) -> None:
+    with acks_together():
+        for request in requests:
+            _acknowledge(request)
+
+
+def _acknowledge(request: Any) -> None:
+    """`Request.acknowledge`, but in the calling thread: Celery's `on_ack` schedules each ack on the consumer's event
+    loop on its own, one round trip per message; here the acks of a wave share one (`acks_together`)."""
+    if not request.acknowledged:
+        request.message.ack_log_error(log, request.connection_errors)
+        request.acknowledged = True
+
+
+def _accept(request: Any) -> None:
+    """What Celery's pool does as a job starts: `active` in `celery inspect`, the `task-started` event."""
+    request.time_start = time.time()
+    request.worker_pid = os.getpid()
+    task_accepted(request)
+    request.send_event("task-started")
+
+
+class IntakeDrain(bootsteps.StartStopStep):
+    """Consumer bootstep: at the worker's shutdown, wait for the intake's jobs (as Celery waits for its pool's)
+    before the broker connection closes. Not at a consumer restart (a broker reconnect): those jobs go on."""
+
+    requires = ("celery.worker.consumer.tasks:Tasks",)
+
+    def stop(self, parent: Any) -> None:
+        from tokenmill.worker.runtime import installed
+
+        service = installed()
+        if service is not None and service.shutting_down:
+            INTAKE.drain()
+
+    shutdown = stop
