@@ -52,13 +52,13 @@ class CoalescingRedisBackend(RedisBackend):
 
     #: Results per script call: Redis runs a script alone, so none may take long.
     STORE_LIMIT = 256
-    #: One instance for all pool threads (else Celery builds one per thread, each with its own connection pool,
-    #: and no two threads' stores could share a call). redis-py clients are thread-safe; the worker never waits
-    #: on results through this backend's pub/sub consumer, the one part that is not.
-    thread_safe = True
-
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        # One instance for all pool threads (else Celery builds one per thread, each with its own connection pool,
+        # and no two threads' stores could share a call). redis-py clients are thread-safe; the worker never
+        # waits on results through this backend's pub/sub consumer, the one part that is not. Set on the
+        # instance: Celery's Backend.__init__ sets it from `result_backend_thread_safe` (False), over the class's.
+        self.thread_safe = True
         self._stores: Coalescer[tuple[str, bytes, int], None] = Coalescer(self._store_many, limit=self.STORE_LIMIT)
         self._store_script: Any = None
 
