@@ -328,16 +328,19 @@ class Worker:
             self.process.send_signal(signal.SIGTERM)
         return self.process.wait(timeout=timeout)
 
+    def kill_with_children(self) -> None:
+        """kill -9 of the worker and its children (the engine process, even one a test froze with SIGSTOP)."""
+        children = child_pids(self.process.pid) if self.process.poll() is None else []
+        self.kill()
+        for pid in children:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
     def close(self) -> None:
-        """Kill the worker and its children (the engine process, even one a test froze with SIGSTOP)."""
-        if self.process.poll() is None:
-            children = child_pids(self.process.pid)
-            self.kill()
-            for pid in children:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+        """Kill the worker and its children; close its log."""
+        self.kill_with_children()
         self._log.close()
 
 

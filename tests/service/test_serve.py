@@ -331,8 +331,7 @@ def test_worker_kill_9_mid_batch_the_batch_completes_each_result_stored_once(tmp
     engine = engine_pid(doomed.process.pid)
     os.kill(engine, signal.SIGSTOP)  # the group it holds cannot finish before the kill, however slow the machine
     start_worker(redis_server.url, name="survivor", max_num_seqs=8).wait_ready()
-    doomed.kill()
-    os.kill(engine, signal.SIGKILL)  # kill -9 of the whole worker, its engine process too
+    doomed.kill_with_children()  # kill -9 of the whole worker, its engine process too
     done = wait_status(client, batch.id, ("completed", "failed", "cancelled", "expired"), 240)
     assert done.status == "completed" and done.request_counts.completed == 120
     finished, errors = outcome_ids(client, done)

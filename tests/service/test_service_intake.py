@@ -8,11 +8,9 @@ one take with ordinary jobs. Each must end as it does alone, and the ordinary jo
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 
-from service_fixtures import RedisServer, ResultLog, child_pids, wait_for
+from service_fixtures import RedisServer, ResultLog, wait_for
 
 from tokenmill.client import Client, JobCancelledError
 from tokenmill.queue.names import DEFAULT_QUEUE, DELIVERIES_KEY
@@ -69,19 +67,13 @@ def test_kill_9_while_a_batched_result_store_is_in_flight_loses_nothing_and_stor
     client = Client(redis_server.url)
     broker = redis_server.client()
     doomed = start_worker(redis_server.url, "doomed").wait_ready()
-    engine = child_pids(doomed.process.pid)
     handles = client.submit_many([{"prompt": f"job {i}", **LONGER} for i in range(400)])
     wait_for(lambda: len(result_log.counts) >= 20, 90, "the first stored results")
     broker.execute_command("CLIENT", "PAUSE", 30_000, "WRITE")
     try:
         time.sleep(1.0)  # the worker's next stores and acks are sent and held by the pause
         stored_before = len(result_log.counts)
-        doomed.kill()
-        for pid in engine:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        doomed.kill_with_children()
     finally:
         broker.execute_command("CLIENT", "UNPAUSE")
     assert stored_before < len(handles), "every job had finished before the kill: nothing was in flight"
