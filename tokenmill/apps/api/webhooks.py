@@ -73,18 +73,22 @@ class Deliverer(threading.Thread):
             return True
         problem = self.post(event_id, body)
         if problem is None:
-            self.redis.pipeline().zrem(OUTBOX, event_id).hdel(EVENTS, event_id).hdel(ATTEMPTS, event_id).execute()
+            self._forget(event_id)
             log.info("webhook %s delivered", event_id)
             return True
         attempts = self.redis.hincrby(ATTEMPTS, event_id, 1)
         if attempts >= self.max_attempts:
             log.error("webhook %s: giving up after %d failed deliveries (last: %s)", event_id, attempts, problem)
-            self.redis.pipeline().zrem(OUTBOX, event_id).hdel(EVENTS, event_id).hdel(ATTEMPTS, event_id).execute()
+            self._forget(event_id)
         else:
             delay = min(_MAX_DELAY, 2.0 ** (attempts - 1))
             log.warning("webhook %s: delivery %d failed (%s); again in %.0fs", event_id, attempts, problem, delay)
             self.redis.zadd(OUTBOX, {event_id: time.time() + delay})
         return True
+
+    def _forget(self, event_id: str) -> None:
+        """The event is done with (delivered, or given up): out of the outbox, its body and attempt count gone."""
+        self.redis.pipeline().zrem(OUTBOX, event_id).hdel(EVENTS, event_id).hdel(ATTEMPTS, event_id).execute()
 
     def post(self, event_id: str, body: bytes) -> str | None:
         """POST the signed event; None on a 2xx answer, else what went wrong."""
