@@ -96,9 +96,10 @@ def job_fields(request: Any) -> dict[str, Any] | None:
 class Intake:
     """The waiting single-job requests and the group threads that run them.
 
-    One group is being admitted at a time: the request that finds none in progress starts a group thread for
-    itself (one hand-off, as to a pool thread); the others wait until that group's jobs are in the engine, when
-    the group thread starts the next group for all of them. A group thread then waits for its own jobs.
+    One group is being admitted at a time: the request that finds none in progress has a group thread started
+    on the consumer's loop, once the rest of its take is waiting too (one hand-off, as to a pool thread); the
+    requests that come meanwhile wait until that group's jobs are in the engine, when the next group is started
+    for all of them. A group thread then waits for its own jobs.
     """
 
     def __init__(self) -> None:
@@ -126,7 +127,16 @@ class Intake:
             if self._admitting:
                 return
             self._admitting = True
-        self._next_group()
+        self._start_soon()
+
+    def _start_soon(self) -> None:
+        """Start the next group on the consumer's event loop, once the messages it is delivering are all waiting:
+        a take of many messages becomes one group. Started at once where there is no loop (or it has ended)."""
+        service = self._service
+        if self.call_soon is not None and not (service is not None and service.shutting_down):
+            self.call_soon(self._next_group)
+        else:
+            self._next_group()
 
     def _next_group(self) -> None:
         """Start a group of everything waiting, or note that no admission is in progress."""
@@ -153,7 +163,7 @@ class Intake:
                     self._to_pool(request)
                 self._next_group()
                 return
-            IntakeRun(service, taken, self._to_pool, self._next_group).run_all()
+            IntakeRun(service, taken, self._to_pool, self._start_soon).run_all()
         finally:
             self._ended()
 
@@ -177,10 +187,16 @@ class Intake:
             self._cond.notify_all()
 
     def drain(self) -> None:
-        """Wait for every request taken so far to end (the shutdown grace bounds each group's run)."""
-        with self._cond:
-            while self._waiting or self._groups:
-                self._cond.wait(timeout=1.0)
+        """Wait for every request taken so far to end (the shutdown grace bounds each group's run). Runs after
+        the consumer's loop has ended: a group it was to start is started here."""
+        while True:
+            with self._cond:
+                if not (self._waiting or self._groups):
+                    return
+                if self._groups:
+                    self._cond.wait(timeout=1.0)
+                    continue
+            self._next_group()
 
 
 INTAKE = Intake()
