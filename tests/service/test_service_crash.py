@@ -28,7 +28,7 @@ def test_kill_9_with_jobs_in_flight_loses_nothing(redis_server: RedisServer, sta
     engine = _freeze_engine(doomed)
     held = client.submit_many(_long_jobs("held by doomed", 20))
     wait_for(lambda: _all_delivered(broker, held), 60, "doomed holding its 20 jobs")
-    survivor = start_worker(redis_server.url, "survivor").wait_ready()
+    start_worker(redis_server.url, "survivor").wait_ready()
     own = client.submit_many(_long_jobs("survivor's own", 20))  # doomed is full: only the survivor takes these
     wait_for(lambda: _all_delivered(broker, own), 60, "the survivor running its 20 jobs")
 
