@@ -9,7 +9,7 @@ import re
 import jsonschema
 import pydantic
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 from model_fixtures import random_prompts
 from subword_model import build_subword_model_dir
@@ -270,6 +270,8 @@ def test_masks_keep_byte_tokens_to_valid_utf8(tiny: LLM, backend: str) -> None:
 
 
 @given(st.lists(st.text(min_size=1, alphabet=st.characters(blacklist_categories=("Cs",))), min_size=1, max_size=30))
+@example([", ", "a"])  # found by this test: the choice ", " dumps to the old element separator
+@example(["a\nb", "\n", "x"])
 def test_a_choice_grammar_is_each_choice_as_a_json_string_joined_by_or(choices: list[str]) -> None:
     """The one-dump construction of a choice grammar (quotes, commas, backslashes and ', ' inside choices
     included) equals dumping each choice on its own."""
