@@ -23,6 +23,7 @@ from openai import OpenAI
 from service_fixtures import REPO, S3_BUCKET, engine_pid, free_port, wait_for
 
 from tokenmill.apps.batch import batch as run_batch
+from tokenmill.queue.names import CANCEL_KEY
 
 KEYS = {"alice": "sk-alice-0123", "bob": "sk-bob-4567"}
 
@@ -240,16 +241,26 @@ def outcome_ids(client: OpenAI, batch: Any) -> tuple[list[str], list[dict[str, A
     return [line["custom_id"] for line in lines_of(client, batch.output_file_id)], lines_of(client, batch.error_file_id)
 
 
-def test_cancel_mid_run_keeps_the_finished_lines(tmp_path, redis_server, start_worker, serve) -> None:
-    start_worker(redis_server.url, max_num_seqs=8).wait_ready()
+def test_cancel_mid_run_keeps_the_finished_lines(tmp_path, redis_server, start_worker, serve, result_log) -> None:
+    worker = start_worker(redis_server.url, max_num_seqs=8).wait_ready()
     server = serve(redis_server.url)
     client = server.client()
     source = write_jsonl(tmp_path / "in.jsonl", [chat_line(f"r{i}", f"count {i}", max_tokens=48) for i in range(200)])
     batch = client.batches.create(input_file_id=upload(client, source), endpoint="/v1/chat/completions",
                                   completion_window="24h")
-    wait_for(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 3, 120, "some requests done")
-    cancelling = client.batches.cancel(batch.id)
-    assert cancelling.status == "cancelling" and cancelling.cancelling_at
+    # Frozen once a few results are stored, until the server has cancelled the jobs: its counts and its cancel
+    # check each trail by up to a second, and a loaded run finished 185 lines in that time.
+    wait_for(lambda: len(result_log.counts) >= 3, 120, "some requests done")
+    engine = engine_pid(worker.process.pid)
+    os.kill(engine, signal.SIGSTOP)
+    try:
+        wait_for(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 3, 30, "counted by the server")
+        cancelling = client.batches.cancel(batch.id)
+        assert cancelling.status == "cancelling" and cancelling.cancelling_at
+        broker = redis_server.client()
+        wait_for(lambda: next(broker.scan_iter(CANCEL_KEY.format(job_id="*")), None), 30, "the jobs cancelled")
+    finally:
+        os.kill(engine, signal.SIGCONT)
     done = wait_status(client, batch.id, ("cancelled", "completed"), 60)
     assert done.status == "cancelled" and done.cancelled_at
     finished, errors = outcome_ids(client, done)
@@ -276,18 +287,26 @@ def test_a_batch_past_its_completion_window_expires_with_what_finished(tmp_path,
 
 def test_server_kill_9_mid_batch_another_server_finishes_it_running_nothing_twice(tmp_path, redis_server, start_worker,
                                                                                   serve, result_log) -> None:
-    start_worker(redis_server.url, max_num_seqs=8).wait_ready()
+    worker = start_worker(redis_server.url, max_num_seqs=8).wait_ready()
     first = serve(redis_server.url)
     second = serve(redis_server.url)  # a second process on another port serves the same batches
     client = first.client()
     source = write_jsonl(tmp_path / "in.jsonl", [chat_line(f"r{i}", f"count {i}", max_tokens=32) for i in range(160)])
     batch = client.batches.create(input_file_id=upload(client, source), endpoint="/v1/chat/completions",
                                   completion_window="24h")
-    wait_for(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 3, 120, "some requests done")
-    first.kill()
-    during = second.client().batches.retrieve(batch.id)
-    assert during.status == "in_progress" and during.request_counts.completed < 160
-    third = serve(redis_server.url, port=first.port)  # and a restart on the old port
+    # Frozen once a few results are stored: the server's counts trail by up to a second, and in a second one
+    # worker finishes all 160 lines.
+    wait_for(lambda: len(result_log.counts) >= 3, 120, "some requests done")
+    engine = engine_pid(worker.process.pid)
+    os.kill(engine, signal.SIGSTOP)
+    try:
+        wait_for(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 3, 30, "counted by the server")
+        first.kill()
+        during = second.client().batches.retrieve(batch.id)
+        assert during.status == "in_progress" and during.request_counts.completed < 160
+        third = serve(redis_server.url, port=first.port)  # and a restart on the old port
+    finally:
+        os.kill(engine, signal.SIGCONT)
     done = wait_status(third.client(), batch.id, ("completed", "failed", "cancelled"), 180)
     assert done.status == "completed" and done.request_counts.completed == 160
     finished, errors = outcome_ids(third.client(), done)
