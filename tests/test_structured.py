@@ -279,3 +279,47 @@ def test_a_choice_grammar_is_each_choice_as_a_json_string_joined_by_or(choices: 
 
     expected = " | ".join(json.dumps(c, ensure_ascii=False) for c in dict.fromkeys(choices))
     assert GrammarSpec.from_params(SamplingParams(choice=choices)).source == f"root ::= {expected}"
+
+
+@given(rows=st.integers(1, 9), vocab=st.integers(1, 300), data=st.data())
+def test_bitmask_apply_sets_minus_inf_exactly_where_a_constrained_row_has_a_clear_bit(rows: int, vocab: int,
+                                                                                     data: st.DataObject) -> None:
+    """The CPU bias table against a bit-by-bit reference: token t of a row in `indices` is -inf iff bit t % 32 of
+    word t // 32 is clear; every other value, and every row not in `indices`, keeps its logit bit for bit."""
+    import torch
+
+    from tokenmill.engine.structured import apply_bitmask
+
+    words = (vocab + 31) // 32
+    seed = data.draw(st.integers(0, 2**31 - 1))
+    generator = torch.Generator().manual_seed(seed)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (rows, words), dtype=torch.int32, generator=generator)
+    logits = torch.randn(rows, vocab, generator=generator) * 10
+    indices = sorted(data.draw(st.sets(st.integers(0, rows - 1), min_size=1)))
+    expected = logits.clone()
+    for r in indices:
+        for t in range(vocab):
+            if not (int(bitmask[r, t // 32]) >> (t % 32)) & 1:
+                expected[r, t] = float("-inf")
+    out = logits.clone()
+    apply_bitmask(out, bitmask, indices)
+    assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("rows, vocab, every", [(70, 32_005, 1), (200, 32_005, 3), (15, 151_936, 2)])
+def test_bitmask_apply_over_many_row_chunks_matches_the_bitwise_reference(rows: int, vocab: int, every: int) -> None:
+    """At real vocabularies the bias is applied a few rows at a time: every chunk, and a subset of rows."""
+    import torch
+
+    from tokenmill.engine.structured import apply_bitmask
+
+    bitmask = torch.randint(-2**31, 2**31 - 1, (rows, (vocab + 31) // 32), dtype=torch.int32)
+    logits = torch.randn(rows, vocab)
+    indices = list(range(0, rows, every))
+    tokens = torch.arange(vocab)
+    clear = ((bitmask[:, tokens // 32] >> (tokens % 32)) & 1) == 0
+    expected = logits.clone()
+    expected[indices] = expected[indices].masked_fill(clear[indices], float("-inf"))
+    out = logits.clone()
+    apply_bitmask(out, bitmask, indices)
+    assert torch.equal(out, expected)
