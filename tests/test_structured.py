@@ -132,6 +132,36 @@ def test_greedy_is_deterministic_and_seeded_is_the_same_alone_and_in_a_batch_of_
         assert len(alone.logprobs) == len(alone.token_ids)  # logprobs work under the mask
 
 
+def test_rows_sampled_from_their_allowed_tokens_get_the_tokens_of_the_masked_full_row(
+        llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A row whose mask allows few tokens is sampled from the list of them (`mask_logits`): greedy, seeded and
+    with logprobs, each request gets the same tokens as with every row masked in full (`LISTED_WORDS = 0`);
+    rows with top-p or a penalty are masked in full either way."""
+    from tokenmill.engine import structured
+
+    prompts = random_prompts(24, 3, 40, seed=11)
+    params = [SamplingParams(max_tokens=48, json_schema=SCHEMA, temperature=[0.0, 1.0, 0.7][i % 3], seed=900 + i,
+                             logprobs=2 if i % 4 == 0 else None) for i in range(20)]
+    params += [SamplingParams(max_tokens=48, json_schema=SCHEMA, temperature=1.0, seed=5, top_p=0.9),
+               SamplingParams(max_tokens=48, json_schema=SCHEMA, temperature=1.0, seed=6, repetition_penalty=1.2),
+               SamplingParams(max_tokens=48, choice=["alpha", "beta", "gamma"], temperature=1.0, seed=7),
+               SamplingParams(max_tokens=16, temperature=1.0, seed=8)]
+    calls: list[int] = []
+    original = structured._allowed_tokens  # noqa: SLF001
+    monkeypatch.setattr(structured, "_allowed_tokens", lambda *a: calls.append(1) or original(*a))
+    listed = llm.generate(prompts, params, use_tqdm=False)
+    monkeypatch.setattr(structured, "LISTED_WORDS", 0)
+    masked = llm.generate(prompts, params, use_tqdm=False)
+    assert calls  # the listed path ran
+    assert [o.token_ids for o in listed] == [o.token_ids for o in masked]
+    # the model's own logprobs, either way (to float noise: the second run reads the first's cached prefixes)
+    for a, b in zip(listed, masked):
+        assert (a.logprobs is None) == (b.logprobs is None)
+        for x, y in zip(a.logprobs or [], b.logprobs or []):
+            assert x["token_id"] == y["token_id"] and x["logprob"] == pytest.approx(y["logprob"], abs=1e-4)
+    assert all(o.constraint_satisfied for o in listed[:-1] if o.finish_reason == "stop")
+
+
 def test_preemption_prefix_caching_and_chunked_prefill_give_the_same_outputs() -> None:
     """A small KV pool (preemptions, recomputation), a shared prompt prefix (prefix-cache hits) and a 64-token
     budget (chunked prefill) against a large pool without prefix caching: the same tokens, all valid."""

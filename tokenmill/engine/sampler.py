@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tokenmill.engine.structured import apply_token_masks
+from tokenmill.engine.structured import AllowedTokens, mask_logits
 from tokenmill.engine.transfer import read_back, to_device
 from tokenmill.sampling_params import GREEDY_TEMPERATURE, SamplingParams
 
@@ -108,13 +108,13 @@ def exponential_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: 
     return _noise_(keys)
 
 
-def _race(probs: torch.Tensor, row_keys: torch.Tensor, token_ids: torch.Tensor | None) -> torch.Tensor:
+def _race(probs: torch.Tensor, row_keys: torch.Tensor, token_ids: torch.Tensor | None, vocab_size: int) -> torch.Tensor:
     """argmax over each row of `probs / noise`, the noise of token `token_ids[r, j]` at column j (or of
     token j when `token_ids` is None). On CPU a few rows at a time, so the int64 temporaries of the
     noise stay in cache; on a GPU in one go (each chunk would cost a launch per operation)."""
-    rows, vocab = probs.shape
-    token_keys = _token_keys(vocab, probs.device)
-    step = rows if probs.is_cuda else max(1, (1 << 17) // vocab)
+    rows, columns = probs.shape
+    token_keys = _token_keys(vocab_size, probs.device)
+    step = rows if probs.is_cuda else max(1, (1 << 17) // columns)
     choices = []
     for a in range(0, rows, step):
         keys = token_keys[token_ids[a : a + step]] if token_ids is not None else token_keys[None, :]
@@ -133,22 +133,40 @@ class Sampler:
         wants = want_logprobs.count(None) != len(want_logprobs)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if wants else None
         constraints = [row.constraint for row in rows]
+        allowed = None
         if constraints.count(None) != len(constraints):  # before every other filter; logprobs stay the model's
-            logits = apply_token_masks(logits, constraints)
+            allowed = mask_logits(logits, constraints, [_plain(row) for row in rows])
         logits = self._suppress(logits, rows)
         logits = self._penalise(logits, rows)
+        listed = set(allowed.rows) if allowed is not None else set()
         # Greedy or not is known on the host: no device read decides which rows draw noise.
         all_greedy = max([p.temperature for p in params], default=0.0) < GREEDY_TEMPERATURE
-        sampled = [] if all_greedy else [i for i, p in enumerate(params) if not p.greedy]
+        sampled = [] if all_greedy else [i for i, p in enumerate(params) if not p.greedy and i not in listed]
         if sampled and len(sampled) == len(rows):
             tokens = self._sample(logits, rows)
         else:
-            tokens = logits.argmax(dim=-1)
+            greedy = len(rows) - len(sampled) - len(listed)
+            tokens = logits.argmax(dim=-1) if greedy else torch.zeros(len(rows), dtype=torch.int64, device=logits.device)
             if sampled:
                 index = to_device(sampled, torch.int64, logits.device)
                 drawn = self._sample(logits.index_select(0, index), [rows[i] for i in sampled])
                 tokens = tokens.index_put((index,), drawn)
+        if allowed is not None:
+            tokens = tokens.index_put((torch.tensor(allowed.rows),), self._sample_allowed(logits, rows, allowed))
         return _read_back(tokens, raw_logprobs, want_logprobs)
+
+    @classmethod
+    def _sample_allowed(cls, logits: torch.Tensor, rows: list[SamplingRow], allowed: AllowedTokens) -> torch.Tensor:
+        """The tokens of the listed rows, from their allowed tokens only: what the masked full row would give (the
+        argmax, or the race among the same tokens with the same noise), without a pass over the vocabulary."""
+        values = logits[torch.tensor(allowed.rows)[:, None], allowed.token_ids].masked_fill_(~allowed.valid, float("-inf"))
+        choice = values.argmax(dim=1)  # the lowest allowed token among equal maxima, as the full row's argmax
+        drawn = [k for k, i in enumerate(allowed.rows) if not rows[i].params.greedy]
+        if drawn:
+            index = torch.tensor(drawn)
+            choice[index] = cls._sample(values[index], [rows[allowed.rows[k]] for k in drawn],
+                                        (allowed.token_ids[index], logits.shape[1]))
+        return allowed.token_ids.gather(1, choice[:, None])[:, 0]
 
     @staticmethod
     def _suppress(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -176,19 +194,32 @@ class Sampler:
         return torch.where(seen, penalised, logits)
 
     @staticmethod
-    def _sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    def _sample(logits: torch.Tensor, rows: list[SamplingRow],
+                columns: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
+        """A token per row; with `columns` (token ids, vocabulary size), for rows without top-k/p or min-p whose
+        column j of row r holds token `token_ids[r, j]`: the column index it is at."""
         device = logits.device
         params = [row.params for row in rows]
         temperature = to_device([1.0 if p.greedy else p.temperature for p in params], torch.float32, device)
         probs = torch.softmax(logits / temperature[:, None], dim=-1)
         keys = to_device([[fold_seed(row.seed), row.num_output_tokens] for row in rows], torch.int64, device)
         row_keys = _row_keys(keys[:, 0], keys[:, 1])
+        if columns is not None:
+            return _race(probs, row_keys, *columns)
         if all(p.top_k <= 0 and p.top_p >= 1.0 and p.min_p <= 0.0 for p in params):
-            return _race(probs, row_keys, None)
+            return _race(probs, row_keys, None, logits.shape[1])
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         sorted_probs = sorted_probs.masked_fill(_filtered(sorted_probs, params), 0.0)
-        choice = _race(sorted_probs, row_keys, order)
+        choice = _race(sorted_probs, row_keys, order, logits.shape[1])
         return order.gather(1, choice[:, None])[:, 0]
+
+
+def _plain(row: SamplingRow) -> bool:
+    """Whether the row's token depends on its allowed tokens' logits alone: no filter that reads the whole
+    distribution (top-k/p, min-p), no penalty or suppressed stop to apply first."""
+    p = row.params
+    return (p.top_k <= 0 and p.top_p >= 1.0 and p.min_p <= 0.0 and p.repetition_penalty == 1.0
+            and not row.suppressed_ids)
 
 
 def _filtered(sorted_probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -4,8 +4,8 @@ A request with `json_schema`, `choice`, `regex` or `json_object` gets a `Constra
 compiled once per engine (`GrammarCache`) by one of two backends, chosen per request (`constraint_backend`,
 default "auto": the first of `AUTO_ORDER` that enforces the constraint in full; recorded in the output). Each
 step the sampler asks the constrained rows, and only those, for a token bitmask (both backends fill rows of one
-bitmask, the same layout) and sets every other logit to -inf before any sampling filter (`apply_token_masks`),
-so greedy, seeds, penalties, top-k/p and min-p all act on the allowed tokens only; the engine then advances the
+bitmask, the same layout) and sets every other logit to -inf before any sampling filter (`mask_logits`; a row
+whose mask allows few tokens is instead sampled from the list of them, with the same result), so greedy, seeds, penalties, top-k/p and min-p all act on the allowed tokens only; the engine then advances the
 matchers with the sampled tokens. Unconstrained rows pay a list scan, nothing more.
 
 Decisions:
@@ -420,13 +420,72 @@ def _by_backend(pairs: Any) -> dict[str, list[tuple[Constraint, Any]]]:
 
 
 def apply_token_masks(logits: torch.Tensor, row_constraints: Sequence[Constraint | None]) -> torch.Tensor:
-    """The sampler's hook: -inf on every token the grammar of a constrained row does not allow (one constraint
-    or None per row of `logits`). Called before any other logits processing; rows without one are not touched."""
+    """-inf on every token the grammar of a constrained row does not allow (one constraint or None per row of
+    `logits`); rows without one are not touched."""
+    mask_logits(logits, row_constraints, [False] * len(row_constraints))
+    return logits
+
+
+@dataclass
+class AllowedTokens:
+    """The allowed tokens of rows whose masks allow few: row `rows[k]` may take `token_ids[k, j]` where
+    `valid[k, j]` (ascending, then padding)."""
+
+    rows: list[int]
+    token_ids: torch.Tensor  # [len(rows), most allowed] int64
+    valid: torch.Tensor  # same shape, bool
+
+
+#: A row whose mask has at most this many nonzero 32-bit words (so at most 32x as many allowed tokens) is listed
+#: instead of masked, when the sampler can take it from the list. On the benchmark's schema 92% of row-steps
+#: allow at most 64 tokens (a quarter allow one): sampling among them skips the full-vocabulary noise.
+LISTED_WORDS = 16
+
+
+def mask_logits(logits: torch.Tensor, row_constraints: Sequence[Constraint | None],
+                listable: Sequence[bool]) -> AllowedTokens | None:
+    """The sampler's hook, called before any other logits processing. Each constrained row either gets -inf on
+    every token its grammar does not allow, or, where `listable[row]` and its mask allows few tokens (CPU
+    only: on a GPU finding them costs device syncs and the dense pass is cheap), is left as it is and listed
+    in the returned `AllowedTokens`, from which the sampler must take its token."""
     indices = [i for i, c in enumerate(row_constraints) if c is not None]
     if not indices:
-        return logits
-    apply_bitmask(logits, fill_bitmask(logits, row_constraints), indices)
-    return logits
+        return None
+    bitmask = fill_bitmask(logits, row_constraints)
+    candidates = [i for i in indices if listable[i]] if logits.device.type == "cpu" else []
+    allowed = _allowed_tokens(bitmask, candidates, logits.shape[1]) if candidates else None
+    if allowed is not None:
+        listed = set(allowed.rows)
+        indices = [i for i in indices if i not in listed]
+    if indices:
+        apply_bitmask(logits, bitmask, indices)
+    return allowed
+
+
+_BIT = torch.arange(32, dtype=torch.int32)
+
+
+def _allowed_tokens(bitmask: torch.Tensor, rows: list[int], vocab: int) -> AllowedTokens | None:
+    """The allowed tokens of those of `rows` whose masks have 1 to `LISTED_WORDS` nonzero words."""
+    words = bitmask.index_select(0, torch.tensor(rows, dtype=torch.int64))[:, : (vocab + 31) // 32]
+    if vocab % 32:  # bits past the vocabulary are no tokens
+        words[:, -1] &= (1 << (vocab % 32)) - 1
+    nonzero = words != 0
+    per_row = nonzero.sum(dim=1)
+    picked = ((per_row > 0) & (per_row <= LISTED_WORDS)).nonzero()[:, 0]
+    if not len(picked):
+        return None
+    row, word = nonzero.index_select(0, picked).nonzero(as_tuple=True)  # row-major: words ascending per row
+    bits = ((words.index_select(0, picked)[row, word][:, None] >> _BIT) & 1).bool()  # [words, 32]
+    row_of = row[:, None].expand_as(bits)[bits]
+    token = (word[:, None] * 32 + _BIT)[bits]
+    counts = torch.bincount(row_of, minlength=len(picked))
+    column = torch.arange(len(token)) - (torch.cumsum(counts, 0) - counts)[row_of]
+    token_ids = torch.zeros(len(picked), int(counts.max()), dtype=torch.int64)
+    valid = torch.zeros(token_ids.shape, dtype=torch.bool)
+    token_ids[row_of, column] = token
+    valid[row_of, column] = True
+    return AllowedTokens([rows[k] for k in picked.tolist()], token_ids, valid)
 
 
 def fill_bitmask(logits: torch.Tensor, row_constraints: Sequence[Constraint | None]) -> torch.Tensor:
