@@ -132,7 +132,7 @@ def _profile(llm: object, prompts: list, params: list) -> None:
                 spent[label] += time.perf_counter() - t
         setattr(owner, name, wrapper)
 
-    timed(sampler, "apply_token_masks", "mask: fill bitmask + apply (sampler hook)")
+    timed(sampler, "mask_logits", "mask: fill bitmask + apply or list (sampler hook)")
     timed(llm_engine, "advance", "matchers: accept sampled tokens (batched)")
     timed(structured.Constraint, "only_stops_allowed", "matcher: completion check")
     timed(llm_engine.LLMEngine, "_constraint", "add_request: spec + cached compile + matcher")
