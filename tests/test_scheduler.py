@@ -137,27 +137,34 @@ def test_decode_preempts_the_most_recently_admitted() -> None:
     check_blocks(scheduler)
 
 
-request_strategy = st.tuples(st.integers(1, 40), st.integers(1, 12), st.integers(0, 3))  # prompt len, max_tokens, prefix
+# A planner and its requests, as the property tests draw them: (prompt length, max_tokens, which prefix) per request.
+PLANNER_CASES = {
+    "requests": st.lists(st.tuples(st.integers(1, 40), st.integers(1, 12), st.integers(0, 3)), min_size=1, max_size=24),
+    "budget": st.integers(1, 48),
+    "block_size": st.sampled_from([1, 2, 4, 16]),
+    "num_blocks": st.integers(4, 40),
+    "max_num_seqs": st.integers(1, 8),
+    "caching": st.booleans(),
+}
+PREFIXES = [[], [5] * 8, [6] * 17, [7] * 33]
+
+
+def planner_config(budget: int, block_size: int, num_blocks: int, max_num_seqs: int, caching: bool) -> SchedulerConfig:
+    return SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=64,
+                           block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=caching)
+
+
+def request_seqs(requests: list[tuple[int, int, int]]) -> list[Sequence]:
+    return [make_seq((PREFIXES[p] + [9] * n)[:52], max_tokens=m, request_id=str(i)) for i, (n, m, p) in enumerate(requests)]
 
 
 @settings(max_examples=150, deadline=None)
-@given(
-    requests=st.lists(request_strategy, min_size=1, max_size=24),
-    budget=st.integers(1, 48),
-    block_size=st.sampled_from([1, 2, 4, 16]),
-    num_blocks=st.integers(4, 40),
-    max_num_seqs=st.integers(1, 8),
-    caching=st.booleans(),
-    actions=st.lists(st.sampled_from(["step", "step", "step", "add", "abort", "eos"]), max_size=200),
-)
+@given(**PLANNER_CASES,
+       actions=st.lists(st.sampled_from(["step", "step", "step", "add", "abort", "eos"]), max_size=200))
 def test_any_sequence_of_operations_keeps_the_invariants(requests, budget, block_size, num_blocks, max_num_seqs,
                                                          caching, actions) -> None:
-    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=64,
-                             block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=caching)
-    scheduler = Scheduler(config)
-    prefixes = [[3] * 0, [5] * 8, [6] * 17, [7] * 33]
-    pending = [make_seq((prefixes[p] + [9] * n)[:52], max_tokens=m, request_id=str(i))
-               for i, (n, m, p) in enumerate(requests)]
+    scheduler = Scheduler(planner_config(budget, block_size, num_blocks, max_num_seqs, caching))
+    pending = request_seqs(requests)
     admitted: list[Sequence] = []
 
     def add_next() -> None:
@@ -223,25 +230,14 @@ def planner_state(scheduler: Scheduler) -> tuple:
 
 
 @settings(max_examples=150, deadline=None)
-@given(
-    requests=st.lists(request_strategy, min_size=1, max_size=24),
-    budget=st.integers(1, 48),
-    block_size=st.sampled_from([1, 2, 4, 16]),
-    num_blocks=st.integers(4, 40),
-    max_num_seqs=st.integers(1, 8),
-    caching=st.booleans(),
-    tokens=st.lists(st.sampled_from([EOS, 1, 1, 1, 2]), max_size=200),
-)
+@given(**PLANNER_CASES, tokens=st.lists(st.sampled_from([EOS, 1, 1, 1, 2]), max_size=200))
 def test_decode_fast_path_plans_what_the_per_sequence_loop_plans(requests, budget, block_size, num_blocks,
                                                                   max_num_seqs, caching, tokens) -> None:
-    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=64,
-                             block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=caching)
+    config = planner_config(budget, block_size, num_blocks, max_num_seqs, caching)
     fast, slow = Scheduler(config), PerSequenceScheduler(config)
-    prefixes = [[], [5] * 8, [6] * 17, [7] * 33]
     for scheduler in (fast, slow):
-        for i, (n, m, p) in enumerate(requests):
-            seq = make_seq((prefixes[p] + [9] * n)[:52], max_tokens=m, request_id=str(i))
-            if scheduler.block_manager.blocks_needed(seq.num_tokens + m) <= num_blocks:
+        for seq in request_seqs(requests):
+            if scheduler.block_manager.blocks_needed(seq.num_tokens + seq.params.max_tokens) <= num_blocks:
                 scheduler.add(seq)
     for token in tokens + [1] * 2000:
         if not fast.has_unfinished():
