@@ -152,20 +152,23 @@ class Sampler:
                 drawn = self._sample(logits.index_select(0, index), [rows[i] for i in sampled])
                 tokens = tokens.index_put((index,), drawn)
         if allowed is not None:
-            tokens = tokens.index_put((torch.tensor(allowed.rows),), self._sample_allowed(logits, rows, allowed))
+            index = torch.tensor(allowed.rows)
+            tokens = tokens.index_put((index,), self._sample_allowed(logits, rows, allowed, index))
         return _read_back(tokens, raw_logprobs, want_logprobs)
 
     @classmethod
-    def _sample_allowed(cls, logits: torch.Tensor, rows: list[SamplingRow], allowed: AllowedTokens) -> torch.Tensor:
-        """The tokens of the listed rows, from their allowed tokens only: what the masked full row would give (the
-        argmax, or the race among the same tokens with the same noise), without a pass over the vocabulary."""
-        values = logits[torch.tensor(allowed.rows)[:, None], allowed.token_ids].masked_fill_(~allowed.valid, float("-inf"))
+    def _sample_allowed(cls, logits: torch.Tensor, rows: list[SamplingRow], allowed: AllowedTokens,
+                        index: torch.Tensor) -> torch.Tensor:
+        """The tokens of the listed rows (`index`: `allowed.rows`), from their allowed tokens only: what the masked
+        full row would give (the argmax, or the race among the same tokens with the same noise), without a pass
+        over the vocabulary."""
+        values = logits[index[:, None], allowed.token_ids].masked_fill_(~allowed.valid, float("-inf"))
         choice = values.argmax(dim=1)  # the lowest allowed token among equal maxima, as the full row's argmax
         drawn = [k for k, i in enumerate(allowed.rows) if not rows[i].params.greedy]
         if drawn:
-            index = torch.tensor(drawn)
-            choice[index] = cls._sample(values[index], [rows[allowed.rows[k]] for k in drawn],
-                                        (allowed.token_ids[index], logits.shape[1]))
+            at = torch.tensor(drawn)
+            choice[at] = cls._sample(values[at], [rows[allowed.rows[k]] for k in drawn],
+                                     (allowed.token_ids[at], logits.shape[1]))
         return allowed.token_ids.gather(1, choice[:, None])[:, 0]
 
     @staticmethod
@@ -206,7 +209,7 @@ class Sampler:
         row_keys = _row_keys(keys[:, 0], keys[:, 1])
         if columns is not None:
             return _race(probs, row_keys, *columns)
-        if all(p.top_k <= 0 and p.top_p >= 1.0 and p.min_p <= 0.0 for p in params):
+        if all(_unfiltered(p) for p in params):
             return _race(probs, row_keys, None, logits.shape[1])
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         sorted_probs = sorted_probs.masked_fill(_filtered(sorted_probs, params), 0.0)
@@ -214,12 +217,15 @@ class Sampler:
         return order.gather(1, choice[:, None])[:, 0]
 
 
+def _unfiltered(p: SamplingParams) -> bool:
+    """No top-k, top-p or min-p: the race runs over the whole distribution as it is."""
+    return p.top_k <= 0 and p.top_p >= 1.0 and p.min_p <= 0.0
+
+
 def _plain(row: SamplingRow) -> bool:
     """Whether the row's token depends on its allowed tokens' logits alone: no filter that reads the whole
-    distribution (top-k/p, min-p), no penalty or suppressed stop to apply first."""
-    p = row.params
-    return (p.top_k <= 0 and p.top_p >= 1.0 and p.min_p <= 0.0 and p.repetition_penalty == 1.0
-            and not row.suppressed_ids)
+    distribution, no penalty or suppressed stop to apply first."""
+    return _unfiltered(row.params) and row.params.repetition_penalty == 1.0 and not row.suppressed_ids
 
 
 def _filtered(sorted_probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

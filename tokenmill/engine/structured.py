@@ -5,8 +5,9 @@ compiled once per engine (`GrammarCache`) by one of two backends, chosen per req
 default "auto": the first of `AUTO_ORDER` that enforces the constraint in full; recorded in the output). Each
 step the sampler asks the constrained rows, and only those, for a token bitmask (both backends fill rows of one
 bitmask, the same layout) and sets every other logit to -inf before any sampling filter (`mask_logits`; a row
-whose mask allows few tokens is instead sampled from the list of them, with the same result), so greedy, seeds, penalties, top-k/p and min-p all act on the allowed tokens only; the engine then advances the
-matchers with the sampled tokens. Unconstrained rows pay a list scan, nothing more.
+whose mask allows few tokens is instead sampled from the list of them, with the same result), so greedy, seeds,
+penalties, top-k/p and min-p all act on the allowed tokens only; the engine then advances the matchers with the
+sampled tokens. Unconstrained rows pay a list scan, nothing more.
 
 Decisions:
 * JSON is compact (no free whitespace, separators "," and ":"), with both backends: a weak or random model
