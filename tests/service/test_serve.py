@@ -321,15 +321,17 @@ def test_lines_naming_a_model_no_worker_serves_error_and_the_batch_completes(tmp
     server = serve(redis_server.url)
     client = server.client()
     assert [m.id for m in client.models.list()] == ["builtin:tiny"]  # what the live worker announces
+    unnamed = chat_line("e", "no model named")
+    del unnamed["body"]["model"]  # any worker's model
     lines = [chat_line("a", "hi"), chat_line("b", "hi", model="gpt-4o"), chat_line("c", "hello"),
-             chat_line("d", "hey", model="builtin:huge")]
+             chat_line("d", "hey", model="builtin:huge"), unnamed]
     batch = client.batches.create(input_file_id=upload(client, write_jsonl(tmp_path / "in.jsonl", lines)),
                                   endpoint="/v1/chat/completions", completion_window="24h")
     done = wait_status(client, batch.id, ("completed", "failed", "cancelled", "expired"), 120)
     assert done.status == "completed"
-    assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (4, 2, 2)
+    assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (5, 3, 2)
     finished, errors = outcome_ids(client, done)
-    assert finished == ["a", "c"]
+    assert finished == ["a", "c", "e"]
     assert [(e["custom_id"], e["error"]["code"], e["response"]) for e in errors] == [
         ("b", "model_not_found", None), ("d", "model_not_found", None)]
     assert "'gpt-4o'" in errors[0]["error"]["message"] and "builtin:tiny" in errors[0]["error"]["message"]

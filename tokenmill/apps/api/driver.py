@@ -200,12 +200,14 @@ class Driver(threading.Thread):
 
     def _served(self, plan: Plan, units: list[Unit]) -> tuple[list[Unit], dict[str, str]]:
         """The units whose model a live worker on the queue announces, and an error for each of the others
-        (never queued: no worker would take them as that model). With no live worker at all every unit is queued:
-        the jobs wait for workers, as any job does (and the completion window still ends the batch)."""
+        (never queued: no worker would take them as that model). A line that names no model (the parser's default
+        label) goes to whichever worker takes it. With no live worker at all every unit is queued: the jobs wait
+        for workers, as any job does (and the completion window still ends the batch)."""
         served = served_models(self.records.redis, self.settings.queue)
         if not served:
             return units, {}
-        unserved = {u.job_id: plan.models[u.job_id] for u in units if plan.models[u.job_id] not in served}
+        unserved = {u.job_id: plan.models[u.job_id] for u in units
+                    if plan.models[u.job_id] not in served and plan.models[u.job_id] != self.parser.model}
         known = ", ".join(sorted(served))
         return [u for u in units if u.job_id not in unserved], {
             job: f"model_not_found: the model {model!r} is not served by any worker on queue {self.settings.queue!r} "
