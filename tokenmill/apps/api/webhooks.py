@@ -68,8 +68,8 @@ class Deliverer(threading.Thread):
             return False
         event_id = claimed.decode()
         body = self.redis.hget(EVENTS, event_id)
-        if body is None:  # delivered by another server meanwhile
-            self.redis.zrem(OUTBOX, event_id)
+        if body is None:  # delivered by another server meanwhile (a late failure there may have counted an attempt)
+            self._forget(event_id)
             return True
         problem = self.post(event_id, body)
         if problem is None:
