@@ -86,6 +86,16 @@ def test_a_requests_own_stop_token_and_ignore_eos_apply_with_either_backend(engi
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_a_stop_token_that_is_also_text_ends_the_output_only_where_the_grammar_may_end(
+        engines: dict[str, LLM], backend: str) -> None:
+    """Found in review: llguidance let the request's stop "5" end `[0-9]{3}` after one or two digits."""
+    params = [SamplingParams(regex=r"[0-9]{3}", stop_token_ids=[ord("5")], temperature=1.0, seed=i, max_tokens=8)
+              for i in range(8)]
+    outs = engines[backend].generate(["x"] * len(params), params, use_tqdm=False)
+    assert all(o.constraint_satisfied for o in outs), [(o.text, o.constraint_error) for o in outs]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_an_open_map_never_repeats_a_key_in_the_mask(engines: dict[str, LLM], backend: str) -> None:
     """Issue: `{"á": 1, "á": 0}` was generated. After `{"ab":1,"a` the token `b` may follow but not a closing quote
     after `ab`; in a nested object the outer keys do not count; a value string may repeat a key."""

@@ -291,10 +291,11 @@ class Constraint:
             self.matcher = xgr.GrammarMatcher(compiled.grammar, override_stop_tokens=sorted(self.stop_ids))
         else:
             self.matcher = compiled.grammar.deep_copy()
-            # llguidance allows the engine's EOS ids where the grammar may end: swap in this request's stops.
+            # llguidance allows the engine's EOS ids where the grammar may end: swap in this request's stops, which
+            # are then allowed only there (a stop that is also text, such as "5", may not end a match mid-way).
             engine_eos = frozenset(cache.stop_ids)
             self.stop_fix = None if self.stop_ids == engine_eos else (
-                ~cache.words(engine_eos - self.stop_ids), cache.words(self.stop_ids))
+                ~cache.words(engine_eos | self.stop_ids), cache.words(self.stop_ids))
         self.stopped = False  # llguidance: a stop token was sampled (it is not fed to the matcher)
         self.keys = KeyTracker() if spec.is_json else None
         self.rejected_token: int | None = None
