@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -134,7 +133,6 @@ def main() -> None:
         for group, group_cases in groups.items():
             if not group_cases:
                 continue
-            start = time.perf_counter()
             r = run(llm, group_cases, args.per_schema, args.max_tokens)
             n, served = r["schemas"], r["served"]
             print(f"| {backend} | {group} | {n} | {served} ({100 * served / n:.0f}%) | {r['refused']} | {r['backend refused']} "
@@ -142,7 +140,6 @@ def main() -> None:
                   f"| {baseline[group]} ({100 * baseline[group] / n:.0f}%) | "
                   f"{', '.join(f'{k} {v}' for k, v in sorted(r['by backend'].items()))} |", flush=True)
             notes += [f"[{backend}] {note}" for note in r["notes"]]
-            del start
     if args.verbose and notes:
         print("\n" + "\n".join(notes))
 

@@ -565,7 +565,7 @@ def _tokenizer_info(xgr: Any, tokenizer: Any, vocab_size: int, stop_ids: list[in
 # maxLength would count three replacement characters). A real model practically never emits them, a random
 # byte-level one does. RFC 3629: these bytes never occur, and after these lead bytes the next byte is
 # restricted. Tokens holding a forbidden byte or pair are removed from the vocabulary; the pair across two
-# tokens is masked in `apply_token_masks` from the row's last byte.
+# tokens is masked in `Constraint.adjust` from the row's last byte.
 _NEVER_IN_UTF8 = frozenset([0xC0, 0xC1, *range(0xF5, 0x100)])
 _AFTER_LEAD = {0xE0: range(0xA0, 0xC0), 0xED: range(0x80, 0xA0), 0xF0: range(0x90, 0xC0), 0xF4: range(0x80, 0x90)}
 
