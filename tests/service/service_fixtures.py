@@ -8,6 +8,7 @@ tiny model. Waits poll with deadlines instead of sleeping fixed times.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -57,6 +58,17 @@ def engine_pid(worker_pid: int) -> int:
     pids = [pid for pid in child_pids(worker_pid) if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
     assert len(pids) == 1, f"expected one engine process under {worker_pid}, found {pids}"
     return pids[0]
+
+
+@contextlib.contextmanager
+def stopped(pid: int) -> Iterator[None]:
+    """SIGSTOP `pid` for the block (an engine process: no job it holds can finish, however slow the machine),
+    SIGCONT after it, whatever happens."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
 
 
 def wait_for(check: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:

@@ -20,7 +20,7 @@ from typing import Any
 import openai
 import pytest
 from openai import OpenAI
-from service_fixtures import REPO, S3_BUCKET, engine_pid, free_port, wait_for
+from service_fixtures import REPO, S3_BUCKET, engine_pid, free_port, stopped, wait_for
 
 from tokenmill.apps.batch import batch as run_batch
 from tokenmill.queue.names import CANCEL_KEY
@@ -251,16 +251,12 @@ def test_cancel_mid_run_keeps_the_finished_lines(tmp_path, redis_server, start_w
     # Frozen once a few results are stored, until the server has cancelled the jobs: its counts and its cancel
     # check each trail by up to a second, and a loaded run finished 185 lines in that time.
     wait_for(lambda: len(result_log.counts) >= 3, 120, "some requests done")
-    engine = engine_pid(worker.process.pid)
-    os.kill(engine, signal.SIGSTOP)
-    try:
+    with stopped(engine_pid(worker.process.pid)):
         wait_for(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 3, 30, "counted by the server")
         cancelling = client.batches.cancel(batch.id)
         assert cancelling.status == "cancelling" and cancelling.cancelling_at
         broker = redis_server.client()
         wait_for(lambda: next(broker.scan_iter(CANCEL_KEY.format(job_id="*")), None), 30, "the jobs cancelled")
-    finally:
-        os.kill(engine, signal.SIGCONT)
     done = wait_status(client, batch.id, ("cancelled", "completed"), 60)
     assert done.status == "cancelled" and done.cancelled_at
     finished, errors = outcome_ids(client, done)
@@ -297,16 +293,12 @@ def test_server_kill_9_mid_batch_another_server_finishes_it_running_nothing_twic
     # Frozen once a few results are stored: the server's counts trail by up to a second, and in a second one
     # worker finishes all 160 lines.
     wait_for(lambda: len(result_log.counts) >= 3, 120, "some requests done")
-    engine = engine_pid(worker.process.pid)
-    os.kill(engine, signal.SIGSTOP)
-    try:
+    with stopped(engine_pid(worker.process.pid)):
         wait_for(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 3, 30, "counted by the server")
         first.kill()
         during = second.client().batches.retrieve(batch.id)
         assert during.status == "in_progress" and during.request_counts.completed < 160
         third = serve(redis_server.url, port=first.port)  # and a restart on the old port
-    finally:
-        os.kill(engine, signal.SIGCONT)
     done = wait_status(third.client(), batch.id, ("completed", "failed", "cancelled"), 180)
     assert done.status == "completed" and done.request_counts.completed == 160
     finished, errors = outcome_ids(third.client(), done)

@@ -6,10 +6,9 @@ leases, and each stored once; the jobs the intake leaves to the pool path beside
 from __future__ import annotations
 
 import os
-import signal
 import time
 
-from service_fixtures import TEST_VISIBILITY_TIMEOUT, RedisServer, ResultLog, engine_pid, wait_for
+from service_fixtures import TEST_VISIBILITY_TIMEOUT, RedisServer, ResultLog, engine_pid, stopped, wait_for
 
 from tokenmill.client import Client
 from tokenmill.queue.names import DEFAULT_QUEUE, DELIVERIES_KEY, TASK_NAME
@@ -37,24 +36,17 @@ def test_jobs_held_by_the_intake_thread_are_active_in_inspect_keep_their_leases_
     node = next(name for reply in app.control.ping(timeout=5) for name in reply if name.startswith("intake@"))
     assert client.submit(prompt="warm", **SHORT).result(timeout=60).ok
     threads_before = _threads(worker.process.pid)
-    engine = engine_pid(worker.process.pid)
-    os.kill(engine, signal.SIGSTOP)  # no job can finish: every one is held while the checks below run
-    try:
+    with stopped(engine_pid(worker.process.pid)):  # no job can finish: every one is held while the checks below run
         # Sent while the worker is stopped too, so that they wait together: its blocked take gets the first,
         # the next take all 15 others, and a take is one group (a thread each). Taken as they arrive instead, a
         # pipeline of 16 reaches Redis in a few reads, with as many takes between them.
-        os.kill(worker.process.pid, signal.SIGSTOP)
-        try:
+        with stopped(worker.process.pid):
             handles = client.submit_many({"prompt": f"held {i}", **SHORT} for i in range(16))
-        finally:
-            os.kill(worker.process.pid, signal.SIGCONT)
         ids = {h.id for h in handles}
         wait_for(lambda: _active_ids(app, node) == ids, 60, "all 16 jobs active in celery inspect")
         assert _threads(worker.process.pid) - threads_before <= 2  # a group thread for each take
         time.sleep(3 * TEST_VISIBILITY_TIMEOUT)  # unrenewed, kombu's sweep would requeue them by now
         assert redis_server.client().llen(DEFAULT_QUEUE) == 0
-    finally:
-        os.kill(engine, signal.SIGCONT)
     results = client.results(handles, timeout=60)
     assert all(r.ok and r.attempt == 1 for r in results), [(r.status, r.attempt) for r in results]
     broker = redis_server.client()
@@ -101,11 +93,7 @@ def test_with_the_intake_off_every_job_takes_a_pool_thread(redis_server: RedisSe
     worker = start_worker(redis_server.url, "pooled", extra_env={"TOKENMILL_SINGLE_JOB_INTAKE": "false"}).wait_ready()
     assert client.submit(prompt="warm", **SHORT).result(timeout=60).ok
     threads_before = _threads(worker.process.pid)
-    engine = engine_pid(worker.process.pid)
-    os.kill(engine, signal.SIGSTOP)
-    try:
+    with stopped(engine_pid(worker.process.pid)):
         handles = client.submit_many({"prompt": f"pooled {i}", **SHORT} for i in range(8))
         wait_for(lambda: _threads(worker.process.pid) - threads_before >= 7, 60, "a pool thread per held job")
-    finally:
-        os.kill(engine, signal.SIGCONT)
     assert all(r.ok for r in client.results(handles, timeout=60))
