@@ -97,3 +97,24 @@ def test_with_the_intake_off_every_job_takes_a_pool_thread(redis_server: RedisSe
         handles = client.submit_many({"prompt": f"pooled {i}", **SHORT} for i in range(8))
         wait_for(lambda: _threads(worker.process.pid) - threads_before >= 7, 60, "a pool thread per held job")
     assert all(r.ok for r in client.results(handles, timeout=60))
+
+
+def test_a_remote_shutdown_waits_for_the_jobs_the_intake_holds(redis_server: RedisServer, start_worker,
+                                                              result_log: ResultLog) -> None:
+    """Celery's `shutdown` command sends no signal: the intake still drains (found in review: it drained on SIGTERM
+    only, and the process exited with the held jobs unfinished and their messages unacked)."""
+    client = Client(redis_server.url)
+    app = create_app(QueueSettings(broker_url=redis_server.url))
+    worker = start_worker(redis_server.url, "remote", remote_control_writes=True).wait_ready().wait_listening(app)
+    node = next(name for reply in app.control.ping(timeout=5) for name in reply if name.startswith("remote@"))
+    assert client.submit(prompt="warm", **SHORT).result(timeout=60).ok
+    with stopped(engine_pid(worker.process.pid)):
+        handles = client.submit_many({"prompt": f"held {i}", **SHORT} for i in range(6))
+        ids = {h.id for h in handles}
+        wait_for(lambda: _active_ids(app, node) == ids, 60, "all 6 jobs held by the intake")
+        app.control.broadcast("shutdown", destination=[node], reply=True, timeout=10)
+    assert worker.process.wait(timeout=60) == 0
+    results = [client.get(h.id) for h in handles]
+    assert all(r is not None and r.ok and r.attempt == 1 for r in results), results
+    broker = redis_server.client()
+    assert broker.hlen("unacked") == 0 and broker.llen(DEFAULT_QUEUE) == 0

@@ -114,12 +114,12 @@ class BatchRun:
         from tokenmill.worker.service import Attempt, stored_job_hash
 
         checked = self.service.check_in([job.id for job in jobs], [self.backend.get_key_for_task(j.id) for j in jobs])
-        todo = []
+        todo, stored = [], []
         for job, check in zip(jobs, checked):
             run = Attempt(job, self.started_at, check.attempt)
             if is_final(check.stored):  # this job's result (idempotent) or, under a reused id, another's (a conflict)
                 self.service.skip_stored(job, stored_job_hash(check.stored))
-                self.settled([job.id], {})
+                stored.append(job.id)
                 continue
             if check.cancelled:
                 done[job.id] = self.service.cancelled_before_start(run)
@@ -127,6 +127,8 @@ class BatchRun:
                 done[job.id] = self.service.dead_letter(job, check.attempt, self.started_at)
             else:
                 todo.append(run)
+        if stored:
+            self.settled(stored, {})  # acked together
         try:
             self._generate(todo, done)
         finally:

@@ -45,7 +45,8 @@ from tokenmill.worker.batch_task import BatchRun
 
 log = logging.getLogger("tokenmill.worker")
 
-#: Most single jobs admitted in one group (one check-in script and one engine message).
+#: Most single jobs admitted in one group (one check-in script and one engine message): the service's
+#: `CHECK_IN_LIMIT`, not imported so that producers importing the app do not load the service.
 GROUP_LIMIT = 500
 #: Parts of a message only Celery's `trace_task` applies (a chord's callback once its last part is stored, linked
 #: tasks, a chain's next step): a job that has one takes the pool path.
@@ -131,12 +132,17 @@ class Intake:
 
     def _start_soon(self) -> None:
         """Start the next group on the consumer's event loop, once the messages it is delivering are all waiting:
-        a take of many messages becomes one group. Started at once where there is no loop (or it has ended)."""
+        a take of many messages becomes one group."""
+        self.soon(self._next_group)
+
+    def soon(self, call: Any, *args: Any) -> None:
+        """`call(*args)` on the consumer's event loop; at once where there is no loop, or it has ended (the worker
+        is shutting down: the loop waits for the intake to drain)."""
         service = self._service
         if self.call_soon is not None and not (service is not None and service.shutting_down):
-            self.call_soon(self._next_group)
+            self.call_soon(call, *args)
         else:
-            self._next_group()
+            call(*args)
 
     def _next_group(self) -> None:
         """Start a group of everything waiting, or note that no admission is in progress."""
@@ -156,16 +162,19 @@ class Intake:
             self._next_group()
 
     def _run(self, taken: list[tuple[Any, dict[str, Any]]]) -> None:
+        run = None
         try:
             service = self._worker_service()
             if service is None:
                 for request, _ in taken:
                     self._to_pool(request)
-                self._next_group()
                 return
-            IntakeRun(service, taken, self._to_pool, self._start_soon).run_all()
+            run = IntakeRun(service, taken, self._to_pool, self._start_soon)
+            run.run_all()
         finally:
             self._ended()
+            if run is None:  # no run reached admission (the intake is off, or setting the run up failed)
+                self._start_soon()
 
     def _worker_service(self) -> Any:
         """The worker's service, or None when the intake is off (or no service can start: the pool path then
@@ -221,9 +230,9 @@ class IntakeRun(BatchRun):
             self.raw.append(raw)
 
     def run_all(self) -> None:
-        for request in self.requests.values():
-            _accept(request)
         try:
+            for request in self.requests.values():
+                _accept(request)
             self.run(self.raw)
         except Reject as exc:
             self._requeue_rest(str(exc))
@@ -249,13 +258,9 @@ class IntakeRun(BatchRun):
 
     def settled(self, job_ids: list[str], results: dict[str, dict[str, Any]]) -> None:
         requests = [(self.requests.pop(job_id), results.get(job_id)) for job_id in job_ids if job_id in self.requests]
-        acked = [request for request, _ in requests]
-        if INTAKE.call_soon is not None and not self.service.shutting_down:
-            # on the consumer's loop, as Celery acks: the call wakes it, so it takes more messages at once as
-            # prefetch slots free (an ack from this thread left it asleep until its next timer)
-            INTAKE.call_soon(_ack_all, acked)
-        else:  # no loop, or it waits for the intake to drain
-            _ack_all(acked)
+        # on the consumer's loop, as Celery acks: the call wakes it, so it takes more messages at once as
+        # prefetch slots free (an ack from this thread left it asleep until its next timer)
+        INTAKE.soon(_ack_all, [request for request, _ in requests])
         now = time.time()
         for request, result in requests:
             task_ready(request, successful=True)
@@ -318,7 +323,11 @@ class IntakeDrain(bootsteps.StartStopStep):
         from tokenmill.worker.runtime import installed
 
         service = installed()
-        if service is not None and service.shutting_down:
+        if service is None:
+            return
+        if parent.blueprint.state == bootsteps.CLOSE:  # the consumer stops for good; a remote `shutdown` or
+            service.begin_shutdown()                   # `WorkController.stop()` sends no signal: the grace starts here
+        if service.shutting_down:
             INTAKE.drain()
 
     shutdown = stop
