@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+#: The grammar backends, and "auto" (the default): per request, the first of `structured.AUTO_ORDER` that enforces it.
+CONSTRAINT_BACKENDS = ("auto", "xgrammar", "llguidance")
+
 
 @dataclass
 class EngineConfig:
@@ -53,8 +56,9 @@ class EngineConfig:
                 raise ValueError(f"{name}: must be >= 1, got {value}")
         if not self.grammar_compile_timeout > 0 or self.grammar_cache_bytes < 1:
             raise ValueError("grammar_compile_timeout and grammar_cache_bytes: must be > 0")
-        if self.constraint_backend not in ("auto", "xgrammar", "llguidance"):
-            raise ValueError(f"constraint_backend: must be auto, xgrammar or llguidance, got {self.constraint_backend!r}")
+        if self.constraint_backend not in CONSTRAINT_BACKENDS:
+            raise ValueError(f"constraint_backend: must be one of {', '.join(CONSTRAINT_BACKENDS)}, "
+                             f"got {self.constraint_backend!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
 

@@ -54,6 +54,7 @@ import numpy as np
 import torch
 
 from tokenmill.engine import llguidance_backend as llg_backend
+from tokenmill.engine.config import CONSTRAINT_BACKENDS
 from tokenmill.engine.json_keys import KeyTracker, TokenPrefixes
 from tokenmill.errors import InvalidRequestError
 from tokenmill.schema_support import completion_error, prepare, regex_error, xgrammar_gap
@@ -63,8 +64,6 @@ if TYPE_CHECKING:
 
 #: Compact JSON separators (item, key), as `json.dumps(separators=...)`.
 JSON_SEPARATORS = (",", ":")
-#: The grammar backends, and "auto" (the default): per request, the first of `AUTO_ORDER` that enforces it.
-BACKENDS = ("auto", "xgrammar", "llguidance")
 # xgrammar first: its masks are precomputed per grammar state, llguidance's computed per step (benchmarks/
 # structured.py --backends, 32k-token BPE, 256 rows of one schema, CPU time, loaded 2-core machine: fill 1.4 vs 5.5
 # ms a step), and in a batch job one compile serves the whole dataset. llguidance compiles far faster (583 corpus
@@ -122,8 +121,8 @@ class GrammarCache:
                  backend: str = "auto") -> None:
         import xgrammar as xgr
 
-        if backend not in BACKENDS:
-            raise ValueError(f"constraint_backend: must be one of {', '.join(BACKENDS)}, got {backend!r}")
+        if backend not in CONSTRAINT_BACKENDS:
+            raise ValueError(f"constraint_backend: must be one of {', '.join(CONSTRAINT_BACKENDS)}, got {backend!r}")
         self.backend = backend
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -262,7 +261,7 @@ class GrammarCache:
             allowed = np.ones(self.scratch.shape[1] * 32, dtype=bool)
             allowed[self.vocab_size:] = False
             allowed[list(stop_ids)] = False
-            words = self._non_stop[stop_ids] = np.packbits(allowed, bitorder="little").view(np.int32)
+            words = self._non_stop[stop_ids] = _packed_words(allowed).numpy()
         return words
 
     def words(self, ids: frozenset[int]) -> torch.Tensor:
@@ -271,7 +270,7 @@ class GrammarCache:
         if words is None:
             allowed = np.zeros(self.scratch.shape[1] * 32, dtype=bool)
             allowed[list(ids)] = True
-            words = self._words[ids] = torch.from_numpy(np.packbits(allowed, bitorder="little").view(np.int32).copy())
+            words = self._words[ids] = _packed_words(allowed)
         return words
 
 
@@ -575,13 +574,18 @@ def _utf8_invalid(token: bytes) -> bool:
         a in _AFTER_LEAD and b not in _AFTER_LEAD[a] for a, b in zip(token, token[1:]))
 
 
+def _packed_words(allowed: np.ndarray) -> torch.Tensor:
+    """Bitmask words (int32, token t at bit t % 32 of word t // 32, as the backends fill them) of a bool per token."""
+    return torch.from_numpy(np.packbits(allowed, bitorder="little").view(np.int32).copy())
+
+
 def _after_lead_words(vocab: list[bytes], words: int) -> dict[int, torch.Tensor]:
     """Per restricted lead byte: bitmask words of the tokens that may follow a text ending in that byte."""
     out = {}
     for lead, allowed_next in _AFTER_LEAD.items():
         allowed = np.zeros(words * 32, dtype=bool)
         allowed[[i for i, token in enumerate(vocab) if token and token[0] in allowed_next]] = True
-        out[lead] = torch.from_numpy(np.packbits(allowed, bitorder="little").view(np.int32).copy())
+        out[lead] = _packed_words(allowed)
     return out
 
 
