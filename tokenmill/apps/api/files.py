@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, Protocol
 
 from tokenmill.apps.api.errors import APIError, not_found
+from tokenmill.queue.schemas import S3Location
 
 _CHUNK = 1 << 20
 
@@ -107,8 +108,8 @@ class S3Store:
         import boto3
         from botocore.config import Config
 
-        self.bucket, _, prefix = location.removeprefix("s3://").partition("/")  # checked by ServeSettings
-        self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
+        where = S3Location.parse(location)
+        self.bucket, self.prefix = where.bucket, where.prefix + "/" if where.prefix else ""
         self.endpoint = endpoint
         region = os.environ.get("AWS_DEFAULT_REGION") or os.environ.get("AWS_REGION") or "us-east-1"
         self.s3: Any = boto3.client("s3", endpoint_url=endpoint, region_name=region,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field, field_validator, model_validator
 
+from tokenmill.queue.schemas import S3Location
 from tokenmill.queue.settings import QueueSettings
 
 
@@ -57,6 +58,6 @@ class ServeSettings(QueueSettings):
     @field_validator("files_dir")
     @classmethod
     def _check_files_dir(cls, value: str) -> str:
-        if value.startswith("s3://") and not value.removeprefix("s3://").split("/", 1)[0]:
-            raise ValueError(f"{value!r}: an S3 files store is s3://bucket or s3://bucket/prefix")
+        if value.startswith("s3://"):
+            S3Location.parse(value)  # an S3 files store is s3://bucket or s3://bucket/prefix
         return value
