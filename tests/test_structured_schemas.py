@@ -199,6 +199,7 @@ def test_the_final_check_catches_what_the_grammar_lets_through(monkeypatch: pyte
     (("json_schema", {"maximum": 300}), "7462", "maximum at /maximum"),
     (("json_schema", {"$schema": "http://json-schema.org/draft-07/schema#", "items": [{"type": "integer"}]}),
      '["x"]', "type at /items/0/type"),
+    (("json_schema", {"multipleOf": 0.5}), "1e999", "beyond float64's range"),  # multipleOf raised on infinity
     (("regex", r"\d+"), "12a", "does not fully match"),
     (("choice", ["yes", "no"]), "maybe", "not one of the choices"),
 ])
