@@ -159,6 +159,8 @@ def test_issue_failure_classes_are_served_validly(tiny: LLM) -> None:
     {"not": True}, {"oneOf": [True, True, True]}, {"type": "string", "pattern": "^\\t$"},
     {"propertyNames": {"maxLength": 5}, "additionalProperties": {"type": "number"}},
     {"$dynamicRef": "#x"}, {"type": "integer", "minimum": 5, "maximum": 4},
+    # found by the generated-schemas test: the engine's llguidance refused it, the client had not
+    {"type": "array", "items": {"type": "string"}, "contains": {"maxLength": 0, "pattern": "^[ab]+$"}},
 ])
 def test_unsatisfiable_and_unenforceable_schemas_are_refused_before_generation(schema: dict) -> None:
     with pytest.raises(InvalidRequestError, match="^json_schema: "):

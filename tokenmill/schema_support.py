@@ -706,6 +706,8 @@ class _Normaliser:
         if kind == "string":
             if d["maxLength"] is not None and d["minLength"] > d["maxLength"]:
                 return []
+            if d["maxLength"] == 0 and d["pattern"] is not None and not _matches_empty(d["pattern"]):
+                return []  # only "" has length 0, and the pattern does not match it
             return [d]
         if kind == "array":
             return self._final_array(dict(d), ptr, check)
@@ -961,6 +963,14 @@ def _enumerate(d: Disj) -> list[Any] | None:
 
 
 _JSON_ESCAPED = set(range(0x20)) | {ord('"'), ord("\\")}
+
+
+def _matches_empty(pattern: str) -> bool:
+    """Whether `pattern` matches the empty string (True where Python cannot read it: the backend decides)."""
+    try:
+        return re.search(pattern, "") is not None
+    except re.error:
+        return True
 
 
 def _check_pattern(pattern: Any, ptr: str) -> None:
