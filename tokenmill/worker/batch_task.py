@@ -26,10 +26,11 @@ worker service is imported when a group arrives).
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 import time
-from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, wait
+from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, Future, wait
 from typing import TYPE_CHECKING, Any
 
 from celery import states
@@ -84,8 +85,16 @@ class BatchRun:
     def submitted(self) -> None:
         """Hook: the jobs to run are in the engine (or none was left to run)."""
 
-    def joined(self, jobs: list[Job]) -> None:
-        """Hook: these jobs are already running in this process; that run finishes and stores them."""
+    def joined(self, running: list[tuple[Job, Future]]) -> None:
+        """Hook: these jobs are already running in this process, with that run's future; that run finishes and
+        stores them. A job of other content under the running one's id is a conflict, as on the pool path."""
+        for job, future in running:
+            future.add_done_callback(functools.partial(self._joined_done, job))
+
+    def _joined_done(self, job: Job, future: Future) -> None:
+        result = None if future.cancelled() or future.exception() is not None else future.result()
+        if result is not None:
+            self.service.joined_another(job, result)
 
     def run(self, raw_jobs: Any) -> dict[str, Any]:
         if not isinstance(raw_jobs, list) or not all(isinstance(j, dict) for j in raw_jobs):
@@ -95,7 +104,7 @@ class BatchRun:
         # A job already running here (as a single job or in another group) is that run's to finish and store.
         mine, running = self.service.claim(jobs)
         self._mine = {job.id: (job, future) for job, future in mine}  # until stored (`_store` releases them)
-        self.joined([job for job, _ in running])
+        self.joined(running)
         try:
             ran = self._run_mine([job for job, _ in mine], done)
         except BaseException as exc:

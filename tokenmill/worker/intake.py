@@ -252,8 +252,8 @@ class IntakeRun(BatchRun):
         if admitted is not None:
             admitted()
 
-    def joined(self, jobs: list[Any]) -> None:
-        for job in jobs:
+    def joined(self, running: list[tuple[Any, Any]]) -> None:
+        for job, _ in running:  # the pool path waits for that run (and names a conflict)
             self.to_pool(self.requests.pop(job.id))
 
     def settled(self, job_ids: list[str], results: dict[str, dict[str, Any]]) -> None:

@@ -233,8 +233,7 @@ class WorkerService:
             result = self._wait(running[0][1], job)
             if result is None or result["status"] == "cancelled":  # that run stored it already, or found it stored
                 raise Ignore()
-            if result.get("job_hash") not in (None, job.content_hash()):  # that run is another job under this id
-                self.skip_stored(job, result.get("job_hash"))
+            if self.joined_another(job, result):
                 raise Ignore()
             return result
         future = mine[0][1]
@@ -358,6 +357,14 @@ class WorkerService:
         self.metrics.jobs_cancelled.inc()
         return JobResult.cancelled(run.job.id, "cancelled before it started", attempt=run.attempt, worker=self.hostname,
                                    metadata=run.job.metadata, job_hash=run.job_hash, **_times(run.job, run)).to_wire()
+
+    def joined_another(self, job: Job, result: dict[str, Any]) -> bool:
+        """Whether the run `job` joined (the result it gave) was another job under this id: a conflict, logged
+        and counted as `skip_stored` does."""
+        if result.get("job_hash") in (None, job.content_hash()):
+            return False
+        self.skip_stored(job, result.get("job_hash"))
+        return True
 
     def skip_stored(self, job: Job, stored_hash: str | None) -> None:
         """A final result is stored under `job.id` (or another run of it finishes here): say whether it is this
