@@ -105,6 +105,7 @@ class Intake:
 
     def __init__(self) -> None:
         self._waiting: list[tuple[Any, dict[str, Any]]] = []
+        self._to_ack: list[Any] = []  # requests stored by groups, acked at the loop's next turn
         self._cond = threading.Condition()
         self._admitting = False
         self._groups = 0  # group threads alive
@@ -143,6 +144,23 @@ class Intake:
             self.call_soon(call, *args)
         else:
             call(*args)
+
+    def ack_soon(self, requests: list[Any]) -> None:
+        """Ack these requests' messages on the consumer's loop, as Celery acks, with whatever other groups stored
+        before the loop's turn: one pipeline and one wake-up for them all. The wake-up makes the loop take more
+        messages at once as prefetch slots free (an ack from a group thread left it asleep until its next timer)."""
+        if not requests:
+            return
+        with self._cond:
+            scheduled = bool(self._to_ack)
+            self._to_ack += requests
+        if not scheduled:
+            self.soon(self._ack_waiting)
+
+    def _ack_waiting(self) -> None:
+        with self._cond:
+            requests, self._to_ack = self._to_ack, []
+        _ack_all(requests)
 
     def _next_group(self) -> None:
         """Start a group of everything waiting, or note that no admission is in progress."""
@@ -258,9 +276,7 @@ class IntakeRun(BatchRun):
 
     def settled(self, job_ids: list[str], results: dict[str, dict[str, Any]]) -> None:
         requests = [(self.requests.pop(job_id), results.get(job_id)) for job_id in job_ids if job_id in self.requests]
-        # on the consumer's loop, as Celery acks: the call wakes it, so it takes more messages at once as
-        # prefetch slots free (an ack from this thread left it asleep until its next timer)
-        INTAKE.soon(_ack_all, [request for request, _ in requests])
+        INTAKE.ack_soon([request for request, _ in requests])
         now = time.time()
         for request, result in requests:
             task_ready(request, successful=True)

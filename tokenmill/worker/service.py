@@ -75,6 +75,7 @@ log = logging.getLogger("tokenmill.worker")
 FATAL_EXIT_CODE = 70  # EX_SOFTWARE: the engine failed; a supervisor restarts the worker
 SHUTDOWN_CHECK_INTERVAL = 2.0  # seconds
 CHECK_IN_LIMIT = 500  # single jobs per check-in script call (Redis runs a script alone) and per engine message
+STORE_LIMIT = 8  # groups' result stores per script call (each at most a group's jobs; Redis runs a script alone)
 
 # KEYS: n result keys, the n jobs' delivery-count keys, then their cancel marks; ARGV[1]: the counts' expiry
 # in seconds. Returns, per job, its stored result (nil if none), its delivery number after this one and
@@ -158,6 +159,8 @@ class WorkerService:
         # single jobs' check-ins and engine requests: one call of each for all the pool threads that need one at once
         self._admits: Coalescer[tuple[Attempt, bytes], tuple[CheckIn, tuple[Future, str] | None]] = Coalescer(
             self._admit_many, limit=CHECK_IN_LIMIT)
+        # results stored by several groups at once (jobs of different groups finishing in one engine step): one call
+        self._stores: Coalescer[dict[bytes, bytes], None] = Coalescer(self._store_many, limit=STORE_LIMIT)
 
     @classmethod
     def start(cls, settings: WorkerSettings) -> WorkerService:
@@ -438,12 +441,17 @@ class WorkerService:
         replies = self._scripts["check_in"](keys=keys, args=[int(self.settings.result_expires)])
         return [CheckIn(replies[i], int(replies[i + 1]), bool(replies[i + 2])) for i in range(0, len(replies), 3)]
 
-    def store_results(self, encoded: dict[bytes, bytes]) -> int:
+    def store_results(self, encoded: dict[bytes, bytes]) -> None:
         """Store each encoded Celery result under its key unless one is there already, and announce the new
-        ones on the key's channel as Celery does: one round trip for a whole group. Returns how many were new."""
-        if not encoded:
-            return 0
-        return self._scripts["store"](keys=list(encoded), args=[int(self.settings.result_expires), *encoded.values()])
+        ones on the key's channel as Celery does: one round trip for a whole group, shared with the groups storing
+        at the same moment (`Coalescer`)."""
+        if encoded:
+            self._stores.call(encoded)
+
+    def _store_many(self, batches: list[dict[bytes, bytes]]) -> list[None]:
+        encoded = {key: value for batch in batches for key, value in batch.items()}
+        self._scripts["store"](keys=list(encoded), args=[int(self.settings.result_expires), *encoded.values()])
+        return [None] * len(batches)
 
     @cached_property
     def _scripts(self) -> dict[str, Any]:
