@@ -3,8 +3,8 @@
 A renamed option or a changed API breaks CI here rather than a reader's first try. Each block runs in a fresh
 process in an empty directory, on builtin:tiny, with this checkout first on the path; a block naming
 `redis://localhost:6379/0` runs against a real redis-server and `tokenmill worker` started here, the URL
-replaced by theirs. Blocks that cannot run here must say why in their title (`not run by the test suite:
-<reason>`); see docs/development/docs.md.
+replaced by theirs. Every other python or bash block must say why in its title (`not run by the test suite:
+<reason>`) or call itself a `fragment`; an untitled block fails. See docs/development/docs.md.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ from service_fixtures import RedisServer, Worker  # noqa: E402
 REPO = Path(__file__).resolve().parent.parent
 RUN_TITLE = "example (run by the test suite)"
 NOT_RUN = "not run by the test suite:"
+#: A synopsis or part of a program (names defined elsewhere, placeholders): shown, never run.
+FRAGMENT = "fragment"
 BROKER = "redis://localhost:6379/0"
 OPENING = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,})(?P<info>.*)$")
 #: Shell functions so `tokenmill` and `python` in a bash example are this checkout's, installed or not.
@@ -84,14 +86,28 @@ def test_the_docs_and_readme_have_run_examples() -> None:
     assert any(BROKER in block.code for block in RUN), "no example runs against the queue"
 
 
-def test_every_marked_block_is_run_or_says_why_not() -> None:
-    wrong = []
-    for block in ALL:
-        if "test suite" not in block.title or block.title == RUN_TITLE:
-            continue
-        if not block.title.startswith(NOT_RUN) or len(block.title[len(NOT_RUN):].strip()) < 8:
-            wrong.append(f"{block.where}: title {block.title!r}: want {RUN_TITLE!r} or '{NOT_RUN} <reason>'")
+def kind(title: str) -> str | None:
+    """What a block's title says it is: "run", "not run" (with a reason), "fragment", or None (untitled, or wrong)."""
+    if title == RUN_TITLE:
+        return "run"
+    if title.startswith(NOT_RUN) and len(title[len(NOT_RUN):].strip()) >= 8:
+        return "not run"
+    if title == FRAGMENT or title.startswith(FRAGMENT + ": "):
+        return "fragment"
+    return None
+
+
+def test_every_block_is_run_or_says_why_not() -> None:
+    """No python or bash block is skipped silently: an untitled one fails here, as does a mistyped run title."""
+    wrong = [f"{block.where}: title {block.title!r}: want {RUN_TITLE!r}, '{NOT_RUN} <reason>' or {FRAGMENT!r}"
+             for block in ALL if kind(block.title) is None]
     assert not wrong, "\n".join(wrong)
+
+
+def test_the_title_check_catches_untitled_and_mistyped_blocks() -> None:
+    assert [kind(title) for title in (RUN_TITLE, f"{NOT_RUN} needs Docker", FRAGMENT, f"{FRAGMENT}: a synopsis")] == \
+        ["run", "not run", "fragment", "fragment"]
+    assert {kind(title) for title in ("", "example (run by the test-suite)", f"{NOT_RUN} no", "fragments")} == {None}
 
 
 def example_env() -> dict[str, str]:
