@@ -3,7 +3,8 @@
 Nothing is mocked on the queue or storage path. Each Redis runs on a free port with its own data
 directory (AOF on where asked), so a test can kill and restart it; S3 is moto's HTTP server reached by
 boto3 through `endpoint_url`; workers are `python -m tokenmill.cli worker` subprocesses on the built-in
-tiny model. Waits poll with deadlines instead of sleeping fixed times.
+tiny model; `Server` is a `python -m tokenmill.cli serve` subprocess. Waits poll with deadlines instead of
+sleeping fixed times.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -353,6 +355,54 @@ class Worker:
     def close(self) -> None:
         """Kill the worker and its children; close its log."""
         self.kill_with_children()
+        self._log.close()
+
+
+#: The API keys of `Server`s, by tenant.
+KEYS = {"alice": "sk-alice-0123", "bob": "sk-bob-4567"}
+
+
+class Server:
+    """A `tokenmill serve` subprocess; `kill()` is kill -9."""
+
+    def __init__(self, broker_url: str, files_dir: Path, log_path: Path, port: int | None = None,
+                 env: dict[str, str] | None = None, **flags: Any) -> None:
+        self.port = port or free_port()
+        self.log_path = log_path
+        args = {"broker": broker_url, "port": self.port, "files-dir": files_dir, "lease-seconds": 2,
+                "api-keys": ",".join(f"{t}={k}" for t, k in KEYS.items()), **flags}
+        self.command = [sys.executable, "-m", "tokenmill.cli", "serve"]
+        for flag, value in args.items():
+            self.command += [f"--{flag}"] if value is True else [f"--{flag}", str(value)]
+        env = {**{k: v for k, v in os.environ.items() if not k.startswith("TOKENMILL_")}, **(env or {})}
+        env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        self._log = open(log_path, "ab")
+        self.process = subprocess.Popen(self.command, stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+        wait_for(self._answers, 60, f"tokenmill serve on port {self.port}", interval=0.1)
+
+    def _answers(self) -> bool:
+        if self.process.poll() is not None:
+            raise AssertionError(f"tokenmill serve exited with {self.process.returncode}:\n{self.log_path.read_text()}")
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{self.port}/v1/models", timeout=2)
+        except urllib.error.HTTPError:
+            return True  # 401: it is up
+        except OSError:
+            return False
+        return True
+
+    def client(self, tenant: str = "alice") -> Any:
+        from openai import OpenAI  # only the serve tests need the SDK
+
+        return OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key=KEYS[tenant], max_retries=0)
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+        self.process.wait(timeout=10)
+
+    def close(self) -> None:
+        self.kill()
         self._log.close()
 
 
