@@ -129,7 +129,11 @@ def test_upload_create_poll_download_matches_tokenmill_batch(tmp_path, redis_ser
     server = serve(redis_server.url)
     client = server.client()
     assert [m.id for m in client.models.list()] == ["builtin:tiny"]
-    lines = [chat_line(f"req-{i}", f"hello {i}") for i in range(12)] + [chat_line("too-long", "z" * 5000)]
+    greedy = [chat_line(f"req-{i}", f"hello {i}") for i in range(12)]
+    # sampled: each line's seed fixes its tokens, through either path; `n` 2 draws two choices from one seed
+    seeded = [chat_line(f"seed-{i}", f"hello {i}", max_tokens=8, temperature=0.9, seed=100 + i) for i in range(4)]
+    seeded.append(chat_line("two", "hello 0", max_tokens=8, temperature=1.0, seed=7, n=2))
+    lines = greedy + seeded + [chat_line("too-long", "z" * 5000)]
     source = write_jsonl(tmp_path / "requests.jsonl", lines)
     file_id = upload(client, source)
     assert client.files.retrieve(file_id).bytes == source.stat().st_size
@@ -141,11 +145,14 @@ def test_upload_create_poll_download_matches_tokenmill_batch(tmp_path, redis_ser
     done = wait_status(client, created.id, ("completed", "failed"), 120, seen)
     assert done.status == "completed", done.errors
     assert seen[-1] == "completed" and "validating" not in seen[1:]
-    assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (13, 12, 1)
+    assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (18, 17, 1)
     assert done.in_progress_at and done.finalizing_at and done.completed_at and done.created_at <= done.completed_at
     assert done.output_file_id and done.error_file_id
     output, errors = lines_of(client, done.output_file_id), lines_of(client, done.error_file_id)
-    assert [line["custom_id"] for line in output] == [f"req-{i}" for i in range(12)]  # input order
+    assert [line["custom_id"] for line in output] == [line["custom_id"] for line in greedy + seeded]  # input order
+    texts = {line["custom_id"]: [c["message"]["content"] for c in line["response"]["body"]["choices"]] for line in output}
+    assert all(texts[f"seed-{i}"] != texts[f"req-{i}"] for i in range(4))  # sampled, not greedy
+    assert len(texts["two"]) == 2 and texts["two"][0] != texts["two"][1]
     assert done.usage.output_tokens == sum(line["response"]["body"]["usage"]["completion_tokens"] for line in output)
     assert done.usage.input_tokens == sum(line["response"]["body"]["usage"]["prompt_tokens"] for line in output)
     [error] = errors
@@ -157,8 +164,8 @@ def test_upload_create_poll_download_matches_tokenmill_batch(tmp_path, redis_ser
     cli_errors = [json.loads(line) for line in (tmp_path / "cli.errors.jsonl").read_text().splitlines()]
     assert [without_created(line) for line in output] == [without_created(line) for line in cli_output]
     assert errors == cli_errors
-    wait_for(lambda: len(result_log.counts) >= 26, 30, "every job's result announced")
-    assert set(result_log.counts.values()) == {1}  # 13 jobs each way, each result stored once
+    wait_for(lambda: len(result_log.counts) >= 38, 30, "every job's result announced")
+    assert set(result_log.counts.values()) == {1}  # 19 jobs each way (n 2: two), each result stored once
 
     client.files.delete(file_id)
     with pytest.raises(openai.NotFoundError):
