@@ -288,6 +288,35 @@ def test_a_batch_past_its_completion_window_expires_with_what_finished(tmp_path,
     assert [(e["custom_id"], e["error"]["code"]) for e in errors] == [(f"r{i}", "batch_expired") for i in range(5)]
 
 
+def test_a_running_batch_expires_mid_run_keeping_the_finished_lines(tmp_path, redis_server, start_worker, serve,
+                                                                   result_log) -> None:
+    worker = start_worker(redis_server.url, max_num_seqs=8).wait_ready()
+    server = serve(redis_server.url)
+    client = server.client()
+    ids = [f"r{i}" for i in range(200)]
+    source = write_jsonl(tmp_path / "in.jsonl", [chat_line(i, f"count {i}", max_tokens=48) for i in ids])
+    batch = client.batches.create(input_file_id=upload(client, source), endpoint="/v1/chat/completions",
+                                  completion_window="15s")
+    # Frozen once a few results are stored, past the window, until the server has cancelled the rest: so the
+    # window ends mid-run however fast or slow the machine is.
+    wait_for(lambda: len(result_log.counts) >= 3, 120, "some requests done")
+    with stopped(engine_pid(worker.process.pid)):
+        assert client.batches.retrieve(batch.id).status == "in_progress"
+        broker = redis_server.client()
+        wait_for(lambda: next(broker.scan_iter(CANCEL_KEY.format(job_id="*")), None), 60, "the jobs cancelled")
+    done = wait_status(client, batch.id, ("expired", "completed", "cancelled", "failed"), 60)
+    assert done.status == "expired" and done.expired_at >= batch.expires_at and done.cancelled_at is None
+    finished, errors = outcome_ids(client, done)
+    assert 3 <= len(finished) < 200
+    assert {e["error"]["code"] for e in errors} == {"batch_expired"} and all(e["response"] is None for e in errors)
+    assert sorted(finished + [e["custom_id"] for e in errors]) == sorted(ids)
+    assert finished == [i for i in ids if i in set(finished)]  # input order
+    counts = done.request_counts
+    assert (counts.total, counts.completed, counts.failed) == (200, len(finished), len(errors))
+    output = lines_of(client, done.output_file_id)
+    assert done.usage.output_tokens == sum(line["response"]["body"]["usage"]["completion_tokens"] for line in output)
+
+
 def test_server_kill_9_mid_batch_another_server_finishes_it_running_nothing_twice(tmp_path, redis_server, start_worker,
                                                                                   serve, result_log) -> None:
     worker = start_worker(redis_server.url, max_num_seqs=8).wait_ready()
