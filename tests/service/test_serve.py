@@ -150,7 +150,8 @@ def test_upload_create_poll_download_matches_tokenmill_batch(tmp_path, redis_ser
     assert done.output_file_id and done.error_file_id
     output, errors = lines_of(client, done.output_file_id), lines_of(client, done.error_file_id)
     assert [line["custom_id"] for line in output] == [line["custom_id"] for line in greedy + seeded]  # input order
-    texts = {line["custom_id"]: [c["message"]["content"] for c in line["response"]["body"]["choices"]] for line in output}
+    texts = {line["custom_id"]: [c["message"]["content"] for c in line["response"]["body"]["choices"]]
+             for line in output}
     assert all(texts[f"seed-{i}"] != texts[f"req-{i}"] for i in range(4))  # sampled, not greedy
     assert len(texts["two"]) == 2 and texts["two"][0] != texts["two"][1]
     assert done.usage.output_tokens == sum(line["response"]["body"]["usage"]["completion_tokens"] for line in output)
@@ -273,6 +274,36 @@ def test_cancel_mid_run_keeps_the_finished_lines(tmp_path, redis_server, start_w
     counts = done.request_counts
     assert (counts.total, counts.completed, counts.failed) == (200, len(finished), len(errors))
     assert client.batches.cancel(batch.id).status == "cancelled"  # cancelling again changes nothing
+
+
+def test_a_batch_cancelled_before_any_server_drives_it_is_validated_first(tmp_path, redis_server, serve) -> None:
+    """The cancel lands before a driver reads the batch: made certain by giving the server a Redis user that may
+    not SET for a while, so no server can take the batch's lease until the test allows it again. The file is
+    still validated: every request is counted and in the error file, and a bad line is reported, not dropped."""
+    broker = redis_server.client()
+    broker.execute_command("ACL", "SETUSER", "serve", "on", ">pw", "~*", "&*", "+@all")
+    server = serve(f"redis://serve:pw@127.0.0.1:{redis_server.port}/0")
+    client = server.client()
+    good = upload(client, write_jsonl(tmp_path / "good.jsonl", [chat_line(f"r{i}", "hi") for i in range(5)]))
+    bad = upload(client, write_jsonl(tmp_path / "bad.jsonl", [chat_line("a", "hi"), "{not json", chat_line("a", "hi")]))
+    broker.execute_command("ACL", "SETUSER", "serve", "-set")  # from now no lease can be taken
+    ids = []
+    for file_id in (good, bad):
+        batch = client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
+        assert client.batches.cancel(batch.id).status == "cancelling"
+        ids.append(batch.id)
+    assert [client.batches.retrieve(i).status for i in ids] == ["cancelling", "cancelling"]
+    broker.execute_command("ACL", "SETUSER", "serve", "+set")
+    final = ("cancelled", "completed", "failed", "expired")
+    done = wait_status(client, ids[0], final, 30)
+    assert done.status == "cancelled" and done.cancelled_at and done.in_progress_at is None
+    assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (5, 0, 5)
+    finished, errors = outcome_ids(client, done)
+    assert finished == [] and done.output_file_id is None
+    assert [(e["custom_id"], e["error"]["code"]) for e in errors] == [(f"r{i}", "batch_cancelled") for i in range(5)]
+    invalid = wait_status(client, ids[1], final, 30)
+    assert invalid.status == "cancelled" and invalid.output_file_id is None and invalid.error_file_id is None
+    assert [(e.line, e.code) for e in invalid.errors.data] == [(2, "invalid_json"), (3, "duplicate_custom_id")]
 
 
 def test_a_batch_past_its_completion_window_expires_with_what_finished(tmp_path, redis_server, serve) -> None:

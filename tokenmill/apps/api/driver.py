@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenmill.apps.api.files import FileStore
-from tokenmill.apps.api.records import Records, now, refused_key
+from tokenmill.apps.api.records import FINAL, Records, now, refused_key
 from tokenmill.apps.api.settings import ServeSettings
 from tokenmill.apps.batch import LineError, Parser, Request, Source, parse_requests, request_line
 from tokenmill.apps.datasets import MAX_ROW_BYTES, DatasetError, TooLong, read_lines, too_long
@@ -97,9 +97,12 @@ class Driver(threading.Thread):
 
     def drive(self) -> None:
         batch = self.records.batch(self.batch_id)
-        if batch["status"] == "validating":
+        unvalidated = batch["status"] == "cancelling" and not batch["request_counts"]["total"]
+        if batch["status"] == "validating" or unvalidated:
+            # validated even when a cancel came first: then every request is counted and in the error file, and a
+            # bad line is reported (the batch ends cancelled with `errors`) instead of dropping out unseen
             batch = self.validate(batch)
-            if batch["status"] == "failed":
+            if batch["status"] in FINAL:
                 return
         source = Source(self.store.uri(batch["input_file_id"]), self.store.endpoint, MAX_ROW_BYTES)
         plan = Plan([(n, r) for n, r in parse_requests(source, self.parser) if isinstance(r, Request)])
@@ -173,8 +176,13 @@ class Driver(threading.Thread):
         return None
 
     def _fail(self, errors: list[dict[str, Any]]) -> dict[str, Any]:
+        """Failed with `errors`; a batch asked to cancel meanwhile ends cancelled, with the same `errors`."""
         def fail(b: dict[str, Any]) -> None:
-            b.update(status="failed", failed_at=now(), errors={"object": "list", "data": errors})
+            b["errors"] = {"object": "list", "data": errors}
+            if b["status"] == "cancelling":
+                b.update(status="cancelled", cancelled_at=now())
+            else:
+                b.update(status="failed", failed_at=now())
 
         return self.records.update(self.batch_id, fail)
 
