@@ -245,6 +245,29 @@ def test_pagination_over_150_batches(tmp_path, redis_server, serve) -> None:
     assert [b.id for b in last.data] == ids[:10][::-1] and not last.has_more
 
 
+def test_files_listed_by_purpose_come_in_full_pages(tmp_path, redis_server, serve) -> None:
+    server = serve(redis_server.url)  # no worker: the batch expires, writing an error file (purpose batch_output)
+    client = server.client()
+    source = write_jsonl(tmp_path / "in.jsonl", [chat_line("a", "hi")])
+    inputs = [upload(client, source) for _ in range(3)]
+    batch = client.batches.create(input_file_id=inputs[0], endpoint="/v1/chat/completions", completion_window="1s")
+    output = wait_status(client, batch.id, ("expired", "completed", "failed"), 30).error_file_id
+    inputs += [upload(client, source) for _ in range(2)]  # newest first: 2 inputs, the output, 3 inputs
+    newest = inputs[::-1]
+    pages = [client.files.list(purpose="batch", limit=2, **cursor) for cursor in
+             ({}, {"after": newest[1]}, {"after": newest[3]})]
+    assert [[f.id for f in page.data] for page in pages] == [newest[:2], newest[2:4], newest[4:]]
+    assert [page.has_more for page in pages] == [True, True, False]
+    assert [f.id for f in client.files.list(purpose="batch", limit=2)] == newest  # the SDK follows `after`
+    assert [f.id for f in client.files.list(purpose="batch", limit=1, order="asc")] == inputs
+    only = client.files.list(purpose="batch_output", limit=1)
+    assert [f.id for f in only.data] == [output] and not only.has_more
+    assert [f.id for f in client.files.list(purpose="batch_output", after=newest[0]).data] == [output]
+    assert [f.id for f in client.files.list(purpose="batch_output", after=output).data] == []
+    everything = client.files.list(limit=3)
+    assert [f.id for f in everything.data] == newest[:2] + [output] and everything.has_more
+
+
 def outcome_ids(client: OpenAI, batch: Any) -> tuple[list[str], list[dict[str, Any]]]:
     return [line["custom_id"] for line in lines_of(client, batch.output_file_id)], lines_of(client, batch.error_file_id)
 

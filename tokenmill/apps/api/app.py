@@ -121,9 +121,7 @@ def _file_routes(app: FastAPI, services: Services, Tenant: Any) -> None:
     def list_files(tenant: Tenant, after: str | None = None, limit: Annotated[int, Query(ge=1, le=10000)] = 10000,
                    order: Annotated[str, Query(pattern="^(asc|desc)$")] = "desc",
                    purpose: str | None = None) -> dict[str, Any]:
-        found, more = records.files(tenant, after, limit, newest_first=order == "desc")
-        data = [f for f in found if purpose is None or f["purpose"] == purpose]
-        return _page(data, more)
+        return _page(*records.files(tenant, after, limit, newest_first=order == "desc", purpose=purpose))
 
     @app.get("/v1/files/{file_id}")
     def get_file(file_id: str, tenant: Tenant) -> dict[str, Any]:
