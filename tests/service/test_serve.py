@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import os
 import signal
@@ -38,8 +39,9 @@ class Server:
         args = {"broker": broker_url, "port": self.port, "files-dir": files_dir, "lease-seconds": 2,
                 "api-keys": ",".join(f"{t}={k}" for t, k in KEYS.items()), **flags}
         self.command = [sys.executable, "-m", "tokenmill.cli", "serve"]
-        for flag, value in args.items():
-            self.command += [f"--{flag}"] if value is True else [f"--{flag}", str(value)]
+        for flag, value in args.items():  # a flag set to None is left out
+            if value is not None:
+                self.command += [f"--{flag}"] if value is True else [f"--{flag}", str(value)]
         env = {**{k: v for k, v in os.environ.items() if not k.startswith("TOKENMILL_")}, **(env or {})}
         env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         self._log = open(log_path, "ab")
@@ -57,8 +59,8 @@ class Server:
             return False
         return True
 
-    def client(self, tenant: str = "alice") -> OpenAI:
-        return OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key=KEYS[tenant], max_retries=0)
+    def client(self, tenant: str = "alice", key: str | None = None) -> OpenAI:
+        return OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key=key or KEYS[tenant], max_retries=0)
 
     def kill(self) -> None:
         if self.process.poll() is None:
@@ -198,6 +200,51 @@ def test_the_server_refuses_to_start_without_a_key(tmp_path) -> None:
     done = subprocess.run([sys.executable, "-m", "tokenmill.cli", "serve", "--port", str(free_port())],
                           capture_output=True, text=True, timeout=60, env={**env, "PYTHONPATH": str(REPO)})
     assert done.returncode == 2 and "--insecure-no-auth" in done.stderr
+    keys = tmp_path / "keys"
+    keys.write_text("carol sk-carol-plain\n")  # a key, not its hash: a key file never holds a key
+    done = subprocess.run([sys.executable, "-m", "tokenmill.cli", "serve", "--port", str(free_port()),
+                           "--api-keys-file", str(keys)],
+                          capture_output=True, text=True, timeout=60, env={**env, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 2 and f"{keys}:1: expected 'TENANT sha256:<64 hex digits>'" in done.stderr
+
+
+def test_keys_from_a_file_of_their_hashes(tmp_path, redis_server, serve) -> None:
+    def sha256(key: str) -> str:
+        return hashlib.sha256(key.encode()).hexdigest()
+
+    keys = write_jsonl(tmp_path / "keys", ["# tenant sha256:<hex of the key>", f"carol sha256:{sha256('sk-carol')}",
+                                           "", f"dave {sha256('sk-dave').upper()}  # bare hex too"])
+    server = serve(redis_server.url, **{"api-keys": None, "api-keys-file": keys})
+    carol, dave = server.client(key="sk-carol"), server.client(key="sk-dave")
+    file_id = upload(carol, write_jsonl(tmp_path / "in.jsonl", [chat_line("a", "hi")]))
+    assert [f.id for f in carol.files.list()] == [file_id] and list(dave.files.list()) == []
+    with pytest.raises(openai.NotFoundError):
+        dave.files.retrieve(file_id)  # each key its file's tenant
+    for wrong in (KEYS["alice"], sha256("sk-carol"), "sk-carol2"):  # not in the file; the hash is not the key
+        with pytest.raises(openai.AuthenticationError):
+            server.client(key=wrong).models.list()
+
+
+def listening_addresses(port: int) -> set[str]:
+    """The local addresses (as /proc/net/tcp* writes them) of the sockets listening on `port`."""
+    found = set()
+    for table in (Path("/proc/net/tcp"), Path("/proc/net/tcp6")):
+        for row in table.read_text().splitlines()[1:] if table.exists() else []:
+            local, state = row.split()[1], row.split()[3]
+            address, _, hex_port = local.rpartition(":")
+            if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+                found.add(address)
+    return found
+
+
+def test_insecure_no_auth_serves_without_a_key_on_loopback_only(tmp_path, redis_server, serve) -> None:
+    server = serve(redis_server.url, **{"api-keys": None, "insecure-no-auth": True})
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/v1/models", timeout=10) as answer:
+        assert answer.status == 200 and json.load(answer) == {"object": "list", "data": []}  # no Authorization
+    first, second = server.client(key="anything"), server.client(key="something else")
+    file_id = upload(first, write_jsonl(tmp_path / "in.jsonl", [chat_line("a", "hi")]))
+    assert [f.id for f in second.files.list()] == [file_id]  # one tenant for everyone
+    assert listening_addresses(server.port) == {"0100007F"}  # 127.0.0.1, no other address
 
 
 def test_malformed_uploads_fail_validation_naming_the_lines(tmp_path, redis_server, serve) -> None:
