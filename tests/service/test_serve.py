@@ -623,3 +623,68 @@ def test_a_stopped_announcer_stays_withdrawn(redis_server) -> None:
     assert not announcer.is_alive()
     time.sleep(0.3)  # three renewal periods
     assert redis.hkeys(SERVED_KEY) == []
+
+
+def test_the_driver_renews_its_lease_while_it_writes_the_files_and_stops_if_it_lost_it(tmp_path, redis_server) -> None:
+    """A driver (in this process, on the real Redis) finishing a batch onto a slow file store: the write outlasts
+    the lease twice over, yet no rival can take the lease meanwhile; and a driver whose lease was taken stops
+    before it writes a file or a final status. (A real server's finish takes a big batch to be this slow.)"""
+    from tokenmill.apps.api.app import CreateBatch, _new_batch
+    from tokenmill.apps.api.driver import Driver, Stopped
+    from tokenmill.apps.api.files import DirectoryStore
+    from tokenmill.apps.api.records import Records, lease_key
+    from tokenmill.apps.api.settings import ServeSettings
+
+    class SlowStore(DirectoryStore):
+        def write_lines(self, file_id: str, lines: Any) -> int:  # 50 ms a line: 40 lines take 2 s
+            return super().write_lines(file_id, (time.sleep(0.05) or line for line in lines))
+
+    settings = ServeSettings(broker_url=redis_server.url, lease_seconds=1, files_dir=str(tmp_path / "files"))
+    records, store = Records(settings.backend_url), SlowStore(settings.files_dir)
+
+    def cancelled_batch() -> str:
+        """A batch of 40 lines cancelled before it ran: driving it validates the file and writes 40 error lines."""
+        store.write_lines("file-input", [json.dumps(chat_line(f"r{i}", "hi")).encode() + b"\n" for i in range(40)])
+        batch = _new_batch(CreateBatch(input_file_id="file-input", endpoint="/v1/chat/completions",
+                                       completion_window="24h"), 86400)
+        records.add_batch("alice", batch)
+        records.set_field(batch["id"], "cancel", "cancel")
+        records.update(batch["id"], lambda b: b.update(status="cancelling"))
+        return batch["id"]
+
+    def drive(batch_id: str, token: str, during: Callable[[], Any]) -> tuple[list[Any], list[BaseException]]:
+        assert records.take_lease(batch_id, token, settings.lease_seconds)
+        driver, raised = Driver(batch_id, token, settings, records, store, threading.Event()), []
+        thread = threading.Thread(target=lambda: raised.extend(_raised(driver.drive)))
+        thread.start()
+        seen = []
+        while thread.is_alive():
+            seen.append(during())
+            time.sleep(0.05)
+        return seen, raised
+
+    renewed = cancelled_batch()
+    began = time.monotonic()
+    taken, raised = drive(renewed, "driver", lambda: records.take_lease(renewed, "rival", settings.lease_seconds))
+    assert time.monotonic() - began >= 2 * settings.lease_seconds and raised == []
+    assert not any(taken)  # no rival got the lease
+    done = records.batch(renewed)
+    assert done["status"] == "cancelled" and done["request_counts"] == {"total": 40, "completed": 0, "failed": 40}
+    assert len(b"".join(store.chunks(done["error_file_id"])).splitlines()) == 40
+
+    stolen = cancelled_batch()
+    began = time.monotonic()
+    _, raised = drive(stolen, "driver", lambda: records.redis.set(lease_key(stolen), "rival", px=60_000)
+                      if time.monotonic() - began > 0.3 else None)  # a rival takes it over mid-write
+    assert [type(e) for e in raised] == [Stopped] and time.monotonic() - began < 2
+    assert records.batch(stolen)["status"] == "cancelling"
+    assert sorted(p.name for p in (tmp_path / "files").iterdir()) == sorted(
+        ["file-input", f"file-{renewed.removeprefix('batch_')}-errors"])  # no file, not even a partial one
+
+
+def _raised(call: Callable[[], Any]) -> list[BaseException]:
+    try:
+        call()
+    except BaseException as exc:
+        return [exc]
+    return []

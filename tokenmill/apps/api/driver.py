@@ -19,8 +19,9 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from tokenmill.apps.api.files import FileStore
 from tokenmill.apps.api.records import FINAL, Records, now, refused_key
@@ -33,6 +34,7 @@ from tokenmill.client import Client, JobTimeoutError
 from tokenmill.queue.served import served_models
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 _MAX_ERRORS = 100  # validation errors listed in a failed batch
 
@@ -105,7 +107,8 @@ class Driver(threading.Thread):
             if batch["status"] in FINAL:
                 return
         source = Source(self.store.uri(batch["input_file_id"]), self.store.endpoint, MAX_ROW_BYTES)
-        plan = Plan([(n, r) for n, r in parse_requests(source, self.parser) if isinstance(r, Request)])
+        requests = self.beating(parse_requests(source, self.parser))  # a big file takes a while to read again
+        plan = Plan([(n, r) for n, r in requests if isinstance(r, Request)])
         for _, request in plan.requests:
             for choice, unit in enumerate(request.units):
                 unit.job_id = job_id(self.batch_id, request.custom_id, choice)
@@ -280,7 +283,7 @@ class Driver(threading.Thread):
                             if b["status"] == "in_progress" else None)
         lines: dict[bool, list[bytes]] = {True: [], False: []}
         completed = failed = prompt_tokens = completion_tokens = 0
-        for number, request in plan.requests:
+        for number, request in self.beating(plan.requests):
             got = [_unfinished(outcomes[u.job_id], reason) for u in request.units]
             line, error = request_line(number, request, got, None)
             lines[error is None].append(json.dumps(line, ensure_ascii=False).encode() + b"\n")
@@ -302,6 +305,7 @@ class Driver(threading.Thread):
             b.update(status=status, output_file_id=output, error_file_id=errors, usage=usage)
             b[stamp] = now()
 
+        self.heartbeat(force=True)  # still this server's batch
         self.records.update(self.batch_id, done)
 
     def _write_file(self, kind: str, lines: list[bytes]) -> str | None:
@@ -309,11 +313,18 @@ class Driver(threading.Thread):
         if not lines:
             return None
         file_id = f"file-{self.batch_id.removeprefix('batch_')}-{kind}"
-        size = self.store.write_lines(file_id, lines)
+        size = self.store.write_lines(file_id, self.beating(lines))
         tenant = self.records.tenant_of(self.batch_id)
         if self.records.file(tenant, file_id) is None:
             self.records.add_file(tenant, file_object(file_id, f"{self.batch_id}_{kind}.jsonl", size, "batch_output"))
         return file_id
+
+    def beating(self, items: Iterable[T]) -> Iterator[T]:
+        """`items`, renewing the lease as they are taken: a big input re-read, or output files written on a slow
+        store, outlast a lease (and a lost one stops the writing, the partial file discarded)."""
+        for item in items:
+            self.heartbeat()
+            yield item
 
     def heartbeat(self, force: bool = False) -> None:
         """Renew the lease (every third of it, or now); raise `Stopped` if it is lost or the server stops."""
