@@ -372,8 +372,9 @@ class Server:
         args = {"broker": broker_url, "port": self.port, "files-dir": files_dir, "lease-seconds": 2,
                 "api-keys": ",".join(f"{t}={k}" for t, k in KEYS.items()), **flags}
         self.command = [sys.executable, "-m", "tokenmill.cli", "serve"]
-        for flag, value in args.items():
-            self.command += [f"--{flag}"] if value is True else [f"--{flag}", str(value)]
+        for flag, value in args.items():  # a flag set to None is left out
+            if value is not None:
+                self.command += [f"--{flag}"] if value is True else [f"--{flag}", str(value)]
         env = {**{k: v for k, v in os.environ.items() if not k.startswith("TOKENMILL_")}, **(env or {})}
         env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         self._log = open(log_path, "ab")

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import os
 import signal
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -18,7 +20,7 @@ from typing import Any
 import openai
 import pytest
 from openai import OpenAI
-from service_fixtures import REPO, S3_BUCKET, Server, engine_pid, free_port, stopped, wait_for
+from service_fixtures import KEYS, REPO, S3_BUCKET, Server, engine_pid, free_port, stopped, wait_for
 
 from tokenmill.apps.batch import batch as run_batch
 from tokenmill.queue.names import CANCEL_KEY
@@ -82,7 +84,11 @@ def test_upload_create_poll_download_matches_tokenmill_batch(tmp_path, redis_ser
     server = serve(redis_server.url)
     client = server.client()
     assert [m.id for m in client.models.list()] == ["builtin:tiny"]
-    lines = [chat_line(f"req-{i}", f"hello {i}") for i in range(12)] + [chat_line("too-long", "z" * 5000)]
+    greedy = [chat_line(f"req-{i}", f"hello {i}") for i in range(12)]
+    # sampled: each line's seed fixes its tokens, through either path; `n` 2 draws two choices from one seed
+    seeded = [chat_line(f"seed-{i}", f"hello {i}", max_tokens=8, temperature=0.9, seed=100 + i) for i in range(4)]
+    seeded.append(chat_line("two", "hello 0", max_tokens=8, temperature=1.0, seed=7, n=2))
+    lines = greedy + seeded + [chat_line("too-long", "z" * 5000)]
     source = write_jsonl(tmp_path / "requests.jsonl", lines)
     file_id = upload(client, source)
     assert client.files.retrieve(file_id).bytes == source.stat().st_size
@@ -94,11 +100,15 @@ def test_upload_create_poll_download_matches_tokenmill_batch(tmp_path, redis_ser
     done = wait_status(client, created.id, ("completed", "failed"), 120, seen)
     assert done.status == "completed", done.errors
     assert seen[-1] == "completed" and "validating" not in seen[1:]
-    assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (13, 12, 1)
+    assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (18, 17, 1)
     assert done.in_progress_at and done.finalizing_at and done.completed_at and done.created_at <= done.completed_at
     assert done.output_file_id and done.error_file_id
     output, errors = lines_of(client, done.output_file_id), lines_of(client, done.error_file_id)
-    assert [line["custom_id"] for line in output] == [f"req-{i}" for i in range(12)]  # input order
+    assert [line["custom_id"] for line in output] == [line["custom_id"] for line in greedy + seeded]  # input order
+    texts = {line["custom_id"]: [c["message"]["content"] for c in line["response"]["body"]["choices"]]
+             for line in output}
+    assert all(texts[f"seed-{i}"] != texts[f"req-{i}"] for i in range(4))  # sampled, not greedy
+    assert len(texts["two"]) == 2 and texts["two"][0] != texts["two"][1]
     assert done.usage.output_tokens == sum(line["response"]["body"]["usage"]["completion_tokens"] for line in output)
     assert done.usage.input_tokens == sum(line["response"]["body"]["usage"]["prompt_tokens"] for line in output)
     [error] = errors
@@ -110,8 +120,8 @@ def test_upload_create_poll_download_matches_tokenmill_batch(tmp_path, redis_ser
     cli_errors = [json.loads(line) for line in (tmp_path / "cli.errors.jsonl").read_text().splitlines()]
     assert [without_created(line) for line in output] == [without_created(line) for line in cli_output]
     assert errors == cli_errors
-    wait_for(lambda: len(result_log.counts) >= 26, 30, "every job's result announced")
-    assert set(result_log.counts.values()) == {1}  # 13 jobs each way, each result stored once
+    wait_for(lambda: len(result_log.counts) >= 38, 30, "every job's result announced")
+    assert set(result_log.counts.values()) == {1}  # 19 jobs each way (n 2: two), each result stored once
 
     client.files.delete(file_id)
     with pytest.raises(openai.NotFoundError):
@@ -143,6 +153,51 @@ def test_the_server_refuses_to_start_without_a_key(tmp_path) -> None:
     done = subprocess.run([sys.executable, "-m", "tokenmill.cli", "serve", "--port", str(free_port())],
                           capture_output=True, text=True, timeout=60, env={**env, "PYTHONPATH": str(REPO)})
     assert done.returncode == 2 and "--insecure-no-auth" in done.stderr
+    keys = tmp_path / "keys"
+    keys.write_text("carol sk-carol-plain\n")  # a key, not its hash: a key file never holds a key
+    done = subprocess.run([sys.executable, "-m", "tokenmill.cli", "serve", "--port", str(free_port()),
+                           "--api-keys-file", str(keys)],
+                          capture_output=True, text=True, timeout=60, env={**env, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 2 and f"{keys}:1: expected 'TENANT sha256:<64 hex digits>'" in done.stderr
+
+
+def test_keys_from_a_file_of_their_hashes(tmp_path, redis_server, serve) -> None:
+    def sha256(key: str) -> str:
+        return hashlib.sha256(key.encode()).hexdigest()
+
+    keys = write_jsonl(tmp_path / "keys", ["# tenant sha256:<hex of the key>", f"carol sha256:{sha256('sk-carol')}",
+                                           "", f"dave {sha256('sk-dave').upper()}  # bare hex too"])
+    server = serve(redis_server.url, **{"api-keys": None, "api-keys-file": keys})
+    carol, dave = server.client(key="sk-carol"), server.client(key="sk-dave")
+    file_id = upload(carol, write_jsonl(tmp_path / "in.jsonl", [chat_line("a", "hi")]))
+    assert [f.id for f in carol.files.list()] == [file_id] and list(dave.files.list()) == []
+    with pytest.raises(openai.NotFoundError):
+        dave.files.retrieve(file_id)  # each key its file's tenant
+    for wrong in (KEYS["alice"], sha256("sk-carol"), "sk-carol2"):  # not in the file; the hash is not the key
+        with pytest.raises(openai.AuthenticationError):
+            server.client(key=wrong).models.list()
+
+
+def listening_addresses(port: int) -> set[str]:
+    """The local addresses (as /proc/net/tcp* writes them) of the sockets listening on `port`."""
+    found = set()
+    for table in (Path("/proc/net/tcp"), Path("/proc/net/tcp6")):
+        for row in table.read_text().splitlines()[1:] if table.exists() else []:
+            local, state = row.split()[1], row.split()[3]
+            address, _, hex_port = local.rpartition(":")
+            if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+                found.add(address)
+    return found
+
+
+def test_insecure_no_auth_serves_without_a_key_on_loopback_only(tmp_path, redis_server, serve) -> None:
+    server = serve(redis_server.url, **{"api-keys": None, "insecure-no-auth": True})
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/v1/models", timeout=10) as answer:
+        assert answer.status == 200 and json.load(answer) == {"object": "list", "data": []}  # no Authorization
+    first, second = server.client(key="anything"), server.client(key="something else")
+    file_id = upload(first, write_jsonl(tmp_path / "in.jsonl", [chat_line("a", "hi")]))
+    assert [f.id for f in second.files.list()] == [file_id]  # one tenant for everyone
+    assert listening_addresses(server.port) == {"0100007F"}  # 127.0.0.1, no other address
 
 
 def test_malformed_uploads_fail_validation_naming_the_lines(tmp_path, redis_server, serve) -> None:
@@ -190,6 +245,29 @@ def test_pagination_over_150_batches(tmp_path, redis_server, serve) -> None:
     assert [b.id for b in last.data] == ids[:10][::-1] and not last.has_more
 
 
+def test_files_listed_by_purpose_come_in_full_pages(tmp_path, redis_server, serve) -> None:
+    server = serve(redis_server.url)  # no worker: the batch expires, writing an error file (purpose batch_output)
+    client = server.client()
+    source = write_jsonl(tmp_path / "in.jsonl", [chat_line("a", "hi")])
+    inputs = [upload(client, source) for _ in range(3)]
+    batch = client.batches.create(input_file_id=inputs[0], endpoint="/v1/chat/completions", completion_window="1s")
+    output = wait_status(client, batch.id, ("expired", "completed", "failed"), 30).error_file_id
+    inputs += [upload(client, source) for _ in range(2)]  # newest first: 2 inputs, the output, 3 inputs
+    newest = inputs[::-1]
+    pages = [client.files.list(purpose="batch", limit=2, **cursor) for cursor in
+             ({}, {"after": newest[1]}, {"after": newest[3]})]
+    assert [[f.id for f in page.data] for page in pages] == [newest[:2], newest[2:4], newest[4:]]
+    assert [page.has_more for page in pages] == [True, True, False]
+    assert [f.id for f in client.files.list(purpose="batch", limit=2)] == newest  # the SDK follows `after`
+    assert [f.id for f in client.files.list(purpose="batch", limit=1, order="asc")] == inputs
+    only = client.files.list(purpose="batch_output", limit=1)
+    assert [f.id for f in only.data] == [output] and not only.has_more
+    assert [f.id for f in client.files.list(purpose="batch_output", after=newest[0]).data] == [output]
+    assert [f.id for f in client.files.list(purpose="batch_output", after=output).data] == []
+    everything = client.files.list(limit=3)
+    assert [f.id for f in everything.data] == newest[:2] + [output] and everything.has_more
+
+
 def outcome_ids(client: OpenAI, batch: Any) -> tuple[list[str], list[dict[str, Any]]]:
     return [line["custom_id"] for line in lines_of(client, batch.output_file_id)], lines_of(client, batch.error_file_id)
 
@@ -221,6 +299,36 @@ def test_cancel_mid_run_keeps_the_finished_lines(tmp_path, redis_server, start_w
     assert client.batches.cancel(batch.id).status == "cancelled"  # cancelling again changes nothing
 
 
+def test_a_batch_cancelled_before_any_server_drives_it_is_validated_first(tmp_path, redis_server, serve) -> None:
+    """The cancel lands before a driver reads the batch: made certain by giving the server a Redis user that may
+    not SET for a while, so no server can take the batch's lease until the test allows it again. The file is
+    still validated: every request is counted and in the error file, and a bad line is reported, not dropped."""
+    broker = redis_server.client()
+    broker.execute_command("ACL", "SETUSER", "serve", "on", ">pw", "~*", "&*", "+@all")
+    server = serve(f"redis://serve:pw@127.0.0.1:{redis_server.port}/0")
+    client = server.client()
+    good = upload(client, write_jsonl(tmp_path / "good.jsonl", [chat_line(f"r{i}", "hi") for i in range(5)]))
+    bad = upload(client, write_jsonl(tmp_path / "bad.jsonl", [chat_line("a", "hi"), "{not json", chat_line("a", "hi")]))
+    broker.execute_command("ACL", "SETUSER", "serve", "-set")  # from now no lease can be taken
+    ids = []
+    for file_id in (good, bad):
+        batch = client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
+        assert client.batches.cancel(batch.id).status == "cancelling"
+        ids.append(batch.id)
+    assert [client.batches.retrieve(i).status for i in ids] == ["cancelling", "cancelling"]
+    broker.execute_command("ACL", "SETUSER", "serve", "+set")
+    final = ("cancelled", "completed", "failed", "expired")
+    done = wait_status(client, ids[0], final, 30)
+    assert done.status == "cancelled" and done.cancelled_at and done.in_progress_at is None
+    assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (5, 0, 5)
+    finished, errors = outcome_ids(client, done)
+    assert finished == [] and done.output_file_id is None
+    assert [(e["custom_id"], e["error"]["code"]) for e in errors] == [(f"r{i}", "batch_cancelled") for i in range(5)]
+    invalid = wait_status(client, ids[1], final, 30)
+    assert invalid.status == "cancelled" and invalid.output_file_id is None and invalid.error_file_id is None
+    assert [(e.line, e.code) for e in invalid.errors.data] == [(2, "invalid_json"), (3, "duplicate_custom_id")]
+
+
 def test_a_batch_past_its_completion_window_expires_with_what_finished(tmp_path, redis_server, serve) -> None:
     server = serve(redis_server.url)  # no worker: nothing finishes
     client = server.client()
@@ -232,6 +340,35 @@ def test_a_batch_past_its_completion_window_expires_with_what_finished(tmp_path,
     assert done.status == "expired" and done.expired_at and done.output_file_id is None
     _, errors = outcome_ids(client, done)
     assert [(e["custom_id"], e["error"]["code"]) for e in errors] == [(f"r{i}", "batch_expired") for i in range(5)]
+
+
+def test_a_running_batch_expires_mid_run_keeping_the_finished_lines(tmp_path, redis_server, start_worker, serve,
+                                                                   result_log) -> None:
+    worker = start_worker(redis_server.url, max_num_seqs=8).wait_ready()
+    server = serve(redis_server.url)
+    client = server.client()
+    ids = [f"r{i}" for i in range(200)]
+    source = write_jsonl(tmp_path / "in.jsonl", [chat_line(i, f"count {i}", max_tokens=48) for i in ids])
+    batch = client.batches.create(input_file_id=upload(client, source), endpoint="/v1/chat/completions",
+                                  completion_window="15s")
+    # Frozen once a few results are stored, past the window, until the server has cancelled the rest: so the
+    # window ends mid-run however fast or slow the machine is.
+    wait_for(lambda: len(result_log.counts) >= 3, 120, "some requests done")
+    with stopped(engine_pid(worker.process.pid)):
+        assert client.batches.retrieve(batch.id).status == "in_progress"
+        broker = redis_server.client()
+        wait_for(lambda: next(broker.scan_iter(CANCEL_KEY.format(job_id="*")), None), 60, "the jobs cancelled")
+    done = wait_status(client, batch.id, ("expired", "completed", "cancelled", "failed"), 60)
+    assert done.status == "expired" and done.expired_at >= batch.expires_at and done.cancelled_at is None
+    finished, errors = outcome_ids(client, done)
+    assert 3 <= len(finished) < 200
+    assert {e["error"]["code"] for e in errors} == {"batch_expired"} and all(e["response"] is None for e in errors)
+    assert sorted(finished + [e["custom_id"] for e in errors]) == sorted(ids)
+    assert finished == [i for i in ids if i in set(finished)]  # input order
+    counts = done.request_counts
+    assert (counts.total, counts.completed, counts.failed) == (200, len(finished), len(errors))
+    output = lines_of(client, done.output_file_id)
+    assert done.usage.output_tokens == sum(line["response"]["body"]["usage"]["completion_tokens"] for line in output)
 
 
 def test_server_kill_9_mid_batch_another_server_finishes_it_running_nothing_twice(tmp_path, redis_server, start_worker,
@@ -439,3 +576,68 @@ def test_a_stopped_announcer_stays_withdrawn(redis_server) -> None:
     assert not announcer.is_alive()
     time.sleep(0.3)  # three renewal periods
     assert redis.hkeys(SERVED_KEY) == []
+
+
+def test_the_driver_renews_its_lease_while_it_writes_the_files_and_stops_if_it_lost_it(tmp_path, redis_server) -> None:
+    """A driver (in this process, on the real Redis) finishing a batch onto a slow file store: the write outlasts
+    the lease twice over, yet no rival can take the lease meanwhile; and a driver whose lease was taken stops
+    before it writes a file or a final status. (A real server's finish takes a big batch to be this slow.)"""
+    from tokenmill.apps.api.app import CreateBatch, new_batch
+    from tokenmill.apps.api.driver import Driver, Stopped
+    from tokenmill.apps.api.files import DirectoryStore
+    from tokenmill.apps.api.records import Records, lease_key
+    from tokenmill.apps.api.settings import ServeSettings
+
+    class SlowStore(DirectoryStore):
+        def write_lines(self, file_id: str, lines: Any) -> int:  # 50 ms a line: 40 lines take 2 s
+            return super().write_lines(file_id, (time.sleep(0.05) or line for line in lines))
+
+    settings = ServeSettings(broker_url=redis_server.url, lease_seconds=1, files_dir=str(tmp_path / "files"))
+    records, store = Records(settings.backend_url), SlowStore(settings.files_dir)
+
+    def cancelled_batch() -> str:
+        """A batch of 40 lines cancelled before it ran: driving it validates the file and writes 40 error lines."""
+        store.write_lines("file-input", [json.dumps(chat_line(f"r{i}", "hi")).encode() + b"\n" for i in range(40)])
+        batch = new_batch(CreateBatch(input_file_id="file-input", endpoint="/v1/chat/completions",
+                                       completion_window="24h"), 86400)
+        records.add_batch("alice", batch)
+        records.set_field(batch["id"], "cancel", "cancel")
+        records.update(batch["id"], lambda b: b.update(status="cancelling"))
+        return batch["id"]
+
+    def drive(batch_id: str, token: str, during: Callable[[], Any]) -> tuple[list[Any], list[BaseException]]:
+        assert records.take_lease(batch_id, token, settings.lease_seconds)
+        driver, raised = Driver(batch_id, token, settings, records, store, threading.Event()), []
+        thread = threading.Thread(target=lambda: raised.extend(_raised(driver.drive)))
+        thread.start()
+        seen = []
+        while thread.is_alive():
+            seen.append(during())
+            time.sleep(0.05)
+        return seen, raised
+
+    renewed = cancelled_batch()
+    began = time.monotonic()
+    taken, raised = drive(renewed, "driver", lambda: records.take_lease(renewed, "rival", settings.lease_seconds))
+    assert time.monotonic() - began >= 2 * settings.lease_seconds and raised == []
+    assert not any(taken)  # no rival got the lease
+    done = records.batch(renewed)
+    assert done["status"] == "cancelled" and done["request_counts"] == {"total": 40, "completed": 0, "failed": 40}
+    assert len(b"".join(store.chunks(done["error_file_id"])).splitlines()) == 40
+
+    stolen = cancelled_batch()
+    began = time.monotonic()
+    _, raised = drive(stolen, "driver", lambda: records.redis.set(lease_key(stolen), "rival", px=60_000)
+                      if time.monotonic() - began > 0.3 else None)  # a rival takes it over mid-write
+    assert [type(e) for e in raised] == [Stopped] and time.monotonic() - began < 2
+    assert records.batch(stolen)["status"] == "cancelling"
+    assert sorted(p.name for p in (tmp_path / "files").iterdir()) == sorted(
+        ["file-input", f"file-{renewed.removeprefix('batch_')}-errors"])  # no file, not even a partial one
+
+
+def _raised(call: Callable[[], Any]) -> list[BaseException]:
+    try:
+        call()
+    except BaseException as exc:
+        return [exc]
+    return []

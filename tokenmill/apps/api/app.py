@@ -121,9 +121,7 @@ def _file_routes(app: FastAPI, services: Services, Tenant: Any) -> None:
     def list_files(tenant: Tenant, after: str | None = None, limit: Annotated[int, Query(ge=1, le=10000)] = 10000,
                    order: Annotated[str, Query(pattern="^(asc|desc)$")] = "desc",
                    purpose: str | None = None) -> dict[str, Any]:
-        found, more = records.files(tenant, after, limit, newest_first=order == "desc")
-        data = [f for f in found if purpose is None or f["purpose"] == purpose]
-        return _page(data, more)
+        return _page(*records.files(tenant, after, limit, newest_first=order == "desc", purpose=purpose))
 
     @app.get("/v1/files/{file_id}")
     def get_file(file_id: str, tenant: Tenant) -> dict[str, Any]:
@@ -168,7 +166,7 @@ def _batch_routes(app: FastAPI, services: Services, Tenant: Any) -> None:
         if source["purpose"] != "batch":
             raise APIError(400, f"input_file_id: file {body.input_file_id} has purpose {source['purpose']!r}, "
                            "not 'batch'", "input_file_id", "invalid_value")
-        batch = _new_batch(body, window)
+        batch = new_batch(body, window)
         records.add_batch(tenant, batch)
         services.supervisor.poked.set()
         return batch
@@ -199,7 +197,7 @@ def _batch_routes(app: FastAPI, services: Services, Tenant: Any) -> None:
         return records.update(batch_id, cancelling)
 
 
-def _new_batch(body: CreateBatch, window: int) -> dict[str, Any]:
+def new_batch(body: CreateBatch, window: int) -> dict[str, Any]:
     """A `Batch` as the SDK's type has it, every field present."""
     created = now()
     stamps = ("in_progress_at", "finalizing_at", "completed_at", "failed_at", "expired_at", "cancelling_at",

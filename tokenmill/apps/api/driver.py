@@ -19,11 +19,12 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from tokenmill.apps.api.files import FileStore
-from tokenmill.apps.api.records import Records, now, refused_key
+from tokenmill.apps.api.records import FINAL, Records, now, refused_key
 from tokenmill.apps.api.settings import ServeSettings
 from tokenmill.apps.batch import LineError, Parser, Request, Source, parse_requests, request_line
 from tokenmill.apps.datasets import MAX_ROW_BYTES, DatasetError, TooLong, read_lines, too_long
@@ -33,6 +34,7 @@ from tokenmill.client import Client, JobTimeoutError
 from tokenmill.queue.served import served_models
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 _MAX_ERRORS = 100  # validation errors listed in a failed batch
 
@@ -97,12 +99,16 @@ class Driver(threading.Thread):
 
     def drive(self) -> None:
         batch = self.records.batch(self.batch_id)
-        if batch["status"] == "validating":
+        unvalidated = batch["status"] == "cancelling" and not batch["request_counts"]["total"]
+        if batch["status"] == "validating" or unvalidated:
+            # validated even when a cancel came first: then every request is counted and in the error file, and a
+            # bad line is reported (the batch ends cancelled with `errors`) instead of dropping out unseen
             batch = self.validate(batch)
-            if batch["status"] == "failed":
+            if batch["status"] in FINAL:
                 return
         source = Source(self.store.uri(batch["input_file_id"]), self.store.endpoint, MAX_ROW_BYTES)
-        plan = Plan([(n, r) for n, r in parse_requests(source, self.parser) if isinstance(r, Request)])
+        requests = self.beating(parse_requests(source, self.parser))  # a big file takes a while to read again
+        plan = Plan([(n, r) for n, r in requests if isinstance(r, Request)])
         for _, request in plan.requests:
             for choice, unit in enumerate(request.units):
                 unit.job_id = job_id(self.batch_id, request.custom_id, choice)
@@ -173,8 +179,13 @@ class Driver(threading.Thread):
         return None
 
     def _fail(self, errors: list[dict[str, Any]]) -> dict[str, Any]:
+        """Failed with `errors`; a batch asked to cancel meanwhile ends cancelled, with the same `errors`."""
         def fail(b: dict[str, Any]) -> None:
-            b.update(status="failed", failed_at=now(), errors={"object": "list", "data": errors})
+            b["errors"] = {"object": "list", "data": errors}
+            if b["status"] == "cancelling":
+                b.update(status="cancelled", cancelled_at=now())
+            else:
+                b.update(status="failed", failed_at=now())
 
         return self.records.update(self.batch_id, fail)
 
@@ -272,7 +283,7 @@ class Driver(threading.Thread):
                             if b["status"] == "in_progress" else None)
         lines: dict[bool, list[bytes]] = {True: [], False: []}
         completed = failed = prompt_tokens = completion_tokens = 0
-        for number, request in plan.requests:
+        for number, request in self.beating(plan.requests):
             got = [_unfinished(outcomes[u.job_id], reason) for u in request.units]
             line, error = request_line(number, request, got, None)
             lines[error is None].append(json.dumps(line, ensure_ascii=False).encode() + b"\n")
@@ -294,6 +305,7 @@ class Driver(threading.Thread):
             b.update(status=status, output_file_id=output, error_file_id=errors, usage=usage)
             b[stamp] = now()
 
+        self.heartbeat(force=True)  # still this server's batch
         self.records.update(self.batch_id, done)
 
     def _write_file(self, kind: str, lines: list[bytes]) -> str | None:
@@ -301,11 +313,18 @@ class Driver(threading.Thread):
         if not lines:
             return None
         file_id = f"file-{self.batch_id.removeprefix('batch_')}-{kind}"
-        size = self.store.write_lines(file_id, lines)
+        size = self.store.write_lines(file_id, self.beating(lines))
         tenant = self.records.tenant_of(self.batch_id)
         if self.records.file(tenant, file_id) is None:
             self.records.add_file(tenant, file_object(file_id, f"{self.batch_id}_{kind}.jsonl", size, "batch_output"))
         return file_id
+
+    def beating(self, items: Iterable[T]) -> Iterator[T]:
+        """`items`, renewing the lease as they are taken: a big input re-read, or output files written on a slow
+        store, outlast a lease (and a lost one stops the writing, the partial file discarded)."""
+        for item in items:
+            self.heartbeat()
+            yield item
 
     def heartbeat(self, force: bool = False) -> None:
         """Renew the lease (every third of it, or now); raise `Stopped` if it is lost or the server stops."""

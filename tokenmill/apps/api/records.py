@@ -82,10 +82,21 @@ class Records:
     def delete_file(self, tenant: str, file_id: str) -> None:
         self.redis.pipeline().delete(file_key(file_id)).zrem(_index("files", tenant), file_id).execute()
 
-    def files(self, tenant: str, after: str | None, limit: int, newest_first: bool = True) -> tuple[list[dict], bool]:
-        ids, more = self._page(_index("files", tenant), after, limit, newest_first)
-        found = [json.loads(raw)["object"] for raw in self.redis.mget([file_key(i) for i in ids]) if raw] if ids else []
-        return found, more
+    def files(self, tenant: str, after: str | None, limit: int, newest_first: bool = True,
+              purpose: str | None = None) -> tuple[list[dict], bool]:
+        """Up to `limit` of the tenant's files after the cursor, of `purpose` if given, and whether more follow.
+        The filter comes before paging: the index is read on, a slice at a time, until the page is full."""
+        index, found, cursor = _index("files", tenant), [], after
+        while len(found) <= limit:
+            ids, more = self._page(index, cursor, max(limit + 1 - len(found), 100 if purpose else 1), newest_first)
+            if not ids:
+                break
+            objects = [json.loads(raw)["object"] for raw in self.redis.mget([file_key(i) for i in ids]) if raw]
+            found += [f for f in objects if purpose is None or f["purpose"] == purpose]
+            if not more:
+                break
+            cursor = ids[-1]
+        return found[:limit], len(found) > limit
 
     # -- batches --------------------------------------------------------------------------------
 
