@@ -392,10 +392,11 @@ class Server:
             return False
         return True
 
-    def client(self, tenant: str = "alice") -> Any:
+    def client(self, tenant: str = "alice", key: str | None = None) -> Any:
+        """An SDK client with `tenant`'s key from `KEYS`, or with `key`."""
         from openai import OpenAI  # only the serve tests need the SDK
 
-        return OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key=KEYS[tenant], max_retries=0)
+        return OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key=key or KEYS[tenant], max_retries=0)
 
     def kill(self) -> None:
         if self.process.poll() is None:
