@@ -170,18 +170,21 @@ class Client:
         backend = self.app.backend
         return _parse_meta(job_id, backend.client.get(backend.get_key_for_task(job_id)), backend)
 
-    def as_completed(self, handles: Iterable[JobHandle | str], timeout: float | None = None) -> Iterator[JobResult]:
+    def as_completed(self, handles: Iterable[JobHandle | str], timeout: float | None = None,
+                     tick: float | None = None) -> Iterator[JobResult]:
         """Yield each job's `JobResult` (failed ones too) as soon as it is stored.
 
         For a handle whose job is not the one the stored result belongs to (its id was reused for other
         content), a failed `conflict` result instead. Raises `JobTimeoutError` if `timeout` seconds pass
-        before all are done.
+        before all are done. With `tick`, also yields None every `tick` seconds, for a caller with work to do
+        while it waits: one subscription serves the whole wait (subscribing to thousands of keys again for each
+        short wait cost more than the results).
         """
         handles = list(handles)
         hashes = {h.id: h.job_hash for h in handles if isinstance(h, JobHandle)}
         ids = list(dict.fromkeys(h.id if isinstance(h, JobHandle) else h for h in handles))
-        return (result.conflict_with(hashes.get(result.id)) or result
-                for result in _ResultWatch(self.app.backend, ids, timeout).results())
+        return (result if result is None else result.conflict_with(hashes.get(result.id)) or result
+                for result in _ResultWatch(self.app.backend, ids, timeout, tick).results())
 
     def results(self, handles: Iterable[JobHandle | str], timeout: float | None = None) -> list[JobResult]:
         """All results, in the order of `handles` (failed ones included, not raised)."""
@@ -262,24 +265,29 @@ class Client:
 class _ResultWatch:
     """Waits for many results: pub/sub notifications, plus a periodic MGET sweep as a safety net."""
 
-    def __init__(self, backend: Any, ids: list[str], timeout: float | None) -> None:
+    def __init__(self, backend: Any, ids: list[str], timeout: float | None, tick: float | None = None) -> None:
         self.backend = backend
         self.pending = {backend.get_key_for_task(job_id): job_id for job_id in ids}
         self.timeout = timeout
         self.deadline = None if timeout is None else time.monotonic() + timeout
+        self.tick = tick
         self.pubsub: Any = None
 
-    def results(self) -> Iterator[JobResult]:
+    def results(self) -> Iterator[JobResult | None]:
+        """The results as they come; None every `tick` seconds too, if one is set."""
         try:
             self._resubscribe_quietly()  # Redis may be down right now: the sweeps retry
             yield from self._sweep()
-            last_sweep = time.monotonic()
+            last_sweep = last_tick = time.monotonic()
             while self.pending:
-                wait = self._remaining()
-                yield from self._listen(min(wait, _SWEEP_INTERVAL))
+                wait = min(self._remaining(), _SWEEP_INTERVAL, self.tick or _SWEEP_INTERVAL)
+                yield from self._listen(wait)
                 if time.monotonic() - last_sweep >= _SWEEP_INTERVAL:
                     yield from self._sweep()
                     last_sweep = time.monotonic()
+                if self.tick is not None and time.monotonic() - last_tick >= self.tick:
+                    last_tick = time.monotonic()
+                    yield None
         finally:
             self._unsubscribe()
 

@@ -112,3 +112,28 @@ def test_a_waiting_client_rides_out_a_redis_restart(redis_server: RedisServer) -
         stored = JobResult(id=handle.id, status="succeeded", text="t", token_ids=[1])
         client.app.backend.store_result(handle.id, stored.to_wire(), "SUCCESS")  # as the worker's Celery does
         assert waiting.result(timeout=60) == stored
+
+
+def test_as_completed_with_a_tick_yields_none_while_waiting_on_one_subscription(redis_server: RedisServer) -> None:
+    """The HTTP API's batch driver waits for thousands of results and does periodic work meanwhile: each tick is a
+    None from the same watch, never a new subscription to every pending key."""
+    import time
+
+    from tokenmill.queue.schemas import JobResult
+
+    client = Client(redis_server.url)
+    handles = [client.submit(prompt=f"x {i}") for i in range(3)]
+    watch = client.as_completed(handles, tick=0.2)
+    started = time.monotonic()
+    assert next(watch) is None and next(watch) is None  # nothing stored yet: a tick every 0.2 s
+    assert 0.3 <= time.monotonic() - started < 10
+    redis = redis_server.client()
+    subscribes = redis.info("commandstats")["cmdstat_subscribe"]["calls"]
+    assert next(watch) is None
+    assert redis.info("commandstats")["cmdstat_subscribe"]["calls"] == subscribes
+    stored = {}
+    for handle in handles:
+        stored[handle.id] = JobResult(id=handle.id, status="succeeded", text="t", token_ids=[1])
+        client.app.backend.store_result(handle.id, stored[handle.id].to_wire(), "SUCCESS")
+    got = [result for result in watch if result is not None]  # ends once all three are in
+    assert sorted(got, key=lambda r: r.id) == sorted(stored.values(), key=lambda r: r.id)

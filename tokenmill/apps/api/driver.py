@@ -30,7 +30,7 @@ from tokenmill.apps.batch import LineError, Parser, Request, Source, parse_reque
 from tokenmill.apps.datasets import MAX_ROW_BYTES, DatasetError, TooLong, read_lines, too_long
 from tokenmill.apps.runners import QueueRunner, Unit, outcome_from_result
 from tokenmill.apps.store import Outcome, SeenSet
-from tokenmill.client import Client, JobTimeoutError
+from tokenmill.client import Client
 from tokenmill.queue.served import served_models
 
 log = logging.getLogger(__name__)
@@ -268,18 +268,23 @@ class Driver(threading.Thread):
         for job, outcome in outcomes.items():
             counts.add(job, outcome)
         cancelled = False
-        while pending:
+
+        def tick() -> None:  # each interval: a cancel or the deadline, the lease, the counts
+            nonlocal cancelled
             if not cancelled and self._ending():
-                client.cancel(pending)
+                client.cancel([job for job in pending if job not in outcomes])
                 cancelled = True
-            try:
-                for result in client.as_completed(pending, timeout=self.interval):
-                    if result.id not in outcomes:
-                        outcomes[result.id] = outcome_from_result(result)
-                        counts.add(result.id, outcomes[result.id])
-            except JobTimeoutError:
-                pass
-            pending = [job for job in pending if job not in outcomes]
+            self.heartbeat(force=True)
+            self._count(counts)
+
+        if pending:
+            tick()
+            for result in client.as_completed(pending, tick=self.interval):  # one subscription for the whole wait
+                if result is None:
+                    tick()
+                elif result.id not in outcomes:
+                    outcomes[result.id] = outcome_from_result(result)
+                    counts.add(result.id, outcomes[result.id])
             self.heartbeat(force=True)
             self._count(counts)
         return outcomes
