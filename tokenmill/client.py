@@ -171,14 +171,14 @@ class Client:
         return _parse_meta(job_id, backend.client.get(backend.get_key_for_task(job_id)), backend)
 
     def as_completed(self, handles: Iterable[JobHandle | str], timeout: float | None = None,
-                     tick: float | None = None) -> Iterator[JobResult]:
+                     tick: float | None = None) -> Iterator[JobResult | None]:
         """Yield each job's `JobResult` (failed ones too) as soon as it is stored.
 
         For a handle whose job is not the one the stored result belongs to (its id was reused for other
         content), a failed `conflict` result instead. Raises `JobTimeoutError` if `timeout` seconds pass
-        before all are done. With `tick`, also yields None every `tick` seconds, for a caller with work to do
-        while it waits: one subscription serves the whole wait (subscribing to thousands of keys again for each
-        short wait cost more than the results).
+        before all are done. With `tick` (and only then), also yields None every `tick` seconds, for a caller
+        with work to do while it waits: one subscription serves the whole wait (subscribing to thousands of keys
+        again for each short wait cost more than the results).
         """
         handles = list(handles)
         hashes = {h.id: h.job_hash for h in handles if isinstance(h, JobHandle)}

@@ -82,8 +82,11 @@ class RequestCounts:
         self.completed = self.failed = 0
 
     def add(self, job_id: str, outcome: Outcome) -> None:
-        """Count `job_id`'s outcome (once per job: the caller adds each job's first outcome only)."""
-        index = self._request_of[job_id]
+        """Count `job_id`'s outcome (once per job: the caller adds each job's first outcome only; an id that is no
+        job of the plan counts for nothing, as before)."""
+        index = self._request_of.get(job_id)
+        if index is None:
+            return
         self._ok[index] = self._ok[index] and outcome.ok
         self._left[index] -= 1
         if self._left[index] == 0:
