@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from tokenmill.errors import InvalidRequestError
@@ -73,3 +73,56 @@ def test_result_stub_drops_payload_keeps_the_rest() -> None:
 def test_any_valid_job_survives_the_wire(prompt: str, max_tokens: int, temperature: float, seed: int) -> None:
     job = Job.from_wire({"prompt": prompt, "max_tokens": max_tokens, "temperature": temperature, "seed": seed})
     assert Job.from_wire(json.loads(json.dumps(job.to_wire()))) == job
+
+
+def _shortest_json(value: object) -> str:
+    """`value` as the shortest JSON a producer could send: raw UTF-8, no spaces, floats in whichever of their
+    round-tripping forms is shortest (`1e15`, not `1000000000000000.0`)."""
+    if isinstance(value, float):
+        forms = [repr(value)] + [f"{value:.{digits}e}" for digits in range(17)]
+        return min((f for f in forms if float(f) == value), key=len).replace("e+", "e").replace("e0", "e")
+    if isinstance(value, list):
+        return "[" + ",".join(_shortest_json(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ",".join(json.dumps(k, ensure_ascii=False) + ":" + _shortest_json(v) for k, v in value.items()) + "}"
+    return json.dumps(value, ensure_ascii=False)
+
+
+_json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12)
+
+
+@given(st.dictionaries(st.text(max_size=8), _json_values, max_size=5))
+@example({"k": "\x7f" * 200})  # DEL, sent raw, comes back as \u007f: 6x
+@example({"k": [1e15, -5e15, 1e-7]})
+def test_a_job_reencoded_is_at_most_reencoded_growth_times_its_source(wire: dict) -> None:
+    """The bound behind `check_size(..., source=)`'s shortcut: whatever text a producer sent, the encoding
+    `check_size` measures is at most `REENCODED_GROWTH` times as long."""
+    from tokenmill.queue.schemas import REENCODED_GROWTH
+
+    source = _shortest_json(wire).encode()
+    assert json.loads(source) == wire
+    measured = len(json.dumps(json.loads(source), separators=(",", ":"), default=str).encode())
+    assert measured <= REENCODED_GROWTH * max(len(source), 1)
+
+
+def test_check_size_with_a_source_still_refuses_what_it_must() -> None:
+    from tokenmill.queue.schemas import check_size
+    from tokenmill.sampling_params import MAX_NESTING
+
+    small = {"prompt": "hi", "metadata": {"a": [1, 2]}}
+    source = json.dumps(small).encode()
+    check_size(small, 1 << 20, source)  # small and shallow: passes without being encoded
+    deep: object = 1
+    for _ in range(MAX_NESTING + 1):
+        deep = [deep]
+    nested = {"prompt": "hi", "metadata": {"a": deep}}
+    with pytest.raises(InvalidRequestError) as caught:  # too many brackets for the shortcut
+        check_size(nested, 1 << 20, json.dumps(nested).encode())
+    assert caught.value.field == "metadata"
+    big = {"prompt": "x" * 5000}
+    with pytest.raises(InvalidRequestError) as caught:  # too long for the shortcut: measured, refused
+        check_size(big, 4096, json.dumps(big).encode())
+    assert caught.value.field == "prompt"

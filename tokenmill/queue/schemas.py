@@ -28,7 +28,7 @@ from pydantic import (
 )
 
 from tokenmill.errors import InvalidRequestError
-from tokenmill.sampling_params import SamplingParams, check_nesting
+from tokenmill.sampling_params import MAX_NESTING, SamplingParams, check_nesting
 
 #: Bumped on any incompatible change of `Job` or `JobResult`. A worker refuses versions it does not know.
 SCHEMA_VERSION = 1
@@ -212,14 +212,30 @@ def invalid_request_from(exc: ValidationError) -> InvalidRequestError:
     return InvalidRequestError(loc, message)
 
 
-def check_size(wire: dict[str, Any], limit: int) -> None:
+#: Compact JSON of decoded JSON is at most this many times longer than its source: a character of 1-4 UTF-8
+#: bytes becomes at most one or two `\uXXXX` (6x for DEL, sent raw and escaped back), a float such as `1e15`
+#: is written out (4.5x).
+REENCODED_GROWTH = 6
+#: Bytes a worker may add to a decoded job before checking it (its `id`, from the task id).
+_ADDED_BYTES = 1024
+
+
+def check_size(wire: dict[str, Any], limit: int, source: bytes | None = None) -> None:
     """Refuse a job whose JSON is over `limit` bytes, naming the field that makes it big.
 
     The client checks the job it is about to queue, the worker every job it receives before parsing or
     tokenizing anything (a job sent with plain Celery never met the client); both with the setting
     `max_job_bytes` (`tokenmill.queue.settings.MAX_JOB_BYTES` by default). Encoding recurses, so each field's
     nesting is checked first (`MAX_NESTING`, naming the field as `Job` would: a sampling field by its own name).
+
+    `source`: the JSON text `wire` was decoded from (or one holding it, such as its message's body). When it is
+    too short for any re-encoding to pass `limit` (`REENCODED_GROWTH`) and has too few brackets for any field to
+    nest past `MAX_NESTING`, the job passes without encoding it: for a typical job that was ~80 us of the ~750 us
+    of worker CPU it cost in all.
     """
+    if (source is not None and len(source) * REENCODED_GROWTH + _ADDED_BYTES <= limit
+            and source.count(b"[") + source.count(b"{") <= MAX_NESTING):
+        return
     for name, value in wire.items():
         if name == "sampling" and isinstance(value, dict):
             for inner, setting in value.items():

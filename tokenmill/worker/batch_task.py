@@ -85,6 +85,10 @@ class BatchRun:
     def submitted(self) -> None:
         """Hook: the jobs to run are in the engine (or none was left to run)."""
 
+    def source(self, job_id: str) -> bytes | None:
+        """Hook: the JSON text job `job_id` was decoded from, if known (a bound that spares `check_size` its work)."""
+        return None
+
     def joined(self, running: list[tuple[Job, Future]]) -> None:
         """Hook: these jobs are already running in this process, with that run's future; that run finishes and
         stores them. A job of other content under the running one's id is a conflict, as on the pool path."""
@@ -156,7 +160,7 @@ class BatchRun:
                 continue
             seen.add(job_id)
             try:
-                check_size(raw, self.service.settings.max_job_bytes)  # per job, as for a single job
+                check_size(raw, self.service.settings.max_job_bytes, self.source(job_id))  # per job, as for a single job
                 job = Job.from_wire(raw)
             except InvalidRequestError as exc:
                 failed[job_id] = self.service.failed(

@@ -270,6 +270,10 @@ class IntakeRun(BatchRun):
         if admitted is not None:
             admitted()
 
+    def source(self, job_id: str) -> bytes | None:
+        body = self.requests[job_id].message.body  # the message's JSON (kombu decoded the transport's base64)
+        return body if isinstance(body, bytes) else None
+
     def joined(self, running: list[tuple[Any, Any]]) -> None:
         for job, _ in running:  # the pool path waits for that run (and names a conflict)
             self.to_pool(self.requests.pop(job.id))
