@@ -230,8 +230,8 @@ def check_size(wire: dict[str, Any], limit: int, source: bytes | None = None) ->
 
     `source`: the JSON text `wire` was decoded from (or one holding it, such as its message's body). When it is
     too short for any re-encoding to pass `limit` (`REENCODED_GROWTH`) and has too few brackets for any field to
-    nest past `MAX_NESTING`, the job passes without encoding it: for a typical job that was ~80 us of the ~750 us
-    of worker CPU it cost in all.
+    nest past `MAX_NESTING`, the job passes without encoding it (a typical job: 1.5 us instead of 19, of the
+    ~700 us of worker CPU it costs in all).
     """
     if (source is not None and len(source) * REENCODED_GROWTH + _ADDED_BYTES <= limit
             and source.count(b"[") + source.count(b"{") <= MAX_NESTING):
