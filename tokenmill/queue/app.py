@@ -42,6 +42,7 @@ from typing import Any
 
 from celery import Celery
 
+from tokenmill.queue import fastjson
 from tokenmill.queue.settings import QueueSettings
 from tokenmill.queue.tls import redis_tls
 
@@ -87,6 +88,7 @@ def celery_config(settings: QueueSettings) -> dict[str, Any]:
 
 def queue_app(settings: QueueSettings | None = None) -> Celery:
     """A new Celery app for `settings`, with no task registered: it sends task messages and reads results."""
+    fastjson.register_with_kombu()
     app = Celery("tokenmill", set_as_current=False)
     app.conf.update(celery_config(settings or QueueSettings()))
     return app

@@ -23,6 +23,7 @@ import json
 from collections.abc import Iterable
 from typing import Any, Literal
 
+from tokenmill.queue import fastjson
 from tokenmill.queue.names import CANCEL_CHANNEL, CANCEL_KEY, DELIVERIES_KEY
 from tokenmill.queue.schemas import JobResult
 
@@ -78,14 +79,22 @@ def revoked_result(wire: dict[str, Any]) -> dict[str, Any]:
             "exc_message": [wire.get("error", {}).get("message") or "cancelled"]}
 
 
+#: The fields of a result's wire form that may hold any JSON value or float (see `fastjson.dumps`).
+_FREE_FORM = ("metadata", "logprobs", "parsed", "queued_at", "started_at", "first_token_at", "finished_at")
+
+
 def encode_result(backend: Any, wire: dict[str, Any], meta: dict[str, Any] | None = None) -> bytes:
     """A job's final result as Celery's result backend stores it: SUCCESS, or REVOKED for a cancelled job.
-    `meta`: Celery's meta fields for the state (built once for many results; looked up when None)."""
+    `meta`: Celery's meta fields for the state (built once for many results; looked up when None). Celery's JSON,
+    written by orjson where that writes the same (`fastjson`)."""
     cancelled = wire.get("status") == "cancelled"
     state = CANCELLED_STATE if cancelled else "SUCCESS"
     meta = meta or backend._get_result_meta(result=None, state=state, traceback=None, request=None)
     result = revoked_result(wire) if cancelled else wire
-    return backend.encode({**meta, "status": state, "result": result, "task_id": wire["id"]})
+    meta = {**meta, "status": state, "result": result, "task_id": wire["id"]}
+    if backend.serializer != "json":
+        return backend.encode(meta)
+    return fastjson.dumps(meta, *(result.get(name) for name in _FREE_FORM))
 
 
 def cancel(backend: Any, job_ids: Iterable[str], expires: int) -> dict[str, Outcome]:

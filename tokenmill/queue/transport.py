@@ -53,9 +53,9 @@ from typing import Any
 
 from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
-from kombu.utils.json import loads
 from kombu.utils.objects import cached_property
 
+from tokenmill.queue import fastjson
 from tokenmill.queue.batching import Coalescer
 
 log = logging.getLogger(__name__)
@@ -450,7 +450,7 @@ class Channel(kombu_redis.Channel):
     def _decode(self, item: bytes) -> tuple[Any, str | None]:
         """The item's kombu envelope, and why it is not one kombu and Celery can handle (None if it is)."""
         try:
-            payload = loads(item.decode())
+            payload = fastjson.loads(item)
         except Exception:  # not JSON, too deeply nested, or kombu's object hook refused a "__type__" value
             return None, "not JSON kombu can decode"
         try:

@@ -41,9 +41,9 @@ import json
 import logging
 import os
 import re
+import itertools
 import threading
 import time
-import uuid
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -151,6 +151,7 @@ class WorkerService:
         self._running: dict[str, Future] = {}
         self._engine_ids: dict[str, str] = {}  # job id -> its engine request id, while it generates
         self._cancelling: set[str] = set()  # running jobs asked to stop (applied at submit if not submitted yet)
+        self._request_numbers = itertools.count()  # engine request ids: a job's runs here never share one
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self.grace_expired = threading.Event()
@@ -345,7 +346,7 @@ class WorkerService:
             if job.submitted_at is not None:
                 self.metrics.queue_wait.observe(max(0.0, run.started_at - job.submitted_at))
             messages = [m.model_dump() for m in job.messages] if job.messages else None
-            requests.append((f"{job.id}#{uuid.uuid4().hex[:8]}", job.sampling, job.prompt or job.prompt_token_ids, messages))
+            requests.append((f"{job.id}#{next(self._request_numbers)}", job.sampling, job.prompt or job.prompt_token_ids, messages))
         futures = self.engine.submit_many(requests) if requests else []
         with self._lock:
             self._engine_ids.update((run.job.id, request[0]) for run, request in zip(runs, requests))
@@ -491,7 +492,7 @@ class WorkerService:
 
 def _result_from_output(job: Job, run: Attempt, output: Any, worker: str) -> JobResult:
     """Succeeded, or for a job the engine stopped early `cancelled` / failed `deadline_exceeded`, with its text so far."""
-    prompt_tokens, completion_tokens = len(output.prompt_token_ids), len(output.token_ids)
+    prompt_tokens, completion_tokens = output.num_prompt_tokens, len(output.token_ids)
     status, error = "succeeded", None
     if output.finish_reason == "cancelled":
         status, error = "cancelled", JobError(code="cancelled", message="cancelled while running")

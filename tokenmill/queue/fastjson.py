@@ -1,0 +1,84 @@
+"""JSON on the worker's per-job path: orjson wherever it reads or writes what the stdlib would, the stdlib elsewhere.
+
+Why: a single job's JSON passes the worker six times (its kombu envelope, its Celery body, the engine-process
+message both ways, its stored result, its check), and the stdlib's encoder and decoder were ~25% of the worker's
+CPU per job (py-spy of `benchmarks/job_queue.py --intake`, GIL samples); orjson does the same work in about a
+fifth of the time. Torch-free.
+
+orjson is not the stdlib in a few places, each kept out here so that nothing decodes or stores differently:
+
+* reading, it turns integers past 64 bits into floats, and refuses NaN, Infinity and numbers past float's range
+  (the stdlib reads all of these); and kombu's decoder turns objects `{"__type__": ..., "__value__": ...}` into
+  datetimes, UUIDs and decimals, a key that `\\u00XX` escapes can spell. Text holding `__type__`, `\\u00` or a
+  run of 19 digits is read by the stdlib (or kombu), as is anything orjson refuses.
+* writing, it writes non-finite floats as null and refuses integers past 64 bits and keys that are not strings:
+  a message whose free-form parts (the ones the caller names: metadata, logprobs, parsed output, a JSON
+  schema) hold such values is written by the stdlib.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Callable
+from typing import Any
+
+import orjson
+from kombu import serialization
+from kombu.utils.json import dumps as kombu_dumps
+from kombu.utils.json import loads as kombu_loads
+
+#: What orjson would read differently: kombu's type key, an escape that could spell it, a big integer.
+_SLOW_TEXT = re.compile(r"__type__|\\u00|[0-9]{19}")
+_SLOW_BYTES = re.compile(rb"__type__|\\u00|[0-9]{19}")
+#: The integers orjson writes: signed and unsigned 64-bit.
+_INT_RANGE = range(-(2**63), 2**64)
+
+
+def loads(data: str | bytes, slow: Callable[[Any], Any] = kombu_loads) -> Any:
+    """`slow(data)`'s value (kombu's `loads` by default: the codec of every Celery message), through orjson
+    when that reads the same."""
+    pattern = _SLOW_TEXT if isinstance(data, str) else _SLOW_BYTES
+    if isinstance(data, str | bytes) and pattern.search(data) is None:
+        try:
+            return orjson.loads(data)
+        except orjson.JSONDecodeError:
+            pass  # NaN, Infinity, 1e999, bad JSON: the stdlib reads it, or raises its own error
+    return slow(data)
+
+
+def plain_loads(data: str | bytes) -> Any:
+    """`json.loads`'s value (no kombu types), through orjson when that reads the same."""
+    return loads(data, json.loads)
+
+
+def dumps(value: Any, *free: Any, default: Callable[[Any], Any] | None = None) -> bytes:
+    """JSON of `value`, as compact UTF-8: orjson, unless one of `free` (parts of `value` that may hold anything
+    JSON-like) holds a value orjson writes otherwise, or orjson refuses `value`: then `json.dumps`."""
+    if all(_orjson_writes_as_stdlib(part) for part in free):
+        try:
+            return orjson.dumps(value, default=default)
+        except (TypeError, orjson.JSONEncodeError):
+            pass
+    return json.dumps(value, default=default).encode()
+
+
+def _orjson_writes_as_stdlib(value: Any) -> bool:
+    if value is None or isinstance(value, str | bool):
+        return True
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, int):
+        return value in _INT_RANGE
+    if isinstance(value, dict):
+        return all(isinstance(key, str) and _orjson_writes_as_stdlib(item) for key, item in value.items())
+    if isinstance(value, list | tuple):
+        return all(_orjson_writes_as_stdlib(item) for item in value)
+    return False  # anything else goes through `default`: the stdlib's way, to be sure
+
+
+def register_with_kombu() -> None:
+    """Decode every JSON message and result of this process (kombu's `application/json` codec) with `loads`:
+    the same values, faster. Encoding stays kombu's."""
+    serialization.register("json", kombu_dumps, loads, content_type="application/json", content_encoding="utf-8")
