@@ -78,10 +78,9 @@ class SamplingParams:
     @classmethod
     def from_dict(cls, values: dict) -> SamplingParams:
         """Build from a plain dict, naming any field this class does not know."""
-        known = {f.name for f in fields(cls)}
         for name in values:
-            if name not in known:
-                raise InvalidRequestError(name, f"unknown sampling parameter (known: {', '.join(sorted(known))})")
+            if name not in _KNOWN_FIELDS:
+                raise InvalidRequestError(name, f"unknown sampling parameter (known: {', '.join(sorted(_KNOWN_FIELDS))})")
         return cls(**values)
 
     def _check(self) -> None:
@@ -158,6 +157,7 @@ def _check_stop(stop: list[Any]) -> None:
 
 
 _FIELD_NAMES = tuple(f.name for f in fields(SamplingParams))
+_KNOWN_FIELDS = frozenset(_FIELD_NAMES)
 STRUCTURED_FIELDS = ("json_schema", "choice", "regex", "json_object")
 
 

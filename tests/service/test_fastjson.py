@@ -84,3 +84,23 @@ def test_dumps_uses_orjson_for_plain_values_and_the_stdlib_otherwise() -> None:
     assert fastjson.dumps(plain, plain["times"]) == orjson.dumps(plain)
     assert json.loads(fastjson.dumps({"x": float("-inf")}, float("-inf"))) == {"x": float("-inf")}
     assert json.loads(fastjson.dumps({"x": [2**80]}, [2**80])) == {"x": [2**80]}
+
+
+@given(_values)
+@example({"t": 1e-05, "u": 1e16, "v": 5e-324})  # exponent forms the stdlib writes otherwise
+@example({"text": "caf\u00e9 \x7f \x00 \n"})  # escapes the stdlib makes
+@example({"seed": 2**64, "nan": float("nan")})
+@example({"b": {"z": 1, "a": [True, None, 0.1]}, "a": ""})
+def test_canonical_is_the_stdlibs_sorted_json_to_the_byte(value: Any) -> None:
+    """Content hashes must not change with the encoder: `canonical` is byte-identical to the stdlib's."""
+    content = {"free": value, "fixed": [1, 2.5, "x"]}
+    assert fastjson.canonical(content, value) == json.dumps(content, sort_keys=True, separators=(",", ":")).encode()
+
+
+def test_canonical_of_a_typical_job_is_orjsons() -> None:
+    """The typical job takes orjson's path (the point of `canonical`), and hashes as before."""
+    from tokenmill.queue.schemas import Job
+
+    wire = Job.from_wire({"prompt": "the quick brown fox", "max_tokens": 8, "temperature": 0.7, "metadata": {"row": 3}}).to_wire()
+    assert fastjson.canonical(wire, wire["metadata"]) == orjson.dumps(wire, option=orjson.OPT_SORT_KEYS)
+    assert fastjson.canonical(wire, wire["metadata"]) == json.dumps(wire, sort_keys=True, separators=(",", ":")).encode()

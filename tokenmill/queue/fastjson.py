@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from collections.abc import Callable
 from typing import Any
 
@@ -29,9 +28,12 @@ from kombu import serialization
 from kombu.utils.json import dumps as kombu_dumps
 from kombu.utils.json import loads as kombu_loads
 
-#: What orjson would read differently: kombu's type key, an escape that could spell it, a big integer.
-_SLOW_TEXT = re.compile(r"__type__|\\u00|[0-9]{19}")
-_SLOW_BYTES = re.compile(rb"__type__|\\u00|[0-9]{19}")
+#: Every digit as "0", every other byte as a space: a run of `_BIG_INT` in the translation is a run of digits
+#: in the text (a bytes scan, ~1 us a kilobyte; the equivalent regular expression took 12).
+_DIGITS = bytes(0x30 if 0x30 <= byte <= 0x39 else 0x20 for byte in range(256))
+_BIG_INT = b"0" * 19
+#: As `_DIGITS`, with "e" and "E" as "e": "0e" in the translation is a digit followed by an exponent mark.
+_EXPONENTS = bytes(0x65 if byte in b"eE" else digit for byte, digit in enumerate(_DIGITS))
 #: The integers orjson writes: signed and unsigned 64-bit.
 _INT_RANGE = range(-(2**63), 2**64)
 
@@ -39,10 +41,14 @@ _INT_RANGE = range(-(2**63), 2**64)
 def loads(data: str | bytes, slow: Callable[[Any], Any] = kombu_loads) -> Any:
     """`slow(data)`'s value (kombu's `loads` by default: the codec of every Celery message), through orjson
     when that reads the same."""
-    pattern = _SLOW_TEXT if isinstance(data, str) else _SLOW_BYTES
-    if isinstance(data, str | bytes) and pattern.search(data) is None:
+    try:
+        raw = data.encode() if isinstance(data, str) else data
+    except UnicodeEncodeError:  # a lone surrogate: the stdlib's to read (or refuse)
+        raw = None
+    if (isinstance(raw, bytes) and b"__type__" not in raw and b"\\u00" not in raw
+            and _BIG_INT not in raw.translate(_DIGITS)):
         try:
-            return orjson.loads(data)
+            return orjson.loads(raw)
         except orjson.JSONDecodeError:
             pass  # NaN, Infinity, 1e999, bad JSON: the stdlib reads it, or raises its own error
     return slow(data)
@@ -62,6 +68,21 @@ def dumps(value: Any, *free: Any, default: Callable[[Any], Any] | None = None) -
         except (TypeError, orjson.JSONEncodeError):
             pass
     return json.dumps(value, default=default).encode()
+
+
+def canonical(value: Any, *free: Any) -> bytes:
+    """`json.dumps(value, sort_keys=True, separators=(",", ":"))` to the byte (what content hashes are taken of, so
+    that every version hashes a job alike): orjson's sorted output where it is the same, which it is when the free
+    parts pass the check of `dumps`, and the output is printable ASCII (the stdlib escapes DEL and every non-ASCII
+    character) without a number in exponent form (the stdlib writes `1e-05` and `1e+16`, orjson `1e-5`, `1e16`)."""
+    if all(_orjson_writes_as_stdlib(part) for part in free):
+        try:
+            raw = orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
+        except (TypeError, orjson.JSONEncodeError):
+            raw = b"\x7f"
+        if raw.isascii() and b"\x7f" not in raw and b"0e" not in raw.translate(_EXPONENTS):
+            return raw
+    return json.dumps(value, sort_keys=True, separators=(",", ":")).encode()
 
 
 def _orjson_writes_as_stdlib(value: Any) -> bool:

@@ -28,6 +28,7 @@ from pydantic import (
 )
 
 from tokenmill.errors import InvalidRequestError
+from tokenmill.queue import fastjson
 from tokenmill.sampling_params import MAX_NESTING, SamplingParams, check_nesting
 
 #: Bumped on any incompatible change of `Job` or `JobResult`. A worker refuses versions it does not know.
@@ -139,6 +140,8 @@ class Job(BaseModel):
     @classmethod
     def _check_metadata(cls, value: dict[str, Any]) -> dict[str, Any]:
         """Metadata travels in the job and comes back in the result, both as JSON: refuse what JSON cannot hold."""
+        if not value:
+            return value
         check_nesting(value, "metadata")
         try:
             json.dumps(value, allow_nan=False)
@@ -192,7 +195,9 @@ class Job(BaseModel):
 def content_hash(wire: dict[str, Any]) -> str:
     """`Job.content_hash` of a job's validated wire form (`Job.to_wire()`), without parsing it again."""
     content = {k: v for k, v in wire.items() if k not in VOLATILE_FIELDS}
-    return hashlib.sha256(json.dumps(content, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    sampling = content.get("sampling")
+    schema = sampling.get("json_schema") if isinstance(sampling, dict) else None
+    return hashlib.sha256(fastjson.canonical(content, content.get("metadata"), schema)).hexdigest()
 
 
 def invalid_request_from(exc: ValidationError) -> InvalidRequestError:

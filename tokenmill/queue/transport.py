@@ -266,6 +266,8 @@ class Channel(kombu_redis.Channel):
         self._blmove_source: str | None = None
         self._take_many = True  # whether the next poll takes without blocking (the last one found messages)
         self._take_keys: list[str] = []
+        self._processing_keys: dict[str, str] = {}
+        self._record_tails: dict[tuple[str, str], bytes] = {}  # (exchange, routing key) -> their JSON in a record
         self._beat_at = float("-inf")
         self._no_ack_queues: set[str] = set()
         self._sync_client: Any = None
@@ -304,7 +306,10 @@ class Channel(kombu_redis.Channel):
                 (("record", _RECORD), ("discard", _DISCARD), ("recover", _RECOVER))}
 
     def _processing_key(self, source: str) -> str:
-        return PROCESSING_KEY.format(consumer=self.consumer_id, source=source)
+        key = self._processing_keys.get(source)
+        if key is None:
+            key = self._processing_keys[source] = PROCESSING_KEY.format(consumer=self.consumer_id, source=source)
+        return key
 
     @property
     def _heartbeat_key(self) -> str:
@@ -431,7 +436,7 @@ class Channel(kombu_redis.Channel):
                 continue
             tag = payload["properties"]["delivery_tag"]
             info = payload["properties"]["delivery_info"]
-            record = b"[%s, %s, %s]" % (item, json.dumps(info["exchange"]).encode(), json.dumps(info["routing_key"]).encode())
+            record = b"[%s, %s]" % (item, self._record_tail(info["exchange"], info["routing_key"]))
             keys.append(processing)
             args += [item, tag, record]
             recorded.append((source, item, payload, queue))
@@ -446,6 +451,15 @@ class Channel(kombu_redis.Channel):
                 self._discard(source, item, "its delivery_tag is already in flight")
             # 0: a sweep already requeued it: whoever takes it next runs it
         return delivered
+
+    def _record_tail(self, exchange: str, routing_key: str) -> bytes:
+        """The end of kombu's unacked record `[message, exchange, routing key]`, kept per destination."""
+        tail = self._record_tails.get((exchange, routing_key))
+        if tail is None:
+            tail = b"%s, %s" % (json.dumps(exchange).encode(), json.dumps(routing_key).encode())
+            if len(self._record_tails) < 1024:  # producers choose these: a bounded cache
+                self._record_tails[(exchange, routing_key)] = tail
+        return tail
 
     def _decode(self, item: bytes) -> tuple[Any, str | None]:
         """The item's kombu envelope, and why it is not one kombu and Celery can handle (None if it is)."""
