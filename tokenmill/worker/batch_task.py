@@ -28,9 +28,10 @@ from __future__ import annotations
 
 import functools
 import logging
+import queue
 import re
 import time
-from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, Future, wait
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from celery import states
@@ -192,13 +193,16 @@ class BatchRun:
         deadlines = {future: run.deadline for future, (run, _) in futures.items() if run.deadline is not None}
         self.service.metrics.jobs_in_flight.inc(len(runs))
         pending = set(futures)
-        until = FIRST_COMPLETED if self.store_as_finished else ALL_COMPLETED
+        finishing: queue.SimpleQueue[Future] = queue.SimpleQueue()  # each future once, as it resolves
+        for future in futures:
+            future.add_done_callback(finishing.put)
         try:
             while pending:
                 # one wake-up when all are done (or, storing as they finish, when some are), else each check
                 # interval or at the next deadline
                 timeout = min([SHUTDOWN_CHECK_INTERVAL, *(d - time.time() for d in deadlines.values())])
-                finished, pending = wait(pending, timeout=max(0.0, timeout), return_when=until)
+                finished = self._finished(finishing, len(pending), max(0.0, timeout))
+                pending -= finished
                 for future in [f for f, d in deadlines.items() if f in pending and d <= time.time()]:
                     self.service.engine.cancel(futures[future][1], "deadline")  # its partial output follows
                     del deadlines[future]
@@ -224,6 +228,26 @@ class BatchRun:
             for future in pending:
                 self.service.engine.abort(futures[future][1])
             self.service.metrics.jobs_in_flight.dec(len(runs))
+
+    def _finished(self, finishing: queue.SimpleQueue[Future], pending: int, timeout: float) -> set[Future]:
+        """The futures resolved since the last call, waiting up to `timeout` for the first (for all `pending`
+        when results are stored only at the end). A queue fed by each future's callback: `concurrent.futures.wait`
+        added and removed a waiter on every pending future at each call, work per wave that grew with the group."""
+        finished: set[Future] = set()
+        end = time.monotonic() + timeout
+        while len(finished) < pending:
+            try:
+                finished.add(finishing.get(timeout=max(0.0, end - time.monotonic())))
+            except queue.Empty:
+                break
+            while len(finished) < pending:  # whatever else resolved meanwhile, without waiting
+                try:
+                    finished.add(finishing.get_nowait())
+                except queue.Empty:
+                    break
+            if self.store_as_finished:
+                break
+        return finished
 
     def _store(self, results: dict[str, dict[str, Any]]) -> None:
         """Each job's result under its own Celery key (as Celery's meta), unless one is stored already."""
