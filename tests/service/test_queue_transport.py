@@ -4,6 +4,7 @@ requeue of a dead consumer's processing list, and the reconnect crash of kombu's
 from __future__ import annotations
 
 import json
+import threading
 import time
 import uuid
 
@@ -130,3 +131,40 @@ def test_a_channel_reuses_one_client_per_pool(redis_server: RedisServer) -> None
         channel._disconnect_pools()
         with channel.conn_or_acquire() as third:
             assert third is not first and third.connection_pool is channel.pool and third.ping()
+
+
+def test_a_trickle_of_messages_costs_a_take_and_a_blmove_each_without_a_length_check(redis_server: RedisServer) -> None:
+    """A consumer waiting in BLMOVE got there from a take that found every list empty: that take was the check of
+    the other lists, so no LLEN round precedes the BLMOVE (one per message before, four LLENs with priorities)."""
+    queue = Queue(f"q-{uuid.uuid4().hex[:8]}", EXCHANGE, routing_key="r1")
+    client = redis_server.client()
+    count = 10
+    received: list[str] = []
+
+    def consume(connection: Connection) -> None:
+        def on_message(body: dict, message: object) -> None:
+            received.append(body["body"])
+            message.ack()
+
+        with Consumer(connection.channel(), [queue], callbacks=[on_message], prefetch_count=count):
+            deadline = time.monotonic() + 30
+            while len(received) < count and time.monotonic() < deadline:
+                try:
+                    connection.drain_events(timeout=1)
+                except TimeoutError:
+                    pass
+
+    with _connection(redis_server) as connection, Connection(redis_server.url) as producer_connection:
+        producer = Producer(producer_connection.channel(), exchange=EXCHANGE)
+        producer.publish({"body": "0"}, routing_key=queue.routing_key, declare=[queue])  # a declare checks lengths
+        llen_before = int(client.info("commandstats").get("cmdstat_llen", {}).get("calls", 0))
+        consumer = threading.Thread(target=consume, args=(connection,))
+        consumer.start()
+        for sent in range(1, count):  # one at a time, each once the last is taken
+            wait_for(lambda: len(received) >= sent, 10, "the message taken")  # noqa: B023
+            time.sleep(0.05)  # the consumer is blocked in BLMOVE again
+            producer.publish({"body": str(sent)}, routing_key=queue.routing_key)
+        consumer.join(30)
+    assert len(received) == count
+    llen_calls = int(client.info("commandstats").get("cmdstat_llen", {}).get("calls", 0)) - llen_before
+    assert llen_calls <= 8, f"{llen_calls} LLEN calls for {count} messages"  # two BLMOVE timeouts' checks at most

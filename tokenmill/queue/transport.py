@@ -265,6 +265,7 @@ class Channel(kombu_redis.Channel):
         self._sources: set[str] = set()
         self._blmove_source: str | None = None
         self._take_many = True  # whether the next poll takes without blocking (the last one found messages)
+        self._found_empty = False  # whether the last poll was a take that found every list empty
         self._take_keys: list[str] = []
         self._processing_keys: dict[str, str] = {}
         self._record_tails: dict[tuple[str, str], bytes] = {}  # (exchange, routing key) -> their JSON in a record
@@ -330,7 +331,9 @@ class Channel(kombu_redis.Channel):
     def _brpop_start(self, timeout: float | None = None) -> None:
         """Take what is waiting, up to the free prefetch slots, in one script; when the last take found
         nothing, block in BLMOVE for the first non-empty list in kombu's order (queues fairly cycled, then
-        priority) instead."""
+        priority) instead: the first list when that take was just now (it checked them all), else the first
+        `_choose_source` finds non-empty. Under a trickle of jobs that is a take and a BLMOVE per job, not a
+        take, a check and a BLMOVE."""
         if timeout is None:
             timeout = self.brpop_timeout
         queues = self._queue_cycle.consume(len(self.active_queues))
@@ -347,7 +350,11 @@ class Channel(kombu_redis.Channel):
             self.client.connection.send_command(
                 "EVAL", _TAKE, 2 * len(keys), *keys, *(self._processing_key(key) for key in keys), limit)
             return
-        source = self._choose_source(keys)
+        if self._found_empty:  # the take just before found every list empty: that was the check (one round trip less)
+            self._register_sources(keys)
+            source = keys[0]
+        else:
+            source = self._choose_source(keys)
         self._blmove_source = source
         self._in_poll = self.client.connection
         self._brpop_sent_at = monotonic()
@@ -400,6 +407,7 @@ class Channel(kombu_redis.Channel):
             else:
                 taken = [(self._take_keys[int(index) - 1], item) for index, item in zip(reply[::2], reply[1::2])]
             self._take_many = bool(taken)  # found some: more are likely waiting; none: block next time
+            self._found_empty = command == "EVAL" and not taken
             if not taken:
                 raise kombu_redis.Empty()
             for source in dict.fromkeys(source for source, _ in taken):
