@@ -2,6 +2,7 @@
 
     python benchmarks/job_queue.py [--jobs 1000] [--rounds 3] [--max-num-seqs 256]
     python benchmarks/job_queue.py --intake          # the queue path's ceiling (see below)
+    python benchmarks/job_queue.py --intake --against /path/to/other/checkout   # before/after in one run
 
 Starts its own redis-server (AOF on, `appendfsync everysec`, as in docker-compose) on a free port and
 one `tokenmill worker` on builtin:tiny, loads the same model in this process, and measures, in one run:
@@ -24,6 +25,12 @@ so independent of the machine's load) against the in-process engine's.
 
 Both paths get the same torch thread count (`--threads`, default 1): more threads than free cores
 makes torch's workers spin against each other.
+
+`--against PATH` adds a second queue path whose worker runs the checkout at PATH (its own redis-server), and
+the rounds alternate between the two queue paths and the in-process engine, so a before/after comparison shares
+one run's machine and its drift: on the shared 2-core machine the same code's CPU per job moves by 20% from one
+run to the next, more than most changes, while the ratio of two paths measured side by side moves much less.
+The client and the in-process engine are this checkout's in both.
 """
 
 from __future__ import annotations
@@ -135,7 +142,9 @@ def own_cpu() -> float:
 class QueuePath:
     """redis-server + one worker subprocess + a Client in this process."""
 
-    def __init__(self, directory: Path, max_num_seqs: int, threads: int, concurrency: int | None) -> None:
+    def __init__(self, directory: Path, max_num_seqs: int, threads: int, concurrency: int | None, repo: Path = REPO) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        self.repo = repo
         self.redis = self._start_redis(directory)
         self.worker = self._start_worker(directory / "worker.log", max_num_seqs, threads, concurrency)
         self.engine_pid = engine_pid(self.worker.pid)
@@ -167,9 +176,9 @@ class QueuePath:
                    "--max-num-seqs", str(max_num_seqs), "--metrics-port", "0", "--hostname", "bench@%h"]
         if concurrency:
             command += ["--concurrency", str(concurrency)]
-        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": str(threads)}
+        env = {**os.environ, "PYTHONPATH": str(self.repo), "OMP_NUM_THREADS": str(threads)}
         self.log_path = log_path
-        process = subprocess.Popen(command, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT, env=env, cwd=REPO)
+        process = subprocess.Popen(command, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT, env=env, cwd=self.repo)
 
         def ready() -> bool:
             text = log_path.read_text(errors="replace")
@@ -271,27 +280,43 @@ def main() -> None:
     parser.add_argument("--probe-jobs", type=int, default=100, help="one-at-a-time jobs for the added-latency probe")
     parser.add_argument("--threads", type=int, default=1, help="torch threads, the same for both paths")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--against", default=None, metavar="PATH",
+                        help="another checkout whose worker runs beside this one's, rounds alternating (see above)")
     parser.add_argument("--intake", action="store_true",
                         help="the queue path's ceiling: max_tokens=1, 3000 jobs, --max-num-seqs 1024, no latency probe "
                              "(explicit flags still win)")
     args = parser.parse_args(intake_defaults(sys.argv[1:]))
     workload = make_workload(args.jobs, args.seed, args.min_tokens, args.max_tokens)
 
+    repos = {"this checkout": REPO, **({f"against {args.against}": Path(args.against).resolve()} if args.against else {})}
     with tempfile.TemporaryDirectory() as tmp:
-        queue = QueuePath(Path(tmp), args.max_num_seqs, args.threads, args.concurrency)
+        queues: dict[str, QueuePath] = {}
         try:
+            for number, (name, repo) in enumerate(repos.items()):
+                queues[name] = QueuePath(Path(tmp) / str(number), args.max_num_seqs, args.threads, args.concurrency, repo)
             local = LocalPath(args.max_num_seqs, args.threads)
-            queue.warm_up(workload)
+            for queue in queues.values():
+                queue.warm_up(workload)
             local.warm_up(workload)
-            queue_runs, local_runs = [], []
+            queue_runs: dict[str, list[Run]] = {name: [] for name in queues}
+            local_runs: dict[str, list[Run]] = {name: [] for name in queues}
             for _ in range(args.rounds):
-                queue_runs.append(queue.run(workload))
-                local_runs.append(local.run(workload))
-            added = [q - lo for q, lo in zip(queue.probe(workload, args.probe_jobs), local.probe(workload, args.probe_jobs))]
-            queue.log_tail()
+                for name, queue in queues.items():  # each queue round next to an in-process round of its own
+                    queue_runs[name].append(queue.run(workload))
+                    local_runs[name].append(local.run(workload))
+            added = {}
+            for name, queue in queues.items():
+                added[name] = [q - lo for q, lo in zip(queue.probe(workload, args.probe_jobs), local.probe(workload, args.probe_jobs))]
+                queue.log_tail()
         finally:
-            queue.close()
-    report(args, workload, local_runs, queue_runs, added)
+            for queue in queues.values():
+                queue.close()
+    for name in queues:
+        if len(queues) > 1:
+            print(f"\n### {name}")
+        report(args, workload, local_runs[name], queue_runs[name], added[name])
+    if len(queues) > 1:
+        compare(workload, local_runs, queue_runs)
 
 
 #: What `--intake` changes; a flag given on the command line wins.
@@ -344,6 +369,26 @@ def report(args: argparse.Namespace, workload: Workload, local_runs: list[Run], 
         print(f"- added latency of the queue, one job at a time ({len(added)} jobs): "
               f"p50 **{1000 * percentile(added, 50):.1f} ms**, p99 **{1000 * percentile(added, 99):.1f} ms**")
     print(f"- machine load average when done: {os.getloadavg()[0]:.2f}")
+
+
+def compare(workload: Workload, local_runs: dict[str, list[Run]], queue_runs: dict[str, list[Run]]) -> None:
+    """Per round, each path's figure over the other's (this checkout's first): the rounds ran side by side."""
+    n = len(workload.prompts)
+    (this, other) = list(queue_runs)[:2]
+    print(f"\n### this checkout / {other.removeprefix('against ')}, per round (median)\n")
+    rows = [("throughput ratio (queue / in-process)", lambda name, i: local_runs[name][i].elapsed / queue_runs[name][i].elapsed)]
+    for process in ("worker", "engine", "redis"):
+        rows.append((f"{process} CPU per job (ms)", lambda name, i, p=process: 1000 * queue_runs[name][i].cpu.get(p, 0) / n))
+    rows.append(("worker CPU per job / in-process CPU per job",
+                 lambda name, i: queue_runs[name][i].cpu["worker"] / local_runs[name][i].cpu["in-process"]))
+    print("| | this checkout | other | this / other |")
+    print("|---|---|---|---|")
+    for label, figure in rows:
+        mine = [figure(this, i) for i in range(len(queue_runs[this]))]
+        theirs = [figure(other, i) for i in range(len(queue_runs[other]))]
+        quotients = [a / b for a, b in zip(mine, theirs) if b]
+        print(f"| {label} | {', '.join(f'{v:.3f}' for v in mine)} | {', '.join(f'{v:.3f}' for v in theirs)} | "
+              f"**{statistics.median(quotients):.2f}** |")
 
 
 if __name__ == "__main__":
