@@ -3,6 +3,7 @@
     python benchmarks/job_queue.py [--jobs 1000] [--rounds 3] [--max-num-seqs 256]
     python benchmarks/job_queue.py --intake          # the queue path's ceiling (see below)
     python benchmarks/job_queue.py --intake --against /path/to/other/checkout   # before/after in one run
+    python benchmarks/job_queue.py --instructions [--against PATH]   # the worker's instructions per job (callgrind)
 
 Starts its own redis-server (AOF on, `appendfsync everysec`, as in docker-compose) on a free port and
 one `tokenmill worker` on builtin:tiny, loads the same model in this process, and measures, in one run:
@@ -31,6 +32,13 @@ the rounds alternate between the two queue paths and the in-process engine, so a
 one run's machine and its drift: on the shared 2-core machine the same code's CPU per job moves by 20% from one
 run to the next, more than most changes, while the ratio of two paths measured side by side moves much less.
 The client and the in-process engine are this checkout's in both.
+
+`--instructions` counts what no load moves: the instructions the worker process executes per one-token job,
+under valgrind's callgrind (the engine process runs natively: callgrind does not follow it). The worker runs
+twice, on `--jobs` and on 200 jobs, and the difference of the two totals over the difference of the job
+counts is the figure: start-up and shutdown cancel out. Under callgrind the worker is ~50x slower, so the
+queue is always full and every take and group is as large as it gets: this is the intake ceiling's path.
+Needs valgrind; minutes per checkout.
 """
 
 from __future__ import annotations
@@ -44,6 +52,7 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirna
 
 import argparse  # noqa: E402
 import random  # noqa: E402
+import re  # noqa: E402
 import resource  # noqa: E402
 import shutil  # noqa: E402
 import socket  # noqa: E402
@@ -142,9 +151,11 @@ def own_cpu() -> float:
 class QueuePath:
     """redis-server + one worker subprocess + a Client in this process."""
 
-    def __init__(self, directory: Path, max_num_seqs: int, threads: int, concurrency: int | None, repo: Path = REPO) -> None:
+    def __init__(self, directory: Path, max_num_seqs: int, threads: int, concurrency: int | None, repo: Path = REPO,
+                 wrapper: tuple[str, ...] = ()) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         self.repo = repo
+        self.wrapper = wrapper  # a command the worker runs under (valgrind)
         self.redis = self._start_redis(directory)
         self.worker = self._start_worker(directory / "worker.log", max_num_seqs, threads, concurrency)
         self.engine_pid = engine_pid(self.worker.pid)
@@ -172,7 +183,7 @@ class QueuePath:
         return process
 
     def _start_worker(self, log_path: Path, max_num_seqs: int, threads: int, concurrency: int | None) -> subprocess.Popen:
-        command = [sys.executable, "-m", "tokenmill.cli", "worker", "--broker", self.broker, "--model", "builtin:tiny",
+        command = [*self.wrapper, sys.executable, "-m", "tokenmill.cli", "worker", "--broker", self.broker, "--model", "builtin:tiny",
                    "--max-num-seqs", str(max_num_seqs), "--metrics-port", "0", "--hostname", "bench@%h"]
         if concurrency:
             command += ["--concurrency", str(concurrency)]
@@ -184,7 +195,7 @@ class QueuePath:
             text = log_path.read_text(errors="replace")
             return process.poll() is not None or ("bench@" in text and " ready." in text)
 
-        wait_until(ready, 180, "the worker")
+        wait_until(ready, 900 if self.wrapper else 180, "the worker")
         if process.poll() is not None:
             sys.exit(f"worker exited:\n{log_path.read_text()}")
         return process
@@ -230,7 +241,7 @@ class QueuePath:
     def close(self) -> None:
         try:
             self.worker.terminate()
-            self.worker.wait(timeout=90)
+            self.worker.wait(timeout=600 if self.wrapper else 90)
         except subprocess.TimeoutExpired:
             self.worker.kill()
             self.worker.wait()
@@ -282,6 +293,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--against", default=None, metavar="PATH",
                         help="another checkout whose worker runs beside this one's, rounds alternating (see above)")
+    parser.add_argument("--instructions", action="store_true",
+                        help="the worker's instructions per one-token job under callgrind (see above); implies --intake")
     parser.add_argument("--intake", action="store_true",
                         help="the queue path's ceiling: max_tokens=1, 3000 jobs, --max-num-seqs 1024, no latency probe "
                              "(explicit flags still win)")
@@ -289,6 +302,9 @@ def main() -> None:
     workload = make_workload(args.jobs, args.seed, args.min_tokens, args.max_tokens)
 
     repos = {"this checkout": REPO, **({f"against {args.against}": Path(args.against).resolve()} if args.against else {})}
+    if args.instructions:
+        count_instructions(args, workload, repos)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         queues: dict[str, QueuePath] = {}
         try:
@@ -324,6 +340,8 @@ INTAKE_DEFAULTS = {"--jobs": "3000", "--min-tokens": "1", "--max-tokens": "1", "
 
 
 def intake_defaults(argv: list[str]) -> list[str]:
+    if "--instructions" in argv and "--intake" not in argv:
+        argv = [*argv, "--intake"]
     if "--intake" not in argv:
         return argv
     given = {arg.split("=", 1)[0] for arg in argv}
@@ -369,6 +387,39 @@ def report(args: argparse.Namespace, workload: Workload, local_runs: list[Run], 
         print(f"- added latency of the queue, one job at a time ({len(added)} jobs): "
               f"p50 **{1000 * percentile(added, 50):.1f} ms**, p99 **{1000 * percentile(added, 99):.1f} ms**")
     print(f"- machine load average when done: {os.getloadavg()[0]:.2f}")
+
+
+#: Jobs of the shorter run of `--instructions`, whose total is subtracted.
+BASELINE_JOBS = 200
+
+
+def count_instructions(args: argparse.Namespace, workload: Workload, repos: dict[str, Path]) -> None:
+    """Per checkout, the worker's instructions per job: (total on all jobs - total on BASELINE_JOBS) / the difference."""
+    if shutil.which("valgrind") is None:
+        sys.exit("--instructions needs valgrind (apt-get install valgrind)")
+    if len(workload.prompts) <= BASELINE_JOBS:
+        sys.exit(f"--instructions needs more than {BASELINE_JOBS} --jobs")
+    per_job = {}
+    for name, repo in repos.items():
+        totals = []
+        for count in (BASELINE_JOBS, len(workload.prompts)):
+            with tempfile.TemporaryDirectory() as tmp:
+                out = Path(tmp) / "callgrind.out"
+                wrapper = ("valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", "--trace-children=no")
+                queue = QueuePath(Path(tmp), args.max_num_seqs, args.threads, args.concurrency, repo, wrapper)
+                try:
+                    jobs = [workload.job(i) for i in range(count)]
+                    for result in queue.client.results(queue.client.submit_many(jobs), timeout=3600):
+                        assert result.ok, result.error
+                finally:
+                    queue.close()
+                totals.append(int(re.search(r"^(?:summary|totals):\s+(\d+)", out.read_text(), re.M).group(1)))
+        per_job[name] = (totals[1] - totals[0]) / (len(workload.prompts) - BASELINE_JOBS)
+        print(f"- {name}: worker totals {totals[0]:,} ({BASELINE_JOBS} jobs) and {totals[1]:,} "
+              f"({len(workload.prompts)} jobs): **{per_job[name] / 1e6:.3f} M instructions per job**")
+    if len(per_job) > 1:
+        mine, theirs = per_job.values()
+        print(f"- this checkout / other: **{mine / theirs:.2f}**")
 
 
 def compare(workload: Workload, local_runs: dict[str, list[Run]], queue_runs: dict[str, list[Run]]) -> None:
