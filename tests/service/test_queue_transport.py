@@ -168,3 +168,17 @@ def test_a_trickle_of_messages_costs_a_take_and_a_blmove_each_without_a_length_c
     assert len(received) == count
     llen_calls = int(client.info("commandstats").get("cmdstat_llen", {}).get("calls", 0)) - llen_before
     assert llen_calls <= 8, f"{llen_calls} LLEN calls for {count} messages"  # two BLMOVE timeouts' checks at most
+
+
+def test_each_body_is_decoded_once(redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The envelope check decodes a message's base64 body; kombu's `Message` gets that, not a second decode."""
+    from kombu.transport.virtual.base import Base64
+
+    calls: list[int] = []
+    decode = Base64.decode
+    monkeypatch.setattr(Base64, "decode", lambda codec, s: calls.append(1) or decode(codec, s))
+    queue = Queue(f"q-{uuid.uuid4().hex[:8]}", EXCHANGE, routing_key="r1")
+    bodies = _publish(redis_server, queue, 5)
+    with _connection(redis_server) as connection:
+        assert sorted(body for body, _ in _consume(connection, queue, 5)) == sorted(bodies)
+    assert len(calls) == 5

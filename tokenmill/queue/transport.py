@@ -268,6 +268,7 @@ class Channel(kombu_redis.Channel):
         self._found_empty = False  # whether the last poll was a take that found every list empty
         self._take_keys: list[str] = []
         self._processing_keys: dict[str, str] = {}
+        self._decoded_bodies: dict[int, tuple[str, str, Any]] = {}  # id(body) -> (body, encoding, decoded), one take's
         self._record_tails: dict[tuple[str, str], bytes] = {}  # (exchange, routing key) -> their JSON in a record
         self._beat_at = float("-inf")
         self._no_ack_queues: set[str] = set()
@@ -429,6 +430,7 @@ class Channel(kombu_redis.Channel):
 
         Items of a no-ack consumer (as kombu: nothing to acknowledge) are only removed.
         """
+        self._decoded_bodies.clear()  # a discarded message's body, left from the last take
         now, keys, args, recorded, delivered = time(), [self.unacked_key, self.unacked_index_key], [], [], []
         for source, item in taken:
             queue = source.rsplit(self.sep, 1)[0]
@@ -476,9 +478,24 @@ class Channel(kombu_redis.Channel):
         except Exception:  # not JSON, too deeply nested, or kombu's object hook refused a "__type__" value
             return None, "not JSON kombu can decode"
         try:
-            return payload, envelope_problem(payload, self.decode_body)
+            return payload, envelope_problem(payload, self._decode_body_once)
         except Exception as exc:  # whatever the envelope holds, it must not stop the consumer
             return payload, f"unusable envelope ({type(exc).__name__})"
+
+    def _decode_body_once(self, body: str, encoding: str | None) -> Any:
+        """`decode_body`, its result kept for kombu's `Message`, which decodes the same body again as it delivers
+        it (base64: ~19,000 instructions a job, 1.4% of the worker's)."""
+        decoded = self.decode_body(body, encoding)
+        if encoding:
+            self._decoded_bodies[id(body)] = (body, encoding, decoded)
+        return decoded
+
+    def decode_body(self, body: Any, encoding: str | None = None) -> Any:
+        """As kombu, but a body `_decode_body_once` decoded while checking its envelope is not decoded again."""
+        kept = self._decoded_bodies.pop(id(body), None)
+        if kept is not None and kept[0] is body and kept[1] == encoding:
+            return kept[2]
+        return super().decode_body(body, encoding)
 
     def _discard(self, source: str, item: bytes, problem: str) -> None:
         self._scripts["discard"](keys=[self._processing_key(source), MALFORMED_KEY],
