@@ -73,19 +73,20 @@ MALFORMED_KEEP = 100
 MALFORMED_BYTES = 64 * 1024
 
 # KEYS: unacked, unacked_index, then each item's processing list. ARGV[1]: now; then per item: item, delivery
-# tag, unacked record. Returns per item 1 when recorded, 0 when the item is no longer in its processing list (a
+# tag, the end of its unacked record (exchange and routing key as JSON; kombu's record is `[item, exchange, routing
+# key]`, built here so that the item crosses the socket once). Returns per item 1 when recorded, 0 when the item is no longer in its processing list (a
 # sweep requeued it because this consumer's heartbeat lapsed), -1 when the tag is already in flight (a producer
 # reused it).
 _RECORD = """
 local codes = {}
 for i = 3, #KEYS do
-  local item, tag, record = ARGV[3 * i - 7], ARGV[3 * i - 6], ARGV[3 * i - 5]
+  local item, tag, tail = ARGV[3 * i - 7], ARGV[3 * i - 6], ARGV[3 * i - 5]
   if redis.call('HEXISTS', KEYS[1], tag) == 1 then
     codes[i - 2] = -1
   elseif redis.call('LREM', KEYS[i], 1, item) == 0 then
     codes[i - 2] = 0
   else
-    redis.call('HSET', KEYS[1], tag, record)
+    redis.call('HSET', KEYS[1], tag, '[' .. item .. ', ' .. tail .. ']')
     redis.call('ZADD', KEYS[2], ARGV[1], tag)
     codes[i - 2] = 1
   end
@@ -446,9 +447,8 @@ class Channel(kombu_redis.Channel):
                 continue
             tag = payload["properties"]["delivery_tag"]
             info = payload["properties"]["delivery_info"]
-            record = b"[%s, %s]" % (item, self._record_tail(info["exchange"], info["routing_key"]))
             keys.append(processing)
-            args += [item, tag, record]
+            args += [item, tag, self._record_tail(info["exchange"], info["routing_key"])]
             recorded.append((source, item, payload, queue))
         if not recorded:
             return delivered
@@ -463,7 +463,8 @@ class Channel(kombu_redis.Channel):
         return delivered
 
     def _record_tail(self, exchange: str, routing_key: str) -> bytes:
-        """The end of kombu's unacked record `[message, exchange, routing key]`, kept per destination."""
+        """The end of kombu's unacked record `[message, exchange, routing key]` (the record script adds the rest),
+        kept per destination."""
         tail = self._record_tails.get((exchange, routing_key))
         if tail is None:
             tail = b"%s, %s" % (json.dumps(exchange).encode(), json.dumps(routing_key).encode())
