@@ -79,8 +79,8 @@ def canonical(value: Any, *free: Any) -> bytes:
         try:
             raw = orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
         except (TypeError, orjson.JSONEncodeError):
-            raw = b"\x7f"
-        if raw.isascii() and b"\x7f" not in raw and b"0e" not in raw.translate(_EXPONENTS):
+            raw = None
+        if raw is not None and raw.isascii() and b"\x7f" not in raw and b"0e" not in raw.translate(_EXPONENTS):
             return raw
     return json.dumps(value, sort_keys=True, separators=(",", ":")).encode()
 

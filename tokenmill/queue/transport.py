@@ -73,10 +73,10 @@ MALFORMED_KEEP = 100
 MALFORMED_BYTES = 64 * 1024
 
 # KEYS: unacked, unacked_index, then each item's processing list. ARGV[1]: now; then per item: item, delivery
-# tag, the end of its unacked record (exchange and routing key as JSON; kombu's record is `[item, exchange, routing
-# key]`, built here so that the item crosses the socket once). Returns per item 1 when recorded, 0 when the item is no longer in its processing list (a
-# sweep requeued it because this consumer's heartbeat lapsed), -1 when the tag is already in flight (a producer
-# reused it).
+# tag, the end of its unacked record (exchange and routing key as JSON: kombu's record `[item, exchange, routing
+# key]` is built here, so that the item crosses the socket once). Returns per item 1 when recorded, 0 when the
+# item is no longer in its processing list (a sweep requeued it because this consumer's heartbeat lapsed), -1 when
+# the tag is already in flight (a producer reused it).
 _RECORD = """
 local codes = {}
 for i = 3, #KEYS do

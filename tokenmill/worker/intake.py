@@ -8,9 +8,9 @@ and ~6 thread wake-ups per job among up to 1,280 threads (~20% of the worker's C
 This module is the task's Celery `Strategy`: Celery's own (`celery.worker.strategy.default`), so every
 message still becomes Celery's `Request` (revoked and expired checks, the `task-received` event, `reserved`),
 except that the request is handed to `Intake` instead of the pool. A group thread (kept once idle, for the
-next group) takes every request waiting and runs them as one group through the group path's `BatchRun` (`tokenmill.worker.batch_task`): one
-check-in script, one engine-process message, results stored as they finish (one script per wave) and their
-acks in one pipeline (`acks_together`), sent through the consumer's event loop so that it wakes and takes more
+next group) takes every request waiting and runs them as one group through the group path's `BatchRun`
+(`tokenmill.worker.batch_task`): one check-in script, one engine-process message, results stored as they
+finish (one script per wave) and their acks in one pipeline (`acks_together`), sent through the consumer's event loop so that it wakes and takes more
 messages as prefetch slots free. Each request is marked active (`celery inspect active`, the
 `task-started` event) while it runs and ready (`task-succeeded`) once its result is stored and its message
 acked, as the pool path does. While one group is being admitted the next one forms, so under load a group
