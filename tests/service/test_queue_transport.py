@@ -31,8 +31,9 @@ def _publish(server: RedisServer, queue: Queue, count: int) -> list[str]:
     return bodies
 
 
-def _consume(connection: Connection, queue: Queue, count: int, ack: bool = True) -> list[str]:
-    received: list = []
+def _consume(connection: Connection, queue: Queue, count: int, ack: bool = True, received: list | None = None) -> list:
+    """(body, message) of `count` messages, appended to `received` (if given) as they come."""
+    received = [] if received is None else received
 
     def on_message(body: dict, message: object) -> None:
         received.append((body["body"], message))
@@ -139,26 +140,12 @@ def test_a_trickle_of_messages_costs_a_take_and_a_blmove_each_without_a_length_c
     queue = Queue(f"q-{uuid.uuid4().hex[:8]}", EXCHANGE, routing_key="r1")
     client = redis_server.client()
     count = 10
-    received: list[str] = []
-
-    def consume(connection: Connection) -> None:
-        def on_message(body: dict, message: object) -> None:
-            received.append(body["body"])
-            message.ack()
-
-        with Consumer(connection.channel(), [queue], callbacks=[on_message], prefetch_count=count):
-            deadline = time.monotonic() + 30
-            while len(received) < count and time.monotonic() < deadline:
-                try:
-                    connection.drain_events(timeout=1)
-                except TimeoutError:
-                    pass
-
+    received: list = []
     with _connection(redis_server) as connection, Connection(redis_server.url) as producer_connection:
         producer = Producer(producer_connection.channel(), exchange=EXCHANGE)
         producer.publish({"body": "0"}, routing_key=queue.routing_key, declare=[queue])  # a declare checks lengths
         llen_before = int(client.info("commandstats").get("cmdstat_llen", {}).get("calls", 0))
-        consumer = threading.Thread(target=consume, args=(connection,))
+        consumer = threading.Thread(target=_consume, args=(connection, queue, count), kwargs={"received": received})
         consumer.start()
         for sent in range(1, count):  # one at a time, each once the last is taken
             wait_for(lambda: len(received) >= sent, 10, "the message taken")  # noqa: B023
