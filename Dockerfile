@@ -47,7 +47,8 @@ RUN python3 -m venv /opt/build && /opt/build/bin/pip wheel --no-deps --wheel-dir
 # installed first (a layer that survives code changes), then the wheel without dependencies.
 FROM python AS flower
 RUN python3 -m venv /opt/venv \
-    && pip install -c /opt/requirements.lock "celery[redis]" flower "redis[hiredis]" kombu pydantic pydantic-settings jsonschema
+    && pip install -c /opt/requirements.lock "celery[redis]" flower "redis[hiredis]" kombu pydantic pydantic-settings jsonschema \
+        orjson
 COPY --from=wheel /dist /opt/dist
 RUN pip install --no-deps /opt/dist/tokenmill-*.whl && pip check && python3 -c "import tokenmill.worker.app"
 USER tokenmill
@@ -63,7 +64,7 @@ CMD ["-A", "tokenmill.worker.app", "flower"]
 FROM python AS api
 RUN python3 -m venv /opt/venv \
     && pip install -c /opt/requirements.lock "celery[redis]" "redis[hiredis]" kombu pydantic pydantic-settings jsonschema \
-        pyarrow jinja2 rich tqdm fastapi uvicorn python-multipart boto3 standardwebhooks
+        orjson pyarrow jinja2 rich tqdm fastapi uvicorn python-multipart boto3 standardwebhooks
 COPY --from=wheel /dist /opt/dist
 RUN pip install --no-deps /opt/dist/tokenmill-*.whl && pip check && tokenmill serve --help >/dev/null
 USER tokenmill

@@ -31,3 +31,16 @@ def test_the_image_lock_pins_every_dependency_of_the_image() -> None:
     assert all("==" in line for line in lines if line and not line.startswith("#")), "every lock line pins a version"
     missing = sorted(wanted - pinned - {"torch"})  # torch is installed by variant, before the lock
     assert not missing, f"docker/requirements.lock lacks {missing}: run scripts/lock_image_deps.sh"
+
+
+def test_the_light_images_install_every_core_dependency() -> None:
+    """The flower and api stages install the light tokenmill's dependencies by name, then its wheel with `--no-deps`
+    and `pip check`: a core dependency missing from their lists fails the image build (it did once: orjson)."""
+    core = {_name(r) for r in tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]}
+    dockerfile = (REPO / "Dockerfile").read_text().replace("\\\n", " ")
+    for stage in ("flower", "api"):
+        body = dockerfile.split(f" AS {stage}\n", 1)[1].split("\nFROM ", 1)[0]
+        install = next(line for line in body.splitlines() if "pip install -c /opt/requirements.lock" in line)
+        named = {_name(word.strip('"')) for word in install.split("requirements.lock", 1)[1].split()}
+        missing = sorted(core - named)
+        assert not missing, f"the Dockerfile's {stage} stage does not install {missing}"
