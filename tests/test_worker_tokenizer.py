@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from subword_model import subword_tokenizer
 
+from tokenmill import LLM
 from tokenmill.engine.tiny import tiny_tokenizer
 from tokenmill.errors import InvalidRequestError
 from tokenmill.sampling_params import SamplingParams
@@ -68,14 +69,18 @@ def test_the_engine_process_gets_token_ids_and_a_too_long_prompt_never_reaches_i
         (process,) = multiprocessing.active_children()
         os.kill(process.pid, signal.SIGSTOP)
         prompt = "the worker tokenizes this, é 🙂 </s> included"
-        params = SamplingParams(max_tokens=4, ignore_eos=True)
+        params = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0)
         normal, too_long = engine.submit_many([("normal", params, prompt, None), ("too-long", params, "x" * 100_000, None)])
         error = too_long.exception(timeout=5)
         assert isinstance(error, InvalidRequestError) and error.field == "prompt" and "cannot fit" in error.message
         assert not normal.done()
         os.kill(process.pid, signal.SIGCONT)
         output = normal.result(timeout=60)
-        assert output.num_prompt_tokens == len(tiny_tokenizer().encode(prompt, add_special_tokens=True))
-        assert len(output.token_ids) == 4
+        # what the engine got are transformers' ids (it reports their count), and it made of them the tokens the
+        # in-process engine makes
+        ids = tiny_tokenizer().encode(prompt, add_special_tokens=True)
+        assert engine.tokenize([prompt]) == [ids] and output.num_prompt_tokens == len(ids)
+        expected = LLM("builtin:tiny", max_model_len=64).generate([prompt], params, use_tqdm=False)[0]
+        assert output.token_ids == expected.token_ids and len(output.token_ids) == 4
     finally:
         engine.stop()

@@ -144,7 +144,7 @@ class EngineProcess:
         write here and one read in the engine process instead of one each. Text prompts go as token ids when
         the engine sent its tokenizer; a prompt refused here resolves its future at once and is not sent."""
         futures: list[Future] = [Future() for _ in requests]
-        prompts = self._tokenize([prompt for _, _, prompt, _ in requests])
+        prompts = self.tokenize([prompt for _, _, prompt, _ in requests])
         adds, sent = [], []
         for (request_id, params, _, messages), prompt, future in zip(requests, prompts, futures):
             if isinstance(prompt, InvalidRequestError):
@@ -163,7 +163,7 @@ class EngineProcess:
             self._conn.send_bytes(fastjson.dumps(message, *(add["params"]["json_schema"] for add in adds)))
         return futures
 
-    def _tokenize(self, prompts: list[Any]) -> list[Any]:
+    def tokenize(self, prompts: list[Any]) -> list[Any]:
         """Each text prompt as token ids, or the error refusing it; other prompts (token ids, None) as given."""
         if self._tokenizer is None:
             return prompts

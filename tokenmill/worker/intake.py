@@ -11,8 +11,8 @@ except that the request is handed to `Intake` instead of the pool. A group threa
 next group) takes every request waiting and runs them as one group through the group path's `BatchRun`
 (`tokenmill.worker.batch_task`): one check-in script, one engine-process message, results stored as they
 finish (one script per wave) and their acks in one pipeline (`acks_together`), sent through the consumer's
-event loop so that it wakes and takes more messages as prefetch slots free. Each request is marked active (`celery inspect active`, the
-`task-started` event) while it runs and ready (`task-succeeded`) once its result is stored and its message
+event loop so that it wakes and takes more messages as prefetch slots free. Each request is marked active
+(`celery inspect active`, the `task-started` event) while it runs and ready (`task-succeeded`) once its result is stored and its message
 acked, as the pool path does. While one group is being admitted the next one forms, so under load a group
 holds dozens of jobs and one thread waits for them; alone, a job is admitted at once (one thread hand-off, as
 to a pool thread).
