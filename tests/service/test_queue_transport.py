@@ -169,3 +169,43 @@ def test_each_body_is_decoded_once(redis_server: RedisServer, monkeypatch: pytes
     with _connection(redis_server) as connection:
         assert sorted(body for body, _ in _consume(connection, queue, 5)) == sorted(bodies)
     assert len(calls) == 5
+
+
+def test_json_bodies_are_read_without_kombus_registry_as_it_reads_them(redis_server: RedisServer,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A JSON body a consumer accepts is read by `fastjson.loads` (kombu's types included); a body that is no JSON is
+    a DecodeError, as kombu's registry makes it; a consumer without an accept list still goes through the registry."""
+    import datetime
+
+    import kombu.message
+    from kombu.exceptions import DecodeError
+
+    calls: list[int] = []
+    loads = kombu.message.loads
+    monkeypatch.setattr(kombu.message, "loads", lambda *args, **kwargs: calls.append(1) or loads(*args, **kwargs))
+    queue = Queue(f"q-{uuid.uuid4().hex[:8]}", EXCHANGE, routing_key="r1")
+    when = datetime.datetime(2026, 12, 2, 1, 2, 3)
+    with Connection(redis_server.url) as producer_connection:
+        producer = Producer(producer_connection.channel(), exchange=EXCHANGE)
+        producer.publish({"when": when, "n": 2**70}, routing_key="r1", declare=[queue])
+        producer.publish(b"{not json", routing_key="r1", declare=[queue], content_type="application/json",
+                         content_encoding="utf-8")
+        producer.publish({"plain": 1}, routing_key="r1", declare=[queue])
+    bodies, errors = [], []
+    with _connection(redis_server) as connection:
+        consumer = Consumer(connection.channel(), [queue], accept=["json"], prefetch_count=3,
+                            callbacks=[lambda body, message: (bodies.append(body), message.ack())],
+                            on_decode_error=lambda message, exc: (errors.append(exc), message.ack()))
+        with consumer:
+            deadline = time.monotonic() + 20
+            while len(bodies) + len(errors) < 3 and time.monotonic() < deadline:
+                try:
+                    connection.drain_events(timeout=1)
+                except TimeoutError:
+                    pass
+        assert bodies == [{"when": when, "n": 2**70}, {"plain": 1}]
+        assert len(errors) == 1 and isinstance(errors[0], DecodeError)
+        assert calls == []
+        message = tm_transport.Message({"body": '{"a": 1}', "content-type": "application/json",
+                                        "properties": {"delivery_tag": "t"}}, channel=connection.default_channel)
+        assert message.decode() == {"a": 1} and calls == [1]  # no accept list: kombu's registry, as before

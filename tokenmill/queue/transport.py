@@ -51,6 +51,7 @@ from contextlib import contextmanager
 from time import monotonic, time
 from typing import Any
 
+from kombu.exceptions import DecodeError
 from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
 from kombu.utils.objects import cached_property
@@ -252,10 +253,26 @@ class QoS(kombu_redis.QoS):
         super().restore_visible(start, num, interval)
 
 
+class Message(kombu_redis.Channel.Message):
+    """kombu's message, its JSON body read by `fastjson.loads` directly (the same values as kombu's JSON codec):
+    kombu's registry wraps each decode in a generator context manager, which cost as much as the decode itself
+    (~2% of the worker's CPU per job). Other content types, and a consumer without an accept list, are kombu's."""
+
+    def _decode(self) -> Any:
+        if self.content_type != "application/json" or not self.body or self.accept is None or (
+                "application/json" not in self.accept):
+            return super()._decode()
+        try:
+            return fastjson.loads(self.body)
+        except Exception as exc:  # as kombu's registry: any decoding error is a DecodeError
+            raise DecodeError(exc) from exc
+
+
 class Channel(kombu_redis.Channel):
     """kombu's Redis channel with an atomic take-and-record (see the module docstring)."""
 
     QoS = QoS
+    Message = Message
     #: Seconds a consumer's heartbeat lives; renewed every quarter of it.
     consumer_ttl = 60.0
     from_transport_options = kombu_redis.Channel.from_transport_options + ("consumer_ttl",)

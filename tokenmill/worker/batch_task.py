@@ -29,7 +29,6 @@ from __future__ import annotations
 import functools
 import logging
 import queue
-import re
 import time
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
@@ -67,10 +66,6 @@ def _generate_batch(self: Any, batch: dict[str, Any] | None = None, **fields: An
 
 class BatchRun:
     """One delivery of one group on one worker."""
-
-    #: Store results as they finish (else once all are done: a group is acked only at its end anyway). The
-    #: single-job intake (`tokenmill.worker.intake`) sets it: each of its jobs is acked once its result is stored.
-    store_as_finished = False
 
     def __init__(self, service: Any, task_id: str, backend: Any) -> None:
         self.service = service
@@ -124,7 +119,17 @@ class BatchRun:
         return {"jobs": len(raw_jobs), "ran": ran, "skipped": len(jobs) - ran}
 
     def _run_mine(self, jobs: list[Job], done: dict[str, dict[str, Any]]) -> int:
-        """Check in (a delivery counted per job), dead-letter or run, store; returns how many ran."""
+        """Check in, dead-letter or run, store; returns how many ran."""
+        todo = self._check_in(jobs, done)
+        try:
+            self._generate(todo, done)
+        finally:
+            self._store(done)  # whatever finished, also when the rest is requeued
+        return len(todo)
+
+    def _check_in(self, jobs: list[Job], done: dict[str, dict[str, Any]]) -> list[Any]:
+        """Count a delivery of each job; returns the `Attempt`s to run. Jobs found stored are settled; cancelled and
+        dead-lettered ones get their results in `done`."""
         from tokenmill.worker.service import Attempt, stored_job_hash
 
         checked = self.service.check_in([job.id for job in jobs], [self.backend.get_key_for_task(j.id) for j in jobs])
@@ -143,20 +148,16 @@ class BatchRun:
                 todo.append(run)
         if stored:
             self.settled(stored, {})  # acked together
-        try:
-            self._generate(todo, done)
-        finally:
-            self._store(done)  # whatever finished, also when the rest is requeued
-        return len(todo)
+        return todo
 
     def _parse(self, raw_jobs: list[dict[str, Any]]) -> tuple[list[Job], dict[str, dict[str, Any]]]:
         """The group's jobs, each checked as a single job is; a bad one gets its failed result, if its id is usable."""
-        from tokenmill.queue.schemas import JOB_ID_PATTERN, Job, JobResult, check_size
+        from tokenmill.queue.schemas import Job, JobResult, check_size, is_job_id
 
         jobs, failed, seen = [], {}, set()
         for raw in raw_jobs:
             job_id = raw.get("id")
-            if not isinstance(job_id, str) or not re.fullmatch(JOB_ID_PATTERN, job_id) or job_id in seen:
+            if not is_job_id(job_id) or job_id in seen:
                 log.error("group %r: a job without a usable, unique id was discarded", self.task_id)
                 continue
             seen.add(job_id)
@@ -188,18 +189,15 @@ class BatchRun:
         """
         from tokenmill.worker.service import SHUTDOWN_CHECK_INTERVAL
 
-        futures = {future: (run, request_id) for run, (future, request_id) in zip(runs, self.service.submit_many(runs))}
-        self.submitted()
+        futures = self._submit(runs)
         deadlines = {future: run.deadline for future, (run, _) in futures.items() if run.deadline is not None}
-        self.service.metrics.jobs_in_flight.inc(len(runs))
         pending = set(futures)
         finishing: queue.SimpleQueue[Future] = queue.SimpleQueue()  # each future once, as it resolves
         for future in futures:
             future.add_done_callback(finishing.put)
         try:
             while pending:
-                # one wake-up when all are done (or, storing as they finish, when some are), else each check
-                # interval or at the next deadline
+                # one wake-up when all are done, else each check interval or at the next deadline
                 timeout = min([SHUTDOWN_CHECK_INTERVAL, *(d - time.time() for d in deadlines.values())])
                 finished = self._finished(finishing, len(pending), max(0.0, timeout))
                 pending -= finished
@@ -208,12 +206,7 @@ class BatchRun:
                     del deadlines[future]
                 for future in finished:
                     run = futures[future][0]
-                    try:
-                        done[run.job.id] = self.service.complete(run, output=future.result())
-                    except InvalidRequestError as exc:
-                        done[run.job.id] = self.service.complete(run, error=exc)
-                if self.store_as_finished and finished:
-                    self._store(done)
+                    done[run.job.id] = self._complete(run, future)
                 if pending and self.service.grace_expired.is_set():
                     log.warning("group %r: %d jobs not finished when the shutdown grace ran out; requeueing it",
                                 self.task_id, len(pending))
@@ -229,10 +222,25 @@ class BatchRun:
                 self.service.engine.abort(futures[future][1])
             self.service.metrics.jobs_in_flight.dec(len(runs))
 
+    def _submit(self, runs: list[Any]) -> dict[Future, tuple[Any, str]]:
+        """Hand `runs` to the engine in one message; returns each one's engine future -> (its `Attempt`, its engine
+        request id). The caller owes `jobs_in_flight` a decrement per run."""
+        futures = {future: (run, request_id) for run, (future, request_id) in zip(runs, self.service.submit_many(runs))}
+        self.submitted()
+        self.service.metrics.jobs_in_flight.inc(len(runs))
+        return futures
+
+    def _complete(self, run: Any, future: Future) -> dict[str, Any]:
+        """The final result of a job whose engine future resolved (raises what the future raised, but a refusal)."""
+        try:
+            return self.service.complete(run, output=future.result())
+        except InvalidRequestError as exc:
+            return self.service.complete(run, error=exc)
+
     def _finished(self, finishing: queue.SimpleQueue[Future], pending: int, timeout: float) -> set[Future]:
-        """The futures resolved since the last call, waiting up to `timeout` for the first (for all `pending`
-        when results are stored only at the end). A queue fed by each future's callback: `concurrent.futures.wait`
-        added and removed a waiter on every pending future at each call, work per wave that grew with the group."""
+        """The futures resolved since the last call: all `pending` ones, or those resolved within `timeout`. A queue
+        fed by each future's callback: `concurrent.futures.wait` added and removed a waiter on every pending future
+        at each call, work per wave that grew with the group."""
         finished: set[Future] = set()
         end = time.monotonic() + timeout
         while len(finished) < pending:
@@ -240,28 +248,30 @@ class BatchRun:
                 finished.add(finishing.get(timeout=max(0.0, end - time.monotonic())))
             except queue.Empty:
                 break
-            while len(finished) < pending:  # whatever else resolved meanwhile, without waiting
-                try:
-                    finished.add(finishing.get_nowait())
-                except queue.Empty:
-                    break
-            if self.store_as_finished:
-                break
         return finished
 
     def _store(self, results: dict[str, dict[str, Any]]) -> None:
         """Each job's result under its own Celery key (as Celery's meta), unless one is stored already."""
+        encoded = self.encode_new(results)
+        if encoded:
+            self.service.store_results(encoded)
+            self.stored(results)
+
+    def encode_new(self, results: dict[str, dict[str, Any]]) -> dict[bytes, bytes]:
+        """The results not stored yet, encoded as Celery's meta under their keys (for `stored` once in Redis)."""
         if len(results) <= len(self._stored):
-            return
+            return {}
         # the meta's other fields (date_done, children) are the same for every job stored now
         meta = self.backend._get_result_meta(result=None, state=states.SUCCESS, traceback=None, request=None)
         key = self.backend.get_key_for_task
-        new = [job_id for job_id in results if job_id not in self._stored]  # a later store does not repeat them
-        if not new:
-            return
-        self.service.store_results({key(job_id): encode_result(self.backend, results[job_id], meta) for job_id in new})
+        return {key(job_id): encode_result(self.backend, result, meta)
+                for job_id, result in results.items() if job_id not in self._stored}
+
+    def stored(self, results: dict[str, dict[str, Any]]) -> None:
+        """The results `encode_new` gave are in Redis: a later store does not repeat them, and their jobs are no
+        longer running here (a delivery from now on is a new one: counted, it finds the result stored)."""
+        new = [job_id for job_id in results if job_id not in self._stored]
         self._stored.update(new)
-        # no longer running here: a delivery from now on is a new one (counted; it finds the result stored)
         finished = [self._mine.pop(job_id) for job_id in new if job_id in self._mine]
         for job, future in finished:
             future.set_result(results[job.id])

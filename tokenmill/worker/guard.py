@@ -26,7 +26,6 @@ which would put prompt text in the logs. Torch-free.
 from __future__ import annotations
 
 import logging
-import re
 from typing import Any
 
 from celery import signals
@@ -36,7 +35,7 @@ from celery.worker.consumer import Consumer
 
 from tokenmill.queue import dead_letters
 from tokenmill.queue.names import BATCH_TASK_NAME, TASK_NAME
-from tokenmill.queue.schemas import JOB_ID_PATTERN
+from tokenmill.queue.schemas import JOB_ID_PATTERN, is_job_id
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +65,7 @@ def protocol_problem(message: Any) -> str | None:
         return "not a Celery protocol 2 task message (no 'task' header)"
     if not isinstance(headers.get("id"), str) or not headers["id"]:
         return "the 'id' header is missing or not a string"
-    if not re.fullmatch(JOB_ID_PATTERN, headers["id"]):
+    if not is_job_id(headers["id"]):
         return f"the task id does not match {JOB_ID_PATTERN}"
     if not _time_limits_ok(headers.get("timelimit")):  # Celery unpacks it when the job starts, outside any guard
         return "the 'timelimit' header is not [hard or null, soft or null]"

@@ -1,4 +1,4 @@
-"""Single `tokenmill.generate` jobs without a pool thread each: they are admitted and waited for in groups.
+"""Single `tokenmill.generate` jobs without a pool thread each: they are admitted in groups and finished together.
 
 Why: with results, check-ins and acks already shared (`tokenmill.queue.batching`), a single job still cost the
 worker ~1.2 ms of CPU (`benchmarks/job_queue.py --intake`), most of it Celery's pool path and its threads: the
@@ -8,21 +8,23 @@ and ~6 thread wake-ups per job among up to 1,280 threads (~20% of the worker's C
 This module is the task's Celery `Strategy`: Celery's own (`celery.worker.strategy.default`), so every
 message still becomes Celery's `Request` (revoked and expired checks, the `task-received` event, `reserved`),
 except that the request is handed to `Intake` instead of the pool. A group thread (kept once idle, for the
-next group) takes every request waiting and runs them as one group through the group path's `BatchRun`
-(`tokenmill.worker.batch_task`): one check-in script, one engine-process message, results stored as they
-finish (one script per wave) and their acks in one pipeline (`acks_together`), sent through the consumer's
-event loop so that it wakes and takes more messages as prefetch slots free. Each request is marked active
-(`celery inspect active`, the `task-started` event) while it runs and ready (`task-succeeded`) once its result is stored and its message
-acked, as the pool path does. While one group is being admitted the next one forms, so under load a group
-holds dozens of jobs and one thread waits for them; alone, a job is admitted at once (one thread hand-off, as
-to a pool thread).
+next group) takes every request waiting and admits them as one group with the group path's steps
+(`tokenmill.worker.batch_task.BatchRun`): one check-in script and one engine-process message. It then hands the
+group to the finisher (`tokenmill.worker.finisher`), one thread for every group: the jobs that ended since its
+last turn are completed together, their results stored in one script call and their acks sent in one pipeline
+(`acks_together`) through the consumer's event loop, so that it wakes and takes more messages as prefetch slots
+free. Each request is marked active (`celery inspect active`, the `task-started` event) while it runs and ready
+(`task-succeeded`) once its result is stored and its message acked, as the pool path does. While one group is
+being admitted the next one forms, so under load a group holds dozens of jobs; alone, a job is admitted at once
+(one thread hand-off, as to a pool thread).
 
 Left to the pool path (unchanged): jobs with a deadline or a Celery time limit, an S3 `output`, an `id` field
 other than the task id, a job body the task cannot read (its failure is worded there), ETA jobs, jobs in a chord
 or with linked tasks (Celery's `trace_task` applies those), and a job delivered again while it runs here (the
-pool path waits for that run). A group that fails, or is still running when the shutdown grace ends, has its unfinished jobs' messages requeued; the finished ones are stored and
-acked. Messages held by the intake are unacked kombu messages like any other, so leases renew them, the
-prefetch limit counts them and kill -9 loses none. `single_job_intake=false` turns all of this off.
+pool path waits for that run). A group whose admission, completion or result store fails, or that is still
+running when the shutdown grace ends, has its unfinished jobs aborted and their messages requeued; the finished
+ones are stored and acked. Messages held by the intake are unacked kombu messages like any other, so leases renew
+them, the prefetch limit counts them and kill -9 loses none. `single_job_intake=false` turns all of this off.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import os
 import queue
 import threading
 import time
+from concurrent.futures import Future
 from typing import Any
 
 from celery import bootsteps
@@ -43,6 +46,7 @@ from celery.worker.strategy import default
 from tokenmill.errors import InvalidRequestError
 from tokenmill.queue.transport import acks_together
 from tokenmill.worker.batch_task import BatchRun
+from tokenmill.worker.finisher import Finisher
 
 log = logging.getLogger("tokenmill.worker")
 
@@ -96,12 +100,13 @@ def job_fields(request: Any) -> dict[str, Any] | None:
 
 
 class Intake:
-    """The waiting single-job requests and the group threads that run them.
+    """The waiting single-job requests and the group threads that admit them.
 
     One group is being admitted at a time: the request that finds none in progress has a group thread started
     on the consumer's loop, once the rest of its take is waiting too (one hand-off, as to a pool thread); the
     requests that come meanwhile wait until that group's jobs are in the engine, when the next group is started
-    for all of them. A group thread then waits for its own jobs.
+    for all of them. The group thread is then free; `FINISHER` finishes the jobs. A group counts as running
+    (`drain`) until each of its jobs is stored or requeued.
     """
 
     def __init__(self) -> None:
@@ -189,11 +194,11 @@ class Intake:
                 for request, _ in taken:
                     self._to_pool(request)
                 return
-            run = IntakeRun(service, taken, self._to_pool, self._start_soon)
-            run.run_all()
+            run = IntakeRun(service, taken, self._to_pool, self._start_soon, self._ended)
+            run.admit()
         finally:
-            self._ended()
             if run is None:  # no run reached admission (the intake is off, or setting the run up failed)
+                self._ended()
                 self._start_soon()
 
     def _worker_service(self) -> Any:
@@ -231,7 +236,7 @@ class Intake:
 class _Threads:
     """Daemon threads, each running one call at a time and kept, once idle, for the next: a thread started per group
     cost ~90 us of latency and CPU before its first line ran, 28 us for a kept one woken (one job alone, a group
-    per few jobs under a trickle). Daemons: a group waiting on a dead engine must not hold the process at exit."""
+    per few jobs under a trickle). Daemons: an admission stuck on a dead engine must not hold the process at exit."""
 
     def __init__(self, name: str) -> None:
         self._name = name
@@ -263,16 +268,19 @@ INTAKE = Intake()
 
 
 class IntakeRun(BatchRun):
-    """One group of single jobs: `BatchRun`'s run, each job's message acked once its result is stored."""
+    """One group of single jobs: admitted here (`BatchRun`'s parse, claim, check-in and one engine message), then
+    finished by `FINISHER` with every other group's jobs, each job's message acked once its result is stored."""
 
-    store_as_finished = True
-
-    def __init__(self, service: Any, taken: list[tuple[Any, dict[str, Any]]], to_pool: Any, admitted: Any) -> None:
+    def __init__(self, service: Any, taken: list[tuple[Any, dict[str, Any]]], to_pool: Any, admitted: Any,
+                 ended: Any) -> None:
         super().__init__(service, "single jobs", taken[0][0].task.backend)
         self.requests: dict[str, Any] = {}
         self.raw: list[dict[str, Any]] = []
         self.to_pool = to_pool
         self._on_admitted = admitted  # called once, when the jobs are in the engine (or the run ended before)
+        self._on_ended = ended  # called once, when every job is stored or requeued
+        self.done: dict[str, dict[str, Any]] = {}  # job id -> final result
+        self.in_engine: dict[Future, tuple[Any, str]] = {}  # engine future -> (its Attempt, engine request id)
         for request, raw in taken:
             if request.id in self.requests:  # the same job twice in one take: the pool path waits for this run
                 to_pool(request)
@@ -280,23 +288,83 @@ class IntakeRun(BatchRun):
             self.requests[request.id] = request
             self.raw.append(raw)
 
-    def run_all(self) -> None:
+    def admit(self) -> None:
+        """Parse, claim, check in, store the results known already, and hand the rest to the engine and `FINISHER`.
+        Any failure requeues the unfinished jobs' messages."""
         try:
             for request in self.requests.values():
                 _accept(request)
-            self.run(self.raw)
-        except Reject as exc:
-            self._requeue_rest(str(exc))
+            jobs, self.done = self._parse(self.raw)
+            mine, running = self.service.claim(jobs)
+            self._mine = {job.id: (job, future) for job, future in mine}
+            self.joined(running)
+            todo = self._check_in([job for job, _ in mine], self.done)
+            self._store(self.done)
+            if todo:
+                self.in_engine = self._submit(todo)
         except Exception as exc:
-            log.exception("single jobs: a group failed (%s); requeueing its %d unfinished jobs", type(exc).__name__,
-                          len(self.requests))
-            self._requeue_rest(type(exc).__name__)
-        else:
-            if self.requests:  # every job is stored, found stored or joined another run: none should be left
-                log.error("single jobs: %d jobs ended without a stored result; requeueing them", len(self.requests))
-                self._requeue_rest("no result")
+            log.exception("single jobs: admitting a group failed (%s); requeueing its %d unfinished jobs",
+                          type(exc).__name__, len(self.requests))
+            self.abandon(type(exc).__name__)
+            return
         finally:
             self.submitted()
+        if self.in_engine:
+            FINISHER.watch(self, list(self.in_engine))
+        else:
+            self._end()
+
+    def finish(self, futures: list[Future]) -> dict[bytes, bytes]:
+        """`Finishing.finish`: each resolved job's result; every result of the run not stored yet, encoded."""
+        for future in futures:
+            attempt, _ = self.in_engine.pop(future)
+            self.service.metrics.jobs_in_flight.dec()
+            self.done[attempt.job.id] = self._complete(attempt, future)
+        return self.encode_new(self.done)
+
+    def stored_all(self) -> bool:
+        """`Finishing.stored_all`: the results are in Redis; once no job is left in the engine, the run ends."""
+        self.stored(self.done)
+        if self.in_engine:
+            return False
+        self._end()
+        return True
+
+    def abandon(self, reason: str) -> None:
+        """`Finishing.abandon`: abort what is in the engine; requeue, in a thread of its own (Redis may be down for a
+        while), every message without a stored result; then the run ends."""
+        for _, request_id in self.in_engine.values():
+            self.service.engine.abort(request_id)
+        self.service.metrics.jobs_in_flight.dec(len(self.in_engine))
+        self.in_engine = {}
+        error = Reject(f"single jobs: {reason}", requeue=True)
+        for _, future in self._mine.values():  # a delivery of the same job waiting on this run is requeued too
+            future.set_exception(error)
+        self.service.release([job for job, _ in self._mine.values()])
+        self._mine = {}
+        threading.Thread(target=self._requeue_and_end, args=(reason,), name="tokenmill-requeue", daemon=True).start()
+
+    def _requeue_and_end(self, reason: str) -> None:
+        try:
+            self._requeue_rest(reason)
+        finally:
+            self._ended()
+
+    def _end(self) -> None:
+        """Every job is stored, found stored or joined another run: none should be left."""
+        for job, future in self._mine.values():
+            future.set_result(self.done.get(job.id))
+        self.service.release([job for job, _ in self._mine.values()])
+        self._mine = {}
+        if self.requests:
+            log.error("single jobs: %d jobs ended without a stored result; requeueing them", len(self.requests))
+            self._requeue_rest("no result")
+        self._ended()
+
+    def _ended(self) -> None:
+        ended, self._on_ended = self._on_ended, None
+        if ended is not None:
+            ended()
 
     def submitted(self) -> None:
         admitted, self._on_admitted = self._on_admitted, None
@@ -334,6 +402,9 @@ class IntakeRun(BatchRun):
             task_ready(request)
         log.info("single jobs: %d requeued (%s)", len(self.requests), reason)
         self.requests.clear()
+
+
+FINISHER = Finisher()
 
 
 def _sends_task_events(request: Any) -> bool:

@@ -40,7 +40,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import itertools
 import threading
 import time
@@ -61,7 +60,7 @@ from tokenmill.queue import dead_letters
 from tokenmill.queue.batching import Coalescer
 from tokenmill.queue.cancels import encode_result, is_final
 from tokenmill.queue.names import CANCEL_KEY, DEAD_LETTER_KEY, DELIVERIES_KEY
-from tokenmill.queue.schemas import JOB_ID_PATTERN, Job, JobError, JobResult, Usage
+from tokenmill.queue.schemas import Job, JobError, JobResult, Usage, is_job_id
 from tokenmill.queue.served import Announcer
 from tokenmill.queue.tls import redis_client
 from tokenmill.worker.cancel_listener import CancelListener
@@ -536,7 +535,7 @@ def _safe_id(raw: dict[str, Any], task_id: str) -> str:
     """The id a refused job's result carries: its own when that is a valid job id, else the task's (which the
     guard checked); a raw id could hold a newline or anything else that must not reach logs and results."""
     value = raw.get("id")
-    return value if isinstance(value, str) and re.fullmatch(JOB_ID_PATTERN, value) else task_id
+    return value if is_job_id(value) else task_id
 
 
 def _exit_on_engine_failure(exc: BaseException) -> None:

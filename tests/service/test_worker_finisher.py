@@ -1,0 +1,128 @@
+"""The finisher (`tokenmill.worker.finisher`): jobs of every group that end together are stored in one call; a run
+whose completion or store fails is abandoned alone (or with the runs of that store), and so is every run still
+running when the shutdown grace ends. Runs here are stand-ins for `IntakeRun` that record what was asked of them;
+the path through Redis, the engine and real workers is tested in `test_service_intake.py` and the fault tests."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future
+from typing import Any
+
+from tokenmill.worker.finisher import Finisher
+
+
+class Service:
+    def __init__(self) -> None:
+        self.stores: list[dict[bytes, bytes]] = []
+        self.grace_expired = threading.Event()
+        self.fail_store = False
+        self.lock = threading.Lock()
+
+    def store_results(self, encoded: dict[bytes, bytes]) -> None:
+        if self.fail_store:
+            raise ConnectionError("redis down")
+        with self.lock:
+            self.stores.append(dict(encoded))
+
+
+class Run:
+    def __init__(self, service: Service, name: str, jobs: int, fail_on: int | None = None) -> None:
+        self.service = service
+        self.name = name
+        self.futures = [Future() for _ in range(jobs)]
+        self.pending = set(self.futures)
+        self.unstored: dict[bytes, bytes] = {}
+        self.stored: list[bytes] = []
+        self.fail_on = fail_on
+        self.ended = threading.Event()
+        self.abandoned: str | None = None
+
+    def finish(self, futures: list[Future]) -> dict[bytes, bytes]:
+        for future in futures:
+            index = self.futures.index(future)
+            if index == self.fail_on:
+                raise ValueError("cannot complete")
+            self.pending.discard(future)
+            self.unstored[f"{self.name}-{index}".encode()] = future.result()
+        return dict(self.unstored)
+
+    def stored_all(self) -> bool:
+        self.stored += self.unstored
+        self.unstored = {}
+        if self.pending:
+            return False
+        self.ended.set()
+        return True
+
+    def abandon(self, reason: str) -> None:
+        self.abandoned = reason
+        self.ended.set()
+
+
+def wait(event: threading.Event) -> None:
+    assert event.wait(10), "the finisher never ended the run"
+
+
+def test_jobs_of_several_runs_that_end_together_are_stored_in_one_call() -> None:
+    service, finisher = Service(), Finisher()
+    first, second = Run(service, "a", 2), Run(service, "b", 3)
+    with service.lock:  # the finisher's first store waits, so everything below resolves before its next turn
+        finisher.watch(first, first.futures)
+        finisher.watch(second, second.futures)
+        first.futures[0].set_result(b"a0")
+        time.sleep(0.2)  # the finisher takes a0 and blocks in its store
+        for future in [first.futures[1], *second.futures]:
+            future.set_result(b"x")
+    wait(first.ended)
+    wait(second.ended)
+    assert service.stores[0] == {b"a-0": b"a0"}
+    assert service.stores[1:] == [{b"a-1": b"x", b"b-0": b"x", b"b-1": b"x", b"b-2": b"x"}]
+    assert first.stored == [b"a-0", b"a-1"] and sorted(second.stored) == [b"b-0", b"b-1", b"b-2"]
+    assert first.abandoned is None and second.abandoned is None
+
+
+def test_a_run_whose_completion_fails_is_abandoned_alone_and_its_later_futures_are_ignored() -> None:
+    service, finisher = Service(), Finisher()
+    broken, healthy = Run(service, "a", 3, fail_on=1), Run(service, "b", 1)
+    finisher.watch(broken, broken.futures)
+    finisher.watch(healthy, healthy.futures)
+    broken.futures[1].set_result(b"x")
+    wait(broken.ended)
+    assert broken.abandoned == "ValueError"
+    broken.futures[0].set_result(b"late")  # an aborted request's future resolves after the run was abandoned
+    healthy.futures[0].set_result(b"y")
+    wait(healthy.ended)
+    assert healthy.abandoned is None
+    assert all(b"a-0" not in store for store in service.stores)
+    assert {b"b-0": b"y"} in service.stores
+
+
+def test_a_failed_store_abandons_the_runs_it_held_and_later_runs_are_stored() -> None:
+    service, finisher = Service(), Finisher()
+    service.fail_store = True
+    lost = Run(service, "a", 1)
+    finisher.watch(lost, lost.futures)
+    lost.futures[0].set_result(b"x")
+    wait(lost.ended)
+    assert lost.abandoned == "ConnectionError" and lost.stored == []
+    service.fail_store = False
+    later = Run(service, "b", 1)
+    finisher.watch(later, later.futures)
+    later.futures[0].set_result(b"y")
+    wait(later.ended)
+    assert later.abandoned is None and service.stores == [{b"b-0": b"y"}]
+
+
+def test_runs_still_in_the_engine_when_the_grace_ends_are_abandoned() -> None:
+    service, finisher = Service(), Finisher()
+    running = Run(service, "a", 2)
+    finisher.watch(running, running.futures)
+    running.futures[0].set_result(b"x")
+    time.sleep(0.2)
+    assert not running.ended.is_set()
+    service.grace_expired.set()  # seen within the finisher's check interval, with no job ending meanwhile
+    wait(running.ended)
+    assert running.abandoned == "worker shutting down"
+    assert running.stored == [b"a-0"]
