@@ -96,6 +96,22 @@ def test_submit_many_queues_every_job(redis_server: RedisServer) -> None:
     assert redis_server.client().llen("tokenmill") == 2000
 
 
+def test_submit_many_binds_its_queue_once_and_declares_it_as_kombu_does(redis_server: RedisServer,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """kombu binds (copies) an unbound queue at each publish just to check that it was declared; `submit_many` binds
+    it once. The queue is still declared, so a plain Celery worker routes the jobs as before."""
+    from kombu import Queue
+
+    binds: list[str] = []
+    bind = Queue.bind
+    monkeypatch.setattr(Queue, "bind", lambda queue, channel: binds.append(queue.name) or bind(queue, channel))
+    client = Client(redis_server.url)
+    client.submit_many([{"prompt": f"p{i}"} for i in range(50)])
+    assert binds == ["tokenmill"]
+    server = redis_server.client()
+    assert server.llen("tokenmill") == 50 and server.smembers("_kombu.binding.tokenmill")
+
+
 def test_a_waiting_client_rides_out_a_redis_restart(redis_server: RedisServer) -> None:
     import time
     from concurrent.futures import ThreadPoolExecutor

@@ -70,6 +70,8 @@ def test_kombu_types_and_escaped_keys_come_back_as_kombu_decodes_them() -> None:
 @given(_values)
 @example({"parsed": float("nan"), "big": 2**64})
 @example([float("-inf")])
+@example([None, "a", 1.5, float("nan")])  # a result's free parts: mostly None, strings and times
+@example((None, {"k": [2**64]}))
 @example({1: "a key that is no string"})
 def test_dumps_writes_what_the_stdlib_writes(value: Any) -> None:
     """`dumps` of a message whose free-form part is `value` reads back as the stdlib's JSON of it does."""
@@ -84,6 +86,15 @@ def test_dumps_uses_orjson_for_plain_values_and_the_stdlib_otherwise() -> None:
     assert fastjson.dumps(plain, plain["times"]) == orjson.dumps(plain)
     assert json.loads(fastjson.dumps({"x": float("-inf")}, float("-inf"))) == {"x": float("-inf")}
     assert json.loads(fastjson.dumps({"x": [2**80]}, [2**80])) == {"x": [2**80]}
+
+
+def test_plain_loads_reads_escaped_control_characters_with_orjson(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine's outputs escape control characters as `\\u00XX`: only kombu's decoder must see those (they can
+    spell its `__type__` key), so the engine pipe's `plain_loads` keeps orjson for them."""
+    text = orjson.dumps({"text": "a\x01b\x1f", "__type__": "not kombu's here"})
+    assert b"\\u0001" in text
+    monkeypatch.setattr(fastjson.json, "loads", lambda data: pytest.fail("the stdlib read it"))
+    assert fastjson.plain_loads(text) == {"text": "a\x01b\x1f", "__type__": "not kombu's here"}
 
 
 @given(_values)

@@ -67,6 +67,7 @@ def test_a_queued_job_never_starts_and_a_running_one_stops_and_frees_its_slot(
         wait_for(lambda: worker.metrics()["tokenmill_jobs_in_flight"] == 0, 30, "the worker to hold nothing")
     assert redis_server.client().get(DELIVERIES_KEY.format(job_id=queued.id)) is None  # never started
     assert worker.metrics()["tokenmill_jobs_succeeded_total"] == 1 and worker.metrics()["tokenmill_jobs_cancelled_total"] == 1
+    wait_for(lambda: len(result_log.counts) >= 3, 30, "every result announced")  # the listener thread may lag
     assert result_log.counts == {running.id: 1, after.id: 1, queued.id: 1}  # each result stored once
 
 
@@ -125,6 +126,7 @@ def test_in_a_group_message_a_cancelled_job_stops_and_the_others_go_on(
         results = {i: client.get(f"g-{i}") for i in range(4)}
     assert [results[i].status for i in range(4)] == ["succeeded", "cancelled", "cancelled", "succeeded"]
     assert results[2].error.message == "cancelled before it started" and results[2].usage is None
+    wait_for(lambda: len(result_log.counts) >= 4, 30, "every result announced")  # the listener thread may lag
     assert all(count == 1 for count in result_log.counts.values()) and len(result_log.counts) == 4
 
 

@@ -41,12 +41,8 @@ _INT_RANGE = range(-(2**63), 2**64)
 def loads(data: str | bytes, slow: Callable[[Any], Any] = kombu_loads) -> Any:
     """`slow(data)`'s value (kombu's `loads` by default: the codec of every Celery message), through orjson
     when that reads the same."""
-    try:
-        raw = data.encode() if isinstance(data, str) else data
-    except UnicodeEncodeError:  # a lone surrogate: the stdlib's to read (or refuse)
-        raw = None
-    if (isinstance(raw, bytes) and b"__type__" not in raw and b"\\u00" not in raw
-            and _BIG_INT not in raw.translate(_DIGITS)):
+    raw = _orjson_input(data)
+    if raw is not None and b"__type__" not in raw and b"\\u00" not in raw:
         try:
             return orjson.loads(raw)
         except orjson.JSONDecodeError:
@@ -55,14 +51,33 @@ def loads(data: str | bytes, slow: Callable[[Any], Any] = kombu_loads) -> Any:
 
 
 def plain_loads(data: str | bytes) -> Any:
-    """`json.loads`'s value (no kombu types), through orjson when that reads the same."""
-    return loads(data, json.loads)
+    """`json.loads`'s value (no kombu types, so no check for them: a text the engine escaped as `\\u00XX` is
+    orjson's too), through orjson when that reads the same."""
+    raw = _orjson_input(data)
+    if raw is not None:
+        try:
+            return orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            pass
+    return json.loads(data)
+
+
+def _orjson_input(data: str | bytes) -> bytes | None:
+    """`data` as bytes for orjson, or None where orjson would not read it as the stdlib: a lone surrogate, or a
+    run of 19 digits (an integer past 64 bits, which orjson reads as a float)."""
+    try:
+        raw = data.encode() if isinstance(data, str) else data
+    except UnicodeEncodeError:  # a lone surrogate: the stdlib's to read (or refuse)
+        return None
+    if not isinstance(raw, bytes) or _BIG_INT in raw.translate(_DIGITS):
+        return None
+    return raw
 
 
 def dumps(value: Any, *free: Any, default: Callable[[Any], Any] | None = None) -> bytes:
     """JSON of `value`, as compact UTF-8: orjson, unless one of `free` (parts of `value` that may hold anything
     JSON-like) holds a value orjson writes otherwise, or orjson refuses `value`: then `json.dumps`."""
-    if all(_orjson_writes_as_stdlib(part) for part in free):
+    if _orjson_writes_as_stdlib(free):
         try:
             return orjson.dumps(value, default=default)
         except (TypeError, orjson.JSONEncodeError):
@@ -75,7 +90,7 @@ def canonical(value: Any, *free: Any) -> bytes:
     that every version hashes a job alike): orjson's sorted output where it is the same, which it is when the free
     parts pass the check of `dumps`, and the output is printable ASCII (the stdlib escapes DEL and every non-ASCII
     character) without a number in exponent form (the stdlib writes `1e-05` and `1e+16`, orjson `1e-5`, `1e16`)."""
-    if all(_orjson_writes_as_stdlib(part) for part in free):
+    if _orjson_writes_as_stdlib(free):
         try:
             raw = orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
         except (TypeError, orjson.JSONEncodeError):
@@ -93,9 +108,17 @@ def _orjson_writes_as_stdlib(value: Any) -> bool:
     if isinstance(value, int):
         return value in _INT_RANGE
     if isinstance(value, dict):
-        return all(isinstance(key, str) and _orjson_writes_as_stdlib(item) for key, item in value.items())
-    if isinstance(value, list | tuple):
-        return all(_orjson_writes_as_stdlib(item) for item in value)
+        return all(isinstance(key, str) for key in value) and _orjson_writes_as_stdlib(tuple(value.values()))
+    if isinstance(value, list | tuple):  # a loop, not a call per item: a result has a dozen free parts, mostly None
+        for item in value:
+            if item is None or item.__class__ is str:
+                continue
+            if item.__class__ is float:
+                if not math.isfinite(item):
+                    return False
+            elif not _orjson_writes_as_stdlib(item):
+                return False
+        return True
     return False  # anything else goes through `default`: the stdlib's way, to be sure
 
 

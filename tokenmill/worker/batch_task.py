@@ -74,6 +74,7 @@ class BatchRun:
         self.started_at = time.time()
         self._stored: set[str] = set()
         self._mine: dict[str, tuple[Job, Any]] = {}
+        self._keys: dict[str, bytes] = {}
 
     def settled(self, job_ids: list[str], results: dict[str, dict[str, Any]]) -> None:
         """Hook: these jobs' final results are in Redis (stored now, with `results`, or found stored)."""
@@ -132,7 +133,7 @@ class BatchRun:
         dead-lettered ones get their results in `done`."""
         from tokenmill.worker.service import Attempt, stored_job_hash
 
-        checked = self.service.check_in([job.id for job in jobs], [self.backend.get_key_for_task(j.id) for j in jobs])
+        checked = self.service.check_in([job.id for job in jobs], [self._result_key(job.id) for job in jobs])
         todo, stored = [], []
         for job, check in zip(jobs, checked):
             run = Attempt(job, self.started_at, check.attempt)
@@ -263,9 +264,15 @@ class BatchRun:
             return {}
         # the meta's other fields (date_done, children) are the same for every job stored now
         meta = self.backend._get_result_meta(result=None, state=states.SUCCESS, traceback=None, request=None)
-        key = self.backend.get_key_for_task
-        return {key(job_id): encode_result(self.backend, result, meta)
+        return {self._result_key(job_id): encode_result(self.backend, result, meta)
                 for job_id, result in results.items() if job_id not in self._stored}
+
+    def _result_key(self, job_id: str) -> bytes:
+        """The job's Celery result key, made once per job (Celery's `get_key_for_task` encodes each of its parts)."""
+        key = self._keys.get(job_id)
+        if key is None:
+            key = self._keys[job_id] = self.backend.get_key_for_task(job_id)
+        return key
 
     def stored(self, results: dict[str, dict[str, Any]]) -> None:
         """The results `encode_new` gave are in Redis: a later store does not repeat them, and their jobs are no

@@ -316,10 +316,14 @@ class IntakeRun(BatchRun):
 
     def finish(self, futures: list[Future]) -> dict[bytes, bytes]:
         """`Finishing.finish`: each resolved job's result; every result of the run not stored yet, encoded."""
-        for future in futures:
-            attempt, _ = self.in_engine.pop(future)
-            self.service.metrics.jobs_in_flight.dec()
-            self.done[attempt.job.id] = self._complete(attempt, future)
+        left_engine = 0
+        try:
+            for future in futures:
+                attempt, _ = self.in_engine.pop(future)
+                left_engine += 1
+                self.done[attempt.job.id] = self._complete(attempt, future)
+        finally:
+            self.service.metrics.jobs_in_flight.dec(left_engine)
         return self.encode_new(self.done)
 
     def stored_all(self) -> bool:
