@@ -335,8 +335,7 @@ class IntakeRun(BatchRun):
         return True
 
     def abandon(self, reason: str) -> None:
-        """`Finishing.abandon`: abort what is in the engine; requeue, in a thread of its own (Redis may be down for a
-        while), every message without a stored result; then the run ends."""
+        """`Finishing.abandon`: abort what is in the engine, requeue every message without a stored result, and end."""
         for _, request_id in self.in_engine.values():
             self.service.engine.abort(request_id)
         self.service.metrics.jobs_in_flight.dec(len(self.in_engine))
@@ -346,13 +345,7 @@ class IntakeRun(BatchRun):
             future.set_exception(error)
         self.service.release([job for job, _ in self._mine.values()])
         self._mine = {}
-        threading.Thread(target=self._requeue_and_end, args=(reason,), name="tokenmill-requeue", daemon=True).start()
-
-    def _requeue_and_end(self, reason: str) -> None:
-        try:
-            self._requeue_rest(reason)
-        finally:
-            self._ended()
+        self._requeue_then_end(reason)
 
     def _end(self) -> None:
         """Every job is stored, found stored or joined another run: none should be left."""
@@ -362,8 +355,21 @@ class IntakeRun(BatchRun):
         self._mine = {}
         if self.requests:
             log.error("single jobs: %d jobs ended without a stored result; requeueing them", len(self.requests))
-            self._requeue_rest("no result")
-        self._ended()
+            self._requeue_then_end("no result")
+        else:
+            self._ended()
+
+    def _requeue_then_end(self, reason: str) -> None:
+        """`_requeue_rest` in a thread of its own (with Redis down it retries for up to `REQUEUE_TRIES` seconds,
+        which must not hold up the finisher's other runs), then the run ends."""
+
+        def requeue() -> None:
+            try:
+                self._requeue_rest(reason)
+            finally:
+                self._ended()
+
+        threading.Thread(target=requeue, name="tokenmill-requeue", daemon=True).start()
 
     def _ended(self) -> None:
         ended, self._on_ended = self._on_ended, None
