@@ -8,7 +8,6 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import Future
-from typing import Any
 
 from tokenmill.worker.finisher import Finisher
 
