@@ -47,8 +47,9 @@ class WorkerSettings(QueueSettings):
         "revoke (= cancel), inspect and events always work.",
     )
     single_job_intake: bool = Field(
-        True, description="Run single tokenmill.generate jobs in groups on one intake thread instead of one Celery "
-        "pool thread each (jobs with a deadline, time limit or S3 output keep the pool path); off: all on the pool.",
+        True, description="Run single tokenmill.generate jobs in groups (admitted by one intake thread, their results "
+        "stored and acked by one finisher thread) instead of one Celery pool thread each (jobs with a deadline, time "
+        "limit or S3 output keep the pool path); off: all on the pool.",
     )
     shutdown_grace: float = Field(
         60.0, ge=0, description="Seconds after SIGTERM that in-flight jobs may take to finish before they are requeued."
