@@ -109,15 +109,21 @@ class BatchRun:
         try:
             ran = self._run_mine([job for job, _ in mine], done)
         except BaseException as exc:
-            for _, future in self._mine.values():
-                future.set_exception(exc)
+            self._release_mine(done, exc)
             raise
-        else:
-            for job, future in self._mine.values():
-                future.set_result(done.get(job.id))
-        finally:
-            self.service.release([job for job, _ in self._mine.values()])
+        self._release_mine(done)
         return {"jobs": len(raw_jobs), "ran": ran, "skipped": len(jobs) - ran}
+
+    def _release_mine(self, done: dict[str, dict[str, Any]], error: BaseException | None = None) -> None:
+        """The run's jobs still registered as running here end: a delivery of one waiting on this run gets its result
+        in `done` (None: found stored) or `error`, and the jobs are released."""
+        for job, future in self._mine.values():
+            if error is None:
+                future.set_result(done.get(job.id))
+            else:
+                future.set_exception(error)
+        self.service.release([job for job, _ in self._mine.values()])
+        self._mine = {}
 
     def _run_mine(self, jobs: list[Job], done: dict[str, dict[str, Any]]) -> int:
         """Check in, dead-letter or run, store; returns how many ran."""

@@ -340,19 +340,13 @@ class IntakeRun(BatchRun):
             self.service.engine.abort(request_id)
         self.service.metrics.jobs_in_flight.dec(len(self.in_engine))
         self.in_engine = {}
-        error = Reject(f"single jobs: {reason}", requeue=True)
-        for _, future in self._mine.values():  # a delivery of the same job waiting on this run is requeued too
-            future.set_exception(error)
-        self.service.release([job for job, _ in self._mine.values()])
-        self._mine = {}
+        # a delivery of one of these jobs waiting on this run is requeued too
+        self._release_mine(self.done, Reject(f"single jobs: {reason}", requeue=True))
         self._requeue_then_end(reason)
 
     def _end(self) -> None:
         """Every job is stored, found stored or joined another run: none should be left."""
-        for job, future in self._mine.values():
-            future.set_result(self.done.get(job.id))
-        self.service.release([job for job, _ in self._mine.values()])
-        self._mine = {}
+        self._release_mine(self.done)
         if self.requests:
             log.error("single jobs: %d jobs ended without a stored result; requeueing them", len(self.requests))
             self._requeue_then_end("no result")
