@@ -209,3 +209,42 @@ def test_json_bodies_are_read_without_kombus_registry_as_it_reads_them(redis_ser
         message = tm_transport.Message({"body": '{"a": 1}', "content-type": "application/json",
                                         "properties": {"delivery_tag": "t"}}, channel=connection.default_channel)
         assert message.decode() == {"a": 1} and calls == [1]  # no accept list: kombu's registry, as before
+
+
+def test_a_full_consumer_takes_again_once_take_at_least_slots_are_free(redis_server: RedisServer) -> None:
+    """With `take_at_least`, a consumer holding its whole prefetch takes nothing while fewer slots are free, then
+    the waiting messages in one take; an idle one takes a lone message at once."""
+    queue = Queue(f"q-{uuid.uuid4().hex[:8]}", EXCHANGE, routing_key="r1")
+    _publish(redis_server, queue, 12)
+    received: list = []
+
+    def on_message(body: dict, message: object) -> None:
+        received.append(message)
+
+    with _connection(redis_server, take_at_least=3) as connection, Consumer(
+            connection.channel(), [queue], callbacks=[on_message], prefetch_count=8) as consumer:
+        def drain_until(count: int, seconds: float) -> None:
+            deadline = time.monotonic() + seconds
+            while len(received) < count and time.monotonic() < deadline:
+                try:
+                    connection.drain_events(timeout=0.2)
+                except TimeoutError:
+                    pass
+
+        drain_until(8, 20)
+        assert len(received) == 8
+        qos = consumer.channel.qos
+        for message in received[:2]:
+            message.ack()
+        assert not qos.can_consume()  # two slots free, three wanted
+        drain_until(9, 1.5)
+        assert len(received) == 8
+        received[2].ack()
+        assert qos.can_consume() and qos.can_consume_max_estimate() == 3
+        drain_until(11, 20)
+        assert len(received) == 11  # the three free slots, filled at once
+        for message in received[3:]:
+            message.ack()
+        drain_until(12, 20)  # plenty of room: the last message alone
+        assert len(received) == 12
+        received[-1].ack()

@@ -55,6 +55,14 @@ def test_worker_flags_override_environment(monkeypatch: pytest.MonkeyPatch) -> N
     assert settings.max_num_seqs == 8 and settings.in_flight_capacity == 10
 
 
+@pytest.mark.parametrize(("flags", "take_at_least"), [([], 32), (["--max-num-seqs", "8"], 1), (["--max-num-seqs", "64"], 8),
+                                                       (["--concurrency", "256"], 1), (["--concurrency", "356"], 50)])
+def test_a_full_worker_refills_half_its_engine_queue_at_once(flags: list[str], take_at_least: int) -> None:
+    """`take_at_least`: half of the jobs a worker holds beyond `max_num_seqs` (default 256), at least one."""
+    settings = worker_settings(build_parser().parse_args(["worker", "--broker", "redis://x:6379/0", *flags]))
+    assert settings.take_at_least == take_at_least
+
+
 def test_generate_structured_outputs(tmp_path: Path) -> None:
     schema = {"type": "object", "properties": {"label": {"enum": ["cat", "dog"]}, "n": {"type": "integer", "minimum": 0,
               "maximum": 99}}, "required": ["label", "n"]}

@@ -5,6 +5,11 @@ from __future__ import annotations
 
 import json
 import threading
+from datetime import datetime, timezone
+
+import pytest
+from celery.app.task import Context
+from celery.backends.redis import RedisBackend
 
 from service_fixtures import RedisServer
 
@@ -42,3 +47,32 @@ def test_every_thread_gets_the_one_backend_and_concurrent_stores_share_calls(red
     stats = redis.info("commandstats")
     calls = sum(stats.get(f"cmdstat_{name}", {}).get("calls", 0) for name in ("evalsha", "eval"))
     assert 1 <= calls < 32, stats  # 32 stores, fewer script calls: some were shared
+
+
+@pytest.mark.parametrize("conf", [{}, {"result_extended": True}, {"timezone": "Asia/Kolkata", "enable_utc": False},
+                                  {"timezone": "America/New_York"}])
+@pytest.mark.parametrize("state", ["SUCCESS", "REVOKED", "FAILURE", "STARTED", "PENDING"])
+@pytest.mark.parametrize("format_date", [True, False])
+def test_result_meta_without_a_request_is_celerys(conf: dict, state: str, format_date: bool) -> None:
+    """The meta the backend builds itself for a job's result (no request) is Celery's own, field for field,
+    the time in the app's time zone; with a request it is Celery's."""
+    app = create_app(QueueSettings(broker_url="redis://127.0.0.1:1/0"))  # no connection is made
+    app.conf.update(conf)
+    backend = app.backend
+    before = datetime.now(timezone.utc)
+    ours = backend._get_result_meta({"id": "j"}, state, None, None, format_date=format_date)
+    celerys = RedisBackend._get_result_meta(backend, {"id": "j"}, state, None, None, format_date=format_date)
+    after = datetime.now(timezone.utc)
+    ours_done, celerys_done = ours.pop("date_done"), celerys.pop("date_done")
+    assert ours == celerys
+    assert type(ours_done) is type(celerys_done)
+    if celerys_done is not None:
+        ours_time, celerys_time = (datetime.fromisoformat(d) if format_date else d for d in (ours_done, celerys_done))
+        assert ours_time.utcoffset() == celerys_time.utcoffset()
+        assert before <= ours_time <= after
+    request = Context(id="j", task="tokenmill.generate", group="g", parent_id="p", args=[], kwargs={},
+                      hostname="w", retries=0, delivery_info={"routing_key": "tokenmill"})
+    with_request = backend._get_result_meta({"id": "j"}, state, None, request)
+    expected = RedisBackend._get_result_meta(backend, {"id": "j"}, state, None, request)
+    with_request.pop("date_done"), expected.pop("date_done")
+    assert with_request == expected and with_request["group_id"] == "g"

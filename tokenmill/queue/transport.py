@@ -222,6 +222,12 @@ class QoS(kombu_redis.QoS):
         _live_qos.add(self)
         self._acks: Coalescer[str, None] = Coalescer(self._ack_many, limit=1000)
 
+    def can_consume(self) -> bool:
+        """As kombu, but with `Channel.take_at_least` free prefetch slots, once the worker holds more than the rest:
+        a full worker refills in batches, not a message or two per engine step."""
+        room = self.can_consume_max_estimate()
+        return room is None or room >= min(self.channel.take_at_least, self.prefetch_count)
+
     def append(self, message: Any, delivery_tag: str) -> None:
         claimed = self.channel.claimed_tags
         if delivery_tag in claimed:  # recorded in Redis by the claim script: only the local record is left
@@ -275,7 +281,12 @@ class Channel(kombu_redis.Channel):
     Message = Message
     #: Seconds a consumer's heartbeat lives; renewed every quarter of it.
     consumer_ttl = 60.0
-    from_transport_options = kombu_redis.Channel.from_transport_options + ("consumer_ttl",)
+    #: Free prefetch slots a consumer waits for before it takes more (`QoS.can_consume`). A worker whose engine
+    #: keeps a queue of its own sets it to half that queue (`WorkerSettings.take_at_least`): jobs ending a few per
+    #: engine step are then replaced some dozens at a time, each take, record, check-in and engine message shared
+    #: by many jobs, while the engine's queue still covers the wait. 1 takes as soon as one slot frees (kombu).
+    take_at_least = 1
+    from_transport_options = kombu_redis.Channel.from_transport_options + ("consumer_ttl", "take_at_least")
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.consumer_id = uuid.uuid4().hex

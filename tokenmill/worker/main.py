@@ -62,6 +62,7 @@ def run_worker(settings: WorkerSettings) -> int:
     """Run until SIGTERM/SIGINT; returns the process exit code."""
     setup_logging(settings)
     configure(app, settings)
+    app.conf.broker_transport_options = {**app.conf.broker_transport_options, "take_at_least": settings.take_at_least}
     control.allow_state_changes(settings.remote_control_writes)
     service = WorkerService.start(settings)
     runtime.install(service)

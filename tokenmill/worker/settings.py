@@ -123,6 +123,14 @@ class WorkerSettings(QueueSettings):
         """
         return self.concurrency or self.max_num_seqs + max(1, self.max_num_seqs // 4)
 
+    @property
+    def take_at_least(self) -> int:
+        """Free slots a full worker waits for before it takes more jobs (the transport's `take_at_least`): half of
+        the jobs beyond `max_num_seqs` that wait in the engine's queue, which the engine runs meanwhile. With
+        jobs of different lengths ending a few per step, the worker otherwise took, recorded, checked in and
+        handed over two or three jobs at a time, each time at the full cost of those round trips."""
+        return max(1, (self.in_flight_capacity - self.max_num_seqs) // 2)
+
     def engine_options(self) -> dict[str, Any]:
         """Keyword options of `LLMEngine` (its `EngineConfig`)."""
         return {
