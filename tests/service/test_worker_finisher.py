@@ -15,15 +15,17 @@ from tokenmill.worker.finisher import Finisher
 class Service:
     def __init__(self) -> None:
         self.stores: list[dict[bytes, bytes]] = []
+        self.acks: list[list[tuple[str, str, str]]] = []
         self.grace_expired = threading.Event()
         self.fail_store = False
         self.lock = threading.Lock()
 
-    def store_results(self, encoded: dict[bytes, bytes]) -> None:
+    def store_results(self, encoded: dict[bytes, bytes], acks: list[tuple[str, str, str]]) -> None:
         if self.fail_store:
             raise ConnectionError("redis down")
         with self.lock:
             self.stores.append(dict(encoded))
+            self.acks.append(list(acks))
 
 
 class Run:
@@ -38,14 +40,14 @@ class Run:
         self.ended = threading.Event()
         self.abandoned: str | None = None
 
-    def finish(self, futures: list[Future]) -> dict[bytes, bytes]:
+    def finish(self, futures: list[Future]) -> tuple[dict[bytes, bytes], list[tuple[str, str, str]]]:
         for future in futures:
             index = self.futures.index(future)
             if index == self.fail_on:
                 raise ValueError("cannot complete")
             self.pending.discard(future)
             self.unstored[f"{self.name}-{index}".encode()] = future.result()
-        return dict(self.unstored)
+        return dict(self.unstored), [("unacked", "unacked_index", key.decode()) for key in self.unstored]
 
     def stored_all(self) -> bool:
         self.stored += self.unstored
@@ -78,6 +80,8 @@ def test_jobs_of_several_runs_that_end_together_are_stored_in_one_call() -> None
     wait(second.ended)
     assert service.stores[0] == {b"a-0": b"a0"}
     assert service.stores[1:] == [{b"a-1": b"x", b"b-0": b"x", b"b-1": b"x", b"b-2": b"x"}]
+    # each message's ack goes with its job's result, in the same call
+    assert [[tag for _, _, tag in acks] for acks in service.acks] == [["a-0"], ["a-1", "b-0", "b-1", "b-2"]]
     assert first.stored == [b"a-0", b"a-1"] and sorted(second.stored) == [b"b-0", b"b-1", b"b-2"]
     assert first.abandoned is None and second.abandoned is None
 

@@ -76,3 +76,41 @@ def test_result_meta_without_a_request_is_celerys(conf: dict, state: str, format
     expected = RedisBackend._get_result_meta(backend, {"id": "j"}, state, None, request)
     with_request.pop("date_done"), expected.pop("date_done")
     assert with_request == expected and with_request["group_id"] == "g"
+
+
+def test_results_and_the_acks_of_their_messages_are_one_script_call(redis_server: RedisServer) -> None:
+    """`WorkerService.store_results` with acks: each result stored unless one is (and announced), and every given
+    message's unacked records removed, in one call; messages not named stay unacked. Real redis-server."""
+    from prometheus_client import CollectorRegistry
+
+    from tokenmill.worker.metrics import WorkerMetrics
+    from tokenmill.worker.service import WorkerService
+    from tokenmill.worker.settings import WorkerSettings
+
+    service = WorkerService(WorkerSettings(broker_url=redis_server.url, model="builtin:tiny"), engine=None,
+                            metrics=WorkerMetrics(CollectorRegistry()), sink=None)  # the engine is never used here
+    redis = redis_server.client()
+    tags = [f"tag-{i}" for i in range(2500)]  # more than one unpack's worth
+    for name in ("unacked", "other_unacked"):
+        redis.hset(name, mapping={tag: "[message]" for tag in tags})
+        redis.zadd(f"{name}_index", {tag: 1.0 for tag in tags})
+    redis.set("celery-task-meta-kept", b'{"status": "SUCCESS", "kept": true}')
+    announced = redis.pubsub()
+    announced.subscribe("celery-task-meta-new", "celery-task-meta-kept")
+    service.store_results({b"celery-task-meta-warm": b"{}"})  # the script is loaded into Redis
+    redis.config_resetstat()
+
+    acks = [("unacked", "unacked_index", tag) for tag in tags[:2400]] + [("other_unacked", "other_unacked_index", "tag-7")]
+    service.store_results({b"celery-task-meta-new": b'{"status": "SUCCESS"}', b"celery-task-meta-kept": b"{}"}, acks)
+
+    assert redis.get("celery-task-meta-new") == b'{"status": "SUCCESS"}' and redis.ttl("celery-task-meta-new") > 0
+    assert redis.get("celery-task-meta-kept") == b'{"status": "SUCCESS", "kept": true}'  # never overwritten
+    assert sorted(redis.hkeys("unacked")) == sorted(tag.encode() for tag in tags[2400:])
+    assert sorted(redis.zrange("unacked_index", 0, -1)) == sorted(tag.encode() for tag in tags[2400:])
+    assert redis.hlen("other_unacked") == redis.zcard("other_unacked_index") == 2499
+    assert not redis.hexists("other_unacked", "tag-7")
+    stats = redis.info("commandstats")
+    assert sum(stats.get(f"cmdstat_{name}", {}).get("calls", 0) for name in ("evalsha", "eval")) == 1
+    assert "cmdstat_exec" not in stats  # no separate ack pipeline
+    messages = [announced.get_message(timeout=5) for _ in range(3)]
+    assert [m["channel"] for m in messages if m and m["type"] == "message"] == [b"celery-task-meta-new"]

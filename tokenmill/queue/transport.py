@@ -162,6 +162,22 @@ def acks_together() -> Iterator[None]:
                     virtual.QoS.ack(qos, tag)
 
 
+def ack_record(message: Any) -> tuple[str, str, str] | None:
+    """(unacked hash, unacked index, delivery tag): what acking `message` removes from Redis (`QoS._ack_many`), for
+    a script that acks it together with other writes; None for a message of another transport or acked already."""
+    qos = getattr(getattr(message, "channel", None), "qos", None)
+    if not isinstance(qos, QoS) or message.acknowledged:
+        return None
+    return qos.unacked_key, qos.unacked_index_key, message.delivery_tag
+
+
+def acked_by_script(message: Any) -> None:
+    """The rest of an ack whose Redis records a script removed (`ack_record`): the message's prefetch slot frees and
+    its lease is no longer renewed. On the consumer's thread, as kombu acks."""
+    virtual.QoS.ack(message.channel.qos, message.delivery_tag)
+    message._state = "ACK"  # kombu's `Message.ack` marks it so
+
+
 def held_deliveries() -> dict[str, list[str]]:
     """Delivery tags held (delivered, not acked) by this process, by `unacked_index` key."""
     held: dict[str, list[str]] = {}

@@ -264,14 +264,20 @@ class BatchRun:
             self.service.store_results(encoded)
             self.stored(results)
 
+    def unstored(self, results: dict[str, dict[str, Any]]) -> list[str]:
+        """The ids of the results not stored yet (by this run)."""
+        if len(results) <= len(self._stored):
+            return []
+        return [job_id for job_id in results if job_id not in self._stored]
+
     def encode_new(self, results: dict[str, dict[str, Any]]) -> dict[bytes, bytes]:
         """The results not stored yet, encoded as Celery's meta under their keys (for `stored` once in Redis)."""
-        if len(results) <= len(self._stored):
+        new = self.unstored(results)
+        if not new:
             return {}
         # the meta's other fields (date_done, children) are the same for every job stored now
         meta = self.backend._get_result_meta(result=None, state=states.SUCCESS, traceback=None, request=None)
-        return {self._result_key(job_id): encode_result(self.backend, result, meta)
-                for job_id, result in results.items() if job_id not in self._stored}
+        return {self._result_key(job_id): encode_result(self.backend, results[job_id], meta) for job_id in new}
 
     def _result_key(self, job_id: str) -> bytes:
         """The job's Celery result key, made once per job (Celery's `get_key_for_task` encodes each of its parts)."""
@@ -283,7 +289,7 @@ class BatchRun:
     def stored(self, results: dict[str, dict[str, Any]]) -> None:
         """The results `encode_new` gave are in Redis: a later store does not repeat them, and their jobs are no
         longer running here (a delivery from now on is a new one: counted, it finds the result stored)."""
-        new = [job_id for job_id in results if job_id not in self._stored]
+        new = self.unstored(results)
         self._stored.update(new)
         finished = [self._mine.pop(job_id) for job_id in new if job_id in self._mine]
         for job, future in finished:

@@ -31,8 +31,9 @@ class Finishing(Protocol):
 
     service: Any
 
-    def finish(self, futures: list[Future]) -> dict[bytes, bytes]:
-        """Complete the jobs of these resolved engine futures; every result not stored yet, encoded by key."""
+    def finish(self, futures: list[Future]) -> tuple[dict[bytes, bytes], list[tuple[str, str, str]]]:
+        """Complete the jobs of these resolved engine futures; every result not stored yet, encoded by key, and the
+        messages the store acks (`WorkerService.store_results`)."""
 
     def stored_all(self) -> bool:
         """The encoded results are stored: settle them; whether the run has ended (no job left in the engine)."""
@@ -81,10 +82,12 @@ class Finisher:
                 self._runs.add(run)
             elif run in self._runs:  # else the run was abandoned: its aborted futures resolve later
                 by_run.setdefault(run, []).append(future)
-        encoded, finishing = {}, []
+        encoded, acks, finishing = {}, [], []
         for run, futures in by_run.items():
             try:
-                encoded.update(run.finish(futures))
+                results, run_acks = run.finish(futures)
+                encoded.update(results)
+                acks += run_acks
             except Exception as exc:  # noqa: BLE001: this run's jobs are requeued; the others go on
                 log.exception("single jobs: completing a group's jobs failed (%s)", type(exc).__name__)
                 self._abandon(run, type(exc).__name__)
@@ -92,7 +95,7 @@ class Finisher:
                 finishing.append(run)
         if encoded:
             try:
-                finishing[0].service.store_results(encoded)
+                finishing[0].service.store_results(encoded, acks)
             except Exception as exc:  # noqa: BLE001: Redis down: requeued (their reruns find results stored by now)
                 log.warning("single jobs: storing %d results failed (%r); requeueing their groups", len(encoded), exc)
                 for run in finishing:

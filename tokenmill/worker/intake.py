@@ -44,7 +44,7 @@ from celery.worker.state import task_accepted, task_ready
 from celery.worker.strategy import default
 
 from tokenmill.errors import InvalidRequestError
-from tokenmill.queue.transport import acks_together
+from tokenmill.queue.transport import ack_record, acked_by_script, acks_together
 from tokenmill.worker.batch_task import BatchRun
 from tokenmill.worker.finisher import Finisher
 
@@ -112,6 +112,7 @@ class Intake:
     def __init__(self) -> None:
         self._waiting: list[tuple[Any, dict[str, Any]]] = []
         self._to_ack: list[Any] = []  # requests stored by groups, acked at the loop's next turn
+        self._acked: list[Any] = []  # requests acked in Redis with their results, their slots freed at that turn
         self._cond = threading.Condition()
         self._admitting = False
         self._groups = 0  # groups running
@@ -152,22 +153,29 @@ class Intake:
         else:
             call(*args)
 
-    def ack_soon(self, requests: list[Any]) -> None:
+    def ack_soon(self, requests: list[Any], by_script: list[Any] = ()) -> None:  # type: ignore[assignment]
         """Ack these requests' messages on the consumer's loop, as Celery acks, with whatever other groups stored
         before the loop's turn: one pipeline and one wake-up for them all. The wake-up makes the loop take more
-        messages at once as prefetch slots free (an ack from a group thread left it asleep until its next timer)."""
-        if not requests:
+        messages at once as prefetch slots free (an ack from a group thread left it asleep until its next timer).
+        `by_script`: requests whose messages the script storing their results acked in Redis (`store_results`):
+        only their slots are freed."""
+        if not (requests or by_script):
             return
         with self._cond:
-            scheduled = bool(self._to_ack)
+            scheduled = bool(self._to_ack or self._acked)
             self._to_ack += requests
+            self._acked += by_script
         if not scheduled:
             self.soon(self._ack_waiting)
 
     def _ack_waiting(self) -> None:
         with self._cond:
-            requests, self._to_ack = self._to_ack, []
+            (requests, self._to_ack), (acked, self._acked) = (self._to_ack, []), (self._acked, [])
         _ack_all(requests)
+        for request in acked:
+            if not request.acknowledged:
+                acked_by_script(request.message)
+                request.acknowledged = True
 
     def _next_group(self) -> None:
         """Start a group of everything waiting, or note that no admission is in progress."""
@@ -280,6 +288,7 @@ class IntakeRun(BatchRun):
         self._on_admitted = admitted  # called once, when the jobs are in the engine (or the run ended before)
         self._on_ended = ended  # called once, when every job is stored or requeued
         self.done: dict[str, dict[str, Any]] = {}  # job id -> final result
+        self._acked_by_store: dict[str, tuple[str, str, str]] = {}  # job id -> its message's ack, in the next store
         self.in_engine: dict[Future, tuple[Any, str]] = {}  # engine future -> (its Attempt, engine request id)
         for request, raw in taken:
             if request.id in self.requests:  # the same job twice in one take: the pool path waits for this run
@@ -314,8 +323,9 @@ class IntakeRun(BatchRun):
         else:
             self._end()
 
-    def finish(self, futures: list[Future]) -> dict[bytes, bytes]:
-        """`Finishing.finish`: each resolved job's result; every result of the run not stored yet, encoded."""
+    def finish(self, futures: list[Future]) -> tuple[dict[bytes, bytes], list[tuple[str, str, str]]]:
+        """`Finishing.finish`: each resolved job's result; every result of the run not stored yet, encoded, and
+        the records of their jobs' messages, acked by the same script."""
         left_engine = 0
         try:
             for future in futures:
@@ -324,7 +334,9 @@ class IntakeRun(BatchRun):
                 self.done[attempt.job.id] = self._complete(attempt, future)
         finally:
             self.service.metrics.jobs_in_flight.dec(left_engine)
-        return self.encode_new(self.done)
+        self._acked_by_store = {job_id: record for job_id in self.unstored(self.done) if job_id in self.requests
+                                and (record := ack_record(self.requests[job_id].message)) is not None}
+        return self.encode_new(self.done), list(self._acked_by_store.values())
 
     def stored_all(self) -> bool:
         """`Finishing.stored_all`: the results are in Redis; once no job is left in the engine, the run ends."""
@@ -384,8 +396,11 @@ class IntakeRun(BatchRun):
             self.to_pool(self.requests.pop(job.id))
 
     def settled(self, job_ids: list[str], results: dict[str, dict[str, Any]]) -> None:
-        requests = [(self.requests.pop(job_id), results.get(job_id)) for job_id in job_ids if job_id in self.requests]
-        INTAKE.ack_soon([request for request, _ in requests])
+        acked, self._acked_by_store = self._acked_by_store, {}
+        settled = [job_id for job_id in job_ids if job_id in self.requests]
+        INTAKE.ack_soon([self.requests[job_id] for job_id in settled if job_id not in acked],
+                        [self.requests[job_id] for job_id in settled if job_id in acked])
+        requests = [(self.requests.pop(job_id), results.get(job_id)) for job_id in settled]
         now = time.time()
         for request, result in requests:
             task_ready(request, successful=True)

@@ -43,6 +43,7 @@ import os
 import itertools
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -92,15 +93,28 @@ end
 return replies
 """
 
-# KEYS: result keys; ARGV[1]: their expiry in seconds, ARGV[1 + i]: the encoded result for KEYS[i].
-# SET NX never overwrites a stored result; only a newly stored one is published.
+# KEYS: n result keys, then pairs of unacked hash and unacked index. ARGV[1]: the results' expiry in seconds,
+# ARGV[2]: n, ARGV[2 + i]: the encoded result for KEYS[i]; then per pair a count and that many delivery tags.
+# SET NX never overwrites a stored result; only a newly stored one is published. The tags are acked as kombu acks
+# (ZREM, HDEL): in the same script, so a message is acked exactly when its job's result is stored.
 _STORE = """
+local n = tonumber(ARGV[2])
 local new = 0
-for i, key in ipairs(KEYS) do
-  if redis.call('SET', key, ARGV[i + 1], 'EX', ARGV[1], 'NX') then
-    redis.call('PUBLISH', key, ARGV[i + 1])
+for i = 1, n do
+  if redis.call('SET', KEYS[i], ARGV[i + 2], 'EX', ARGV[1], 'NX') then
+    redis.call('PUBLISH', KEYS[i], ARGV[i + 2])
     new = new + 1
   end
+end
+local at = n + 3
+for k = n + 1, #KEYS, 2 do
+  local last = at + tonumber(ARGV[at])
+  for first = at + 1, last, 1000 do
+    local upto = math.min(first + 999, last)
+    redis.call('ZREM', KEYS[k + 1], unpack(ARGV, first, upto))
+    redis.call('HDEL', KEYS[k], unpack(ARGV, first, upto))
+  end
+  at = last + 1
 end
 return new
 """
@@ -160,7 +174,8 @@ class WorkerService:
         self._admits: Coalescer[tuple[Attempt, bytes], tuple[CheckIn, tuple[Future, str] | None]] = Coalescer(
             self._admit_many, limit=CHECK_IN_LIMIT)
         # results stored by several groups at once (jobs of different groups finishing in one engine step): one call
-        self._stores: Coalescer[dict[bytes, bytes], None] = Coalescer(self._store_many, limit=STORE_LIMIT)
+        self._stores: Coalescer[tuple[dict[bytes, bytes], Sequence[tuple[str, str, str]]], None] = Coalescer(
+            self._store_many, limit=STORE_LIMIT)
 
     @classmethod
     def start(cls, settings: WorkerSettings) -> WorkerService:
@@ -441,16 +456,25 @@ class WorkerService:
         replies = self._scripts["check_in"](keys=keys, args=[int(self.settings.result_expires)])
         return [CheckIn(replies[i], int(replies[i + 1]), bool(replies[i + 2])) for i in range(0, len(replies), 3)]
 
-    def store_results(self, encoded: dict[bytes, bytes]) -> None:
+    def store_results(self, encoded: dict[bytes, bytes], acks: Sequence[tuple[str, str, str]] = ()) -> None:
         """Store each encoded Celery result under its key unless one is there already, and announce the new
         ones on the key's channel as Celery does: one round trip for a whole group, shared with the groups storing
-        at the same moment (`Coalescer`)."""
+        at the same moment (`Coalescer`). `acks`: messages acked in the same script (`transport.ack_record`), whose
+        jobs these results settle; their consumer then only frees their slots (`transport.acked_by_script`)."""
         if encoded:
-            self._stores.call(encoded)
+            self._stores.call((encoded, acks))
 
-    def _store_many(self, batches: list[dict[bytes, bytes]]) -> list[None]:
-        encoded = {key: value for batch in batches for key, value in batch.items()}
-        self._scripts["store"](keys=list(encoded), args=[int(self.settings.result_expires), *encoded.values()])
+    def _store_many(self, batches: list[tuple[dict[bytes, bytes], Sequence[tuple[str, str, str]]]]) -> list[None]:
+        encoded = {key: value for results, _ in batches for key, value in results.items()}
+        tags: dict[tuple[str, str], list[str]] = {}
+        for _, acks in batches:
+            for hash_key, index_key, tag in acks:
+                tags.setdefault((hash_key, index_key), []).append(tag)
+        keys, args = list(encoded), [int(self.settings.result_expires), len(encoded), *encoded.values()]
+        for (hash_key, index_key), held in tags.items():
+            keys += [hash_key, index_key]
+            args += [len(held), *held]
+        self._scripts["store"](keys=keys, args=args)
         return [None] * len(batches)
 
     @cached_property
