@@ -239,10 +239,10 @@ class QoS(kombu_redis.QoS):
         self._acks: Coalescer[str, None] = Coalescer(self._ack_many, limit=1000)
 
     def can_consume(self) -> bool:
-        """As kombu, but with `Channel.take_at_least` free prefetch slots, once the worker holds more than the rest:
-        a full worker refills in batches, not a message or two per engine step."""
+        """As kombu, but with `Channel.take_at_least` free prefetch slots (at most a take's `TAKE_MAX`), once the worker
+        holds more than the rest: a full worker refills in batches, not a message or two per engine step."""
         room = self.can_consume_max_estimate()
-        return room is None or room >= min(self.channel.take_at_least, self.prefetch_count)
+        return room is None or room >= min(self.channel.take_at_least, self.prefetch_count, TAKE_MAX)
 
     def append(self, message: Any, delivery_tag: str) -> None:
         claimed = self.channel.claimed_tags

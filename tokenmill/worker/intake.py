@@ -11,9 +11,9 @@ except that the request is handed to `Intake` instead of the pool. A group threa
 next group) takes every request waiting and admits them as one group with the group path's steps
 (`tokenmill.worker.batch_task.BatchRun`): one check-in script and one engine-process message. It then hands the
 group to the finisher (`tokenmill.worker.finisher`), one thread for every group: the jobs that ended since its
-last turn are completed together, their results stored in one script call and their acks sent in one pipeline
-(`acks_together`) through the consumer's event loop, so that it wakes and takes more messages as prefetch slots
-free. Each request is marked active (`celery inspect active`, the `task-started` event) while it runs and ready
+last turn are completed together and their results stored in one script call that also acks their messages;
+the consumer's event loop is then woken to free their prefetch slots, so that it takes more messages as they
+free (a full worker waits for the transport's `take_at_least` of them, see `WorkerSettings.take_at_least`). Each request is marked active (`celery inspect active`, the `task-started` event) while it runs and ready
 (`task-succeeded`) once its result is stored and its message acked, as the pool path does. While one group is
 being admitted the next one forms, so under load a group holds dozens of jobs; alone, a job is admitted at once
 (one thread hand-off, as to a pool thread).
@@ -153,7 +153,7 @@ class Intake:
         else:
             call(*args)
 
-    def ack_soon(self, requests: list[Any], by_script: list[Any] = ()) -> None:  # type: ignore[assignment]
+    def ack_soon(self, requests: list[Any], by_script: list[Any] | None = None) -> None:
         """Ack these requests' messages on the consumer's loop, as Celery acks, with whatever other groups stored
         before the loop's turn: one pipeline and one wake-up for them all. The wake-up makes the loop take more
         messages at once as prefetch slots free (an ack from a group thread left it asleep until its next timer).
@@ -164,7 +164,7 @@ class Intake:
         with self._cond:
             scheduled = bool(self._to_ack or self._acked)
             self._to_ack += requests
-            self._acked += by_script
+            self._acked += by_script or []
         if not scheduled:
             self.soon(self._ack_waiting)
 
