@@ -15,7 +15,7 @@ one `tokenmill worker` on builtin:tiny, loads the same model in this process, an
   in-process), which does not depend on what else the machine runs;
 * client submit rate: `Client.submit_many` of all jobs (validation, Celery messages, pipelined LPUSH);
 * added latency: one job at a time on an idle system, submit -> result through the queue minus
-  add -> finish of the same job in the in-process engine (p50/p99): what the queue costs one job;
+  add -> finish of the same job in the in-process engine right after it (p50/p99): what the queue costs one job;
 * under load: submit -> result p50/p99 of the batch, for both paths.
 
 `--intake` isolates the queue path: the same worker, Redis and result path, with as little engine work per job
@@ -223,14 +223,11 @@ class QueuePath:
         cpu["client"] = own_cpu() - client_before
         return Run(elapsed, latencies, cpu, submit_elapsed)
 
-    def probe(self, workload: Workload, count: int) -> list[float]:
-        """Submit -> result of single jobs, one at a time."""
-        times = []
-        for index in range(count):
-            sent = time.time()
-            self.client.submit(**workload.job(index)).result(timeout=60)
-            times.append(time.time() - sent)
-        return times
+    def probe(self, workload: Workload, index: int) -> float:
+        """Submit -> result of one job alone."""
+        sent = time.time()
+        self.client.submit(**workload.job(index)).result(timeout=60)
+        return time.time() - sent
 
     def log_tail(self) -> None:
         """The worker's warnings and errors, if any (a benchmark over a worker that logged errors is suspect)."""
@@ -272,12 +269,9 @@ class LocalPath:
         assert sum(len(o.token_ids) for o in outputs) == workload.tokens
         return Run(elapsed, [o.finished_time - o.arrival_time for o in outputs], {"in-process": own_cpu() - cpu_before})
 
-    def probe(self, workload: Workload, count: int) -> list[float]:
-        times = []
-        for index in range(count):
-            one = self.llm.generate([workload.prompts[index]], [workload.params(index)], use_tqdm=False)[0]
-            times.append(one.finished_time - one.arrival_time)
-        return times
+    def probe(self, workload: Workload, index: int) -> float:
+        one = self.llm.generate([workload.prompts[index]], [workload.params(index)], use_tqdm=False)[0]
+        return one.finished_time - one.arrival_time
 
 
 def main() -> None:
@@ -322,7 +316,8 @@ def main() -> None:
                     local_runs[name].append(local.run(workload))
             added = {}
             for name, queue in queues.items():
-                added[name] = [q - lo for q, lo in zip(queue.probe(workload, args.probe_jobs), local.probe(workload, args.probe_jobs))]
+                # each job through the queue, then alone in-process: the pair shares the machine's speed of the moment
+                added[name] = [queue.probe(workload, index) - local.probe(workload, index) for index in range(args.probe_jobs)]
                 queue.log_tail()
         finally:
             for queue in queues.values():

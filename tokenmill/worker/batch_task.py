@@ -37,7 +37,7 @@ from celery import states
 from celery.exceptions import Reject
 
 from tokenmill.errors import InvalidRequestError
-from tokenmill.queue.cancels import encode_result, is_final
+from tokenmill.queue.cancels import encode_result, is_final, result_meta
 from tokenmill.queue.names import BATCH_TASK_NAME
 
 if TYPE_CHECKING:
@@ -276,7 +276,7 @@ class BatchRun:
         if not new:
             return {}
         # the meta's other fields (date_done, children) are the same for every job stored now
-        meta = self.backend._get_result_meta(result=None, state=states.SUCCESS, traceback=None, request=None)
+        meta = result_meta(self.backend, states.SUCCESS)
         return {self._result_key(job_id): encode_result(self.backend, results[job_id], meta) for job_id in new}
 
     def _result_key(self, job_id: str) -> bytes:
