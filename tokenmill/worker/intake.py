@@ -13,10 +13,10 @@ next group) takes every request waiting and admits them as one group with the gr
 group to the finisher (`tokenmill.worker.finisher`), one thread for every group: the jobs that ended since its
 last turn are completed together and their results stored in one script call that also acks their messages;
 the consumer's event loop is then woken to free their prefetch slots, so that it takes more messages as they
-free (a full worker waits for the transport's `take_at_least` of them, see `WorkerSettings.take_at_least`). Each request is marked active (`celery inspect active`, the `task-started` event) while it runs and ready
-(`task-succeeded`) once its result is stored and its message acked, as the pool path does. While one group is
-being admitted the next one forms, so under load a group holds dozens of jobs; alone, a job is admitted at once
-(one thread hand-off, as to a pool thread).
+free (a full worker waits for `WorkerSettings.take_at_least` of them). Each request is marked active (`celery
+inspect active`, the `task-started` event) while it runs and ready (`task-succeeded`) once its result is stored
+and its message acked, as the pool path does. While one group is being admitted the next one forms, so under
+load a group holds dozens of jobs; alone, a job is admitted at once (one thread hand-off, as to a pool thread).
 
 Left to the pool path (unchanged): jobs with a deadline or a Celery time limit, an S3 `output`, an `id` field
 other than the task id, a job body the task cannot read (its failure is worded there), ETA jobs, jobs in a chord
