@@ -118,3 +118,13 @@ def test_a_remote_shutdown_waits_for_the_jobs_the_intake_holds(redis_server: Red
     assert all(r is not None and r.ok and r.attempt == 1 for r in results), results
     broker = redis_server.client()
     assert broker.hlen("unacked") == 0 and broker.llen(DEFAULT_QUEUE) == 0
+
+
+def test_a_worker_refills_half_its_engine_queue_at_once(redis_server: RedisServer, start_worker) -> None:
+    """`tokenmill worker` hands `WorkerSettings.take_at_least` to its transport: with `--max-num-seqs 64` it holds
+    80 jobs and takes more once 8 have ended (`celery inspect conf` shows what the worker's app runs with)."""
+    app = create_app(QueueSettings(broker_url=redis_server.url))
+    start_worker(redis_server.url, "refill").wait_ready().wait_listening(app)
+    replies = app.control.inspect(timeout=5).conf() or {}
+    (conf,) = [reply for node, reply in replies.items() if node.startswith("refill@")]
+    assert conf["broker_transport_options"]["take_at_least"] == 8
