@@ -272,12 +272,15 @@ class BatchRun:
 
     def encode_new(self, results: dict[str, dict[str, Any]]) -> dict[bytes, bytes]:
         """The results not stored yet, encoded as Celery's meta under their keys (for `stored` once in Redis)."""
-        new = self.unstored(results)
-        if not new:
+        return self.encode(results, self.unstored(results))
+
+    def encode(self, results: dict[str, dict[str, Any]], job_ids: list[str]) -> dict[bytes, bytes]:
+        """These jobs' results, encoded as Celery's meta under their keys."""
+        if not job_ids:
             return {}
         # the meta's other fields (date_done, children) are the same for every job stored now
         meta = result_meta(self.backend, states.SUCCESS)
-        return {self._result_key(job_id): encode_result(self.backend, results[job_id], meta) for job_id in new}
+        return {self._result_key(job_id): encode_result(self.backend, results[job_id], meta) for job_id in job_ids}
 
     def _result_key(self, job_id: str) -> bytes:
         """The job's Celery result key, made once per job (Celery's `get_key_for_task` encodes each of its parts)."""

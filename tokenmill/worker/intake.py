@@ -173,9 +173,7 @@ class Intake:
             (requests, self._to_ack), (acked, self._acked) = (self._to_ack, []), (self._acked, [])
         _ack_all(requests)
         for request in acked:
-            if not request.acknowledged:
-                acked_by_script(request.message)
-                request.acknowledged = True
+            _acknowledge(request, by_script=True)
 
     def _next_group(self) -> None:
         """Start a group of everything waiting, or note that no admission is in progress."""
@@ -334,9 +332,10 @@ class IntakeRun(BatchRun):
                 self.done[attempt.job.id] = self._complete(attempt, future)
         finally:
             self.service.metrics.jobs_in_flight.dec(left_engine)
-        self._acked_by_store = {job_id: record for job_id in self.unstored(self.done) if job_id in self.requests
+        new = self.unstored(self.done)
+        self._acked_by_store = {job_id: record for job_id in new if job_id in self.requests
                                 and (record := ack_record(self.requests[job_id].message)) is not None}
-        return self.encode_new(self.done), list(self._acked_by_store.values())
+        return self.encode(self.done, new), list(self._acked_by_store.values())
 
     def stored_all(self) -> bool:
         """`Finishing.stored_all`: the results are in Redis; once no job is left in the engine, the run ends."""
@@ -440,11 +439,15 @@ def _ack_all(requests: list[Any]) -> None:
             _acknowledge(request)
 
 
-def _acknowledge(request: Any) -> None:
+def _acknowledge(request: Any, by_script: bool = False) -> None:
     """`Request.acknowledge`, but in the calling thread: Celery's `on_ack` schedules each ack on the consumer's event
-    loop on its own, one round trip per message; here the acks of a wave share one (`acks_together`)."""
+    loop on its own, one round trip per message; here the acks of a wave share one (`acks_together`). `by_script`:
+    the store script acked the message in Redis already; only its slot is freed."""
     if not request.acknowledged:
-        request.message.ack_log_error(log, request.connection_errors)
+        if by_script:
+            acked_by_script(request.message)
+        else:
+            request.message.ack_log_error(log, request.connection_errors)
         request.acknowledged = True
 
 
