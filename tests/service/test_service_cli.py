@@ -12,6 +12,7 @@ import pytest
 from service_fixtures import REPO
 
 from tokenmill.cli import DEMO_PROMPTS, build_parser, worker_settings
+from tokenmill.worker.main import gc_thresholds
 
 
 def _generate(*args: str) -> list[dict]:
@@ -61,6 +62,15 @@ def test_a_full_worker_refills_half_its_engine_queue_at_once(flags: list[str], t
     """`take_at_least`: half of the jobs a worker holds beyond `max_num_seqs` (default 256), at least one."""
     settings = worker_settings(build_parser().parse_args(["worker", "--broker", "redis://x:6379/0", *flags]))
     assert settings.take_at_least == take_at_least
+
+
+@pytest.mark.parametrize(("flags", "threshold"), [([], 32_000), (["--max-num-seqs", "8"], 20_000),
+                                                   (["--max-num-seqs", "1024"], 128_000), (["--concurrency", "2000"], 200_000)])
+def test_the_garbage_collector_does_not_walk_a_full_worker_s_jobs_as_it_fills_up(flags: list[str], threshold: int) -> None:
+    """A collection comes every `threshold` net allocations: twice the ~48 objects of each job the worker may hold."""
+    settings = worker_settings(build_parser().parse_args(["worker", "--broker", "redis://x:6379/0", *flags]))
+    assert gc_thresholds(settings.in_flight_capacity) == (threshold, 50, 100)
+    assert threshold >= 2 * 48 * settings.in_flight_capacity or threshold == 20_000
 
 
 def test_generate_structured_outputs(tmp_path: Path) -> None:

@@ -28,10 +28,21 @@ log = logging.getLogger("tokenmill.worker")
 _PER_TASK_LOGGERS = ("celery.app.trace", "celery.worker.strategy")
 
 
-#: The worker's garbage-collector thresholds (Python's: 700, 10, 10). A job allocates hundreds of objects that die
-#: with it (its message, request, result), so at 700 allocations a collection came every few jobs and walked those
-#: in flight: ~4% of the worker's instructions per job (`benchmarks/job_queue.py --instructions`: 1.320 -> 1.269 M).
-GC_THRESHOLDS = (20_000, 50, 100)
+#: Objects the garbage collector tracks per job the worker holds, with room to spare (measured ~48: 81,000 tracked
+#: with 1,280 jobs in flight, 19,000 idle). See `gc_thresholds`.
+GC_OBJECTS_PER_JOB = 100
+
+
+def gc_thresholds(in_flight_capacity: int) -> tuple[int, int, int]:
+    """The worker's garbage-collector thresholds (Python's: 700, 10, 10).
+
+    A job's objects (its message, request, result) die with it, by reference count: no cycles (none found in
+    `gc.garbage` under `DEBUG_SAVEALL` after thousands of jobs). But a collection comes every `threshold` net
+    allocations and walks every young object, so while a worker fills up to its capacity each collection walked the
+    jobs in flight for nothing. At Python's 700 that was ~4% of the worker's instructions per job; at a fixed 20,000,
+    a full worker of 1,280 jobs (`benchmarks/job_queue.py --intake`) still collected every ~800 jobs, 8.8 ms each,
+    ~11 us per job; at twice what a full worker holds none comes from filling up."""
+    return max(20_000, GC_OBJECTS_PER_JOB * in_flight_capacity), 50, 100
 
 
 def setup_logging(settings: WorkerSettings) -> None:
@@ -82,7 +93,7 @@ def run_worker(settings: WorkerSettings) -> int:
         quiet=True,
     )
     freeze_startup_objects()  # Celery, kombu, redis and pydantic's objects too
-    gc.set_threshold(*GC_THRESHOLDS)
+    gc.set_threshold(*gc_thresholds(capacity))
     lower_priority(settings.worker_nice)
     try:
         worker.start()
