@@ -1,15 +1,20 @@
 """The finisher (`tokenmill.worker.finisher`): jobs of every group that end together are stored in one call; a run
 whose completion or store fails is abandoned alone (or with the runs of that store), and so is every run still
-running when the shutdown grace ends. Runs here are stand-ins for `IntakeRun` that record what was asked of them;
+running when the shutdown grace ends; the runs that settle in one turn queue their messages' acks for one turn of the
+consumer's loop. Runs here are stand-ins for `IntakeRun` that record what was asked of them;
 the path through Redis, the engine and real workers is tested in `test_service_intake.py` and the fault tests."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future
+from typing import Any
 
 from tokenmill.worker.finisher import Finisher
+from tokenmill.worker.intake import Intake
 
 
 class Service:
@@ -129,3 +134,69 @@ def test_runs_still_in_the_engine_when_the_grace_ends_are_abandoned() -> None:
     wait(running.ended)
     assert running.abandoned == "worker shutting down"
     assert running.stored == [b"a-0"]
+
+
+def test_the_runs_that_settle_in_one_turn_settle_inside_one_settling_context() -> None:
+    service, turns, current = Service(), [], []
+
+    @contextlib.contextmanager
+    def settling() -> Iterator[None]:
+        current.append([])
+        yield
+        turns.append(sorted(current.pop()))
+
+    class Recorded(Run):
+        def stored_all(self) -> bool:
+            (current[-1] if current else turns).append(self.name)  # a run settled outside the context shows alone
+            return super().stored_all()
+
+    finisher = Finisher(settling=settling)
+    first, second = Recorded(service, "a", 2), Recorded(service, "b", 1)
+    with service.lock:  # as above: the first turn blocks in its store while the rest resolve
+        finisher.watch(first, first.futures)
+        finisher.watch(second, second.futures)
+        first.futures[0].set_result(b"a0")
+        time.sleep(0.2)
+        first.futures[1].set_result(b"a1")
+        second.futures[0].set_result(b"b0")
+    wait(first.ended)
+    wait(second.ended)
+    assert turns == [["a"], ["a", "b"]]
+
+
+class Message:
+    def __init__(self, acked: list[str], tag: str) -> None:
+        self.acked, self.tag = acked, tag
+
+    def ack_log_error(self, *_: Any) -> None:
+        self.acked.append(self.tag)
+
+
+class Request:
+    connection_errors = ()
+
+    def __init__(self, acked: list[str], tag: str) -> None:
+        self.message, self.acknowledged = Message(acked, tag), False
+
+
+def test_acks_queued_while_held_wake_the_consumer_loop_once_at_the_end() -> None:
+    intake, scheduled, acked = Intake(), [], []
+    intake.call_soon = lambda call, *args: scheduled.append((call, args))
+    intake.ack_soon([Request(acked, "1")])
+    intake.ack_soon([Request(acked, "2")])  # waiting already: the same turn of the loop takes it
+    assert len(scheduled) == 1
+    call, args = scheduled.pop()
+    call(*args)
+    assert acked == ["1", "2"]
+    with intake.holding_acks():
+        intake.ack_soon([Request(acked, "3")])
+        intake.ack_soon([], [])  # nothing to ack: nothing scheduled
+        intake.ack_soon([Request(acked, "4")])
+        assert scheduled == []
+    assert len(scheduled) == 1
+    call, args = scheduled.pop()
+    call(*args)
+    assert acked == ["1", "2", "3", "4"]
+    with intake.holding_acks():  # held with nothing queued: no turn of the loop either
+        pass
+    assert scheduled == []

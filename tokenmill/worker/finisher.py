@@ -13,11 +13,14 @@ messages requeued) when completing or storing fails, and when the shutdown grace
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import queue
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
+from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 log = logging.getLogger("tokenmill.worker")
@@ -45,7 +48,10 @@ class Finishing(Protocol):
 class Finisher:
     """The thread (started with the first run) and the queue of resolved engine futures it takes from."""
 
-    def __init__(self) -> None:
+    def __init__(self, settling: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext) -> None:
+        """`settling`: a context the runs of a turn settle in (`Intake.holding_acks`: their acks wake the consumer's
+        loop once a turn, not once a run)."""
+        self._settling = settling
         self._resolved: queue.SimpleQueue[tuple[Finishing, Future | None]] = queue.SimpleQueue()
         self._runs: set[Finishing] = set()  # runs with jobs in the engine: this thread's only
         self._lock = threading.Lock()
@@ -101,9 +107,10 @@ class Finisher:
                 for run in finishing:
                     self._abandon(run, type(exc).__name__)
                 finishing = []
-        for run in finishing:
-            if run.stored_all():
-                self._runs.discard(run)
+        with self._settling():
+            for run in finishing:
+                if run.stored_all():
+                    self._runs.discard(run)
         for run in [run for run in self._runs if run.service.grace_expired.is_set()]:
             log.warning("single jobs: a group's jobs were not finished when the shutdown grace ran out; requeueing them")
             self._abandon(run, "worker shutting down")

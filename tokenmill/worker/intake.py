@@ -29,11 +29,13 @@ them, the prefetch limit counts them and kill -9 loses none. `single_job_intake=
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future
 from typing import Any
 
@@ -117,6 +119,7 @@ class Intake:
         self._admitting = False
         self._groups = 0  # groups running
         self._threads = _Threads("tokenmill-intake-group")
+        self._holding = threading.local()  # `acks`: inside `holding_acks` on this thread
         self._to_pool: Any = None
         self._service: Any = None
         self.call_soon: Any = None
@@ -165,8 +168,23 @@ class Intake:
             scheduled = bool(self._to_ack or self._acked)
             self._to_ack += requests
             self._acked += by_script or []
-        if not scheduled:
+        if not scheduled and not getattr(self._holding, "acks", False):
             self.soon(self._ack_waiting)
+
+    @contextlib.contextmanager
+    def holding_acks(self) -> Iterator[None]:
+        """Acks this thread queues inside go to the loop together at the end: the finisher settles every run whose
+        jobs ended in a turn, and the loop's turn for their acks was taken once per run (~0.34 wake-ups per job
+        instead of ~0.2 on jobs of 16-64 tokens)."""
+        self._holding.acks = True
+        try:
+            yield
+        finally:
+            self._holding.acks = False
+            with self._cond:
+                waiting = bool(self._to_ack or self._acked)
+            if waiting:  # scheduled perhaps by another thread meanwhile too: the later turn finds nothing left
+                self.soon(self._ack_waiting)
 
     def _ack_waiting(self) -> None:
         with self._cond:
@@ -422,7 +440,7 @@ class IntakeRun(BatchRun):
         self.requests.clear()
 
 
-FINISHER = Finisher()
+FINISHER = Finisher(settling=INTAKE.holding_acks)
 
 
 def _sends_task_events(request: Any) -> bool:
