@@ -71,6 +71,7 @@ def test_kombu_types_and_escaped_keys_come_back_as_kombu_decodes_them() -> None:
 @example({"parsed": float("nan"), "big": 2**64})
 @example([float("-inf")])
 @example([None, "a", 1.5, float("nan")])  # a result's free parts: mostly None, strings and times
+@example([{}, [], None, {"a": [float("inf")]}])  # empty metadata is skipped, a nested infinity is not
 @example((None, {"k": [2**64]}))
 @example({1: "a key that is no string"})
 def test_dumps_writes_what_the_stdlib_writes(value: Any) -> None:

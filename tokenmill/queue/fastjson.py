@@ -111,9 +111,10 @@ def _orjson_writes_as_stdlib(value: Any) -> bool:
         return all(isinstance(key, str) for key in value) and _orjson_writes_as_stdlib(tuple(value.values()))
     if isinstance(value, list | tuple):  # a loop, not a call per item: a result has a dozen free parts, mostly None
         for item in value:
-            if item is None or item.__class__ is str:
+            kind = item.__class__
+            if item is None or kind is str or (kind is dict or kind is list) and not item:  # empty metadata: no call
                 continue
-            if item.__class__ is float:
+            if kind is float:
                 if not math.isfinite(item):
                     return False
             elif not _orjson_writes_as_stdlib(item):
