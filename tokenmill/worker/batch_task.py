@@ -73,7 +73,7 @@ class BatchRun:
         self.backend = backend
         self.started_at = time.time()
         self._stored: set[str] = set()
-        self._mine: dict[str, tuple[Job, Any]] = {}
+        self._mine: dict[str, Job] = {}  # claimed by this run (`WorkerService.claim`) until stored or released
         self._keys: dict[str, bytes] = {}
 
     def settled(self, job_ids: list[str], results: dict[str, dict[str, Any]]) -> None:
@@ -104,10 +104,10 @@ class BatchRun:
         jobs, done = self._parse(raw_jobs)
         # A job already running here (as a single job or in another group) is that run's to finish and store.
         mine, running = self.service.claim(jobs)
-        self._mine = {job.id: (job, future) for job, future in mine}  # until stored (`_store` releases them)
+        self._mine = {job.id: job for job in mine}  # until stored (`_store` releases them)
         self.joined(running)
         try:
-            ran = self._run_mine([job for job, _ in mine], done)
+            ran = self._run_mine(mine, done)
         except BaseException as exc:
             self._release_mine(done, exc)
             raise
@@ -117,12 +117,7 @@ class BatchRun:
     def _release_mine(self, done: dict[str, dict[str, Any]], error: BaseException | None = None) -> None:
         """The run's jobs still registered as running here end: a delivery of one waiting on this run gets its result
         in `done` (None: found stored) or `error`, and the jobs are released."""
-        for job, future in self._mine.values():
-            if error is None:
-                future.set_result(done.get(job.id))
-            else:
-                future.set_exception(error)
-        self.service.release([job for job, _ in self._mine.values()])
+        self.service.release(list(self._mine.values()), done, error)
         self._mine = {}
 
     def _run_mine(self, jobs: list[Job], done: dict[str, dict[str, Any]]) -> int:
@@ -294,8 +289,5 @@ class BatchRun:
         longer running here (a delivery from now on is a new one: counted, it finds the result stored)."""
         new = self.unstored(results)
         self._stored.update(new)
-        finished = [self._mine.pop(job_id) for job_id in new if job_id in self._mine]
-        for job, future in finished:
-            future.set_result(results[job.id])
-        self.service.release([job for job, _ in finished])
+        self.service.release([self._mine.pop(job_id) for job_id in new if job_id in self._mine], results)
         self.settled(new, results)

@@ -321,9 +321,9 @@ class IntakeRun(BatchRun):
                 _accept(request)
             jobs, self.done = self._parse(self.raw)
             mine, running = self.service.claim(jobs)
-            self._mine = {job.id: (job, future) for job, future in mine}
+            self._mine = {job.id: job for job in mine}
             self.joined(running)
-            todo = self._check_in([job for job, _ in mine], self.done)
+            todo = self._check_in(mine, self.done)
             self._store(self.done)
             if todo:
                 self.in_engine = self._submit(todo)

@@ -161,7 +161,7 @@ class WorkerService:
             retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=120),
             retry_on_error=[redis.ConnectionError, redis.TimeoutError],
         )
-        self._running: dict[str, Future] = {}
+        self._running: dict[str, Future | None] = {}  # job id -> the future a joining delivery waits on
         self._engine_ids: dict[str, str] = {}  # job id -> its engine request id, while it generates
         self._cancelling: set[str] = set()  # running jobs asked to stop (applied at submit if not submitted yet)
         self._request_numbers = itertools.count()  # engine request ids: a job's runs here never share one
@@ -254,15 +254,12 @@ class WorkerService:
             if self.joined_another(job, result):
                 raise Ignore()
             return result
-        future = mine[0][1]
         try:
             result = self._run_once(Attempt(job, started_at, 0, time_limit), result_key)
-            future.set_result(result)
         except BaseException as exc:
-            future.set_exception(exc)
+            self.release([job], error=exc)
             raise
-        finally:
-            self.release([job])
+        self.release([job], {job.id: result})
         if result["status"] == "cancelled":
             self.store_results({result_key: encode_result(backend, result)})
             raise Ignore()
@@ -277,26 +274,36 @@ class WorkerService:
         return self.failed(JobResult.failure(job.id, "invalid_request", problem, "output", started_at=started_at,
                                              queued_at=job.submitted_at, metadata=job.metadata, job_hash=job.content_hash()))
 
-    def claim(self, jobs: list[Job]) -> tuple[list[tuple[Job, Future]], list[tuple[Job, Future]]]:
-        """Register `jobs` as running here; returns (jobs now mine, with the future their callers wait on;
-        jobs already running here, with that run's future). Only jobs now mine count as deliveries."""
+    def claim(self, jobs: list[Job]) -> tuple[list[Job], list[tuple[Job, Future]]]:
+        """Register `jobs` as running here; returns (jobs now mine; jobs already running here, with a future of that
+        run's result). Only jobs now mine count as deliveries. A run's future is made only when a delivery joins it
+        (rare: a redelivery while it runs), not for every job (a future and its result cost ~4 us a job)."""
         mine, running = [], []
         with self._lock:
             for job in jobs:
-                current = self._running.get(job.id)
-                if current is None:
-                    current = self._running[job.id] = Future()
-                    mine.append((job, current))
-                else:
-                    running.append((job, current))
+                if job.id not in self._running:
+                    self._running[job.id] = None
+                    mine.append(job)
+                    continue
+                joined = self._running[job.id]
+                if joined is None:
+                    joined = self._running[job.id] = Future()
+                running.append((job, joined))
         return mine, running
 
-    def release(self, jobs: list[Job]) -> None:
+    def release(self, jobs: list[Job], results: dict[str, Any] | None = None, error: BaseException | None = None) -> None:
+        """These jobs' runs here ended: a delivery that joined one gets its result in `results` (None: none, such as a
+        result found stored) or `error`. A delivery from now on is a new one (counted; it finds the result stored)."""
         with self._lock:
+            joined = [(job, future) for job in jobs if (future := self._running.pop(job.id, None)) is not None]
             for job in jobs:
-                self._running.pop(job.id, None)
                 self._engine_ids.pop(job.id, None)
                 self._cancelling.discard(job.id)
+        for job, future in joined:  # no delivery can join these runs any more: resolved outside the lock
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result((results or {}).get(job.id))
 
     def running_ids(self) -> list[str]:
         with self._lock:
