@@ -31,6 +31,9 @@ _PER_TASK_LOGGERS = ("celery.app.trace", "celery.worker.strategy")
 #: Objects the garbage collector tracks per job the worker holds, with room to spare (measured ~48: 81,000 tracked
 #: with 1,280 jobs in flight, 19,000 idle). See `gc_thresholds`.
 GC_OBJECTS_PER_JOB = 100
+#: Most new objects between collections, whatever the capacity: what cyclic garbage may pile up to (a few hundred MB
+#: at most) and what one collection walks (~0.5 s here).
+GC_MAX_THRESHOLD = 1_000_000
 
 
 def gc_thresholds(in_flight_capacity: int) -> tuple[int, int, int]:
@@ -42,7 +45,7 @@ def gc_thresholds(in_flight_capacity: int) -> tuple[int, int, int]:
     jobs in flight for nothing. At Python's 700 that was ~4% of the worker's instructions per job; at a fixed 20,000,
     a full worker of 1,280 jobs (`benchmarks/job_queue.py --intake`) still collected every ~800 jobs, 8.8 ms each,
     ~11 us per job; at twice what a full worker holds none comes from filling up."""
-    return max(20_000, GC_OBJECTS_PER_JOB * in_flight_capacity), 50, 100
+    return min(GC_MAX_THRESHOLD, max(20_000, GC_OBJECTS_PER_JOB * in_flight_capacity)), 50, 100
 
 
 def setup_logging(settings: WorkerSettings) -> None:
