@@ -173,9 +173,9 @@ class Intake:
 
     @contextlib.contextmanager
     def holding_acks(self) -> Iterator[None]:
-        """Acks this thread queues inside go to the loop together at the end: the finisher settles every run whose
-        jobs ended in a turn, and the loop's turn for their acks was taken once per run (~0.34 wake-ups per job
-        instead of ~0.2 on jobs of 16-64 tokens)."""
+        """Acks this thread queues inside go to the loop together, at the end. The finisher settles every run whose
+        jobs ended in its turn: scheduled per run, the loop woke for acks 0.336 times per job of 16-64 tokens against
+        0.200 finisher turns; held per turn, 0.177."""
         self._holding.acks = True
         try:
             yield
