@@ -20,7 +20,6 @@ import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
-from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 log = logging.getLogger("tokenmill.worker")
@@ -48,7 +47,7 @@ class Finishing(Protocol):
 class Finisher:
     """The thread (started with the first run) and the queue of resolved engine futures it takes from."""
 
-    def __init__(self, settling: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext) -> None:
+    def __init__(self, settling: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext) -> None:
         """`settling`: a context the runs of a turn settle in (`Intake.holding_acks`: their acks wake the consumer's
         loop once a turn, not once a run)."""
         self._settling = settling
