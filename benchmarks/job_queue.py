@@ -15,7 +15,10 @@ one `tokenmill worker` on builtin:tiny, loads the same model in this process, an
   in-process), which does not depend on what else the machine runs;
 * client submit rate: `Client.submit_many` of all jobs (validation, Celery messages, pipelined LPUSH);
 * added latency: one job at a time on an idle system, submit -> result through the queue minus
-  add -> finish of the same job in the in-process engine right after it (p50/p99): what the queue costs one job;
+  add -> finish of the same job in the in-process engine right after it (p50/p99): what the queue costs one job.
+  The same again outside the decode steps (first -> last token, stamped by the engine in both paths): those are
+  the same engine code in both processes, and on a shared machine their speed drifts by more than the queue's
+  whole cost. The probe's own spread is printed beside: the same job run in-process twice in a row;
 * under load: submit -> result p50/p99 of the batch, for both paths.
 
 `--intake` isolates the queue path: the same worker, Redis and result path, with as little engine work per job
@@ -86,6 +89,42 @@ class Workload:
     @property
     def tokens(self) -> int:
         return sum(self.max_tokens)
+
+
+@dataclass
+class Probe:
+    """One job alone: submit (or add) -> result, and the part of it in decode steps (first -> last token)."""
+
+    total: float
+    decode: float
+
+
+@dataclass
+class Paired:
+    """One job through the queue, then alone in-process twice: the second in-process run measures the probe's own
+    spread (the same job, the same engine, moments apart)."""
+
+    queue: Probe
+    local: Probe
+    again: Probe
+
+    @property
+    def added(self) -> float:
+        return self.queue.total - self.local.total
+
+    @property
+    def added_outside_decode(self) -> float:
+        """Everything but the decode steps, which are the same engine code in both processes and carry most of the
+        spread of a 16-64-token job: the queue's hops, the engine process's first step, the pipe back."""
+        return (self.queue.total - self.queue.decode) - (self.local.total - self.local.decode)
+
+    @property
+    def decode_added(self) -> float:
+        return self.queue.decode - self.local.decode
+
+    @property
+    def null(self) -> float:
+        return self.again.total - self.local.total
 
 
 @dataclass
@@ -223,11 +262,11 @@ class QueuePath:
         cpu["client"] = own_cpu() - client_before
         return Run(elapsed, latencies, cpu, submit_elapsed)
 
-    def probe(self, workload: Workload, index: int) -> float:
-        """Submit -> result of one job alone."""
+    def probe(self, workload: Workload, index: int) -> Probe:
+        """Submit -> result of one job alone, and its decode steps (the engine process's first -> last token)."""
         sent = time.time()
-        self.client.submit(**workload.job(index)).result(timeout=60)
-        return time.time() - sent
+        result = self.client.submit(**workload.job(index)).result(timeout=60)
+        return Probe(time.time() - sent, result.finished_at - result.first_token_at)
 
     def log_tail(self) -> None:
         """The worker's warnings and errors, if any (a benchmark over a worker that logged errors is suspect)."""
@@ -269,9 +308,9 @@ class LocalPath:
         assert sum(len(o.token_ids) for o in outputs) == workload.tokens
         return Run(elapsed, [o.finished_time - o.arrival_time for o in outputs], {"in-process": own_cpu() - cpu_before})
 
-    def probe(self, workload: Workload, index: int) -> float:
+    def probe(self, workload: Workload, index: int) -> Probe:
         one = self.llm.generate([workload.prompts[index]], [workload.params(index)], use_tqdm=False)[0]
-        return one.finished_time - one.arrival_time
+        return Probe(one.finished_time - one.arrival_time, one.finished_time - one.first_token_time)
 
 
 def main() -> None:
@@ -317,7 +356,8 @@ def main() -> None:
             added = {}
             for name, queue in queues.items():
                 # each job through the queue, then alone in-process: the pair shares the machine's speed of the moment
-                added[name] = [queue.probe(workload, index) - local.probe(workload, index) for index in range(args.probe_jobs)]
+                added[name] = [Paired(queue.probe(workload, index), local.probe(workload, index), local.probe(workload, index))
+                               for index in range(args.probe_jobs)]
                 queue.log_tail()
         finally:
             for queue in queues.values():
@@ -347,7 +387,7 @@ def _median_run(runs: list[Run]) -> Run:
     return sorted(runs, key=lambda run: run.elapsed)[len(runs) // 2]
 
 
-def report(args: argparse.Namespace, workload: Workload, local_runs: list[Run], queue_runs: list[Run], added: list[float]) -> None:
+def report(args: argparse.Namespace, workload: Workload, local_runs: list[Run], queue_runs: list[Run], added: list[Paired]) -> None:
     n = len(workload.prompts)
     local, queue = _median_run(local_runs), _median_run(queue_runs)
     queue_cpu = sum(queue.cpu.values())
@@ -379,8 +419,14 @@ def report(args: argparse.Namespace, workload: Workload, local_runs: list[Run], 
           + " (goals: worker <= 0.2, engine <= in-process + 0.1, redis <= 0.1)")
     print(f"- client submit rate (`submit_many`, {n} jobs): **{statistics.median(submit_rates):.0f} jobs/s** (goal >= 2000)")
     if added:
-        print(f"- added latency of the queue, one job at a time ({len(added)} jobs): "
-              f"p50 **{1000 * percentile(added, 50):.1f} ms**, p99 **{1000 * percentile(added, 99):.1f} ms**")
+        def ms(values: list[float], *qs: int) -> str:
+            return ", ".join(f"p{q} {1000 * percentile(values, q):.1f}" for q in qs)
+
+        print(f"- added latency of the queue, one job at a time ({len(added)} jobs, ms; goal p50 <= 5, p99 <= 15): "
+              f"**{ms([p.added for p in added], 50, 99)}**; outside the decode steps: "
+              f"**{ms([p.added_outside_decode for p in added], 50, 99)}**; the decode steps themselves, engine "
+              f"process minus in-process: {ms([p.decode_added for p in added], 50)}; the probe's own spread (the same job "
+              f"in-process twice, moments apart): {ms([p.null for p in added], 1, 50, 99)}")
     print(f"- machine load average when done: {os.getloadavg()[0]:.2f}")
 
 
