@@ -84,6 +84,19 @@ class Stack:
     def _record(self, message: dict[str, Any]) -> None:
         self.result_writes[message["channel"].decode().removeprefix("celery-task-meta-")] += 1
 
+    def writes_so_far(self) -> collections.Counter[str]:
+        """The result writes counted up to now, once the listener thread has caught up.
+
+        A result is readable the moment its store script ran, but the listener thread may not yet have taken
+        the PUBLISH that went with it (CI once read a job's count as 0 just after reading its result). One
+        connection's messages arrive in the order Redis sent them, so once a marker published now is counted,
+        so is every write published before it.
+        """
+        marker = f"marker-{time.monotonic_ns()}"
+        self.redis.publish(f"celery-task-meta-{marker}", "")
+        wait_for("the result listener to catch up", lambda: self.result_writes[marker], timeout=30, interval=0.05)
+        return self.result_writes
+
     def sh(self, *command: str) -> str:
         return subprocess.run(command, check=True, capture_output=True, text=True).stdout.strip()
 
@@ -250,7 +263,7 @@ def step_docker_kill(stack: Stack) -> None:
 
 
 def step_exactly_once(stack: Stack) -> None:
-    writes = stack.result_writes
+    writes = stack.writes_so_far()
     wrong = {job_id: writes[job_id] for job_id in stack.submitted if writes[job_id] != 1}
     assert not wrong, f"jobs whose result was not written exactly once (id: writes): {wrong}"
     stored = sum(1 for _ in stack.redis.scan_iter("celery-task-meta-*"))
