@@ -10,6 +10,8 @@ import warnings
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+import orjson
+
 from tokenmill.errors import InvalidRequestError
 from tokenmill.schema_support import prepare
 
@@ -77,11 +79,29 @@ class SamplingParams:
 
     @classmethod
     def from_dict(cls, values: dict) -> SamplingParams:
-        """Build from a plain dict, naming any field this class does not know."""
+        """Build from a plain dict, naming any field this class does not know.
+
+        Values checked before come from `_CHECKED` without checking them again: the jobs of a batch mostly share
+        their settings, and every job's are checked three times (by the client, the worker and the engine process).
+        """
+        key = _checked_key(values)
+        checked = _CHECKED.get(key) if key is not None else None
+        if checked is not None:
+            params = cls.__new__(cls)
+            params.__dict__.update(checked)
+            params.stop, params.stop_token_ids = list(params.stop), list(params.stop_token_ids)
+            if params.choice is not None:
+                params.choice = list(params.choice)
+            return params
         if not _KNOWN_FIELDS.issuperset(values):  # one set operation per job; the loop only to name the field
             name = next(name for name in values if name not in _KNOWN_FIELDS)
             raise InvalidRequestError(name, f"unknown sampling parameter (known: {', '.join(sorted(_KNOWN_FIELDS))})")
-        return cls(**values)
+        params = cls(**values)
+        if key is not None:
+            if len(_CHECKED) >= CHECKED_LIMIT:
+                _CHECKED.clear()
+            _CHECKED[key] = dict(params.__dict__)
+        return params
 
     def _check(self) -> None:
         _int(self, "max_tokens", low=1, high=MAX_INT)
@@ -158,6 +178,23 @@ def _check_stop(stop: list[Any]) -> None:
 
 _FIELD_NAMES = tuple(f.name for f in fields(SamplingParams))
 _KNOWN_FIELDS = frozenset(_FIELD_NAMES)
+#: Most sets of checked values `from_dict` remembers (`_CHECKED`): past it, it starts afresh.
+CHECKED_LIMIT = 1024
+#: Checked values, by `_checked_key` of what `from_dict` was given, as the fields they made (lists copied out).
+_CHECKED: dict[tuple[bytes, tuple[type, ...]], dict[str, Any]] = {}
+
+
+def _checked_key(values: dict) -> tuple[bytes, tuple[type, ...]] | None:
+    """`values` as a key that equals another's only for the same names and values of the same exact types, in the
+    same order: their JSON and their types (in JSON, NaN reads as None and a tuple as a list; by type they differ).
+    None for values that cannot be told apart so (an object inside, such as a schema) or JSON cannot hold."""
+    kinds = tuple(map(type, values.values()))
+    if dict in kinds:
+        return None
+    try:
+        return orjson.dumps(values), kinds
+    except TypeError:
+        return None
 STRUCTURED_FIELDS = ("json_schema", "choice", "regex", "json_object")
 
 
