@@ -100,3 +100,12 @@ def test_from_dict_gives_what_a_fresh_check_gives(batch: list[dict[str, Any]]) -
     expected = [fresh(v) for v in batch]
     sampling_params._CHECKED.clear()
     assert [outcome(v) for v in batch + batch] == expected + expected
+
+
+def test_to_dict_gives_the_fields_in_order_and_only_them() -> None:
+    names = [f.name for f in dataclasses.fields(SamplingParams)]
+    params = SamplingParams.from_dict({"stop": "x", "temperature": 0, "max_tokens": 3})
+    assert list(params.to_dict()) == names
+    assert params.to_dict() == {name: getattr(params, name) for name in names}
+    params.note = "not a field"  # type: ignore[attr-defined]
+    assert list(params.to_dict()) == names

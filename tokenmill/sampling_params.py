@@ -127,7 +127,11 @@ class SamplingParams:
 
     def to_dict(self) -> dict[str, Any]:
         """The fields as a plain dict, for the wire. Shallow on purpose: `dataclasses.asdict` deep-copies every
-        value and was the largest cost of validating a job (`Client.submit_many`)."""
+        value and was the largest cost of validating a job (`Client.submit_many`). The instance's own dict holds
+        the fields in their order (an instance that was given another attribute is read field by field)."""
+        values = self.__dict__.copy()
+        if len(values) == len(_FIELD_NAMES):
+            return values
         return {name: getattr(self, name) for name in _FIELD_NAMES}
 
     @property

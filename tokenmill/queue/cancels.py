@@ -104,7 +104,7 @@ def encode_result(backend: Any, wire: dict[str, Any], meta: dict[str, Any] | Non
     meta = {**meta, "status": state, "result": result, "task_id": wire["id"]}
     if backend.serializer != "json":
         return backend.encode(meta)
-    return fastjson.dumps(meta, *(result.get(name) for name in _FREE_FORM))
+    return fastjson.dumps(meta, *map(result.get, _FREE_FORM))
 
 
 def cancel(backend: Any, job_ids: Iterable[str], expires: int) -> dict[str, Outcome]:
