@@ -83,7 +83,9 @@ def test_what_is_remembered_is_bounded() -> None:
 def test_schemas_are_not_remembered() -> None:
     sampling_params._CHECKED.clear()
     SamplingParams.from_dict({"json_schema": {"type": "object"}})
+    first = SamplingParams.from_dict({"json_schema": '{"type": "object"}'})
     assert not sampling_params._CHECKED
+    assert first.json_schema is not SamplingParams.from_dict({"json_schema": '{"type": "object"}'}).json_schema
 
 
 scalars = st.one_of(st.none(), st.booleans(), st.integers(-3, 2**64), st.floats(), st.text(max_size=3))

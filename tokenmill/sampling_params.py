@@ -191,9 +191,10 @@ _CHECKED: dict[tuple[bytes, tuple[type, ...]], dict[str, Any]] = {}
 def _checked_key(values: dict) -> tuple[bytes, tuple[type, ...]] | None:
     """`values` as a key that equals another's only for the same names and values of the same exact types, in the
     same order: their JSON and their types (in JSON, NaN reads as None and a tuple as a list; by type they differ).
-    None for values that cannot be told apart so (an object inside, such as a schema) or JSON cannot hold."""
+    None for values that cannot be told apart so (an object inside) or JSON cannot hold, and for a schema in any
+    form: the check turns it into an object, which copies of the fields would share."""
     kinds = tuple(map(type, values.values()))
-    if dict in kinds:
+    if dict in kinds or values.get("json_schema") is not None:
         return None
     try:
         return orjson.dumps(values), kinds
