@@ -23,8 +23,10 @@ LONG = {"max_tokens": 3000, "min_tokens": 3000}  # far longer than any test wait
 
 
 def _annotate_in_background(source: Path, output: Path, broker: str, **options: Any) -> subprocess.Popen:
-    """`tokenmill.annotate(...)` in its own process (so it can get a SIGINT), stdin not a terminal."""
-    code = (f"import tokenmill\n"
+    """`tokenmill.annotate(...)` in its own process (so it can get a SIGINT), stdin not a terminal. SIGINT raises
+    KeyboardInterrupt there, as at a terminal, even where this process ignores it (a shell's background job) and the
+    child would inherit that."""
+    code = (f"import signal\nsignal.signal(signal.SIGINT, signal.default_int_handler)\nimport tokenmill\n"
             f"tokenmill.annotate({str(source)!r}, {str(output)!r}, {TEMPLATE!r}, broker={broker!r}, quiet=True, "
             f"rows_per_message=2, **{options!r})\n")
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
