@@ -182,6 +182,7 @@ def _check_stop(stop: list[Any]) -> None:
 
 _FIELD_NAMES = tuple(f.name for f in fields(SamplingParams))
 _KNOWN_FIELDS = frozenset(_FIELD_NAMES)
+STRUCTURED_FIELDS = ("json_schema", "choice", "regex", "json_object")
 #: Most sets of checked values `from_dict` remembers (`_CHECKED`): past it, it starts afresh.
 CHECKED_LIMIT = 1024
 #: Checked values, by `_checked_key` of what `from_dict` was given, as the fields they made (lists copied out).
@@ -193,6 +194,8 @@ def _checked_key(values: dict) -> tuple[bytes, tuple[type, ...]] | None:
     same order: their JSON and their types (in JSON, NaN reads as None and a tuple as a list; by type they differ).
     None for values that cannot be told apart so (an object inside) or JSON cannot hold, and for a schema in any
     form: the check turns it into an object, which copies of the fields would share."""
+    if not isinstance(values, dict):
+        return None
     kinds = tuple(map(type, values.values()))
     if dict in kinds or values.get("json_schema") is not None:
         return None
@@ -200,7 +203,6 @@ def _checked_key(values: dict) -> tuple[bytes, tuple[type, ...]] | None:
         return orjson.dumps(values), kinds
     except TypeError:
         return None
-STRUCTURED_FIELDS = ("json_schema", "choice", "regex", "json_object")
 
 
 def _check_structured(params: SamplingParams) -> None:
