@@ -80,6 +80,15 @@ def test_what_is_remembered_is_bounded() -> None:
     assert SamplingParams.from_dict({"max_tokens": 7}).max_tokens == 7
 
 
+def test_long_values_are_not_remembered() -> None:
+    sampling_params._CHECKED.clear()
+    long_choices = {"choice": [f"option {i}" for i in range(1000)]}
+    assert SamplingParams.from_dict(long_choices).choice == long_choices["choice"]
+    assert not sampling_params._CHECKED
+    SamplingParams.from_dict({"choice": ["yes", "no"]})
+    assert len(sampling_params._CHECKED) == 1
+
+
 def test_schemas_are_not_remembered() -> None:
     sampling_params._CHECKED.clear()
     SamplingParams.from_dict({"json_schema": {"type": "object"}})

@@ -183,8 +183,11 @@ def _check_stop(stop: list[Any]) -> None:
 _FIELD_NAMES = tuple(f.name for f in fields(SamplingParams))
 _KNOWN_FIELDS = frozenset(_FIELD_NAMES)
 STRUCTURED_FIELDS = ("json_schema", "choice", "regex", "json_object")
-#: Most sets of checked values `from_dict` remembers (`_CHECKED`): past it, it starts afresh.
+#: Most sets of checked values `from_dict` remembers (`_CHECKED`): past it, it starts afresh. Values longer than
+#: `CHECKED_KEY_BYTES` as JSON (a job's are ~300 bytes; `choice` alone may hold a megabyte) are not remembered, so
+#: what is kept stays within a few megabytes whatever producers send.
 CHECKED_LIMIT = 1024
+CHECKED_KEY_BYTES = 4096
 #: Checked values, by `_checked_key` of what `from_dict` was given, as the fields they made (lists copied out).
 _CHECKED: dict[tuple[bytes, tuple[type, ...]], dict[str, Any]] = {}
 
@@ -200,9 +203,10 @@ def _checked_key(values: dict) -> tuple[bytes, tuple[type, ...]] | None:
     if dict in kinds or values.get("json_schema") is not None:
         return None
     try:
-        return orjson.dumps(values), kinds
+        text = orjson.dumps(values)
     except TypeError:
         return None
+    return (text, kinds) if len(text) <= CHECKED_KEY_BYTES else None
 
 
 def _check_structured(params: SamplingParams) -> None:
