@@ -161,6 +161,9 @@ def test_issue_failure_classes_are_served_validly(tiny: LLM) -> None:
     {"$dynamicRef": "#x"}, {"type": "integer", "minimum": 5, "maximum": 4},
     # found by the generated-schemas test: the engine's llguidance refused it, the client had not
     {"type": "array", "items": {"type": "string"}, "contains": {"maxLength": 0, "pattern": "^[ab]+$"}},
+    # found by the generated-schemas test (seed 423457024): every string the anchored pattern matches is too short
+    {"type": "string", "pattern": "^a?$", "minLength": 2}, {"type": "string", "pattern": "^$", "minLength": 1},
+    {"type": "array", "items": {"type": "string", "pattern": "^(a|bbb)$", "minLength": 4}, "minItems": 1},
 ])
 def test_unsatisfiable_and_unenforceable_schemas_are_refused_before_generation(schema: dict) -> None:
     with pytest.raises(InvalidRequestError, match="^json_schema: "):

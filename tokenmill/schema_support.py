@@ -708,6 +708,9 @@ class _Normaliser:
                 return []
             if d["maxLength"] == 0 and d["pattern"] is not None and not _matches_empty(d["pattern"]):
                 return []  # only "" has length 0, and the pattern does not match it
+            longest = None if d["pattern"] is None else _longest_whole_match(d["pattern"])
+            if longest is not None and d["minLength"] > longest:
+                return []  # every string the pattern matches is shorter than minLength
             return [d]
         if kind == "array":
             return self._final_array(dict(d), ptr, check)
@@ -971,6 +974,25 @@ def _matches_empty(pattern: str) -> bool:
         return re.search(pattern, "") is not None
     except re.error:
         return True
+
+
+def _longest_whole_match(pattern: str) -> int | None:
+    """The most characters of a string `pattern` matches, when it is anchored at both ends (`^...$` without the
+    multiline flag: it matches the whole string); None where that has no bound, the pattern is not anchored so, or
+    Python cannot read it (the backend decides). Python counts code points; ECMA-262 without the u flag counts UTF-16
+    units, so a string it matches has at most as many code points as this bound."""
+    import re._parser as sre  # type: ignore[import-not-found]
+
+    try:
+        parsed = sre.parse(pattern)
+    except re.error:
+        return None
+    items = parsed.data
+    if (parsed.state.flags & re.MULTILINE or len(items) < 2 or items[0] != (sre.AT, sre.AT_BEGINNING)
+            or items[-1] != (sre.AT, sre.AT_END)):
+        return None
+    longest = parsed.getwidth()[1]
+    return None if longest >= sre.MAXREPEAT else longest
 
 
 def _check_pattern(pattern: Any, ptr: str) -> None:
