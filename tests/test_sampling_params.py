@@ -66,10 +66,13 @@ def test_remembered_params_are_copies() -> None:
     second = SamplingParams.from_dict(values)
     assert second == first and second is not first and len(sampling_params._CHECKED) == 1
     assert isinstance(second.temperature, float)  # normalised as the check does
-    second.stop.append("y")
-    second.stop_token_ids.append(4)
-    second.choice.append("c")
-    assert SamplingParams.from_dict(values) == first
+    expected = dataclasses.replace(first, stop=list(first.stop), stop_token_ids=list(first.stop_token_ids),
+                                   choice=list(first.choice))
+    for params in (first, second):  # the checked one and a remembered one
+        params.stop.append("y")
+        params.stop_token_ids.append(4)
+        params.choice.append("c")
+    assert SamplingParams.from_dict(values) == expected
 
 
 def test_what_is_remembered_is_bounded() -> None:

@@ -88,10 +88,7 @@ class SamplingParams:
         checked = _CHECKED.get(key) if key is not None else None
         if checked is not None:
             params = cls.__new__(cls)
-            params.__dict__.update(checked)
-            params.stop, params.stop_token_ids = list(params.stop), list(params.stop_token_ids)
-            if params.choice is not None:
-                params.choice = list(params.choice)
+            params.__dict__.update(_own_lists(checked))
             return params
         if not _KNOWN_FIELDS.issuperset(values):  # one set operation per job; the loop only to name the field
             name = next(name for name in values if name not in _KNOWN_FIELDS)
@@ -100,7 +97,7 @@ class SamplingParams:
         if key is not None:
             if len(_CHECKED) >= CHECKED_LIMIT:
                 _CHECKED.clear()
-            _CHECKED[key] = dict(params.__dict__)
+            _CHECKED[key] = _own_lists(params.__dict__)
         return params
 
     def _check(self) -> None:
@@ -188,8 +185,18 @@ STRUCTURED_FIELDS = ("json_schema", "choice", "regex", "json_object")
 #: what is kept stays within a few megabytes whatever producers send.
 CHECKED_LIMIT = 1024
 CHECKED_KEY_BYTES = 4096
-#: Checked values, by `_checked_key` of what `from_dict` was given, as the fields they made (lists copied out).
+#: Checked values, by `_checked_key` of what `from_dict` was given, as the fields they made (`_own_lists`).
 _CHECKED: dict[tuple[bytes, tuple[type, ...]], dict[str, Any]] = {}
+
+
+def _own_lists(fields: dict[str, Any]) -> dict[str, Any]:
+    """A copy of `fields` with lists of its own (the only mutable fields `_CHECKED` holds: schemas are never kept),
+    so what it keeps and what it hands out share none with a caller."""
+    copy = fields.copy()
+    copy["stop"], copy["stop_token_ids"] = list(copy["stop"]), list(copy["stop_token_ids"])
+    if copy["choice"] is not None:
+        copy["choice"] = list(copy["choice"])
+    return copy
 
 
 def _checked_key(values: dict) -> tuple[bytes, tuple[type, ...]] | None:
