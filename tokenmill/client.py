@@ -34,7 +34,7 @@ from tokenmill.errors import InvalidRequestError
 from tokenmill.queue import cancels, dead_letters, fastjson
 from tokenmill.queue.app import queue_app
 from tokenmill.queue.cancels import CANCELLED_STATE, FINAL_STATES, Outcome
-from tokenmill.queue.names import CANCEL_KEY, DELIVERIES_KEY, RUN_JOBS_KEY, TASK_NAME
+from tokenmill.queue.names import CANCEL_KEY, DELIVERIES_KEY, JOB_HASH_HEADER, RUN_JOBS_KEY, TASK_NAME
 from tokenmill.queue.schemas import Job, JobResult, check_size, content_hash
 from tokenmill.queue.settings import QueueSettings
 
@@ -125,9 +125,10 @@ class Client:
     def submit(self, job: Job | Mapping[str, Any] | None = None, /, **fields: Any) -> JobHandle:
         """Validate and queue one job; returns at once. Fields are `Job` fields plus sampling parameters."""
         wire = self.prepare({**_as_dict(job), **fields})
+        handle = JobHandle(wire["id"], self, content_hash(wire))
         with self.app.producer_or_acquire() as producer:
-            self._publish(producer, wire, retry=True)
-        return JobHandle(wire["id"], self, content_hash(wire))
+            self._publish(producer, wire, handle.job_hash, retry=True)
+        return handle
 
     def submit_many(self, jobs: Iterable[Job | Mapping[str, Any]]) -> list[JobHandle]:
         """Validate all jobs, then queue them in pipelined batches; returns handles in input order.
@@ -142,14 +143,15 @@ class Client:
                 wires.append(self.prepare(_as_dict(job)))
             except InvalidRequestError as exc:
                 raise InvalidRequestError(f"jobs[{index}].{exc.field}", exc.message) from None
+        handles = [JobHandle(wire["id"], self, content_hash(wire)) for wire in wires]
         with self.app.producer_or_acquire() as producer:
             # bound once: kombu binds (copies) an unbound queue at each publish to check its declaration, a fifth
             # of this call's time
             queue = self.app.amqp.queues[self.queue].bind(producer.channel)
             with producer.batch(max_size=_PUBLISH_BATCH):
-                for wire in wires:
-                    self._publish(producer, wire, retry=False, queue=queue)
-        return [JobHandle(wire["id"], self, content_hash(wire)) for wire in wires]
+                for wire, handle in zip(wires, handles):
+                    self._publish(producer, wire, handle.job_hash, retry=False, queue=queue)
+        return handles
 
     def prepare(self, fields: Mapping[str, Any]) -> dict[str, Any]:
         """The validated wire form of a job, stamped with its submit time; raises `InvalidRequestError`."""
@@ -161,10 +163,12 @@ class Client:
         check_size(wire, self.max_payload_bytes, fastjson.dumps(wire))
         return wire
 
-    def _publish(self, producer: Any, wire: dict[str, Any], retry: bool, queue: Any = None) -> None:
+    def _publish(self, producer: Any, wire: dict[str, Any], job_hash: str | None, retry: bool, queue: Any = None) -> None:
         amqp = self.app.amqp
         # argsrepr/kwargsrepr are what Celery shows in logs, events and Flower: never the prompt.
         message = amqp.as_task_v2(wire["id"], TASK_NAME, args=[wire], kwargs={}, argsrepr=f"[<job {wire['id']}>]", kwargsrepr="{}")
+        if job_hash:
+            message.headers[JOB_HASH_HEADER] = job_hash  # the worker need not hash the job again
         amqp.send_task_message(producer, TASK_NAME, message, queue=queue or self.queue, retry=retry)
 
     # -- results -------------------------------------------------------------------------------
@@ -240,12 +244,13 @@ class Client:
                 continue
             job = {k: v for k, v in letter.job.items() if k != "submitted_at"}  # restamped: queued again now
             wire = self.prepare(job)
+            handle = JobHandle(letter.id, self, content_hash(wire))
             store.delete(self.app.backend.get_key_for_task(letter.id), DELIVERIES_KEY.format(job_id=letter.id),
                          CANCEL_KEY.format(job_id=letter.id))
             with self.app.producer_or_acquire() as producer:
-                self._publish(producer, wire, retry=True)
+                self._publish(producer, wire, handle.job_hash, retry=True)
             dead_letters.remove(store, letter)
-            handles.append(JobHandle(letter.id, self, content_hash(wire)))
+            handles.append(handle)
         return handles, missing
 
     def purge_dead_letters(self, ids: Iterable[str] | None = None) -> tuple[int, list[str]]:

@@ -365,6 +365,24 @@ def test_a_reused_job_id_with_other_content_is_a_conflict_never_the_old_result(s
     assert service.worker.metrics()["tokenmill_jobs_succeeded_total"] == succeeded
 
 
+def test_a_results_job_hash_is_the_senders_header_when_it_is_one_else_the_workers_own(service: Service) -> None:
+    """The client sends each job's content hash in a header (`JOB_HASH_HEADER`) so that the worker need not hash the
+    job again; a message without one, or with a value that is no SHA-256 hex digest, is hashed by the worker."""
+    from tokenmill.queue.names import JOB_HASH_HEADER
+    from tokenmill.queue.schemas import Job
+
+    app = create_app(QueueSettings(broker_url=service.redis.url))
+    submitted = service.client.submit(prompt="hashed by its sender", max_tokens=3)
+    assert submitted.result(timeout=60).job_hash == submitted.job_hash
+    wires = [Job.from_wire({"prompt": f"hash {n}", "max_tokens": 3}).to_wire() for n in range(4)]
+    own = [Job.from_wire(wire).content_hash() for wire in wires]
+    headers = [{JOB_HASH_HEADER: "b" * 64}, {JOB_HASH_HEADER: "not a hash"}, {JOB_HASH_HEADER: "B" * 64}, {}]
+    results = [app.send_task(TASK_NAME, args=[wire], task_id=wire["id"], headers=header)
+               for wire, header in zip(wires, headers)]
+    stored = [result.get(timeout=60)["job_hash"] for result in results]
+    assert stored == ["b" * 64, own[1], own[2], own[3]]  # the sender's claim is taken as the job id is
+
+
 def test_a_reused_job_id_in_a_group_message_is_a_conflict_too(service: Service) -> None:
     from tokenmill.client import JobHandle
     from tokenmill.queue.names import BATCH_TASK_NAME

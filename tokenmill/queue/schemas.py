@@ -37,6 +37,7 @@ SCHEMA_VERSION = 1
 #: Job ids end up in Redis keys and S3 object names, so keep them to a safe, printable alphabet.
 JOB_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
 _JOB_ID = re.compile(JOB_ID_PATTERN)
+_CONTENT_HASH = re.compile(r"[0-9a-f]{64}")
 
 #: Wire fields left out of a job's content hash: stamped per submission, not part of what the job asks for.
 VOLATILE_FIELDS = frozenset({"id", "submitted_at"})
@@ -196,6 +197,11 @@ class Job(BaseModel):
 def is_job_id(value: Any) -> bool:
     """Whether `value` is a string `JOB_ID_PATTERN` matches whole (checked per message: compiled once)."""
     return isinstance(value, str) and _JOB_ID.fullmatch(value) is not None
+
+
+def is_content_hash(value: Any) -> bool:
+    """Whether `value` has the form of a `content_hash` (a SHA-256 hex digest)."""
+    return isinstance(value, str) and _CONTENT_HASH.fullmatch(value) is not None
 
 
 def content_hash(wire: dict[str, Any]) -> str:

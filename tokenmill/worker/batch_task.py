@@ -86,6 +86,10 @@ class BatchRun:
         """Hook: the JSON text job `job_id` was decoded from, if known (a bound that spares `check_size` its work)."""
         return None
 
+    def sent_hash(self, job_id: str) -> str:
+        """Hook: the content hash the job's sender put in its message (`JOB_HASH_HEADER`), if any; "" to hash it here."""
+        return ""
+
     def joined(self, running: list[tuple[Job, Future]]) -> None:
         """Hook: these jobs are already running in this process, with that run's future; that run finishes and
         stores them. A job of other content under the running one's id is a conflict, as on the pool path."""
@@ -137,9 +141,9 @@ class BatchRun:
         checked = self.service.check_in([job.id for job in jobs], [self._result_key(job.id) for job in jobs])
         todo, stored = [], []
         for job, check in zip(jobs, checked):
-            run = Attempt(job, self.started_at, check.attempt)
+            run = Attempt(job, self.started_at, check.attempt, job_hash=self.sent_hash(job.id))
             if is_final(check.stored):  # this job's result (idempotent) or, under a reused id, another's (a conflict)
-                self.service.skip_stored(job, stored_job_hash(check.stored))
+                self.service.skip_stored(job, stored_job_hash(check.stored), run.job_hash)
                 stored.append(job.id)
                 continue
             if check.cancelled:

@@ -46,6 +46,8 @@ from celery.worker.state import task_accepted, task_ready
 from celery.worker.strategy import default
 
 from tokenmill.errors import InvalidRequestError
+from tokenmill.queue.names import JOB_HASH_HEADER
+from tokenmill.queue.schemas import is_content_hash
 from tokenmill.queue.transport import ack_record, acked_by_script, acks_together
 from tokenmill.worker.batch_task import BatchRun
 from tokenmill.worker.finisher import Finisher
@@ -407,6 +409,11 @@ class IntakeRun(BatchRun):
     def source(self, job_id: str) -> bytes | None:
         body = self.requests[job_id].message.body  # the message's JSON (kombu decoded the transport's base64)
         return body if isinstance(body, bytes) else None
+
+    def sent_hash(self, job_id: str) -> str:
+        headers = self.requests[job_id].message.headers  # a dict: the guard checked it
+        value = headers.get(JOB_HASH_HEADER)
+        return value if is_content_hash(value) else ""
 
     def joined(self, running: list[tuple[Any, Any]]) -> None:
         for job, _ in running:  # the pool path waits for that run (and names a conflict)

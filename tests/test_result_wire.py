@@ -1,0 +1,87 @@
+"""The worker builds a job's result as a dict (`result_wire`), not through pydantic: it must be, key for key and in
+the same order, what validating it as a `JobResult` and dumping that gives; and a job's content hash sent in its
+message's header must be the worker's own."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from tokenmill.queue.schemas import Job, JobResult, content_hash, is_content_hash
+from tokenmill.worker.engine_process import EngineOutput
+from tokenmill.worker.service import Attempt, result_wire
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**63) | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+    max_leaves=8,
+)
+times = st.none() | st.floats(1e9, 2e9)
+
+
+@st.composite
+def outputs(draw: Any) -> EngineOutput:
+    tokens = draw(st.lists(st.integers(0, 50_000), max_size=5))
+    return EngineOutput(
+        request_id="r1",
+        num_prompt_tokens=draw(st.integers(0, 4096)),
+        token_ids=tokens,
+        text=draw(st.text(max_size=12)),
+        finish_reason=draw(st.sampled_from(["stop", "length", "cancelled", "deadline"])),
+        logprobs=draw(st.none() | st.lists(st.dictionaries(st.text(max_size=4), st.floats(-50, 0), max_size=2), max_size=3)),
+        first_token_time=draw(times),
+        finished_time=draw(st.sampled_from([0.0, 1.7e9])),
+        parsed=draw(json_values),
+        constraint_satisfied=draw(st.none() | st.booleans()),
+        constraint_error=draw(st.none() | st.text(max_size=8)),
+        constraint_backend=draw(st.none() | st.sampled_from(["xgrammar", "llguidance"])),
+    )
+
+
+@st.composite
+def attempts(draw: Any) -> Attempt:
+    fields: dict[str, Any] = {"prompt": "hi", "max_tokens": 4}
+    if draw(st.booleans()):
+        fields["logprobs"] = draw(st.integers(0, 5))
+    if draw(st.booleans()):
+        fields["deadline_s"] = draw(st.floats(0.1, 100))
+    if draw(st.booleans()):
+        fields["submitted_at"] = draw(st.floats(1e9, 2e9))
+    fields["metadata"] = draw(st.dictionaries(st.text(max_size=4), json_values, max_size=3))
+    job = Job.from_wire(fields)
+    time_limit = draw(st.none() | st.floats(0.5, 60))
+    return Attempt(job, draw(st.floats(1e9, 2e9)), draw(st.integers(0, 9)), time_limit,
+                   job_hash=draw(st.sampled_from(["", "a" * 64])))
+
+
+@settings(max_examples=300, deadline=None)
+@given(attempts(), outputs(), st.text(min_size=1, max_size=12))
+def test_result_wire_is_the_validated_results_dump(run: Attempt, output: EngineOutput, worker: str) -> None:
+    assume(output.finish_reason != "deadline" or run.deadline is not None)  # the engine stops only what has one
+    wire = result_wire(run.job, run, output, worker)
+    dumped = JobResult.model_validate(wire).to_wire()
+    assert wire == dumped
+    assert list(wire) == list(dumped)  # the stored JSON is the same to the byte
+    assert wire["status"] == {"cancelled": "cancelled", "deadline": "failed"}.get(output.finish_reason, "succeeded")
+    assert wire["job_hash"] == run.job_hash and is_content_hash(run.job_hash)
+    if run.job.sampling.logprobs is None:
+        assert wire["logprobs"] is None
+
+
+def test_result_wire_does_not_share_the_jobs_lists() -> None:
+    job = Job.from_wire({"prompt": "hi", "metadata": {"k": 1}})
+    output = EngineOutput("r1", 3, [1, 2], "ab", "stop", None, 1.0, 2.0)
+    wire = result_wire(job, Attempt(job, 1.0, 1), output, "w")
+    wire["metadata"]["k"] = 2
+    wire["token_ids"].append(3)
+    assert job.metadata == {"k": 1} and output.token_ids == [1, 2]
+
+
+def test_content_hash_form() -> None:
+    job = Job.from_wire({"prompt": "hi"})
+    assert is_content_hash(job.content_hash()) and job.content_hash() == content_hash(job.to_wire())
+    for value in (None, 1, "", "A" * 64, "a" * 63, "a" * 65, "g" * 64, "a" * 64 + "\n", b"a" * 64):
+        assert not is_content_hash(value), value
