@@ -251,14 +251,14 @@ def test_a_full_consumer_takes_again_once_take_at_least_slots_are_free(redis_ser
 
 
 def test_a_message_acked_by_a_script_frees_its_slot_without_an_ack_of_its_own(redis_server: RedisServer) -> None:
-    """`ack_record` names what acking a held message removes from Redis; once a script removed it,
+    """`ack_records` names what acking a held message removes from Redis; once a script removed it,
     `acked_by_script` frees the message's prefetch slot and marks it acked, sending nothing."""
     queue = Queue(f"q-{uuid.uuid4().hex[:8]}", EXCHANGE, routing_key="r1")
     _publish(redis_server, queue, 2)
     client = redis_server.client()
     with _connection(redis_server) as connection:
         held = [message for _, message in _consume(connection, queue, 2, ack=False)]
-        records = [tm_transport.ack_record(message) for message in held]
+        records = tm_transport.ack_records(held)
         assert records == [("unacked", "unacked_index", message.delivery_tag) for message in held]
         hash_key, index_key, tag = records[0]
         client.zrem(index_key, tag)
@@ -267,9 +267,10 @@ def test_a_message_acked_by_a_script_frees_its_slot_without_an_ack_of_its_own(re
         assert qos.can_consume_max_estimate() == 0
         client.config_resetstat()
         tm_transport.acked_by_script(held[0])
-        assert held[0].acknowledged and tm_transport.ack_record(held[0]) is None
+        assert held[0].acknowledged and tm_transport.ack_records(held[:1]) == [None]
         assert qos.can_consume_max_estimate() == 1
         assert not any(name in client.info("commandstats") for name in ("cmdstat_zrem", "cmdstat_hdel"))
         assert client.hkeys("unacked") == [held[1].delivery_tag.encode()]  # the other one is still held
+        assert tm_transport.ack_records([object(), held[1]]) == [None, records[1]]  # not a message of this transport
         held[1].ack()
         assert client.hlen("unacked") == 0

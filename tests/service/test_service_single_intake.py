@@ -59,7 +59,7 @@ def test_jobs_held_by_the_intake_thread_are_active_in_inspect_keep_their_leases_
 def test_one_take_of_intake_jobs_and_pool_path_jobs_each_ends_as_alone(
         redis_server: RedisServer, start_worker, result_log: ResultLog) -> None:
     """Queued before the worker starts, so one take holds them all: plain jobs (the Client's and plain Celery's
-    keyword fields), the same job twice, a deadline, a Celery time limit and a body the task cannot read."""
+    keyword fields), the same job twice, a deadline, a Celery time limit, an ETA and a body the task cannot read."""
     client = Client(redis_server.url)
     app = create_app(QueueSettings(broker_url=redis_server.url))
     plain = [client.submit(prompt=f"plain {i}", **SHORT) for i in range(5)]
@@ -69,19 +69,22 @@ def test_one_take_of_intake_jobs_and_pool_path_jobs_each_ends_as_alone(
     celery_fields = app.send_task(TASK_NAME, kwargs={"prompt": "plain celery", **SHORT})
     limited = app.send_task(TASK_NAME, kwargs={"prompt": "time limited", **SHORT}, time_limit=60)
     unreadable = app.send_task(TASK_NAME, args=["a bare prompt"])
-    assert redis_server.client().llen(DEFAULT_QUEUE) == 11
+    eta_at = time.time() + 3
+    later = app.send_task(TASK_NAME, kwargs={"prompt": "at its ETA", **SHORT}, countdown=3)
+    assert redis_server.client().llen(DEFAULT_QUEUE) == 12
 
     start_worker(redis_server.url, "mixed").wait_ready()
     results = client.results([*plain, twice, deadline], timeout=90)
     assert all(r.ok and r.usage.completion_tokens == 2 for r in results), [r.error for r in results if not r.ok]
-    for handle in (celery_fields, limited):
+    for handle in (celery_fields, limited, later):
         value = handle.get(timeout=60)
         assert value["status"] == "succeeded" and len(value["token_ids"]) == 2 and value["id"] == handle.id
+    assert later.get()["started_at"] >= eta_at - 0.01  # held until its ETA (UTC), not run at once
     bad = unreadable.get(timeout=60)
     assert bad["status"] == "failed" and bad["error"]["code"] == "invalid_job" and bad["error"]["field"] == "job"
     broker = redis_server.client()
     wait_for(lambda: broker.hlen("unacked") == 0 and broker.llen(DEFAULT_QUEUE) == 0, 15, "every message acked")
-    every = [h.id for h in [*plain, twice, deadline]] + [celery_fields.id, limited.id, unreadable.id]
+    every = [h.id for h in [*plain, twice, deadline]] + [celery_fields.id, limited.id, unreadable.id, later.id]
     wait_for(lambda: all(i in result_log.counts for i in every), 10, "every result notification")
     assert {i: result_log.counts[i] for i in every} == {i: 1 for i in every}
     assert int(broker.get(DELIVERIES_KEY.format(job_id="twice-1"))) <= 2 and client.get("twice-1").attempt == 1

@@ -470,7 +470,7 @@ class WorkerService:
     def store_results(self, encoded: dict[bytes, bytes], acks: Sequence[tuple[str, str, str]] = ()) -> None:
         """Store each encoded Celery result under its key unless one is there already, and announce the new
         ones on the key's channel as Celery does: one round trip for a whole group, shared with the groups storing
-        at the same moment (`Coalescer`). `acks`: messages acked in the same script (`transport.ack_record`), whose
+        at the same moment (`Coalescer`). `acks`: messages acked in the same script (`transport.ack_records`), whose
         jobs these results settle; their consumer then only frees their slots (`transport.acked_by_script`)."""
         if encoded:
             self._stores.call((encoded, acks))
