@@ -29,7 +29,9 @@ from kombu.utils.json import dumps as kombu_dumps
 from kombu.utils.json import loads as kombu_loads
 
 #: Every digit as "0", every other byte as a space: a run of `_BIG_INT` in the translation is a run of digits
-#: in the text (a bytes scan, ~1 us a kilobyte; the equivalent regular expression took 12).
+#: in the text (a bytes scan, ~1 us a kilobyte; the equivalent regular expression took 12). The scans here use
+#: `bytes.find`, not `in`: `in` first tries its operand as an integer (`65 in b"A"`) and formats the TypeError that
+#: a bytes operand raises, ~0.2 µs a test; the six tests of a job's two decodes were 1% of the worker's instructions.
 _DIGITS = bytes(0x30 if 0x30 <= byte <= 0x39 else 0x20 for byte in range(256))
 _BIG_INT = b"0" * 19
 #: As `_DIGITS`, with "e" and "E" as "e": "0e" in the translation is a digit followed by an exponent mark.
@@ -42,7 +44,7 @@ def loads(data: str | bytes, slow: Callable[[Any], Any] = kombu_loads) -> Any:
     """`slow(data)`'s value (kombu's `loads` by default: the codec of every Celery message), through orjson
     when that reads the same."""
     raw = _orjson_input(data)
-    if raw is not None and b"__type__" not in raw and b"\\u00" not in raw:
+    if raw is not None and raw.find(b"__type__") < 0 and raw.find(b"\\u00") < 0:
         try:
             return orjson.loads(raw)
         except orjson.JSONDecodeError:
@@ -69,7 +71,7 @@ def _orjson_input(data: str | bytes) -> bytes | None:
         raw = data.encode() if isinstance(data, str) else data
     except UnicodeEncodeError:  # a lone surrogate: the stdlib's to read (or refuse)
         return None
-    if not isinstance(raw, bytes) or _BIG_INT in raw.translate(_DIGITS):
+    if not isinstance(raw, bytes) or raw.translate(_DIGITS).find(_BIG_INT) >= 0:
         return None
     return raw
 
@@ -95,7 +97,7 @@ def canonical(value: Any, *free: Any) -> bytes:
             raw = orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
         except (TypeError, orjson.JSONEncodeError):
             raw = None
-        if raw is not None and raw.isascii() and b"\x7f" not in raw and b"0e" not in raw.translate(_EXPONENTS):
+        if raw is not None and raw.isascii() and raw.find(b"\x7f") < 0 and raw.translate(_EXPONENTS).find(b"0e") < 0:
             return raw
     return json.dumps(value, sort_keys=True, separators=(",", ":")).encode()
 
