@@ -12,11 +12,18 @@ with the same flags thus get 9400, 9401, ... in start order. Port 0 disables the
 
 from __future__ import annotations
 
+import bisect
 import errno
 import logging
+import threading
+import time
+from collections.abc import Iterable, Iterator
 
 from prometheus_client import REGISTRY as DEFAULT_REGISTRY
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.samples import Sample
+from prometheus_client.utils import floatToGoString
 
 from tokenmill.worker.engine_process import EngineStatus
 
@@ -31,24 +38,13 @@ class WorkerMetrics:
     def __init__(self, registry: CollectorRegistry = DEFAULT_REGISTRY) -> None:
         self.registry = registry
         self.port: int | None = None  # where the endpoint listens, once `serve` found a free port
-        self.jobs_succeeded = Counter("tokenmill_jobs_succeeded", "Jobs finished with a result.", registry=registry)
         self.jobs_cancelled = Counter("tokenmill_jobs_cancelled", "Jobs ended by a cancel, before or while running.",
                                       registry=registry)
         self.jobs_failed = Counter(
             "tokenmill_jobs_failed", "Jobs finished with an error, by error code.", ["code"], registry=registry
         )
         self.jobs_in_flight = Gauge("tokenmill_jobs_in_flight", "Jobs this worker holds now.", registry=registry)
-        self.queue_wait = Histogram(
-            "tokenmill_queue_wait_seconds", "Submit to start of work on a worker.", buckets=_LATENCY_BUCKETS, registry=registry
-        )
-        self.job_latency = Histogram(
-            "tokenmill_job_latency_seconds", "Submit to result written.", buckets=_LATENCY_BUCKETS, registry=registry
-        )
-        self.time_to_first_token = Histogram(
-            "tokenmill_time_to_first_token_seconds", "Start of work to first token.", buckets=_LATENCY_BUCKETS, registry=registry
-        )
-        self.prompt_tokens = Counter("tokenmill_prompt_tokens", "Prompt tokens of finished jobs.", registry=registry)
-        self.generated_tokens = Counter("tokenmill_generated_tokens", "Tokens generated for finished jobs.", registry=registry)
+        self.finished = FinishedJobs(registry)
         self.tokens_per_second = Gauge(
             "tokenmill_generation_tokens_per_second", "Tokens generated per second (last interval).", registry=registry
         )
@@ -95,3 +91,68 @@ class WorkerMetrics:
         self.tokens_per_second.set(stats.generated_tokens_per_s)
         self.engine_steps.inc(stats.new_steps)
         self.engine_last_status.set_to_current_time()
+
+
+class FinishedJobs:
+    """The succeeded jobs' counts and the jobs' latency histograms (`tokenmill_jobs_succeeded`, `_prompt_tokens`,
+    `_generated_tokens`, `_queue_wait_seconds`, `_job_latency_seconds`, `_time_to_first_token_seconds`), as plain
+    numbers under one lock, made into metric families when scraped (a prometheus-client custom collector): the
+    same names and samples as its `Counter`s and `Histogram`s, whose `inc` and `observe` take a lock each and walk
+    the buckets in Python, ~10 µs for the six of a succeeded job (5% of a one-token job's worker CPU)."""
+
+    _COUNTERS = (("tokenmill_jobs_succeeded", "Jobs finished with a result."),
+                 ("tokenmill_prompt_tokens", "Prompt tokens of finished jobs."),
+                 ("tokenmill_generated_tokens", "Tokens generated for finished jobs."))
+    _HISTOGRAMS = (("tokenmill_queue_wait_seconds", "Submit to start of work on a worker."),
+                   ("tokenmill_job_latency_seconds", "Submit to result written."),
+                   ("tokenmill_time_to_first_token_seconds", "Start of work to first token."))
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._lock = threading.Lock()
+        self._created = time.time()
+        self._counts = [0, 0, 0]  # per `_COUNTERS`
+        self._buckets = [[0] * (len(_LATENCY_BUCKETS) + 1) for _ in self._HISTOGRAMS]  # per bucket, not cumulative
+        self._sums = [0.0] * len(self._HISTOGRAMS)
+        registry.register(self)
+
+    def succeeded(self, prompt_tokens: int | None, completion_tokens: int | None, latency: float | None,
+                  first_token: float | None) -> None:
+        """One succeeded job: its token counts (None: unknown), submit -> result and start -> first token (None: unknown)."""
+        with self._lock:
+            self._counts[0] += 1
+            if prompt_tokens is not None:
+                self._counts[1] += prompt_tokens
+                self._counts[2] += completion_tokens or 0
+            if latency is not None:
+                self._observe(1, latency)
+            if first_token is not None:
+                self._observe(2, first_token)
+
+    def queue_waits(self, seconds: Iterable[float]) -> None:
+        """Submit -> start of work of jobs handed to the engine together."""
+        with self._lock:
+            for value in seconds:
+                self._observe(0, value)
+
+    def _observe(self, histogram: int, value: float) -> None:
+        self._buckets[histogram][bisect.bisect_left(_LATENCY_BUCKETS, value)] += 1  # le: the first bound >= value
+        self._sums[histogram] += value
+
+    def describe(self) -> list[Metric]:
+        return [*(CounterMetricFamily(name, text) for name, text in self._COUNTERS),
+                *(HistogramMetricFamily(name, text) for name, text in self._HISTOGRAMS)]
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            counts, buckets, sums = list(self._counts), [list(b) for b in self._buckets], list(self._sums)
+        for (name, text), value in zip(self._COUNTERS, counts):
+            yield CounterMetricFamily(name, text, value=float(value), created=self._created)
+        bounds = [*map(floatToGoString, _LATENCY_BUCKETS), "+Inf"]
+        for (name, text), counted, total in zip(self._HISTOGRAMS, buckets, sums):
+            cumulative, running = [], 0
+            for bound, count in zip(bounds, counted):
+                running += count
+                cumulative.append((bound, float(running)))
+            family = HistogramMetricFamily(name, text, buckets=cumulative, sum_value=total)
+            family.samples.append(Sample(f"{name}_created", {}, self._created))
+            yield family

@@ -362,11 +362,11 @@ class WorkerService:
     def submit_many(self, runs: list[Attempt]) -> list[tuple[Future, str]]:
         """Hand jobs to the engine in one pipe message (a group's jobs, or single jobs admitted together); returns
         each one's engine future and request id (to abort it)."""
+        self.metrics.finished.queue_waits(max(0.0, run.started_at - run.job.submitted_at) for run in runs
+                                          if run.job.submitted_at is not None)
         requests = []
         for run in runs:
             job = run.job
-            if job.submitted_at is not None:
-                self.metrics.queue_wait.observe(max(0.0, run.started_at - job.submitted_at))
             messages = [m.model_dump() for m in job.messages] if job.messages else None
             requests.append((f"{job.id}#{next(self._request_numbers)}", job.sampling, job.prompt or job.prompt_token_ids, messages))
         futures = self.engine.submit_many(requests) if requests else []
@@ -507,15 +507,11 @@ class WorkerService:
 
     def _succeeded(self, wire: dict[str, Any]) -> dict[str, Any]:
         """Count a succeeded result (`JobResult.to_wire()`) and return it."""
-        self.metrics.jobs_succeeded.inc()
         usage, queued, started, first, finished = (wire.get(name) for name in _TIMED)
-        if usage is not None:
-            self.metrics.prompt_tokens.inc(usage["prompt_tokens"])
-            self.metrics.generated_tokens.inc(usage["completion_tokens"])
-        if queued is not None and finished is not None:
-            self.metrics.job_latency.observe(max(0.0, finished - queued))
-        if first is not None and started is not None:
-            self.metrics.time_to_first_token.observe(max(0.0, first - started))
+        self.metrics.finished.succeeded(
+            usage and usage["prompt_tokens"], usage and usage["completion_tokens"],
+            None if queued is None or finished is None else max(0.0, finished - queued),
+            None if first is None or started is None else max(0.0, first - started))
         log.debug("job %s succeeded: %s tokens", wire["id"], usage["completion_tokens"] if usage else "?")
         return wire
 
