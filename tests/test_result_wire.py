@@ -1,6 +1,6 @@
 """The worker builds a job's result as a dict (`result_wire`), not through pydantic: it must be, key for key and in
-the same order, what validating it as a `JobResult` and dumping that gives; and a job's content hash sent in its
-message's header must be the worker's own."""
+the same order, what validating it as a `JobResult` and dumping that gives. And a content hash sent in a message's
+header is taken only in the form of one (`is_content_hash`; the worker's use of it: tests/service)."""
 
 from __future__ import annotations
 

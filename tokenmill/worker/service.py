@@ -507,7 +507,8 @@ class WorkerService:
 
     def _succeeded(self, wire: dict[str, Any]) -> dict[str, Any]:
         """Count a succeeded result (`JobResult.to_wire()`) and return it."""
-        usage, queued, started, first, finished = (wire.get(name) for name in _TIMED)
+        usage, queued, started, first, finished = (
+            wire["usage"], wire["queued_at"], wire["started_at"], wire["first_token_at"], wire["finished_at"])
         self.metrics.finished.succeeded(
             usage and usage["prompt_tokens"], usage and usage["completion_tokens"],
             None if queued is None or finished is None else max(0.0, finished - queued),
@@ -561,10 +562,6 @@ def result_wire(job: Job, run: Attempt, output: Any, worker: str) -> dict[str, A
         "metadata": dict(job.metadata),
         "job_hash": run.job_hash,
     }
-
-
-#: The fields of a result `_succeeded` counts in the metrics.
-_TIMED = ("usage", "queued_at", "started_at", "first_token_at", "finished_at")
 
 
 def _times(job: Job, run: Attempt) -> dict[str, Any]:
