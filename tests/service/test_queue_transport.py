@@ -274,3 +274,63 @@ def test_a_message_acked_by_a_script_frees_its_slot_without_an_ack_of_its_own(re
         assert tm_transport.ack_records([object(), held[1]]) == [None, records[1]]  # not a message of this transport
         held[1].ack()
         assert client.hlen("unacked") == 0
+
+
+def _recorded(item: bytes) -> bytes:
+    """kombu's unacked record of a taken item, as the record scripts write it: `[item, exchange, routing key]`."""
+    return b"[" + item + b', "jobs", "r1"]'
+
+
+def test_a_take_is_recorded_by_place_and_its_reused_and_malformed_items_set_aside(redis_server: RedisServer) -> None:
+    """One take of five items: three messages, a malformed item between them and the first message's envelope again
+    (its delivery tag reused). The record script finds the messages at the head of the processing list, where the take
+    put them: each is recorded under its own tag with its own bytes, the reused one is set aside beside the malformed
+    one, and the processing list is left empty, without any item sent back to Redis (no by-content fallback)."""
+    queue = Queue(f"q-{uuid.uuid4().hex[:8]}", EXCHANGE, routing_key="r1")
+    bodies = _publish(redis_server, queue, 3)
+    client = redis_server.client()
+    items = client.lrange(queue.name, 0, -1)[::-1]  # oldest first: the order a take moves them in
+    client.delete(queue.name)
+    malformed = b"\x00 not a kombu message"
+    client.lpush(queue.name, items[0], malformed, items[1], items[0], items[2])  # taken from the right: in this order
+    received: list = []
+    with _connection(redis_server) as connection:
+        channel = connection.channel()
+        channel._record_items = lambda entries: pytest.fail(f"{len(entries)} items recorded by content")
+        with Consumer(channel, [queue], prefetch_count=16,
+                      callbacks=[lambda body, message: received.append((body["body"], message))]):
+            wait_for(lambda: (connection.drain_events(timeout=0.2) if len(received) < 3 else None) or (
+                len(received) == 3 and client.llen(tm_transport.MALFORMED_KEY) == 2), 20, "three messages")
+            assert [body for body, _ in received] == bodies
+            tags = [message.delivery_tag for _, message in received]
+            assert [client.hget("unacked", tag) for tag in tags] == [_recorded(item) for item in items]
+            assert client.zcard("unacked_index") == 3
+            assert client.lrange(tm_transport.MALFORMED_KEY, 0, -1) == [items[0], malformed]
+            assert all(client.llen(key) == 0 for key in client.hkeys(tm_transport.CONSUMERS_KEY))
+
+
+def test_items_not_where_the_take_left_them_are_recorded_by_content(redis_server: RedisServer) -> None:
+    """If the head of a processing list is not the taken items (something else pushed there), nothing of that list is
+    recorded by place: the items are recorded by content, and whatever else is there stays. Items a sweep requeued
+    before the record are not recorded, and the next take gets them."""
+    queue = Queue(f"q-{uuid.uuid4().hex[:8]}", EXCHANGE, routing_key="r1")
+    _publish(redis_server, queue, 4)
+    client = redis_server.client()
+    with _connection(redis_server) as connection:
+        channel = connection.channel()
+        processing = channel._processing_key(queue.name)
+        taken = [(queue.name, client.lmove(queue.name, processing, "RIGHT", "LEFT")) for _ in range(2)]
+        client.lpush(processing, b"something else")
+        delivered = channel._claim_many(taken)
+        assert [payload["properties"]["delivery_tag"] for payload, _ in delivered] == [
+            json.loads(item)["properties"]["delivery_tag"] for _, item in taken]
+        assert sorted(client.hvals("unacked")) == sorted(_recorded(item) for _, item in taken)
+        assert client.lrange(processing, 0, -1) == [b"something else"]
+
+        client.delete(processing)
+        swept = [(queue.name, client.lmove(queue.name, processing, "RIGHT", "LEFT")) for _ in range(2)]
+        client.lmove(processing, queue.name, "LEFT", "RIGHT")  # a sweep puts the list back on its queue
+        client.lmove(processing, queue.name, "LEFT", "RIGHT")
+        assert channel._claim_many(swept) == []
+        assert client.hlen("unacked") == 2 and client.llen(queue.name) == 2
+        assert client.lrange(queue.name, -2, -1) == [item for _, item in swept[::-1]]  # taken next, the first first
