@@ -550,6 +550,8 @@ class Channel(kombu_redis.Channel):
         results = list(zip([entry for entries in by_list.values() for entry in entries], codes))
         moved = [entry for entry, code in results if code == 2]
         if moved:
+            log.warning("%d taken messages were not at the head of their processing list; recording them by content",
+                        len(moved))
             results = [result for result in results if result[1] != 2] + list(zip(moved, self._record_items(moved)))
         for (source, item, payload, queue), code in results:
             if code == 1:
