@@ -315,8 +315,8 @@ def test_a_take_is_recorded_by_place_and_its_reused_and_malformed_items_set_asid
 
 def test_items_not_where_the_take_left_them_are_recorded_by_content(redis_server: RedisServer) -> None:
     """If the head of a processing list is not the taken items (something else pushed there), nothing of that list is
-    recorded by place: the items are recorded by content, and whatever else is there stays. Items a sweep requeued
-    before the record are not recorded, and the next take gets them."""
+    recorded by place: the items are recorded by content, and whatever else is there stays; one whose tag is in flight
+    is set aside. Items a sweep requeued before the record are not recorded, and the next take gets them."""
     queue = Queue(f"q-{uuid.uuid4().hex[:8]}", EXCHANGE, routing_key="r1")
     _publish(redis_server, queue, 4)
     client = redis_server.client()
@@ -330,6 +330,12 @@ def test_items_not_where_the_take_left_them_are_recorded_by_content(redis_server
             json.loads(item)["properties"]["delivery_tag"] for _, item in taken]
         assert sorted(client.hvals("unacked")) == sorted(_recorded(item) for _, item in taken)
         assert client.lrange(processing, 0, -1) == [b"something else"]
+
+        again = taken[0][1]  # the first message's envelope taken again while its tag is in flight: set aside
+        client.rpush(processing, again)  # behind the other item: not at the head either
+        assert channel._claim_many([(queue.name, again)]) == []
+        assert client.lrange(processing, 0, -1) == [b"something else"]
+        assert client.lrange(tm_transport.MALFORMED_KEY, 0, -1) == [again] and client.hlen("unacked") == 2
 
         client.delete(processing)
         swept = [(queue.name, client.lmove(queue.name, processing, "RIGHT", "LEFT")) for _ in range(2)]

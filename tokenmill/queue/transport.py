@@ -115,21 +115,24 @@ end
 return codes
 """
 # As `_RECORD`, for items found where `_RECORD` did not expect them, each sent whole and found by its content.
-# KEYS: unacked, unacked_index, then each item's processing list. ARGV[1]: now; then per item: item, delivery tag,
-# the end of its unacked record. Returns per item 1 when recorded, 0 when the item is no longer in its processing
-# list (a sweep requeued it), -1 when the tag is already in flight.
+# KEYS: unacked, unacked_index, malformed, then each item's processing list. ARGV[1]: now, ARGV[2]: bytes of a
+# set-aside copy, ARGV[3]: copies kept; then per item: item, delivery tag, the end of its unacked record. Returns
+# per item `_RECORD`'s codes, but 0 when the item is no longer in its processing list (a sweep requeued it).
 _RECORD_ITEMS = """
 local codes = {}
-for i = 3, #KEYS do
-  local item, tag, tail = ARGV[3 * i - 7], ARGV[3 * i - 6], ARGV[3 * i - 5]
+for i = 4, #KEYS do
+  local item, tag, tail = ARGV[3 * i - 8], ARGV[3 * i - 7], ARGV[3 * i - 6]
   if redis.call('HEXISTS', KEYS[1], tag) == 1 then
-    codes[i - 2] = -1
+    redis.call('LREM', KEYS[i], 1, item)
+    redis.call('LPUSH', KEYS[3], string.sub(item, 1, tonumber(ARGV[2])))
+    redis.call('LTRIM', KEYS[3], 0, tonumber(ARGV[3]) - 1)
+    codes[i - 3] = -1
   elseif redis.call('LREM', KEYS[i], 1, item) == 0 then
-    codes[i - 2] = 0
+    codes[i - 3] = 0
   else
     redis.call('HSET', KEYS[1], tag, '[' .. item .. ', ' .. tail .. ']')
     redis.call('ZADD', KEYS[2], ARGV[1], tag)
-    codes[i - 2] = 1
+    codes[i - 3] = 1
   end
 end
 return codes
@@ -568,18 +571,13 @@ class Channel(kombu_redis.Channel):
         return [properties["delivery_tag"], self._record_tail(info["exchange"], info["routing_key"])]
 
     def _record_items(self, entries: list[tuple[str, bytes, Any, str]]) -> list[int]:
-        """`_RECORD_ITEMS` of (source, item, payload, queue) entries: codes as `_RECORD`'s, an item whose tag is in
-        flight already set aside here (code 0: not to deliver)."""
-        args: list[Any] = [time()]
+        """`_RECORD_ITEMS`' codes for (source, item, payload, queue) entries."""
+        args: list[Any] = [time(), MALFORMED_BYTES, MALFORMED_KEEP]
         for _, item, payload, _ in entries:
             args += [item, *self._record_args(payload)]
-        codes = self._scripts["record items"](
-            keys=[self.unacked_key, self.unacked_index_key, *(self._processing_key(source) for source, *_ in entries)],
-            args=args)
-        for (source, item, _, _), code in zip(entries, codes):
-            if code == -1:
-                self._discard(source, item, "its delivery_tag is already in flight")
-        return [max(code, 0) for code in codes]
+        keys = [self.unacked_key, self.unacked_index_key, MALFORMED_KEY,
+                *(self._processing_key(source) for source, *_ in entries)]
+        return self._scripts["record items"](keys=keys, args=args)
 
     def _record_tail(self, exchange: str, routing_key: str) -> bytes:
         """The end of kombu's unacked record `[message, exchange, routing key]` (the record script adds the rest),
