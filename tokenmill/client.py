@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -42,6 +43,10 @@ log = logging.getLogger(__name__)
 
 _PUBLISH_BATCH = 1000
 _SWEEP_INTERVAL = 1.0
+#: Idle pub/sub connections a client keeps for its next waits, and the most channels a wait may have had for its
+#: connection to be kept: unsubscribing from more leaves a confirmation per channel for the next wait to read first.
+_IDLE_SUBSCRIPTIONS = 4
+_REUSED_MAX_CHANNELS = 256
 
 
 class JobFailedError(RuntimeError):
@@ -119,6 +124,7 @@ class Client:
         self.app = queue_app(self.settings)
         self.queue = self.settings.queue
         self.max_payload_bytes = max_payload_bytes or self.settings.max_job_bytes
+        self._subscriptions = _Subscriptions()
 
     # -- submitting ----------------------------------------------------------------------------
 
@@ -192,7 +198,7 @@ class Client:
         hashes = {h.id: h.job_hash for h in handles if isinstance(h, JobHandle)}
         ids = list(dict.fromkeys(h.id if isinstance(h, JobHandle) else h for h in handles))
         return (result if result is None else result.conflict_with(hashes.get(result.id)) or result
-                for result in _ResultWatch(self.app.backend, ids, timeout, tick).results())
+                for result in _ResultWatch(self.app.backend, self._subscriptions, ids, timeout, tick).results())
 
     def results(self, handles: Iterable[JobHandle | str], timeout: float | None = None) -> list[JobResult]:
         """All results, in the order of `handles` (failed ones included, not raised)."""
@@ -262,6 +268,7 @@ class Client:
         return len(chosen), missing
 
     def close(self) -> None:
+        self._subscriptions.close()
         self.app.close()
 
     def __enter__(self) -> Client:
@@ -271,11 +278,62 @@ class Client:
         self.close()
 
 
+class _Subscriptions:
+    """A client's idle pub/sub connections, each kept for the next wait once its channels are unsubscribed.
+
+    Why: a wait that opened its own connection paid a connect, redis-py's handshake (`CLIENT SETINFO` twice) and
+    a close, ~1 ms of the client's CPU and four of Redis's round trips for each `JobHandle.result()`, while the
+    worker ran that very job on the same cores. Any thread may take one; a taken one is that wait's alone.
+    """
+
+    def __init__(self) -> None:
+        self._idle: list[Any] = []
+        self._lock = threading.Lock()
+
+    def take(self, client: redis.Redis) -> Any:
+        """An idle connection of `client`'s pool, or a new one (connected at its first subscribe)."""
+        with self._lock:
+            for index, pubsub in enumerate(self._idle):
+                if pubsub.connection_pool is client.connection_pool:
+                    return self._idle.pop(index)
+        return client.pubsub(ignore_subscribe_messages=True)
+
+    def give_back(self, pubsub: Any, channels: int) -> None:
+        """Unsubscribe `pubsub` from everything and keep it, or close it (broken, too many channels to unsubscribe
+        cheaply, enough kept already)."""
+        if pubsub.connection is not None and channels <= _REUSED_MAX_CHANNELS:
+            try:
+                pubsub.unsubscribe()  # its confirmations are read, and dropped, by the next wait's first reads
+            except (redis.RedisError, OSError):
+                pass
+            else:
+                with self._lock:
+                    if len(self._idle) < _IDLE_SUBSCRIPTIONS:
+                        self._idle.append(pubsub)
+                        return
+        _close(pubsub)
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for pubsub in idle:
+            _close(pubsub)
+
+
+def _close(pubsub: Any) -> None:
+    try:
+        pubsub.close()
+    except redis.RedisError:
+        pass
+
+
 class _ResultWatch:
     """Waits for many results: pub/sub notifications, plus a periodic MGET sweep as a safety net."""
 
-    def __init__(self, backend: Any, ids: list[str], timeout: float | None, tick: float | None = None) -> None:
+    def __init__(self, backend: Any, subscriptions: _Subscriptions, ids: list[str], timeout: float | None,
+                 tick: float | None = None) -> None:
         self.backend = backend
+        self.subscriptions = subscriptions
         self.pending = {backend.get_key_for_task(job_id): job_id for job_id in ids}
         self.timeout = timeout
         self.deadline = None if timeout is None else time.monotonic() + timeout
@@ -309,18 +367,20 @@ class _ResultWatch:
         return left
 
     def _subscribe(self) -> None:
-        self.pubsub = self.backend.client.pubsub(ignore_subscribe_messages=True)
+        self.pubsub = self.subscriptions.take(self.backend.client)
         keys = list(self.pending)
         for start in range(0, len(keys), _PUBLISH_BATCH):
             self.pubsub.subscribe(*keys[start : start + _PUBLISH_BATCH])
 
-    def _unsubscribe(self) -> None:
-        if self.pubsub is not None:
-            try:
-                self.pubsub.close()
-            except redis.RedisError:
-                pass
-            self.pubsub = None
+    def _unsubscribe(self, broken: bool = False) -> None:
+        """Done with the pub/sub connection: kept for the next wait unless it failed (`broken`)."""
+        pubsub, self.pubsub = self.pubsub, None
+        if pubsub is None:
+            return
+        if broken:
+            _close(pubsub)
+        else:
+            self.subscriptions.give_back(pubsub, len(pubsub.channels) + len(pubsub.pending_unsubscribe_channels))
 
     def _listen(self, wait: float) -> Iterator[JobResult]:
         """Results announced on pub/sub within `wait` seconds; reconnects if Redis went away."""
@@ -332,7 +392,7 @@ class _ResultWatch:
             try:
                 message = self.pubsub.get_message(timeout=left)
             except (redis.ConnectionError, redis.TimeoutError, OSError):
-                self._unsubscribe()
+                self._unsubscribe(broken=True)
                 time.sleep(min(0.5, max(0.0, end - time.monotonic())))
                 self._resubscribe_quietly()
                 return
@@ -346,7 +406,7 @@ class _ResultWatch:
         try:
             self._subscribe()
         except redis.RedisError:
-            self.pubsub = None  # Redis still down: the next sweep fails too and we retry after it
+            self._unsubscribe(broken=True)  # Redis still down: the next sweep fails too and we retry after it
 
     def _sweep(self) -> Iterator[JobResult]:
         """Read every pending key directly (catches results stored before subscribing, or missed)."""

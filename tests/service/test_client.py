@@ -153,3 +153,41 @@ def test_as_completed_with_a_tick_yields_none_while_waiting_on_one_subscription(
         client.app.backend.store_result(handle.id, stored[handle.id].to_wire(), "SUCCESS")
     got = [result for result in watch if result is not None]  # ends once all three are in
     assert sorted(got, key=lambda r: r.id) == sorted(stored.values(), key=lambda r: r.id)
+
+
+def test_waits_one_after_another_share_one_pubsub_connection(redis_server: RedisServer) -> None:
+    """A wait leaves its pub/sub connection, unsubscribed, to the next instead of closing it: fails where each
+    `result()` connects anew (five more connections). A notification of an earlier wait, still unread on the kept
+    connection, is not taken for a later job's; a kept connection Redis dropped (a restart) is replaced."""
+    import threading
+    import time
+
+    from tokenmill.queue.schemas import JobResult
+
+    client = Client(redis_server.url)
+    redis = redis_server.client()
+
+    def store(job_id: str, text: str, delay: float = 0.0) -> JobResult:
+        stored = JobResult(id=job_id, status="succeeded", text=text, token_ids=[1])
+        threading.Timer(delay, client.app.backend.store_result, (job_id, stored.to_wire(), "SUCCESS")).start()
+        return stored  # stored after `delay` seconds, as the worker's Celery stores (SET, then PUBLISH)
+
+    earlier, unread = client.submit(prompt="earlier"), client.submit(prompt="left unread")
+    watch = client.as_completed([earlier, unread])
+    first = store(earlier.id, "earlier", 0.2)
+    assert next(watch) == first  # announced on pub/sub
+    store(unread.id, "unread")
+    time.sleep(0.3)  # its notification waits, unread, on the connection the wait is about to leave
+    watch.close()
+    connections = redis.info("stats")["total_connections_received"]
+    for i in range(5):
+        handle = client.submit(prompt=f"later {i}")
+        stored = store(handle.id, f"later {i}", 0.05)
+        assert handle.result(timeout=10) == stored
+    assert redis.info("stats")["total_connections_received"] == connections
+
+    redis_server.stop()
+    redis_server.start()
+    handle = client.submit(prompt="after a restart")
+    stored = store(handle.id, "after a restart", 0.05)
+    assert handle.result(timeout=30) == stored
