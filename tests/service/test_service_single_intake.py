@@ -131,3 +131,14 @@ def test_a_worker_refills_half_its_engine_queue_at_once(redis_server: RedisServe
     replies = app.control.inspect(timeout=5).conf() or {}
     (conf,) = [reply for node, reply in replies.items() if node.startswith("refill@")]
     assert conf["broker_transport_options"]["take_at_least"] == 8
+
+
+def test_lone_jobs_on_an_idle_worker_are_admitted_on_the_consumers_loop(redis_server: RedisServer, start_worker) -> None:
+    """One job at a time, each the only one running: admitted where the consumer's loop delivered it, with no group
+    thread. Fails where every group is handed to a thread: the first lone job starts one, kept for later groups."""
+    client = Client(redis_server.url)
+    worker = start_worker(redis_server.url, "lone").wait_ready()
+    threads_before = _threads(worker.process.pid)
+    for i in range(5):
+        assert client.submit(prompt=f"lone {i}", **SHORT).result(timeout=60).ok
+    assert _threads(worker.process.pid) - threads_before == 1  # the finisher's

@@ -16,7 +16,7 @@ the consumer's event loop is then woken to free their prefetch slots, so that it
 free (a full worker waits for `WorkerSettings.take_at_least` of them). Each request is marked active (`celery
 inspect active`, the `task-started` event) while it runs and ready (`task-succeeded`) once its result is stored
 and its message acked, as the pool path does. While one group is being admitted the next one forms, so under
-load a group holds dozens of jobs; alone, a job is admitted at once (one thread hand-off, as to a pool thread).
+load a group holds dozens of jobs; a lone job on an idle worker is admitted by the consumer's loop itself.
 
 Left to the pool path (unchanged): jobs with a deadline or a Celery time limit, an S3 `output`, an `id` field
 other than the task id, a job body the task cannot read (its failure is worded there), ETA jobs, jobs in a chord
@@ -111,7 +111,8 @@ class Intake:
     """The waiting single-job requests and the group threads that admit them.
 
     One group is being admitted at a time: the request that finds none in progress has a group thread started
-    on the consumer's loop, once the rest of its take is waiting too (one hand-off, as to a pool thread); the
+    on the consumer's loop, once the rest of its take is waiting too (a lone job with no group running is admitted
+    by the loop itself, `_next_group`); the
     requests that come meanwhile wait until that group's jobs are in the engine, when the next group is started
     for all of them. The group thread is then free; `FINISHER` finishes the jobs. A group counts as running
     (`drain`) until each of its jobs is stored or requeued.
@@ -200,13 +201,25 @@ class Intake:
             _acknowledge(request, by_script=True)
 
     def _next_group(self) -> None:
-        """Start a group of everything waiting, or note that no admission is in progress."""
+        """Start a group of everything waiting, or note that no admission is in progress.
+
+        A lone job on an idle intake (no group running, the service up) is admitted right here, on the consumer's
+        loop: its hand-off to a group thread, and that thread's wait for the GIL while the loop sent its next take,
+        were ~0.4 ms of the ~5 ms a lone job spends outside the engine (`benchmarks/job_queue.py`). The loop has
+        nothing else to do meanwhile, and under load groups are running, so this never holds up a take."""
         with self._cond:
             taken, self._waiting = self._waiting[:GROUP_LIMIT], self._waiting[GROUP_LIMIT:]
             if not taken:
                 self._admitting = False
                 return
             self._groups += 1
+            alone = self._groups == 1 and len(taken) == 1
+        if alone and self._service_up():
+            try:
+                self._run(taken)
+            except Exception:  # noqa: BLE001: as on a group thread; the consumer's loop must go on
+                log.exception("single jobs: admitting a job failed")
+            return
         try:
             self._threads.run(self._run, taken)
         except RuntimeError:  # no thread to be had: these jobs wait for pool threads instead
@@ -230,6 +243,16 @@ class Intake:
             if run is None:  # no run reached admission (the intake is off, or setting the run up failed)
                 self._ended()
                 self._start_soon()
+
+    def _service_up(self) -> bool:
+        """Whether the worker's service is up with the intake on; never builds it (under plain `celery worker` the
+        first job does, loading the model: on a group thread, not on the consumer's loop)."""
+        if self.enabled is None:
+            from tokenmill.worker.runtime import installed
+
+            if installed() is not None:
+                self._worker_service()
+        return self.enabled is True
 
     def _worker_service(self) -> Any:
         """The worker's service, or None when the intake is off (or no service can start: the pool path then
