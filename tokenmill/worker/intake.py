@@ -112,9 +112,8 @@ class Intake:
 
     One group is being admitted at a time: the request that finds none in progress has a group thread started
     on the consumer's loop, once the rest of its take is waiting too (a lone job with no group running is admitted
-    by the loop itself, `_next_group`); the
-    requests that come meanwhile wait until that group's jobs are in the engine, when the next group is started
-    for all of them. The group thread is then free; `FINISHER` finishes the jobs. A group counts as running
+    by the loop itself, `_next_group`); the requests that come meanwhile wait until that group's jobs are in the
+    engine, when the next group is started for all of them. The group thread is then free; `FINISHER` finishes the jobs. A group counts as running
     (`drain`) until each of its jobs is stored or requeued.
     """
 
