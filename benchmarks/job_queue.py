@@ -353,11 +353,13 @@ def main() -> None:
                 for name, queue in queues.items():  # each queue round next to an in-process round of its own
                     queue_runs[name].append(queue.run(workload))
                     local_runs[name].append(local.run(workload))
-            added = {}
-            for name, queue in queues.items():
-                # each job through the queue, then alone in-process: the pair shares the machine's speed of the moment
-                added[name] = [Paired(queue.probe(workload, index), local.probe(workload, index), local.probe(workload, index))
-                               for index in range(args.probe_jobs)]
+            added: dict[str, list[Paired]] = {name: [] for name in queues}
+            for index in range(args.probe_jobs):
+                for name, queue in queues.items():  # each queue path in turn, job by job: the same drift for both
+                    # the job through the queue, then alone in-process: the pair shares the machine's speed of the moment
+                    added[name].append(Paired(queue.probe(workload, index), local.probe(workload, index),
+                                              local.probe(workload, index)))
+            for queue in queues.values():
                 queue.log_tail()
         finally:
             for queue in queues.values():
@@ -367,7 +369,7 @@ def main() -> None:
             print(f"\n### {name}")
         report(args, workload, local_runs[name], queue_runs[name], added[name])
     if len(queues) > 1:
-        compare(workload, local_runs, queue_runs)
+        compare(workload, local_runs, queue_runs, added)
 
 
 #: What `--intake` changes; a flag given on the command line wins.
@@ -463,8 +465,10 @@ def count_instructions(args: argparse.Namespace, workload: Workload, repos: dict
         print(f"- this checkout / other: **{mine / theirs:.2f}**")
 
 
-def compare(workload: Workload, local_runs: dict[str, list[Run]], queue_runs: dict[str, list[Run]]) -> None:
-    """Per round, each path's figure over the other's (this checkout's first): the rounds ran side by side."""
+def compare(workload: Workload, local_runs: dict[str, list[Run]], queue_runs: dict[str, list[Run]],
+            added: dict[str, list[Paired]]) -> None:
+    """Per round, each path's figure over the other's (this checkout's first): the rounds ran side by side; then the
+    lone jobs' added latency, whose probes alternated job by job."""
     n = len(workload.prompts)
     (this, other) = list(queue_runs)[:2]
     print(f"\n### this checkout / {other.removeprefix('against ')}, per round (median)\n")
@@ -481,6 +485,12 @@ def compare(workload: Workload, local_runs: dict[str, list[Run]], queue_runs: di
         quotients = [a / b for a, b in zip(mine, theirs) if b]
         print(f"| {label} | {', '.join(f'{v:.3f}' for v in mine)} | {', '.join(f'{v:.3f}' for v in theirs)} | "
               f"**{statistics.median(quotients):.2f}** |")
+    if added[this]:
+        for label, figure in (("added latency", lambda p: p.added), ("added latency outside the decode steps", lambda p: p.added_outside_decode)):
+            mine, theirs = [1000 * figure(p) for p in added[this]], [1000 * figure(p) for p in added[other]]
+            print(f"- lone jobs, {label} (ms): p50 {percentile(mine, 50):.1f} against {percentile(theirs, 50):.1f}; "
+                  f"p99 {percentile(mine, 99):.1f} against {percentile(theirs, 99):.1f}; median of the same job's "
+                  f"difference (this - other): {statistics.median(a - b for a, b in zip(mine, theirs)):+.2f}")
 
 
 if __name__ == "__main__":
