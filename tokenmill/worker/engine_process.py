@@ -38,6 +38,7 @@ import gc
 import logging
 import multiprocessing
 import os
+import select
 import signal
 import threading
 import time
@@ -330,6 +331,10 @@ class _Loop:
     def __init__(self, engine: Any, conn: Connection) -> None:
         self.engine = engine
         self.conn = conn
+        # asked before every step whether a message came: `Connection.poll` builds a selector for each call, 7.3 us
+        # against 0.9 for one `poll` object kept (~0.3 ms of a lone 40-token job's decode steps)
+        self._incoming = select.poll()
+        self._incoming.register(conn.fileno(), select.POLLIN)
         self.live: set[str] = set()
         self.next_stats = 0.0
         self.max_prompt_chars = engine.max_prompt_chars
@@ -344,14 +349,14 @@ class _Loop:
 
     def _admit(self, wait: float) -> bool:
         """Handle every message that arrived (waiting up to `wait` for the first); False on stop."""
-        if not self.conn.poll(wait):
+        if not self._incoming.poll(1000 * wait):
             return True
         while True:
             message = fastjson.plain_loads(self.conn.recv_bytes())
             if message["op"] == "stop":
                 return False
             self._handle(message)
-            if not self.conn.poll(0):
+            if not self._incoming.poll(0):
                 return True
 
     def _handle(self, message: dict[str, Any]) -> None:
