@@ -22,6 +22,17 @@ def _threads(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/task"))
 
 
+def _settled_threads(pid: int) -> int:
+    """The thread count once it holds for half a second (a thread serving a metrics scrape, say, comes and goes)."""
+    count = _threads(pid)
+    for _ in range(20):
+        time.sleep(0.5)
+        count, before = _threads(pid), count
+        if count == before:
+            break
+    return count
+
+
 def _active_ids(app, node: str) -> set[str]:
     replies = app.control.inspect(timeout=5, destination=[node]).active() or {}
     return {task["id"] for task in replies.get(node, []) if task["name"] == TASK_NAME}
@@ -134,11 +145,17 @@ def test_a_worker_refills_half_its_engine_queue_at_once(redis_server: RedisServe
 
 
 def test_lone_jobs_on_an_idle_worker_are_admitted_on_the_consumers_loop(redis_server: RedisServer, start_worker) -> None:
-    """One job at a time, each the only one running: admitted where the consumer's loop delivered it, with no group
-    thread. Fails where every group is handed to a thread: the first lone job starts one, kept for later groups."""
+    """One small job at a time, each the only one running: admitted where the consumer's loop delivered it, with no
+    group thread. Fails where every group is handed to a thread: the first lone job starts one, kept for later
+    groups. A large lone job (tokenized and piped to the engine by whoever admits it) still gets a group thread."""
+    from tokenmill.worker.intake import LOOP_ADMISSION_MAX_BYTES
+
     client = Client(redis_server.url)
     worker = start_worker(redis_server.url, "lone").wait_ready()
-    threads_before = _threads(worker.process.pid)
+    threads_before = _settled_threads(worker.process.pid)
     for i in range(5):
         assert client.submit(prompt=f"lone {i}", **SHORT).result(timeout=60).ok
-    assert _threads(worker.process.pid) - threads_before == 1  # the finisher's
+    assert _settled_threads(worker.process.pid) - threads_before == 1  # the finisher's
+    large = client.submit(prompt="lone and large", metadata={"pad": "x" * LOOP_ADMISSION_MAX_BYTES}, **SHORT)
+    assert large.result(timeout=60).ok
+    assert _settled_threads(worker.process.pid) - threads_before == 2  # and a group thread
