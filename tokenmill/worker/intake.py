@@ -16,7 +16,7 @@ the consumer's event loop is then woken to free their prefetch slots, so that it
 free (a full worker waits for `WorkerSettings.take_at_least` of them). Each request is marked active (`celery
 inspect active`, the `task-started` event) while it runs and ready (`task-succeeded`) once its result is stored
 and its message acked, as the pool path does. While one group is being admitted the next one forms, so under
-load a group holds dozens of jobs; a lone job on an idle worker is admitted by the consumer's loop itself.
+load a group holds dozens of jobs; a small lone job on an idle worker is admitted by the consumer's loop itself.
 
 Left to the pool path (unchanged): jobs with a deadline or a Celery time limit, an S3 `output`, an `id` field
 other than the task id, a job body the task cannot read (its failure is worded there), ETA jobs, jobs in a chord
