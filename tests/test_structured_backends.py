@@ -214,6 +214,8 @@ def test_if_without_then_is_served_as_if_or_else(engines: dict[str, LLM], schema
      "additionalProperties": False},
     {"type": "object", "properties": {"id": {"type": "integer"}}, "required": ["id"],
      "patternProperties": {"^x-": {"type": "string", "maxLength": 3}}, "additionalProperties": {"type": "boolean"}},
+    {"type": "object", "patternProperties": {"^x-": {"type": "string", "maxLength": 3}, "^y-": {"type": "integer"}},
+     "minProperties": 1, "additionalProperties": False},
 ])
 def test_pattern_properties_are_enforced_by_llguidance(engines: dict[str, LLM], schema: dict) -> None:
     """Refused before (`patternProperties at /patternProperties: is not supported`); llguidance enforces them, so

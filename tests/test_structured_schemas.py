@@ -280,6 +280,17 @@ def test_rewriting_is_sound_on_random_values(schema: Any, values: list[Any]) -> 
             assert original.is_valid(value), (schema, rewritten, value)
 
 
+@pytest.mark.parametrize("patterns", [{"^a": False, "b$": {"type": "array"}}, {"^x": {}, "^xy": {"type": "string"}},
+                                      {"^a": {}, "(?i)^b": {}}])
+def test_pattern_properties_a_key_may_match_twice_are_refused_at_the_client(patterns: dict) -> None:
+    """llguidance refuses patternProperties whose patterns overlap, in the engine, after the job was queued (found by
+    the generated-schemas test below: `^a` and `b$`); refused at the client instead, naming the keyword, unless
+    different literal starts after `^` tell them apart (which llguidance takes: test_structured_backends)."""
+    with pytest.raises(InvalidRequestError) as caught:
+        SamplingParams(json_schema={"type": "object", "patternProperties": patterns})
+    assert caught.value.field == "json_schema" and caught.value.message.startswith("patternProperties at /: "), caught.value
+
+
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(schema=schema_strategy())
 def test_generated_schemas_completions_claiming_satisfaction_validate(tiny: LLM, schema: Any) -> None:

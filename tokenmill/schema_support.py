@@ -529,6 +529,10 @@ class _Normaliser:
             where = f"{ptr}/patternProperties/{_escape(pattern)}"
             _check_pattern(pattern, where)
             d["patterns"][pattern] = self.norm(sub, where)
+        if not _patterns_disjoint(list(d["patterns"])):
+            raise UnsupportedSchema("patternProperties", ptr, "with patterns a key may match more than one of is not "
+                                    "supported (llguidance, which enforces them, needs them disjoint; told apart here "
+                                    "only by different literal starts after ^)")
         d["props"] = {k: self.norm(s, f"{ptr}/properties/{_escape(k)}") for k, s in node.get("properties", {}).items()}
         d["props"] = {k: self._matching(d, k, sub, ptr) for k, sub in d["props"].items()}  # a declared key obeys its patterns too
         d["required"] = set(node.get("required", []))
@@ -993,6 +997,38 @@ def _longest_whole_match(pattern: str) -> int | None:
         return None
     longest = parsed.getwidth()[1]
     return None if longest >= sre.MAXREPEAT else longest
+
+
+def _patterns_disjoint(patterns: list[str]) -> bool:
+    """Whether no key can match two of `patterns`, proved the simple way: each is anchored with `^` (or `\\A`) and
+    starts with literal characters, and no pattern's literal start begins another's. llguidance refuses patterns
+    that overlap; this check may refuse some it would take, never one it refuses for overlapping."""
+    if len(patterns) < 2:
+        return True
+    starts = [_literal_start(pattern) for pattern in patterns]
+    if any(start is None for start in starts):
+        return False
+    return not any(a.startswith(b) for i, a in enumerate(starts) for j, b in enumerate(starts) if i != j)
+
+
+def _literal_start(pattern: str) -> str | None:
+    """The literal characters every match of `pattern` starts with, where it is anchored at the start and matched
+    case-sensitively; else None."""
+    import re._parser as sre  # type: ignore[import-not-found]
+
+    try:
+        parsed = sre.parse(pattern)
+    except re.error:
+        return None
+    if parsed.state.flags & re.IGNORECASE or not parsed or str(parsed[0][0]) != "AT" or \
+            str(parsed[0][1]) not in ("AT_BEGINNING", "AT_BEGINNING_STRING"):
+        return None
+    start = []
+    for op, arg in list(parsed)[1:]:
+        if str(op) != "LITERAL":
+            break
+        start.append(chr(arg))
+    return "".join(start) or None
 
 
 def _check_pattern(pattern: Any, ptr: str) -> None:
