@@ -28,6 +28,7 @@ import functools
 import json
 import math
 import re
+import re._parser as sre  # type: ignore[import-not-found]  # loaded by `re` already: no import cost
 from collections.abc import Callable, Iterator
 from decimal import Decimal
 from typing import Any
@@ -980,16 +981,21 @@ def _matches_empty(pattern: str) -> bool:
         return True
 
 
+def _parse(pattern: str) -> Any:
+    """Python's parse of `pattern` (`re._parser`'s items), or None where Python cannot read it (the backend decides)."""
+    try:
+        return sre.parse(pattern)
+    except re.error:
+        return None
+
+
 def _longest_whole_match(pattern: str) -> int | None:
     """The most characters of a string `pattern` matches, when it is anchored at both ends (`^...$` without the
     multiline flag: it matches the whole string); None where that has no bound, the pattern is not anchored so, or
     Python cannot read it (the backend decides). Python counts code points; ECMA-262 without the u flag counts UTF-16
     units, so a string it matches has at most as many code points as this bound."""
-    import re._parser as sre  # type: ignore[import-not-found]
-
-    try:
-        parsed = sre.parse(pattern)
-    except re.error:
+    parsed = _parse(pattern)
+    if parsed is None:
         return None
     items = parsed.data
     if (parsed.state.flags & re.MULTILINE or len(items) < 2 or items[0] != (sre.AT, sre.AT_BEGINNING)
@@ -1014,18 +1020,13 @@ def _patterns_disjoint(patterns: list[str]) -> bool:
 def _literal_start(pattern: str) -> str | None:
     """The literal characters every match of `pattern` starts with, where it is anchored at the start and matched
     case-sensitively; else None."""
-    import re._parser as sre  # type: ignore[import-not-found]
-
-    try:
-        parsed = sre.parse(pattern)
-    except re.error:
-        return None
-    if parsed.state.flags & re.IGNORECASE or not parsed or str(parsed[0][0]) != "AT" or \
-            str(parsed[0][1]) not in ("AT_BEGINNING", "AT_BEGINNING_STRING"):
+    parsed = _parse(pattern)
+    if parsed is None or parsed.state.flags & re.IGNORECASE or not parsed.data or \
+            parsed.data[0] not in ((sre.AT, sre.AT_BEGINNING), (sre.AT, sre.AT_BEGINNING_STRING)):
         return None
     start = []
-    for op, arg in list(parsed)[1:]:
-        if str(op) != "LITERAL":
+    for op, arg in parsed.data[1:]:
+        if op is not sre.LITERAL:
             break
         start.append(chr(arg))
     return "".join(start) or None
@@ -1035,11 +1036,8 @@ def _check_pattern(pattern: Any, ptr: str) -> None:
     """Refuse a pattern that can match a character JSON must escape (control characters, quote, backslash):
     xgrammar would write it raw, which is not JSON. Also `\\W` and `\\D`, where xgrammar's ASCII classes
     (ECMA-262) admit letters and digits that Python's Unicode `re`, the validator's, does not."""
-    import re._parser as sre  # type: ignore[import-not-found]
-
-    try:
-        parsed = sre.parse(pattern)
-    except re.error:
+    parsed = _parse(pattern)
+    if parsed is None:
         return  # the metaschema check or the backend names it
     bad = _pattern_danger(parsed, sre)
     if bad:

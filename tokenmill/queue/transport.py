@@ -85,7 +85,14 @@ MALFORMED_BYTES = 64 * 1024
 # aside in malformed); 2 for every item of a list whose head is not those items (each holds its tag; a sweep
 # requeued the list because this consumer's heartbeat lapsed): nothing of that list is touched, and the caller
 # records them by content (`_RECORD_ITEMS`), which tells a requeued item apart.
-_RECORD = """
+# Every script that sets an item aside does it with this function: its first `bytes` kept, the newest `keep` items.
+_SET_ASIDE = """
+local function set_aside(malformed, item, bytes, keep)
+  redis.call('LPUSH', malformed, string.sub(item, 1, tonumber(bytes)))
+  redis.call('LTRIM', malformed, 0, tonumber(keep) - 1)
+end
+"""
+_RECORD = _SET_ASIDE + """
 local codes, at = {}, 4
 for k = 4, #KEYS do
   local n = tonumber(ARGV[at])
@@ -100,8 +107,7 @@ for k = 4, #KEYS do
     if not whole then
       codes[#codes + 1] = 2
     elseif redis.call('HEXISTS', KEYS[1], tag) == 1 then
-      redis.call('LPUSH', KEYS[3], string.sub(items[n + 1 - j], 1, tonumber(ARGV[2])))
-      redis.call('LTRIM', KEYS[3], 0, tonumber(ARGV[3]) - 1)
+      set_aside(KEYS[3], items[n + 1 - j], ARGV[2], ARGV[3])
       codes[#codes + 1] = -1
     else
       redis.call('HSET', KEYS[1], tag, '[' .. items[n + 1 - j] .. ', ' .. ARGV[at + 2 * j] .. ']')
@@ -118,14 +124,13 @@ return codes
 # KEYS: unacked, unacked_index, malformed, then each item's processing list. ARGV[1]: now, ARGV[2]: bytes of a
 # set-aside copy, ARGV[3]: copies kept; then per item: item, delivery tag, the end of its unacked record. Returns
 # per item `_RECORD`'s codes, but 0 when the item is no longer in its processing list (a sweep requeued it).
-_RECORD_ITEMS = """
+_RECORD_ITEMS = _SET_ASIDE + """
 local codes = {}
 for i = 4, #KEYS do
   local item, tag, tail = ARGV[3 * i - 8], ARGV[3 * i - 7], ARGV[3 * i - 6]
   if redis.call('HEXISTS', KEYS[1], tag) == 1 then
     redis.call('LREM', KEYS[i], 1, item)
-    redis.call('LPUSH', KEYS[3], string.sub(item, 1, tonumber(ARGV[2])))
-    redis.call('LTRIM', KEYS[3], 0, tonumber(ARGV[3]) - 1)
+    set_aside(KEYS[3], item, ARGV[2], ARGV[3])
     codes[i - 3] = -1
   elseif redis.call('LREM', KEYS[i], 1, item) == 0 then
     codes[i - 3] = 0
@@ -157,11 +162,10 @@ return taken
 #: The most messages one take moves (fewer when fewer prefetch slots are free). Under load one take and one
 #: record script serve this many messages instead of a BLMOVE, an LLEN round and a record script each.
 TAKE_MAX = 64
-# KEYS: processing, malformed. ARGV: item, the copy to keep, how many to keep.
-_DISCARD = """
+# KEYS: processing, malformed. ARGV: item, bytes of the copy kept, how many to keep.
+_DISCARD = _SET_ASIDE + """
 redis.call('LREM', KEYS[1], 1, ARGV[1])
-redis.call('LPUSH', KEYS[2], ARGV[2])
-redis.call('LTRIM', KEYS[2], 0, tonumber(ARGV[3]) - 1)
+set_aside(KEYS[2], ARGV[1], ARGV[2], ARGV[3])
 return 1
 """
 # KEYS: consumers, processing, heartbeat, source. ARGV: the processing key (its field in `consumers`).
@@ -617,7 +621,7 @@ class Channel(kombu_redis.Channel):
 
     def _discard(self, source: str, item: bytes, problem: str) -> None:
         self._scripts["discard"](keys=[self._processing_key(source), MALFORMED_KEY],
-                                 args=[item, item[:MALFORMED_BYTES], MALFORMED_KEEP])
+                                 args=[item, MALFORMED_BYTES, MALFORMED_KEEP])
         self._log_discarded(source, item, problem)
 
     @staticmethod
