@@ -134,27 +134,45 @@ def test_a_channel_reuses_one_client_per_pool(redis_server: RedisServer) -> None
             assert third is not first and third.connection_pool is channel.pool and third.ping()
 
 
-def test_a_trickle_of_messages_costs_a_take_and_a_blmove_each_without_a_length_check(redis_server: RedisServer) -> None:
-    """A consumer waiting in BLMOVE got there from a take that found every list empty: that take was the check of
-    the other lists, so no LLEN round precedes the BLMOVE (one per message before, four LLENs with priorities)."""
+def test_a_trickle_of_messages_costs_a_blmove_and_a_record_each(redis_server: RedisServer) -> None:
+    """A consumer whose record found every list it took from empty blocks in BLMOVE next: no take script that finds
+    nothing (one per message before) and no LLEN round (that record was the check of the other lists; one LLEN
+    round per message before that, four LLENs with priorities). A message waiting behind the taken one is taken by a
+    take script, not left waiting for BLMOVE."""
     queue = Queue(f"q-{uuid.uuid4().hex[:8]}", EXCHANGE, routing_key="r1")
     client = redis_server.client()
     count = 10
+
+    def calls(name: str) -> int:
+        return int(client.info("commandstats").get(f"cmdstat_{name}", {}).get("calls", 0))
+
     received: list = []
     with _connection(redis_server) as connection, Connection(redis_server.url) as producer_connection:
         producer = Producer(producer_connection.channel(), exchange=EXCHANGE)
         producer.publish({"body": "0"}, routing_key=queue.routing_key, declare=[queue])  # a declare checks lengths
-        llen_before = int(client.info("commandstats").get("cmdstat_llen", {}).get("calls", 0))
-        consumer = threading.Thread(target=_consume, args=(connection, queue, count), kwargs={"received": received})
+        before = {name: calls(name) for name in ("llen", "eval", "blmove")}
+        consumer = threading.Thread(target=_consume, args=(connection, queue, count + 2), kwargs={"received": received})
         consumer.start()
         for sent in range(1, count):  # one at a time, each once the last is taken
             wait_for(lambda: len(received) >= sent, 10, "the message taken")  # noqa: B023
             time.sleep(0.05)  # the consumer is blocked in BLMOVE again
             producer.publish({"body": str(sent)}, routing_key=queue.routing_key)
+        wait_for(lambda: len(received) >= count, 10, "the message taken")
+        trickle = {name: calls(name) - before[name] for name in before}
+        staging = Queue(f"staging-{uuid.uuid4().hex[:8]}", EXCHANGE, routing_key="staging")
+        for body in ("a", "b"):
+            producer.publish({"body": body}, routing_key=staging.routing_key, declare=[staging])
+        time.sleep(0.05)  # the consumer is blocked in BLMOVE again
+        evals = calls("eval")
+        client.pipeline(transaction=True).lmove(staging.name, queue.name, "RIGHT", "LEFT").lmove(
+            staging.name, queue.name, "RIGHT", "LEFT").execute()  # two at once: BLMOVE takes one, the record sees one
         consumer.join(30)
-    assert len(received) == count
-    llen_calls = int(client.info("commandstats").get("cmdstat_llen", {}).get("calls", 0)) - llen_before
-    assert llen_calls <= 8, f"{llen_calls} LLEN calls for {count} messages"  # two BLMOVE timeouts' checks at most
+    assert [body for body, _ in received] == [str(n) for n in range(count)] + ["a", "b"]
+    # the consumer's declare (a length per priority) and BLMOVE timeouts' checks at most
+    assert trickle["llen"] <= 8, f"{trickle['llen']} LLEN calls for {count} messages"
+    assert trickle["eval"] <= 2, f"{trickle['eval']} take scripts for {count} messages"
+    assert calls("eval") - evals >= 1  # the one the record saw was taken by a take script
+    assert trickle["blmove"] >= count - 1
 
 
 def test_each_body_is_decoded_once(redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -75,16 +75,18 @@ MALFORMED_KEY = "tokenmill:malformed"
 MALFORMED_KEEP = 100
 MALFORMED_BYTES = 64 * 1024
 
-# KEYS: unacked, unacked_index, malformed, then the processing lists a take moved items into. ARGV[1]: now,
-# ARGV[2]: bytes of a set-aside copy, ARGV[3]: copies kept; then per processing list: how many taken items are to
-# be recorded (n), then per item, in the order taken: its delivery tag and the end of its unacked record (exchange
-# and routing key as JSON: kombu's record `[item, exchange, routing key]` is built here). The take pushed each item
-# at its list's head, and nothing else pushes there, so the n items are the list's first n, the last taken first:
-# the items never cross the socket again (~1.7 KB a job: packing them was 2.4% of the worker's instructions).
+# KEYS: unacked, unacked_index, malformed, then the processing lists a take moved items into, then the lists the take
+# took from. ARGV[1]: now, ARGV[2]: bytes of a set-aside copy, ARGV[3]: copies kept, ARGV[4]: how many of the KEYS
+# are lists taken from (m, the last m); then per processing list: how many taken items are to be recorded (n), then
+# per item, in the order taken: its delivery tag and the end of its unacked record (exchange and routing key as
+# JSON: kombu's record `[item, exchange, routing key]` is built here). The take pushed each item at its list's head,
+# and nothing else pushes there, so the n items are the list's first n, the last taken first: the items never cross
+# the socket again (~1.7 KB a job: packing them was 2.4% of the worker's instructions).
 # Returns per item 1 when recorded; -1 when its tag is already in flight (a producer reused it: the item is set
 # aside in malformed); 2 for every item of a list whose head is not those items (each holds its tag; a sweep
 # requeued the list because this consumer's heartbeat lapsed): nothing of that list is touched, and the caller
-# records them by content (`_RECORD_ITEMS`), which tells a requeued item apart.
+# records them by content (`_RECORD_ITEMS`), which tells a requeued item apart. Then, last, how many of the lists
+# taken from still hold messages (0: the consumer blocks next instead of taking again, `Channel._brpop_read`).
 # Every script that sets an item aside does it with this function: its first `bytes` kept, the newest `keep` items.
 _SET_ASIDE = """
 local function set_aside(malformed, item, bytes, keep)
@@ -93,8 +95,9 @@ local function set_aside(malformed, item, bytes, keep)
 end
 """
 _RECORD = _SET_ASIDE + """
-local codes, at = {}, 4
-for k = 4, #KEYS do
+local codes, at = {}, 5
+local sources = #KEYS - tonumber(ARGV[4])
+for k = 4, sources do
   local n = tonumber(ARGV[at])
   local items = redis.call('LRANGE', KEYS[k], 0, n - 1)
   local whole = #items == n
@@ -118,6 +121,7 @@ for k = 4, #KEYS do
   if whole then redis.call('LTRIM', KEYS[k], n, -1) end
   at = at + 1 + 2 * n
 end
+codes[#codes + 1] = sources < #KEYS and redis.call('EXISTS', unpack(KEYS, sources + 1)) or 0
 return codes
 """
 # As `_RECORD`, for items found where `_RECORD` did not expect them, each sent whole and found by its content.
@@ -364,7 +368,8 @@ class Channel(kombu_redis.Channel):
         self._blmove_source: str | None = None
         self._take_many = True  # whether the next poll takes without blocking (the last one found messages)
         self._found_empty = False  # whether the last poll was a take that found every list empty
-        self._take_keys: list[str] = []
+        self._take_keys: list[str] = []  # the lists the last take or BLMOVE took from, in kombu's order
+        self._sources_waiting: int | None = None  # how many of them the last record found non-empty
         self._processing_keys: dict[str, str] = {}
         self._decoded_bodies: dict[int, tuple[str, str, Any]] = {}  # id(body) -> (body, encoding, decoded), one take's
         self._record_tails: dict[tuple[str, str], bytes] = {}  # (exchange, routing key) -> their JSON in a record
@@ -429,10 +434,10 @@ class Channel(kombu_redis.Channel):
 
     def _brpop_start(self, timeout: float | None = None) -> None:
         """Take what is waiting, up to the free prefetch slots, in one script; when the last take found
-        nothing, block in BLMOVE for the first non-empty list in kombu's order (queues fairly cycled, then
-        priority) instead: the first list when that take was just now (it checked them all), else the first
-        `_choose_source` finds non-empty. Under a trickle of jobs that is a take and a BLMOVE per job, not a
-        take, a check and a BLMOVE."""
+        nothing, or the record of the last take found every list empty, block in BLMOVE for the first non-empty
+        list in kombu's order (queues fairly cycled, then priority) instead: the first list when that take or
+        record was just now (it checked them all), else the first `_choose_source` finds non-empty. Under a trickle
+        of jobs that is a BLMOVE and a record per job, not a take, a check and a BLMOVE."""
         if timeout is None:
             timeout = self.brpop_timeout
         queues = self._queue_cycle.consume(len(self.active_queues))
@@ -441,15 +446,15 @@ class Channel(kombu_redis.Channel):
         keys = list(dict.fromkeys(self._q_for_pri(queue, pri) for pri in self.priority_steps for queue in queues))
         room = self.qos.can_consume_max_estimate()
         limit = TAKE_MAX if room is None else min(TAKE_MAX, room)
+        self._take_keys = keys
         if self._take_many and limit > 1:
             self._register_sources(keys)
             self._blmove_source = None
-            self._take_keys = keys
             self._in_poll = self.client.connection
             self.client.connection.send_command(
                 "EVAL", _TAKE, 2 * len(keys), *keys, *(self._processing_key(key) for key in keys), limit)
             return
-        if self._found_empty:  # the take just before found every list empty: that was the check (one round trip less)
+        if self._found_empty:  # the take or record just before found every list empty: that was the check
             self._register_sources(keys)
             source = keys[0]
         else:
@@ -511,7 +516,9 @@ class Channel(kombu_redis.Channel):
                 raise kombu_redis.Empty()
             for source in dict.fromkeys(source for source, _ in taken):
                 self._queue_cycle.rotate(source.rsplit(self.sep, 1)[0])
-            delivered = self._claim_many(taken)
+            delivered = self._claim_many(taken, self._take_keys)
+            if self._sources_waiting == 0:  # a lone message: block next, without a take that finds nothing first
+                self._take_many, self._found_empty = False, True
             for payload, queue in delivered:
                 self.connection._deliver(payload, queue)
             if not delivered:
@@ -522,12 +529,15 @@ class Channel(kombu_redis.Channel):
             self._blmove_source = None
             self._flush_brpop_reauth()
 
-    def _claim_many(self, taken: list[tuple[str, bytes]]) -> list[tuple[dict[str, Any], str]]:
+    def _claim_many(self, taken: list[tuple[str, bytes]], sources: list[str] = ()) -> list[tuple[dict[str, Any], str]]:
         """Record the taken items as unacked and remove them from their processing lists, in one atomic
         script; discard those that are no kombu messages. Returns (payload, queue) of the messages to deliver.
+        The same script counts the `sources` (the lists taken from) that still hold messages: `_sources_waiting`,
+        None when no record ran.
 
         Items of a no-ack consumer (as kombu: nothing to acknowledge) are only removed.
         """
+        self._sources_waiting = None
         self._decoded_bodies.clear()  # a discarded message's body, left from the last take
         by_list: dict[str, list[tuple[str, bytes, Any, str]]] = {}
         delivered: list[tuple[dict[str, Any], str]] = []
@@ -546,13 +556,15 @@ class Channel(kombu_redis.Channel):
             by_list.setdefault(processing, []).append((source, item, payload, queue))
         if not by_list:
             return delivered
-        args: list[Any] = [time(), MALFORMED_BYTES, MALFORMED_KEEP]
+        args: list[Any] = [time(), MALFORMED_BYTES, MALFORMED_KEEP, len(sources)]
         for recorded in by_list.values():
             args.append(len(recorded))
             for _, _, payload, _ in recorded:
                 args += self._record_args(payload)
-        codes = self._scripts["record"](keys=[self.unacked_key, self.unacked_index_key, MALFORMED_KEY, *by_list],
-                                        args=args)
+        *codes, self._sources_waiting = self._scripts["record"](
+            keys=[self.unacked_key, self.unacked_index_key, MALFORMED_KEY, *by_list, *sources], args=args)
+        if not sources:
+            self._sources_waiting = None
         results = list(zip([entry for entries in by_list.values() for entry in entries], codes))
         moved = [entry for entry, code in results if code == 2]
         if moved:
