@@ -13,6 +13,8 @@ from collections.abc import Iterator
 from concurrent.futures import Future
 from typing import Any
 
+from kombu.transport import virtual
+
 from tokenmill.worker.finisher import Finisher
 from tokenmill.worker.intake import Intake
 
@@ -199,4 +201,55 @@ def test_acks_queued_while_held_wake_the_consumer_loop_once_at_the_end() -> None
     assert acked == ["1", "2", "3", "4"]
     with intake.holding_acks():  # held with nothing queued: no turn of the loop either
         pass
+    assert scheduled == []
+
+
+class _Channel:
+    do_restore = False  # kombu's QoS asks at exit
+
+    def __init__(self, prefetch: int) -> None:
+        self.qos = virtual.QoS(self, prefetch_count=prefetch)
+
+
+class _Delivered:
+    """A message taken by a consumer (`channel`), holding one of its prefetch slots."""
+
+    def __init__(self, channel: _Channel, tag: str) -> None:
+        self.channel, self.delivery_tag, self.acknowledged = channel, tag, False
+        channel.qos.append(self, tag)
+
+
+class _ScriptAcked:
+    def __init__(self, message: _Delivered) -> None:
+        self.message, self.acknowledged = message, False
+
+
+def test_slots_of_messages_the_store_acked_are_freed_at_the_loops_next_turn_while_the_consumer_can_take() -> None:
+    """The script storing a lone job's result acked its message in Redis: only its prefetch slot is left to free. While
+    the consumer can take more with the slot held, no turn of the loop is asked for: its next turn frees it (a BLMOVE
+    returns within its timeout). A consumer with no room is woken, as is one with acks of its own to send."""
+    intake, scheduled, acked = Intake(), [], []
+    intake.call_soon = lambda call, *args: scheduled.append((call, args))
+    channel = _Channel(prefetch=2)
+    first = _ScriptAcked(_Delivered(channel, "1"))
+    with intake.holding_acks():
+        intake.ack_soon([], [first])
+    assert scheduled == [] and not first.acknowledged
+    intake._ack_at_turn()  # the loop's next turn, whatever woke it
+    assert first.acknowledged and channel.qos.can_consume()
+    full = [_ScriptAcked(_Delivered(channel, tag)) for tag in ("2", "3")]
+    assert not channel.qos.can_consume()
+    intake.ack_soon([], full[:1])
+    assert len(scheduled) == 1  # no room: the freed slot lets the consumer take again
+    intake.ack_soon([], full[1:])  # a turn is asked for already
+    assert len(scheduled) == 1
+    call, args = scheduled.pop()
+    call(*args)
+    assert all(request.acknowledged for request in full)
+    intake.ack_soon([Request(acked, "4")], [_ScriptAcked(_Delivered(channel, "5"))])  # an ack to send: woken
+    assert len(scheduled) == 1
+    call, args = scheduled.pop()
+    call(*args)
+    assert acked == ["4"]
+    intake._ack_at_turn()  # nothing waits: nothing done
     assert scheduled == []
