@@ -18,7 +18,10 @@ one `tokenmill worker` on builtin:tiny, loads the same model in this process, an
   add -> finish of the same job in the in-process engine right after it (p50/p99): what the queue costs one job.
   The same again outside the decode steps (first -> last token, stamped by the engine in both paths): those are
   the same engine code in both processes, and on a shared machine their speed drifts by more than the queue's
-  whole cost. The probe's own spread is printed beside: the same job run in-process twice in a row;
+  whole cost. The probe's own spread is printed beside: the same job run in-process twice in a row; and the
+  machine's floor under it: a Redis round trip from this process (PING) right after each probe. A lone job waits
+  on four of those in a row (the push that wakes the worker's BLMOVE, the record script, the check-in script,
+  the store that publishes the result) and on three more wake-ups (the engine process, its reader, the finisher);
 * under load: submit -> result p50/p99 of the batch, for both paths.
 
 `--intake` isolates the queue path: the same worker, Redis and result path, with as little engine work per job
@@ -69,6 +72,8 @@ from pathlib import Path  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+import redis  # noqa: E402
+
 from tokenmill.client import Client  # noqa: E402
 from tokenmill.sampling_params import SamplingParams  # noqa: E402
 
@@ -107,6 +112,7 @@ class Paired:
     queue: Probe
     local: Probe
     again: Probe
+    round_trip: float = 0.0  # a Redis PING from the client right after the queue's probe
 
     @property
     def added(self) -> float:
@@ -199,10 +205,9 @@ class QueuePath:
         self.worker = self._start_worker(directory / "worker.log", max_num_seqs, threads, concurrency)
         self.engine_pid = engine_pid(self.worker.pid)
         self.client = Client(self.broker)
+        self.pinged = redis.Redis.from_url(self.broker)  # its own connection: the client's stay as the probes use them
 
     def _start_redis(self, directory: Path) -> subprocess.Popen:
-        import redis
-
         server = shutil.which("redis-server") or sys.exit("redis-server not found")
         port = free_port()
         process = subprocess.Popen(
@@ -267,6 +272,15 @@ class QueuePath:
         sent = time.time()
         result = self.client.submit(**workload.job(index)).result(timeout=60)
         return Probe(time.time() - sent, result.finished_at - result.first_token_at)
+
+    def round_trip(self, pings: int = 9) -> float:
+        """The median of `pings` PINGs from this process: the machine's cost of one wake-up each way."""
+        times = []
+        for _ in range(pings):
+            started = time.perf_counter()
+            self.pinged.ping()
+            times.append(time.perf_counter() - started)
+        return statistics.median(times)
 
     def log_tail(self) -> None:
         """The worker's warnings and errors, if any (a benchmark over a worker that logged errors is suspect)."""
@@ -357,8 +371,9 @@ def main() -> None:
             for index in range(args.probe_jobs):
                 for name, queue in queues.items():  # each queue path in turn, job by job: the same drift for both
                     # the job through the queue, then alone in-process: the pair shares the machine's speed of the moment
-                    added[name].append(Paired(queue.probe(workload, index), local.probe(workload, index),
-                                              local.probe(workload, index)))
+                    probe = queue.probe(workload, index)
+                    added[name].append(Paired(probe, local.probe(workload, index), local.probe(workload, index),
+                                              queue.round_trip()))
             for queue in queues.values():
                 queue.log_tail()
         finally:
@@ -428,7 +443,8 @@ def report(args: argparse.Namespace, workload: Workload, local_runs: list[Run], 
               f"**{ms([p.added for p in added], 50, 99)}**; outside the decode steps: "
               f"**{ms([p.added_outside_decode for p in added], 50, 99)}**; the decode steps themselves, engine "
               f"process minus in-process: {ms([p.decode_added for p in added], 50)}; the probe's own spread (the same job "
-              f"in-process twice, moments apart): {ms([p.null for p in added], 1, 50, 99)}")
+              f"in-process twice, moments apart): {ms([p.null for p in added], 1, 50, 99)}; a Redis round trip "
+              f"(PING from this process, median of 9 after each probe), p50 {1000 * percentile([p.round_trip for p in added], 50):.2f}")
     print(f"- machine load average when done: {os.getloadavg()[0]:.2f}")
 
 
