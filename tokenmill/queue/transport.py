@@ -48,7 +48,7 @@ import logging
 import threading
 import uuid
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from time import monotonic, time
 from typing import Any
@@ -529,7 +529,7 @@ class Channel(kombu_redis.Channel):
             self._blmove_source = None
             self._flush_brpop_reauth()
 
-    def _claim_many(self, taken: list[tuple[str, bytes]], sources: list[str] = ()) -> list[tuple[dict[str, Any], str]]:
+    def _claim_many(self, taken: list[tuple[str, bytes]], sources: Sequence[str] = ()) -> list[tuple[dict[str, Any], str]]:
         """Record the taken items as unacked and remove them from their processing lists, in one atomic
         script; discard those that are no kombu messages. Returns (payload, queue) of the messages to deliver.
         The same script counts the `sources` (the lists taken from) that still hold messages: `_sources_waiting`,
