@@ -96,10 +96,11 @@ def test_submit_many_queues_every_job(redis_server: RedisServer) -> None:
     assert redis_server.client().llen("tokenmill") == 2000
 
 
-def test_submit_many_binds_its_queue_once_and_declares_it_as_kombu_does(redis_server: RedisServer,
-                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    """kombu binds (copies) an unbound queue at each publish just to check that it was declared; `submit_many` binds
-    it once. The queue is still declared, so a plain Celery worker routes the jobs as before."""
+def test_submits_bind_their_queue_once_per_channel_and_declare_it_as_kombu_does(redis_server: RedisServer,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """kombu binds (copies) an unbound queue at each publish just to check that it was declared; the client binds it
+    once per producer channel, for `submit_many` and `submit` alike (six binds here before). The queue is still
+    declared, so a plain Celery worker routes the jobs as before; after a Redis restart `submit` still queues."""
     from kombu import Queue
 
     binds: list[str] = []
@@ -107,9 +108,15 @@ def test_submit_many_binds_its_queue_once_and_declares_it_as_kombu_does(redis_se
     monkeypatch.setattr(Queue, "bind", lambda queue, channel: binds.append(queue.name) or bind(queue, channel))
     client = Client(redis_server.url)
     client.submit_many([{"prompt": f"p{i}"} for i in range(50)])
+    for i in range(5):
+        client.submit(prompt=f"one {i}")
     assert binds == ["tokenmill"]
     server = redis_server.client()
-    assert server.llen("tokenmill") == 50 and server.smembers("_kombu.binding.tokenmill")
+    assert server.llen("tokenmill") == 55 and server.smembers("_kombu.binding.tokenmill")
+    redis_server.stop()
+    redis_server.start()
+    client.submit(prompt="after a restart")  # on the channel kombu opens anew, the queue bound to it
+    assert redis_server.client().llen("tokenmill") == 56
 
 
 def test_a_waiting_client_rides_out_a_redis_restart(redis_server: RedisServer) -> None:
