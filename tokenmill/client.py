@@ -135,7 +135,7 @@ class Client:
         wire = self.prepare({**_as_dict(job), **fields})
         handle = JobHandle(wire["id"], self, content_hash(wire))
         with self.app.producer_or_acquire() as producer:
-            self._publish(producer, wire, handle.job_hash, retry=True, queue=self._bound_queue(producer))
+            self._publish(producer, wire, handle.job_hash, retry=True)
         return handle
 
     def submit_many(self, jobs: Iterable[Job | Mapping[str, Any]]) -> list[JobHandle]:
@@ -153,10 +153,9 @@ class Client:
                 raise InvalidRequestError(f"jobs[{index}].{exc.field}", exc.message) from None
         handles = [JobHandle(wire["id"], self, content_hash(wire)) for wire in wires]
         with self.app.producer_or_acquire() as producer:
-            queue = self._bound_queue(producer)
             with producer.batch(max_size=_PUBLISH_BATCH):
                 for wire, handle in zip(wires, handles):
-                    self._publish(producer, wire, handle.job_hash, retry=False, queue=queue)
+                    self._publish(producer, wire, handle.job_hash, retry=False)
         return handles
 
     def prepare(self, fields: Mapping[str, Any]) -> dict[str, Any]:
@@ -180,13 +179,13 @@ class Client:
             queue = self._bound_queues[channel] = self.app.amqp.queues[self.queue].bind(channel)
         return queue
 
-    def _publish(self, producer: Any, wire: dict[str, Any], job_hash: str | None, retry: bool, queue: Any = None) -> None:
+    def _publish(self, producer: Any, wire: dict[str, Any], job_hash: str | None, retry: bool) -> None:
         amqp = self.app.amqp
         # argsrepr/kwargsrepr are what Celery shows in logs, events and Flower: never the prompt.
         message = amqp.as_task_v2(wire["id"], TASK_NAME, args=[wire], kwargs={}, argsrepr=f"[<job {wire['id']}>]", kwargsrepr="{}")
         if job_hash:
             message.headers[JOB_HASH_HEADER] = job_hash  # the worker need not hash the job again
-        amqp.send_task_message(producer, TASK_NAME, message, queue=queue or self.queue, retry=retry)
+        amqp.send_task_message(producer, TASK_NAME, message, queue=self._bound_queue(producer), retry=retry)
 
     # -- results -------------------------------------------------------------------------------
 
