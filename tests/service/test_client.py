@@ -96,6 +96,25 @@ def test_submit_many_queues_every_job(redis_server: RedisServer) -> None:
     assert redis_server.client().llen("tokenmill") == 2000
 
 
+def test_submit_many_queues_its_first_jobs_while_it_encodes_the_rest(redis_server: RedisServer) -> None:
+    """The pipelined writes grow from 32 jobs, doubling up to 1000: a worker starts on the first jobs while the
+    client still encodes the others (with one write of 1000, the queue stayed empty until the last was encoded).
+    The queue's length is read, from another connection, as each job is about to be published."""
+    server = redis_server.client()
+    queued_before: list[int] = []
+
+    class Watched(Client):
+        def _publish(self, producer, wire, job_hash, retry):  # type: ignore[no-untyped-def]
+            queued_before.append(server.llen("tokenmill"))
+            super()._publish(producer, wire, job_hash, retry)
+
+    Watched(redis_server.url).submit_many([{"prompt": f"p{i}"} for i in range(2100)])
+    written = sorted(set(queued_before))
+    assert written == [0, 32, 64, 128, 256, 512, 1024, 2024], written  # then the last 76 as the call ends
+    prompts = [json.loads(base64.b64decode(message["body"]))[0][0]["prompt"] for message in _queued(redis_server)]
+    assert prompts == [f"p{i}" for i in reversed(range(2100))]  # each job once, the first at the tail workers take from
+
+
 def test_submits_bind_their_queue_once_per_channel_and_declare_it_as_kombu_does(redis_server: RedisServer,
                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """kombu binds (copies) an unbound queue at each publish just to check that it was declared; the client binds it
