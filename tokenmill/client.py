@@ -9,8 +9,8 @@
 
 Jobs are sent as ordinary Celery task messages (protocol 2, JSON) for `tokenmill.generate`, built by
 Celery's own `app.amqp`; `submit_many` only batches their Redis writes through kombu's producer
-batch (one pipeline round trip per batch of up to 1000 messages instead of one per message). Every job is validated
-here first, so a bad job never reaches the queue: `InvalidRequestError` names the field.
+batch (one pipeline round trip per batch of up to 1000 messages instead of one per message). Every job is
+validated here first, so a bad job never reaches the queue: `InvalidRequestError` names the field.
 
 Results are read from Celery's Redis result backend: the client subscribes to the results' pub/sub
 channels (Celery publishes each result as it stores it) and also re-reads pending keys every second,
@@ -144,12 +144,11 @@ class Client:
     def submit_many(self, jobs: Iterable[Job | Mapping[str, Any]]) -> list[JobHandle]:
         """Validate all jobs, then queue them in pipelined batches; returns handles in input order.
 
-        The batches grow from `_FIRST_PUBLISH` jobs, doubling up to `_PUBLISH_BATCH`: the first jobs are on the
-        queue, and running, while the rest are still being encoded (with one batch of 1,000, a worker's engine
-        idled for the ~60 ms it took to encode them). Validation happens before anything is sent, so one bad job
-        means none is queued. If the broker
-        connection fails mid-way, `kombu.exceptions.BatchPublishError` is raised and some jobs may
-        have been queued: resubmit the same jobs (same ids); a job whose result exists is not rerun.
+        Validation happens before anything is sent, so one bad job means none is queued. The batches then grow
+        from `_FIRST_PUBLISH` jobs, doubling up to `_PUBLISH_BATCH`: the first jobs are on the queue, and running,
+        while the rest are still being encoded (with one batch of 1,000, a worker's engine idled for the ~60 ms it
+        took to encode them). If the broker connection fails mid-way, `kombu.exceptions.BatchPublishError` is raised
+        and some jobs may have been queued: resubmit the same jobs (same ids); a job whose result exists is not rerun.
         """
         wires = []
         for index, job in enumerate(jobs):
