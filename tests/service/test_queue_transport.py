@@ -343,7 +343,7 @@ def test_items_not_where_the_take_left_them_are_recorded_by_content(redis_server
         processing = channel._processing_key(queue.name)
         taken = [(queue.name, client.lmove(queue.name, processing, "RIGHT", "LEFT")) for _ in range(2)]
         client.lpush(processing, b"something else")
-        delivered = channel._claim_many(taken)
+        delivered, _ = channel._claim_many(taken)
         assert [payload["properties"]["delivery_tag"] for payload, _ in delivered] == [
             json.loads(item)["properties"]["delivery_tag"] for _, item in taken]
         assert sorted(client.hvals("unacked")) == sorted(_recorded(item) for _, item in taken)
@@ -351,7 +351,7 @@ def test_items_not_where_the_take_left_them_are_recorded_by_content(redis_server
 
         again = taken[0][1]  # the first message's envelope taken again while its tag is in flight: set aside
         client.rpush(processing, again)  # behind the other item: not at the head either
-        assert channel._claim_many([(queue.name, again)]) == []
+        assert channel._claim_many([(queue.name, again)])[0] == []
         assert client.lrange(processing, 0, -1) == [b"something else"]
         assert client.lrange(tm_transport.MALFORMED_KEY, 0, -1) == [again] and client.hlen("unacked") == 2
 
@@ -359,6 +359,6 @@ def test_items_not_where_the_take_left_them_are_recorded_by_content(redis_server
         swept = [(queue.name, client.lmove(queue.name, processing, "RIGHT", "LEFT")) for _ in range(2)]
         client.lmove(processing, queue.name, "LEFT", "RIGHT")  # a sweep puts the list back on its queue
         client.lmove(processing, queue.name, "LEFT", "RIGHT")
-        assert channel._claim_many(swept) == []
+        assert channel._claim_many(swept)[0] == []
         assert client.hlen("unacked") == 2 and client.llen(queue.name) == 2
         assert client.lrange(queue.name, -2, -1) == [item for _, item in swept[::-1]]  # taken next, the first first

@@ -369,7 +369,6 @@ class Channel(kombu_redis.Channel):
         self._take_many = True  # whether the next poll takes without blocking (the last one found messages)
         self._found_empty = False  # whether the last poll was a take that found every list empty
         self._take_keys: list[str] = []  # the lists the last take or BLMOVE took from, in kombu's order
-        self._sources_waiting: int | None = None  # how many of them the last record found non-empty
         self._processing_keys: dict[str, str] = {}
         self._decoded_bodies: dict[int, tuple[str, str, Any]] = {}  # id(body) -> (body, encoding, decoded), one take's
         self._record_tails: dict[tuple[str, str], bytes] = {}  # (exchange, routing key) -> their JSON in a record
@@ -516,8 +515,8 @@ class Channel(kombu_redis.Channel):
                 raise kombu_redis.Empty()
             for source in dict.fromkeys(source for source, _ in taken):
                 self._queue_cycle.rotate(source.rsplit(self.sep, 1)[0])
-            delivered = self._claim_many(taken, self._take_keys)
-            if self._sources_waiting == 0:  # a lone message: block next, without a take that finds nothing first
+            delivered, waiting = self._claim_many(taken, self._take_keys)
+            if waiting == 0:  # a lone message: block next, without a take that finds nothing first
                 self._take_many, self._found_empty = False, True
             for payload, queue in delivered:
                 self.connection._deliver(payload, queue)
@@ -529,15 +528,15 @@ class Channel(kombu_redis.Channel):
             self._blmove_source = None
             self._flush_brpop_reauth()
 
-    def _claim_many(self, taken: list[tuple[str, bytes]], sources: Sequence[str] = ()) -> list[tuple[dict[str, Any], str]]:
+    def _claim_many(self, taken: list[tuple[str, bytes]], sources: Sequence[str] = ()
+                    ) -> tuple[list[tuple[dict[str, Any], str]], int | None]:
         """Record the taken items as unacked and remove them from their processing lists, in one atomic
-        script; discard those that are no kombu messages. Returns (payload, queue) of the messages to deliver.
-        The same script counts the `sources` (the lists taken from) that still hold messages: `_sources_waiting`,
-        None when no record ran.
+        script; discard those that are no kombu messages. Returns (payload, queue) of the messages to deliver, and
+        how many of the `sources` (the lists taken from) still hold messages, which the same script counts (None when
+        no record ran or no sources were given).
 
         Items of a no-ack consumer (as kombu: nothing to acknowledge) are only removed.
         """
-        self._sources_waiting = None
         self._decoded_bodies.clear()  # a discarded message's body, left from the last take
         by_list: dict[str, list[tuple[str, bytes, Any, str]]] = {}
         delivered: list[tuple[dict[str, Any], str]] = []
@@ -555,16 +554,14 @@ class Channel(kombu_redis.Channel):
                 continue
             by_list.setdefault(processing, []).append((source, item, payload, queue))
         if not by_list:
-            return delivered
+            return delivered, None
         args: list[Any] = [time(), MALFORMED_BYTES, MALFORMED_KEEP, len(sources)]
         for recorded in by_list.values():
             args.append(len(recorded))
             for _, _, payload, _ in recorded:
                 args += self._record_args(payload)
-        *codes, self._sources_waiting = self._scripts["record"](
+        *codes, waiting = self._scripts["record"](
             keys=[self.unacked_key, self.unacked_index_key, MALFORMED_KEY, *by_list, *sources], args=args)
-        if not sources:
-            self._sources_waiting = None
         results = list(zip([entry for entries in by_list.values() for entry in entries], codes))
         moved = [entry for entry, code in results if code == 2]
         if moved:
@@ -578,7 +575,7 @@ class Channel(kombu_redis.Channel):
             elif code == -1:  # the script set it aside
                 self._log_discarded(source, item, "its delivery_tag is already in flight")
             # 0: a sweep already requeued it: whoever takes it next runs it
-        return delivered
+        return delivered, waiting if sources else None
 
     def _record_args(self, payload: dict[str, Any]) -> list[Any]:
         """A message's delivery tag and the end of its unacked record, as the record scripts take them."""
