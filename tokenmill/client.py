@@ -8,8 +8,8 @@
     for result in client.as_completed(handles): ...
 
 Jobs are sent as ordinary Celery task messages (protocol 2, JSON) for `tokenmill.generate`, built by
-Celery's own `app.amqp`; `submit_many` only batches their Redis writes through kombu's producer
-batch (one pipeline round trip per batch of up to 1000 messages instead of one per message). Every job is
+Celery's own `app.amqp` and kombu's Redis channel (`tokenmill.queue.publisher`); `submit_many` batches their
+Redis writes (one pipeline round trip per batch of up to 1000 messages instead of one per message). Every job is
 validated here first, so a bad job never reaches the queue: `InvalidRequestError` names the field.
 
 Results are read from Celery's Redis result backend: the client subscribes to the results' pub/sub
@@ -25,7 +25,6 @@ import json
 import logging
 import threading
 import time
-import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +36,7 @@ from tokenmill.queue import cancels, dead_letters, fastjson
 from tokenmill.queue.app import queue_app
 from tokenmill.queue.cancels import CANCELLED_STATE, FINAL_STATES, Outcome
 from tokenmill.queue.names import CANCEL_KEY, DELIVERIES_KEY, JOB_HASH_HEADER, RUN_JOBS_KEY, TASK_NAME
+from tokenmill.queue.publisher import Publisher
 from tokenmill.queue.schemas import Job, JobResult, check_size, content_hash
 from tokenmill.queue.settings import QueueSettings
 
@@ -129,7 +129,7 @@ class Client:
         self.queue = self.settings.queue
         self.max_payload_bytes = max_payload_bytes or self.settings.max_job_bytes
         self._subscriptions = _Subscriptions()
-        self._bound_queues: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+        self.publisher = Publisher(self.app, self.queue)
 
     # -- submitting ----------------------------------------------------------------------------
 
@@ -137,8 +137,7 @@ class Client:
         """Validate and queue one job; returns at once. Fields are `Job` fields plus sampling parameters."""
         wire = self.prepare({**_as_dict(job), **fields})
         handle = JobHandle(wire["id"], self, content_hash(wire))
-        with self.app.producer_or_acquire() as producer:
-            self._publish(producer, wire, handle.job_hash, retry=True)
+        self.publisher.publish(*self._task(wire, handle.job_hash))
         return handle
 
     def submit_many(self, jobs: Iterable[Job | Mapping[str, Any]]) -> list[JobHandle]:
@@ -157,14 +156,13 @@ class Client:
             except InvalidRequestError as exc:
                 raise InvalidRequestError(f"jobs[{index}].{exc.field}", exc.message) from None
         handles = [JobHandle(wire["id"], self, content_hash(wire)) for wire in wires]
-        with self.app.producer_or_acquire() as producer:
-            with producer.batch(max_size=_PUBLISH_BATCH) as batch:
-                flush_at = _FIRST_PUBLISH
-                for count, (wire, handle) in enumerate(zip(wires, handles), 1):
-                    self._publish(producer, wire, handle.job_hash, retry=False)
-                    if count == flush_at:
-                        batch.flush()
-                        flush_at += min(count, _PUBLISH_BATCH)
+        with self.publisher.batch(max_size=_PUBLISH_BATCH) as batch:
+            flush_at = _FIRST_PUBLISH
+            for count, (wire, handle) in enumerate(zip(wires, handles), 1):
+                batch.publish(*self._task(wire, handle.job_hash))
+                if count == flush_at:
+                    batch.flush()
+                    flush_at += min(count, _PUBLISH_BATCH)
         return handles
 
     def prepare(self, fields: Mapping[str, Any]) -> dict[str, Any]:
@@ -177,24 +175,11 @@ class Client:
         check_size(wire, self.max_payload_bytes, fastjson.dumps(wire))
         return wire
 
-    def _bound_queue(self, producer: Any) -> Any:
-        """The job queue bound to `producer`'s channel, kept per channel: kombu binds (copies) an unbound queue at each
-        publish to check its declaration: a fifth of `submit_many`'s time, and per `submit` 0.063-0.074 ms of its p50
-        0.67-0.89 ms (2,000 each, interleaved with unbound ones, against a local redis-server). A channel kombu
-        replaced after a connection error is another key; kombu declares on the channel it publishes with."""
-        channel = producer.channel
-        queue = self._bound_queues.get(channel)
-        if queue is None:
-            queue = self._bound_queues[channel] = self.app.amqp.queues[self.queue].bind(channel)
-        return queue
-
-    def _publish(self, producer: Any, wire: dict[str, Any], job_hash: str | None, retry: bool) -> None:
-        amqp = self.app.amqp
-        # argsrepr/kwargsrepr are what Celery shows in logs, events and Flower: never the prompt.
-        message = amqp.as_task_v2(wire["id"], TASK_NAME, args=[wire], kwargs={}, argsrepr=f"[<job {wire['id']}>]", kwargsrepr="{}")
-        if job_hash:
-            message.headers[JOB_HASH_HEADER] = job_hash  # the worker need not hash the job again
-        amqp.send_task_message(producer, TASK_NAME, message, queue=self._bound_queue(producer), retry=retry)
+    @staticmethod
+    def _task(wire: dict[str, Any], job_hash: str | None) -> tuple[Any, ...]:
+        """`Publisher.publish`'s arguments for a job. argsrepr/kwargsrepr are what Celery shows in logs, events and
+        Flower: never the prompt. The job's hash goes along, so the worker need not hash it again."""
+        return TASK_NAME, wire["id"], [wire], f"[<job {wire['id']}>]", {JOB_HASH_HEADER: job_hash} if job_hash else None
 
     # -- results -------------------------------------------------------------------------------
 
@@ -272,8 +257,7 @@ class Client:
             handle = JobHandle(letter.id, self, content_hash(wire))
             store.delete(self.app.backend.get_key_for_task(letter.id), DELIVERIES_KEY.format(job_id=letter.id),
                          CANCEL_KEY.format(job_id=letter.id))
-            with self.app.producer_or_acquire() as producer:
-                self._publish(producer, wire, handle.job_hash, retry=True)
+            self.publisher.publish(*self._task(wire, handle.job_hash))
             dead_letters.remove(store, letter)
             handles.append(handle)
         return handles, missing
@@ -288,6 +272,7 @@ class Client:
 
     def close(self) -> None:
         self._subscriptions.close()
+        self.publisher.close()
         self.app.close()
 
     def __enter__(self) -> Client:

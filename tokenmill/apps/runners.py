@@ -193,34 +193,31 @@ class QueueRunner:
         refused: list[tuple[Unit, Outcome]] = []
         group: list[dict[str, Any]] = []
         taken = 0
-        with self.client.app.producer_or_acquire() as producer:
-            for unit in units:
-                taken += 1
-                fields = {"id": unit.job_id, "sampling": unit.sampling, "metadata": {"row": unit.label}}
-                fields.update({"messages": unit.messages} if unit.messages is not None else {"prompt": unit.prompt})
-                try:
-                    group.append(self.client.prepare(fields))
-                    submitted[unit.job_id] = unit
-                except InvalidRequestError as exc:
-                    refused.append((unit, Outcome.failed(f"invalid_job: {exc}")))
-                if len(group) == self.rows_per_message:
-                    self._publish(producer, group)
-                    group = []
-            if group:
-                self._publish(producer, group)
+        for unit in units:
+            taken += 1
+            fields = {"id": unit.job_id, "sampling": unit.sampling, "metadata": {"row": unit.label}}
+            fields.update({"messages": unit.messages} if unit.messages is not None else {"prompt": unit.prompt})
+            try:
+                group.append(self.client.prepare(fields))
+                submitted[unit.job_id] = unit
+            except InvalidRequestError as exc:
+                refused.append((unit, Outcome.failed(f"invalid_job: {exc}")))
+            if len(group) == self.rows_per_message:
+                self._publish(group)
+                group = []
+        if group:
+            self._publish(group)
         return refused, taken
 
-    def _publish(self, producer: Any, group: list[dict[str, Any]]) -> None:
+    def _publish(self, group: list[dict[str, Any]]) -> None:
         from tokenmill.queue.names import BATCH_TASK_NAME, RUN_JOBS_KEY
 
         run_key = RUN_JOBS_KEY.format(run_id=self.run_id)  # listed before it is queued: a cancel finds every job
         self.client.app.backend.client.pipeline().sadd(run_key, *(job["id"] for job in group)).expire(
             run_key, int(self.client.settings.result_expires)).execute()
-        amqp = self.client.app.amqp
         # ignore_result: each job's result is stored under its own id; the group's own would be a wasted key
-        message = amqp.as_task_v2(uuid.uuid4().hex, BATCH_TASK_NAME, args=[{"jobs": group}], kwargs={},
-                                  argsrepr=f"[<{len(group)} jobs>]", kwargsrepr="{}", ignore_result=True)
-        amqp.send_task_message(producer, BATCH_TASK_NAME, message, queue=self.client.queue, retry=False)
+        self.client.publisher.publish(BATCH_TASK_NAME, uuid.uuid4().hex, [{"jobs": group}], f"[<{len(group)} jobs>]",
+                                      ignore_result=True)
 
     def _collect(self, submitted: dict[str, Unit]) -> Iterator[tuple[Unit, Outcome]]:
         """Each unit's outcome as its result arrives; a collected unit leaves `submitted` (no longer in flight)."""

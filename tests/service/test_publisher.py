@@ -1,0 +1,125 @@
+"""The publisher: the very messages Celery's own `send_task_message` queues, its signals, one channel per thread."""
+
+from __future__ import annotations
+
+import base64
+import json
+import threading
+from typing import Any
+
+import pytest
+from celery.signals import after_task_publish, before_task_publish
+from service_fixtures import RedisServer
+
+from tokenmill.client import Client
+from tokenmill.queue.names import BATCH_TASK_NAME, JOB_HASH_HEADER, TASK_NAME
+
+
+def _taken(server: RedisServer, count: int) -> list[dict[str, Any]]:
+    """The `count` oldest messages on the queue, oldest first, taken off it."""
+    store = server.client()
+    return [json.loads(store.rpop("tokenmill")) for _ in range(count)]
+
+
+def _as_celery_sends(client: Client, name: str, task_id: str, args: list[Any], argsrepr: str,
+                     headers: dict[str, Any] | None = None, **options: Any) -> None:
+    """The same task message through Celery's `send_task_message` and a pooled kombu producer."""
+    amqp = client.app.amqp
+    message = amqp.as_task_v2(task_id, name, args=args, kwargs={}, argsrepr=argsrepr, kwargsrepr="{}", **options)
+    message.headers.update(headers or {})
+    with client.app.producer_or_acquire() as producer:
+        amqp.send_task_message(producer, name, message, queue=client.queue, retry=True)
+
+
+def _without_tag(message: dict[str, Any]) -> dict[str, Any]:
+    tag = message["properties"].pop("delivery_tag")
+    assert isinstance(tag, str) and len(tag) == 36, tag  # a fresh uuid4 per message, as kombu's
+    return message
+
+
+def test_jobs_and_groups_are_queued_as_celery_queues_them(redis_server: RedisServer) -> None:
+    """`submit`, `submit_many` and an annotate group's message are, but for the delivery tag, byte for byte what
+    Celery's `send_task_message` queues for the same task: any Celery worker takes them."""
+    client = Client(redis_server.url)
+    single = client.submit(prompt="one job", max_tokens=3, temperature=0.0)
+    many = client.submit_many([{"prompt": f"job {i}", "seed": i} for i in range(3)])
+    group = [client.prepare({"prompt": "in a group"})]
+    client.publisher.publish(BATCH_TASK_NAME, "a" * 32, [{"jobs": group}], "[<1 jobs>]", ignore_result=True)
+    ours = [_without_tag(message) for message in _taken(redis_server, 5)]
+
+    for handle, message in zip([single, *many], ours):
+        wire = json.loads(base64.b64decode(message["body"]))[0][0]
+        assert wire["id"] == handle.id and message["headers"][JOB_HASH_HEADER] == handle.job_hash
+        _as_celery_sends(client, TASK_NAME, handle.id, [wire], f"[<job {handle.id}>]", {JOB_HASH_HEADER: handle.job_hash})
+    _as_celery_sends(client, BATCH_TASK_NAME, "a" * 32, [{"jobs": group}], "[<1 jobs>]", ignore_result=True)
+    celerys = [_without_tag(message) for message in _taken(redis_server, 5)]
+    assert ours == celerys
+    assert ours[-1]["headers"]["ignore_result"] is True and ours[0]["headers"]["ignore_result"] is False
+    assert redis_server.client().llen("tokenmill") == 0
+
+
+def test_celery_publish_signals_are_sent_and_their_headers_queued(redis_server: RedisServer) -> None:
+    """Tracing integrations add headers in `before_task_publish`: they reach the queued message, for `submit` and
+    `submit_many` alike; `after_task_publish` follows each."""
+    before: list[str] = []
+    after: list[tuple[str, str]] = []
+
+    def add_trace(sender: str, headers: dict[str, Any], **_: Any) -> None:
+        before.append(sender)
+        headers["traceparent"] = f"trace-{headers['id']}"
+
+    def note(sender: str, body: Any, routing_key: str, **_: Any) -> None:
+        after.append((body[0][0]["id"], routing_key))
+
+    before_task_publish.connect(add_trace, weak=False)
+    after_task_publish.connect(note, weak=False)
+    try:
+        client = Client(redis_server.url)
+        handles = [client.submit(prompt="traced"), *client.submit_many([{"prompt": "a"}, {"prompt": "b"}])]
+    finally:
+        before_task_publish.disconnect(add_trace)
+        after_task_publish.disconnect(note)
+    assert before == [TASK_NAME] * 3
+    assert after == [(handle.id, "tokenmill") for handle in handles]
+    assert [message["headers"]["traceparent"] for message in _taken(redis_server, 3)] == [f"trace-{h.id}" for h in handles]
+
+
+def test_threads_publish_on_channels_of_their_own_and_close_releases_them(redis_server: RedisServer) -> None:
+    """A kombu channel is not thread-safe: each thread publishes on its own, and `close` closes them all."""
+    client = Client(redis_server.url)
+    channels: list[Any] = []
+    errors: list[BaseException] = []
+
+    def submit(index: int) -> None:
+        try:
+            for i in range(50):
+                client.submit(prompt=f"thread {index} job {i}")
+            channels.append(client.publisher._local.channel)
+        except BaseException as exc:  # noqa: BLE001: reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=submit, args=(i,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    assert len({id(channel) for channel in channels}) == 4
+    prompts = sorted(json.loads(base64.b64decode(m["body"]))[0][0]["prompt"] for m in _taken(redis_server, 200))
+    assert prompts == sorted(f"thread {t} job {i}" for t in range(4) for i in range(50))
+    connections = list(client.publisher._connections)
+    assert len(connections) == 4 and all(c.connected for c in connections)
+    client.close()
+    assert not any(c.connected for c in connections)
+
+
+def test_a_failed_batch_queues_nothing_unwritten(redis_server: RedisServer) -> None:
+    """An error while a batch is being built drops the messages not written yet; the next publish works."""
+    client = Client(redis_server.url)
+    with pytest.raises(RuntimeError, match="stop here"):
+        with client.publisher.batch(max_size=1000) as batch:
+            batch.publish(*client._task(client.prepare({"prompt": "never queued"}), None))
+            raise RuntimeError("stop here")
+    assert redis_server.client().llen("tokenmill") == 0
+    client.submit(prompt="queued")
+    assert redis_server.client().llen("tokenmill") == 1
