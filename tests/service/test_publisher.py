@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import json
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -123,3 +124,24 @@ def test_a_failed_batch_queues_nothing_unwritten(redis_server: RedisServer) -> N
     assert redis_server.client().llen("tokenmill") == 0
     client.submit(prompt="queued")
     assert redis_server.client().llen("tokenmill") == 1
+
+
+def test_with_redis_down_submit_fails_as_celerys_publish_does_and_works_once_it_is_back(redis_server: RedisServer) -> None:
+    """A broken connection is opened anew once, with Celery's publish retry policy (three tries, 0.2 s apart): an
+    `OperationalError` within seconds, as `send_task_message` gave, not a wait on the worker's endless reconnects;
+    no connection is kept for the failed tries."""
+    from kombu.exceptions import OperationalError
+
+    client = Client(redis_server.url)
+    client.submit(prompt="before")
+    redis_server.stop()
+    started = time.monotonic()
+    for _ in range(3):
+        with pytest.raises(OperationalError):
+            client.submit(prompt="while down")
+    assert time.monotonic() - started < 10
+    assert client.publisher._connections == []
+    redis_server.start()
+    client.submit(prompt="after")
+    queued = [json.loads(base64.b64decode(m["body"]))[0][0]["prompt"] for m in _taken(redis_server, 2)]
+    assert queued == ["before", "after"] and len(client.publisher._connections) == 1  # the broken one released

@@ -96,14 +96,20 @@ class Publisher:
         self.published(name, body)
 
     def _channel(self) -> Any:
-        """This thread's channel, opened (and the queue declared on it) at the thread's first publish."""
+        """This thread's channel, opened (and the queue declared on it) at the thread's first publish. Connecting is
+        retried as Celery retries a publish (`task_publish_retry_policy`: with Redis down, an error after 0.6 s)."""
         channel = getattr(self._local, "channel", None)
         if channel is None:
             connection = self.app.connection_for_write()
+            try:
+                connection.ensure_connection(**self.app.conf.task_publish_retry_policy)
+                channel = connection.default_channel
+                self.app.amqp.queues[self.queue].bind(channel).declare()
+            except BaseException:
+                connection.release()
+                raise
             with self._lock:
                 self._connections.append(connection)
-            channel = connection.default_channel
-            self.app.amqp.queues[self.queue].bind(channel).declare()
             self._local.channel = channel
         return channel
 
