@@ -182,9 +182,11 @@ def test_as_completed_with_a_tick_yields_none_while_waiting_on_one_subscription(
 
 
 def test_waits_one_after_another_share_one_pubsub_connection(redis_server: RedisServer) -> None:
-    """A wait leaves its pub/sub connection, unsubscribed, to the next instead of closing it: fails where each
+    """A wait leaves its pub/sub connection to the next (which unsubscribes it) instead of closing it: fails where each
     `result()` connects anew (five more connections). A notification of an earlier wait, still unread on the kept
-    connection, is not taken for a later job's; a kept connection Redis dropped (a restart) is replaced."""
+    connection, is not taken for a later job's; a kept connection Redis dropped (a restart) is replaced. Results are
+    stored through a backend of their own, as a worker's: storing through the client's pool, a store still holding
+    its connection as the next wait began made that wait's first read open another."""
     import threading
     import time
 
@@ -192,10 +194,11 @@ def test_waits_one_after_another_share_one_pubsub_connection(redis_server: Redis
 
     client = Client(redis_server.url)
     redis = redis_server.client()
+    worker_backend = Client(redis_server.url).app.backend
 
     def store(job_id: str, text: str, delay: float = 0.0) -> JobResult:
         stored = JobResult(id=job_id, status="succeeded", text=text, token_ids=[1])
-        threading.Timer(delay, client.app.backend.store_result, (job_id, stored.to_wire(), "SUCCESS")).start()
+        threading.Timer(delay, worker_backend.store_result, (job_id, stored.to_wire(), "SUCCESS")).start()
         return stored  # stored after `delay` seconds, as the worker's Celery stores (SET, then PUBLISH)
 
     earlier, unread = client.submit(prompt="earlier"), client.submit(prompt="left unread")

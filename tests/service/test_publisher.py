@@ -85,17 +85,18 @@ def test_celery_publish_signals_are_sent_and_their_headers_queued(redis_server: 
     assert [message["headers"]["traceparent"] for message in _taken(redis_server, 3)] == [f"trace-{h.id}" for h in handles]
 
 
-def test_threads_publish_on_channels_of_their_own_and_close_releases_them(redis_server: RedisServer) -> None:
-    """A kombu channel is not thread-safe: each thread publishes on its own, and `close` closes them all."""
+def test_threads_publish_on_channels_of_their_own_kept_open_and_closed_by_close(redis_server: RedisServer) -> None:
+    """A kombu channel is not thread-safe: each publish has one to itself. Channels stay open for the next publishes
+    (a thread started per job reuses the last one instead of leaving a connection behind), and `close` closes them."""
     client = Client(redis_server.url)
-    channels: list[Any] = []
     errors: list[BaseException] = []
+    both = threading.Barrier(4)
 
     def submit(index: int) -> None:
         try:
+            both.wait(timeout=10)
             for i in range(50):
                 client.submit(prompt=f"thread {index} job {i}")
-            channels.append(client.publisher._local.channel)
         except BaseException as exc:  # noqa: BLE001: reported below
             errors.append(exc)
 
@@ -105,13 +106,19 @@ def test_threads_publish_on_channels_of_their_own_and_close_releases_them(redis_
     for thread in threads:
         thread.join()
     assert not errors, errors
-    assert len({id(channel) for channel in channels}) == 4
     prompts = sorted(json.loads(base64.b64decode(m["body"]))[0][0]["prompt"] for m in _taken(redis_server, 200))
     assert prompts == sorted(f"thread {t} job {i}" for t in range(4) for i in range(50))
-    connections = list(client.publisher._connections)
-    assert len(connections) == 4 and all(c.connected for c in connections)
+    assert 1 <= len(client.publisher._idle) <= 4
+
+    for i in range(20):  # one short-lived thread per job, one after another
+        thread = threading.Thread(target=client.submit, kwargs={"prompt": f"own thread {i}"})
+        thread.start()
+        thread.join()
+    assert redis_server.client().llen("tokenmill") == 20
+    connections = [channel.connection.client for channel in client.publisher._idle]
+    assert 1 <= len(connections) <= 4 and all(connection.connected for connection in connections)
     client.close()
-    assert not any(c.connected for c in connections)
+    assert client.publisher._idle == [] and not any(connection.connected for connection in connections)
 
 
 def test_a_failed_batch_queues_nothing_unwritten(redis_server: RedisServer) -> None:
@@ -140,8 +147,8 @@ def test_with_redis_down_submit_fails_as_celerys_publish_does_and_works_once_it_
         with pytest.raises(OperationalError):
             client.submit(prompt="while down")
     assert time.monotonic() - started < 10
-    assert client.publisher._connections == []
+    assert client.publisher._idle == []  # the broken channel closed, none kept of the failed tries
     redis_server.start()
     client.submit(prompt="after")
     queued = [json.loads(base64.b64decode(m["body"]))[0][0]["prompt"] for m in _taken(redis_server, 2)]
-    assert queued == ["before", "after"] and len(client.publisher._connections) == 1  # the broken one released
+    assert queued == ["before", "after"] and len(client.publisher._idle) == 1

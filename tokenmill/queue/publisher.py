@@ -1,9 +1,10 @@
-"""Publishing Celery task messages to one queue: built by Celery and kombu, written on a channel kept per thread.
+"""Publishing Celery task messages to one queue: built by Celery and kombu, written on kombu channels kept open.
 
 Why not Celery's `send_task_message` through a pooled producer, as a Celery app publishes: for one job, after a
 pause (the lone job a client submits now and then), its way from the producer pool through kombu's retry wrapper,
-`Producer.publish` and the queue's declaration to the LPUSH took 1.12-1.18 ms of the client's time against 0.76 ms
-here (p50 of 300, 10 ms apart, the same message to a local redis-server), and the worker waits for that LPUSH.
+`Producer.publish` and the queue's declaration to the LPUSH took 1.17-1.20 ms of the client's time against 0.80-0.82
+here (p50 of 400, 10 ms apart, alternating, the same message to a local redis-server), and the worker waits for
+that LPUSH.
 
 The message is the one Celery sends: `app.amqp.as_task_v2` makes its headers, properties and body, kombu's
 serializer its bytes and kombu's Redis channel its envelope (`prepare_message`, `basic_publish`: delivery tag,
@@ -22,56 +23,61 @@ from typing import Any
 from celery.signals import after_task_publish, before_task_publish
 from kombu import serialization
 from kombu.entity import maybe_delivery_mode
+from kombu.exceptions import BatchPublishError
+
+
+#: Channels a publisher keeps open between publishes (more are opened while more threads publish at once, and
+#: closed after).
+IDLE_CHANNELS = 8
 
 
 class Publisher:
-    """Task messages to `queue` of `app`'s broker; any thread may publish (each on its own channel)."""
+    """Task messages to `queue` of `app`'s broker; any thread may publish (each publish on a channel of its own)."""
 
     def __init__(self, app: Any, queue: str) -> None:
         self.app = app
         self.queue = queue
         self._delivery_mode = maybe_delivery_mode(app.conf.task_default_delivery_mode)
-        self._local = threading.local()  # this thread's channel (`_channel`)
-        self._connections: list[Any] = []  # every channel's connection, for `close`
+        self._idle: list[Any] = []  # open channels no publish holds, the last used last
+        self._closed = False
         self._lock = threading.Lock()
-        self._errors: tuple[type[BaseException], ...] = app.connection_for_write().connection_errors
+        self._errors: tuple[type[BaseException], ...] = (
+            *app.connection_for_write().connection_errors, BatchPublishError)
 
     def publish(self, name: str, task_id: str, args: list[Any], argsrepr: str, headers: dict[str, Any] | None = None,
                 **options: Any) -> None:
-        """Queue one task message (one LPUSH). On a broken connection (Redis restarted) the channel is opened anew and
-        the message published once more: it was not queued, or a worker takes it twice, which a job's id makes
-        harmless (as kombu's retrying publish)."""
+        """Queue one task message (one LPUSH). On a broken connection the message is published once more, on another
+        channel: it was not queued, or a worker takes it twice, which a job's id makes harmless (as kombu's retrying
+        publish)."""
         try:
-            self._send(self._channel(), name, task_id, args, argsrepr, headers, options)
+            with self._channel() as channel:
+                self._send(channel, name, task_id, args, argsrepr, headers, options)
         except self._errors:
-            self._drop_channel()
-            self._send(self._channel(), name, task_id, args, argsrepr, headers, options)
+            with self._channel() as channel:
+                self._send(channel, name, task_id, args, argsrepr, headers, options)
 
     @contextlib.contextmanager
     def batch(self, max_size: int) -> Iterator[PublishBatch]:
         """Messages published inside are written in pipelined writes of up to `max_size` (and at each `flush`), the
         rest when the block ends; on an error inside, the unwritten ones are dropped. A broken connection raises
-        `kombu.exceptions.BatchPublishError` (some messages may have been queued) and the channel is opened anew
-        at the next publish."""
-        channel = self._channel()
-        batch = PublishBatch(self, channel, max_size)
-        try:
-            yield batch
-            batch.flush()
-        except self._errors:
-            self._drop_channel()
-            raise
-        except BaseException:
-            batch.discard()
-            raise
-        finally:
-            batch.close()
+        `kombu.exceptions.BatchPublishError` (some messages may have been queued)."""
+        with self._channel() as channel:
+            batch = PublishBatch(self, channel, max_size)
+            try:
+                yield batch
+                batch.flush()
+            except BaseException:
+                batch.discard()
+                raise
+            finally:
+                batch.close()
 
     def close(self) -> None:
+        """Close the idle channels' connections; a channel in use is closed when its publish ends."""
         with self._lock:
-            connections, self._connections = self._connections, []
-        for connection in connections:
-            connection.release()
+            self._closed, (idle, self._idle) = True, (self._idle, [])
+        for channel in idle:
+            _release(channel)
 
     def message(self, channel: Any, name: str, task_id: str, args: list[Any], argsrepr: str,
                 headers: dict[str, Any] | None, options: dict[str, Any]) -> tuple[dict[str, Any], Any]:
@@ -95,34 +101,46 @@ class Publisher:
         channel.basic_publish(message, exchange="", routing_key=self.queue)
         self.published(name, body)
 
-    def _channel(self) -> Any:
-        """This thread's channel, opened (and the queue declared on it) at the thread's first publish. Connecting is
-        retried as Celery retries a publish (`task_publish_retry_policy`: with Redis down, an error after 0.6 s)."""
-        channel = getattr(self._local, "channel", None)
+    @contextlib.contextmanager
+    def _channel(self) -> Iterator[Any]:
+        """A channel for this block alone (a kombu channel is not thread-safe): the last one used, else a new one.
+        After the block it is kept for the next (up to `IDLE_CHANNELS`), or closed, and always when its connection
+        broke. Kept, not per thread: a thread started per job would have left a connection behind each."""
+        with self._lock:
+            channel = self._idle.pop() if self._idle else None
         if channel is None:
-            connection = self.app.connection_for_write()
-            try:
-                connection.ensure_connection(**self.app.conf.task_publish_retry_policy)
-                channel = connection.default_channel
-                self.app.amqp.queues[self.queue].bind(channel).declare()
-            except BaseException:
-                connection.release()
-                raise
+            channel = self._open()
+        broken = False
+        try:
+            yield channel
+        except self._errors:
+            broken = True
+            raise
+        finally:
             with self._lock:
-                self._connections.append(connection)
-            self._local.channel = channel
+                keep = not (broken or self._closed) and len(self._idle) < IDLE_CHANNELS
+                if keep:
+                    self._idle.append(channel)
+            if not keep:
+                _release(channel)
+
+    def _open(self) -> Any:
+        """A new channel, the queue declared on it as kombu's producer declares it at its first publish. Connecting is
+        retried as Celery retries a publish (`task_publish_retry_policy`: with Redis down, an error after 0.6 s)."""
+        connection = self.app.connection_for_write()
+        try:
+            connection.ensure_connection(**self.app.conf.task_publish_retry_policy)
+            channel = connection.default_channel
+            self.app.amqp.queues[self.queue].bind(channel).declare()
+        except BaseException:
+            connection.release()
+            raise
         return channel
 
-    def _drop_channel(self) -> None:
-        channel, self._local.channel = getattr(self._local, "channel", None), None
-        if channel is None:
-            return
-        connection = channel.connection.client
-        with self._lock:
-            if connection in self._connections:
-                self._connections.remove(connection)
-        with contextlib.suppress(Exception):
-            connection.release()
+
+def _release(channel: Any) -> None:
+    with contextlib.suppress(Exception):
+        channel.connection.client.release()
 
 
 class PublishBatch:
