@@ -51,10 +51,10 @@ class Publisher:
         publish)."""
         try:
             with self._channel() as channel:
-                self._send(channel, name, task_id, args, argsrepr, headers, options)
+                self.send(channel, channel.basic_publish, name, task_id, args, argsrepr, headers, options)
         except self._errors:
             with self._channel() as channel:
-                self._send(channel, name, task_id, args, argsrepr, headers, options)
+                self.send(channel, channel.basic_publish, name, task_id, args, argsrepr, headers, options)
 
     @contextlib.contextmanager
     def batch(self, max_size: int) -> Iterator[PublishBatch]:
@@ -79,10 +79,10 @@ class Publisher:
         for channel in idle:
             _release(channel)
 
-    def message(self, channel: Any, name: str, task_id: str, args: list[Any], argsrepr: str,
-                headers: dict[str, Any] | None, options: dict[str, Any]) -> tuple[dict[str, Any], Any]:
-        """The message as kombu's Redis transport queues it (its envelope is completed as it is published), and the
-        Celery body it carries; Celery's `before_task_publish` is sent."""
+    def send(self, channel: Any, put: Any, name: str, task_id: str, args: list[Any], argsrepr: str,
+             headers: dict[str, Any] | None, options: dict[str, Any]) -> None:
+        """Make the message as kombu's Redis transport queues it and hand it to `put` (`channel.basic_publish`, or a
+        publish batch's `publish`, which completes its envelope), between Celery's two publish signals."""
         message_headers, properties, body, _ = self.app.amqp.as_task_v2(
             task_id, name, args=args, kwargs={}, argsrepr=argsrepr, kwargsrepr="{}", **options)
         message_headers.update(headers or {})
@@ -90,16 +90,9 @@ class Publisher:
                                  headers=message_headers, properties=properties, retry_policy={})
         content_type, content_encoding, data = serialization.dumps(body, serializer="json")
         properties["delivery_mode"] = self._delivery_mode
-        return channel.prepare_message(data, None, content_type, content_encoding, message_headers, properties), body
-
-    def published(self, name: str, body: Any) -> None:
+        put(channel.prepare_message(data, None, content_type, content_encoding, message_headers, properties),
+            exchange="", routing_key=self.queue)
         after_task_publish.send(sender=name, body=body, exchange="", routing_key=self.queue)
-
-    def _send(self, channel: Any, name: str, task_id: str, args: list[Any], argsrepr: str,
-              headers: dict[str, Any] | None, options: dict[str, Any]) -> None:
-        message, body = self.message(channel, name, task_id, args, argsrepr, headers, options)
-        channel.basic_publish(message, exchange="", routing_key=self.queue)
-        self.published(name, body)
 
     @contextlib.contextmanager
     def _channel(self) -> Iterator[Any]:
@@ -153,9 +146,7 @@ class PublishBatch:
 
     def publish(self, name: str, task_id: str, args: list[Any], argsrepr: str, headers: dict[str, Any] | None = None,
                 **options: Any) -> None:
-        message, body = self._publisher.message(self._channel, name, task_id, args, argsrepr, headers, options)
-        self._batch.publish(message, exchange="", routing_key=self._publisher.queue)
-        self._publisher.published(name, body)
+        self._publisher.send(self._channel, self._batch.publish, name, task_id, args, argsrepr, headers, options)
 
     def flush(self) -> None:
         self._batch.flush()
