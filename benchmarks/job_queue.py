@@ -197,10 +197,11 @@ class QueuePath:
     """redis-server + one worker subprocess + a Client in this process."""
 
     def __init__(self, directory: Path, max_num_seqs: int, threads: int, concurrency: int | None, repo: Path = REPO,
-                 wrapper: tuple[str, ...] = ()) -> None:
+                 wrapper: tuple[str, ...] = (), entry: tuple[str, ...] = ("-m", "tokenmill.cli")) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         self.repo = repo
         self.wrapper = wrapper  # a command the worker runs under (valgrind)
+        self.entry = entry  # what Python runs: the `tokenmill` command, or a script that wraps it (hop_stamps.py)
         self.redis = self._start_redis(directory)
         self.worker = self._start_worker(directory / "worker.log", max_num_seqs, threads, concurrency)
         self.engine_pid = engine_pid(self.worker.pid)
@@ -227,7 +228,7 @@ class QueuePath:
         return process
 
     def _start_worker(self, log_path: Path, max_num_seqs: int, threads: int, concurrency: int | None) -> subprocess.Popen:
-        command = [*self.wrapper, sys.executable, "-m", "tokenmill.cli", "worker", "--broker", self.broker, "--model", "builtin:tiny",
+        command = [*self.wrapper, sys.executable, *self.entry, "worker", "--broker", self.broker, "--model", "builtin:tiny",
                    "--max-num-seqs", str(max_num_seqs), "--metrics-port", "0", "--hostname", "bench@%h"]
         if concurrency:
             command += ["--concurrency", str(concurrency)]
