@@ -4,6 +4,7 @@
     python benchmarks/job_queue.py --intake          # the queue path's ceiling (see below)
     python benchmarks/job_queue.py --intake --against /path/to/other/checkout   # before/after in one run
     python benchmarks/job_queue.py --instructions [--against PATH]   # the worker's instructions per job (callgrind)
+    python benchmarks/job_queue.py --against-flags='--engine-cpus auto'   # a worker setting's effect, side by side
 
 Starts its own redis-server (AOF on, `appendfsync everysec`, as in docker-compose) on a free port and
 one `tokenmill worker` on builtin:tiny, loads the same model in this process, and measures, in one run:
@@ -38,6 +39,8 @@ the rounds alternate between the two queue paths and the in-process engine, so a
 one run's machine and its drift: on the shared 2-core machine the same code's CPU per job moves by 20% from one
 run to the next, more than most changes, while the ratio of two paths measured side by side moves much less.
 The client and the in-process engine are this checkout's in both.
+`--against-flags FLAGS` gives that second path's worker more flags (`--against-flags='--engine-cpus auto'`); without
+`--against` the second path runs this checkout too: a setting's effect, measured side by side.
 
 `--instructions` counts what no load moves: the instructions the worker process executes per one-token job,
 under valgrind's callgrind (the engine process runs natively: callgrind does not follow it). The worker runs
@@ -60,6 +63,7 @@ import argparse  # noqa: E402
 import random  # noqa: E402
 import re  # noqa: E402
 import resource  # noqa: E402
+import shlex  # noqa: E402
 import shutil  # noqa: E402
 import socket  # noqa: E402
 import statistics  # noqa: E402
@@ -197,11 +201,13 @@ class QueuePath:
     """redis-server + one worker subprocess + a Client in this process."""
 
     def __init__(self, directory: Path, max_num_seqs: int, threads: int, concurrency: int | None, repo: Path = REPO,
-                 wrapper: tuple[str, ...] = (), entry: tuple[str, ...] = ("-m", "tokenmill.cli")) -> None:
+                 wrapper: tuple[str, ...] = (), entry: tuple[str, ...] = ("-m", "tokenmill.cli"),
+                 flags: tuple[str, ...] = ()) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         self.repo = repo
         self.wrapper = wrapper  # a command the worker runs under (valgrind)
         self.entry = entry  # what Python runs: the `tokenmill` command, or a script that wraps it (hop_stamps.py)
+        self.flags = flags  # more `tokenmill worker` flags (`--against-flags`)
         self.redis = self._start_redis(directory)
         self.worker = self._start_worker(directory / "worker.log", max_num_seqs, threads, concurrency)
         self.engine_pid = engine_pid(self.worker.pid)
@@ -232,6 +238,7 @@ class QueuePath:
                    "--max-num-seqs", str(max_num_seqs), "--metrics-port", "0", "--hostname", "bench@%h"]
         if concurrency:
             command += ["--concurrency", str(concurrency)]
+        command += self.flags
         env = {**os.environ, "PYTHONPATH": str(self.repo), "OMP_NUM_THREADS": str(threads)}
         self.log_path = log_path
         process = subprocess.Popen(command, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT, env=env, cwd=self.repo)
@@ -341,6 +348,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--against", default=None, metavar="PATH",
                         help="another checkout whose worker runs beside this one's, rounds alternating (see above)")
+    parser.add_argument("--against-flags", default=None, metavar="FLAGS",
+                        help="worker flags of a second queue path (of --against PATH, or of this checkout), rounds "
+                             "alternating, e.g. --against-flags='--engine-cpus auto'")
     parser.add_argument("--instructions", action="store_true",
                         help="the worker's instructions per one-token job under callgrind (see above); implies --intake")
     parser.add_argument("--intake", action="store_true",
@@ -349,15 +359,20 @@ def main() -> None:
     args = parser.parse_args(intake_defaults(sys.argv[1:]))
     workload = make_workload(args.jobs, args.seed, args.min_tokens, args.max_tokens)
 
-    repos = {"this checkout": REPO, **({f"against {args.against}": Path(args.against).resolve()} if args.against else {})}
+    repos = {"this checkout": (REPO, ())}
+    if args.against or args.against_flags:
+        flags = tuple(shlex.split(args.against_flags or ""))
+        repos[f"against {args.against or 'this checkout'}{' ' + ' '.join(flags) if flags else ''}"] = (
+            Path(args.against or REPO).resolve(), flags)
     if args.instructions:
         count_instructions(args, workload, repos)
         return
     with tempfile.TemporaryDirectory() as tmp:
         queues: dict[str, QueuePath] = {}
         try:
-            for number, (name, repo) in enumerate(repos.items()):
-                queues[name] = QueuePath(Path(tmp) / str(number), args.max_num_seqs, args.threads, args.concurrency, repo)
+            for number, (name, (repo, flags)) in enumerate(repos.items()):
+                queues[name] = QueuePath(Path(tmp) / str(number), args.max_num_seqs, args.threads, args.concurrency, repo,
+                                         flags=flags)
             local = LocalPath(args.max_num_seqs, args.threads)
             for queue in queues.values():
                 queue.warm_up(workload)
@@ -456,20 +471,20 @@ def report(args: argparse.Namespace, workload: Workload, local_runs: list[Run], 
 BASELINE_JOBS = 200
 
 
-def count_instructions(args: argparse.Namespace, workload: Workload, repos: dict[str, Path]) -> None:
+def count_instructions(args: argparse.Namespace, workload: Workload, repos: dict[str, tuple[Path, tuple[str, ...]]]) -> None:
     """Per checkout, the worker's instructions per job: (total on all jobs - total on BASELINE_JOBS) / the difference."""
     if shutil.which("valgrind") is None:
         sys.exit("--instructions needs valgrind (apt-get install valgrind)")
     if len(workload.prompts) <= BASELINE_JOBS:
         sys.exit(f"--instructions needs more than {BASELINE_JOBS} --jobs")
     per_job = {}
-    for name, repo in repos.items():
+    for name, (repo, flags) in repos.items():
         totals = []
         for count in (BASELINE_JOBS, len(workload.prompts)):
             with tempfile.TemporaryDirectory() as tmp:
                 out = Path(tmp) / "callgrind.out"
                 wrapper = ("valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", "--trace-children=no")
-                queue = QueuePath(Path(tmp), args.max_num_seqs, args.threads, args.concurrency, repo, wrapper)
+                queue = QueuePath(Path(tmp), args.max_num_seqs, args.threads, args.concurrency, repo, wrapper, flags=flags)
                 try:
                     jobs = [workload.job(i) for i in range(count)]
                     for result in queue.client.results(queue.client.submit_many(jobs), timeout=3600):

@@ -101,13 +101,15 @@ class EngineProcess:
         options: dict[str, Any],
         on_fatal: Callable[[BaseException], None] | None = None,
         on_stats: Callable[[EngineStatus], None] | None = None,
+        cpus: set[int] | None = None,
     ) -> None:
+        """`cpus`: the CPUs the engine process runs on (`tokenmill.worker.cpus`); None: wherever this process may."""
         # `tokenizers` batches on the calling thread (a thread pool would take cores from the engine, at more CPU)
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         context = multiprocessing.get_context("spawn")  # no fork of a process that runs threads
         self._conn, child_conn = context.Pipe()
         self._process = context.Process(
-            target=serve, args=(child_conn, model, options), name="tokenmill-engine", daemon=True
+            target=serve, args=(child_conn, model, options, cpus), name="tokenmill-engine", daemon=True
         )
         self._child_conn = child_conn
         self._on_fatal = on_fatal
@@ -299,8 +301,9 @@ def freeze_startup_objects() -> None:
     gc.freeze()
 
 
-def serve(conn: Connection, model: str, options: dict[str, Any]) -> None:
-    """Main function of the engine process: load the model once, then step while there is work.
+def serve(conn: Connection, model: str, options: dict[str, Any], cpus: set[int] | None = None) -> None:
+    """Main function of the engine process: load the model once, then step while there is work (on `cpus`, if given:
+    set before torch starts any thread, which inherit them).
 
     SIGINT and SIGTERM are ignored here: sent to the whole process group (Ctrl-C in a terminal,
     `timeout`, some supervisors) they must not kill the engine under the worker, which is finishing
@@ -309,6 +312,8 @@ def serve(conn: Connection, model: str, options: dict[str, Any]) -> None:
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if cpus:
+        os.sched_setaffinity(0, cpus)
     from tokenmill.engine.llm_engine import LLMEngine  # torch is imported here, in this process only
 
     engine = LLMEngine(model, **options)

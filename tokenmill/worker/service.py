@@ -66,6 +66,7 @@ from tokenmill.queue.schemas import SCHEMA_VERSION, Job, JobResult, is_job_id
 from tokenmill.queue.served import Announcer
 from tokenmill.queue.tls import redis_client
 from tokenmill.worker.cancel_listener import CancelListener
+from tokenmill.worker.cpus import format_cpu_list, pin_process, placement
 from tokenmill.worker.engine_process import EngineProcess
 from tokenmill.worker.metrics import WorkerMetrics
 from tokenmill.worker.settings import WorkerSettings
@@ -187,11 +188,16 @@ class WorkerService:
         started = time.monotonic()
         metrics = WorkerMetrics()
         metrics.serve(settings.metrics_port, settings.metrics_addr, tries=settings.metrics_port_tries)
+        cpus = placement(settings.engine_cpus)  # (the engine's, the worker's), or None
         engine = EngineProcess(
-            settings.model, settings.engine_options(), on_fatal=_exit_on_engine_failure, on_stats=metrics.on_engine_status
+            settings.model, settings.engine_options(), on_fatal=_exit_on_engine_failure, on_stats=metrics.on_engine_status,
+            cpus=cpus[0] if cpus else None,
         )
         engine.start()
         log.info("engine process ready with model %s after %.1fs", settings.model, time.monotonic() - started)
+        if cpus:
+            pin_process(cpus[1])
+            log.info("engine process on CPU %s, the worker on CPU %s", *map(format_cpu_list, cpus))
         sink = S3Sink(
             settings.s3_endpoint_url,
             settings.s3_region,

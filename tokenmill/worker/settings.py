@@ -14,6 +14,7 @@ from pydantic_settings import NoDecode
 
 from tokenmill.queue.schemas import S3Location
 from tokenmill.queue.settings import QueueSettings
+from tokenmill.worker.cpus import placement
 
 
 class WorkerSettings(QueueSettings):
@@ -40,6 +41,11 @@ class WorkerSettings(QueueSettings):
         10, ge=0, le=19, description="How much lower the CPU priority of the worker's own threads (Celery, job "
         "bookkeeping, result writes) is than its engine process's (a Unix nice increment): when cores are short, "
         "the engine, which every job in the batch waits on, runs first. 0: the same priority.",
+    )
+    engine_cpus: str = Field(
+        "off", description="CPUs of the engine process, the worker's own threads on the other available ones: a list "
+        "(2 or 2-3,6), auto (the last available CPU), or off (both anywhere). With a CPU of its own the engine's steps "
+        "no longer share one with the worker's work on its jobs. For one worker per machine, or give each its own.",
     )
     remote_control_writes: bool = Field(
         False, description="Accept Celery's remote commands that change a worker (shutdown, pool_grow/shrink/restart, "
@@ -105,6 +111,12 @@ class WorkerSettings(QueueSettings):
             if not isinstance(entry, str) or not entry.startswith("s3://"):
                 raise ValueError(f"{entry!r} is not an s3://bucket/prefix/ URI")
             S3Location.parse(entry)  # ValueError naming the entry
+        return value
+
+    @field_validator("engine_cpus")
+    @classmethod
+    def _check_engine_cpus(cls, value: str) -> str:
+        placement(value)  # ValueError naming what cannot be done here
         return value
 
     @model_validator(mode="after")
