@@ -20,17 +20,21 @@ own answer to an unknown task); otherwise the message is set aside in the dead-l
 `tokenmill dead-letters list` shows it (not requeueable: it is no job; `purge` drops it).
 
 It also logs refused messages without their body: Celery's own handlers quote up to 1 KiB of it,
-which would put prompt text in the logs. Torch-free.
+which would put prompt text in the logs. And it keeps a lost broker connection from stopping the worker on
+Celery's own bookkeeping (`snapshot_request_sets`). Torch-free.
 """
 
 from __future__ import annotations
 
 import logging
+import weakref
+from collections.abc import Iterator
 from typing import Any
 
 from celery import signals
 from celery.exceptions import InvalidTaskError, NotRegistered
 from celery.utils.objects import Bunch
+from celery.worker import state
 from celery.worker.consumer import Consumer
 
 from tokenmill.queue import dead_letters
@@ -45,6 +49,29 @@ log = logging.getLogger(__name__)
 ALLOWED_TASKS: frozenset[str] = frozenset({TASK_NAME, BATCH_TASK_NAME})
 #: Longest task id a refusal is stored under; a longer one is set aside in the dead-letter list instead.
 MAX_RESULT_ID_CHARS = 1024
+
+
+class _SnapshotWeakSet(weakref.WeakSet):
+    """A WeakSet iterated over a copy of its members, taken in one step: other threads may add and discard meanwhile."""
+
+    def __iter__(self) -> Iterator[Any]:
+        for ref in tuple(self.data):  # one C call under the GIL: no other thread changes the set halfway
+            item = ref()
+            if item is not None:
+                yield item
+
+
+def snapshot_request_sets() -> None:
+    """Make Celery's sets of reserved, active and scheduled requests safe to iterate while other threads change them.
+
+    When the broker connection drops, the consumer's `on_close` iterates them (`tuple(reserved_requests)`), while the
+    intake's group and finisher threads (and the pool's threads) mark other requests accepted and ready, which adds to
+    and discards from the same sets: a worker died of "Set changed size during iteration" during a Redis restart
+    (tests/service/test_service_faults.py), and a thread changing the set beside such a loop broke it within 17
+    iterations here. The sets keep their identity (Celery's functions hold their bound `add` and `discard`); only their
+    iteration changes."""
+    for requests in (state.reserved_requests, state.active_requests, state.scheduled_requests):
+        requests.__class__ = _SnapshotWeakSet
 
 
 def result_id(message: Any) -> str | None:
@@ -89,7 +116,12 @@ def _time_limits_ok(value: Any) -> bool:
 
 
 class GuardedConsumer(Consumer):
-    """Celery's consumer with `protocol_problem` and `ALLOWED_TASKS` checked before a task strategy."""
+    """Celery's consumer with `protocol_problem` and `ALLOWED_TASKS` checked before a task strategy, and Celery's
+    request sets safe to iterate from it while other threads change them (`snapshot_request_sets`)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        snapshot_request_sets()
+        super().__init__(*args, **kwargs)
 
     def create_task_handler(self, *args: Any, **kwargs: Any) -> Any:
         handle = super().create_task_handler(*args, **kwargs)
