@@ -5,8 +5,8 @@ engine's steps then shared a CPU with the worker's own work while another idled,
 2-core machine (`benchmarks/job_queue.py --against-flags='--engine-cpus auto'`, 4 alternating rounds), with the
 engine process on a CPU of its own: 1000 jobs of 16-64 tokens 0.93 -> 1.06x the in-process engine's throughput
 (better in each round), the engine's CPU per job 4.44 -> 3.72 ms, a lone job's added latency p50 9.1 -> 7.9 ms (the
-same outside its decode steps). But 3,000 one-token jobs (`--intake`, two runs of 3 rounds) 0.90 -> 0.54x and 0.96 ->
-0.64x: there the worker, confined to the other CPU with Redis and the client, is what every job waits for. Off by
+same outside its decode steps). But 3,000 one-token jobs (`--intake`, two runs of 3 rounds) 0.90 -> 0.54x, lower in 4
+of the 6 rounds: there the worker, confined to the other CPU with Redis and the client, is what every job waits for. Off by
 default for that, and because each worker placed this way claims its CPUs: two workers on one machine must each be
 given their own list.
 """
