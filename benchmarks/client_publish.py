@@ -37,16 +37,22 @@ JOB = {"prompt": "Summarize the following sentence in three words: the cat sat o
        "temperature": 0.0, "ignore_eos": True}
 
 
-def celery_submit(client: Client, fields: dict[str, Any]) -> JobHandle:
-    """`Client.submit` as it published before 2026-12-03: Celery's `send_task_message` on a pooled producer."""
-    wire = client.prepare(dict(fields))
-    handle = JobHandle(wire["id"], client, content_hash(wire))
+def celery_publish(client: Client, wire: dict[str, Any], job_hash: str) -> None:
+    """A validated job published as `Client.submit` did before 2026-12-03: Celery's `send_task_message` on a pooled
+    producer."""
     amqp = client.app.amqp
     message = amqp.as_task_v2(wire["id"], TASK_NAME, args=[wire], kwargs={}, argsrepr=f"[<job {wire['id']}>]",
                               kwargsrepr="{}")
-    message.headers[JOB_HASH_HEADER] = handle.job_hash
+    message.headers[JOB_HASH_HEADER] = job_hash
     with client.app.producer_or_acquire() as producer:
         amqp.send_task_message(producer, TASK_NAME, message, queue=client.queue, retry=True)
+
+
+def celery_submit(client: Client, fields: dict[str, Any]) -> JobHandle:
+    """`Client.submit` as it was before 2026-12-03 (`celery_publish`)."""
+    wire = client.prepare(dict(fields))
+    handle = JobHandle(wire["id"], client, content_hash(wire))
+    celery_publish(client, wire, handle.job_hash)
     return handle
 
 
@@ -89,16 +95,8 @@ def main() -> None:
             client = Client(server.url)
             wire = client.prepare(dict(JOB))
             job_hash = content_hash(wire)
-            amqp = client.app.amqp
 
-            def celery_publish() -> None:
-                message = amqp.as_task_v2(wire["id"], TASK_NAME, args=[wire], kwargs={},
-                                          argsrepr=f"[<job {wire['id']}>]", kwargsrepr="{}")
-                message.headers[JOB_HASH_HEADER] = job_hash
-                with client.app.producer_or_acquire() as producer:
-                    amqp.send_task_message(producer, TASK_NAME, message, queue=client.queue, retry=True)
-
-            ways = {"Celery's send_task_message": celery_publish,
+            ways = {"Celery's send_task_message": lambda: celery_publish(client, wire, job_hash),
                     "tokenmill's publisher": lambda: client.publisher.publish(*client._task(wire, job_hash))}
             alternate(ways, 50, 0.0)  # warm both
             report(f"the publish alone, {args.pause * 1e3:g} ms idle before each", alternate(ways, args.jobs, args.pause))
