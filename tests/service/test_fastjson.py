@@ -100,6 +100,7 @@ def test_plain_loads_reads_escaped_control_characters_with_orjson(monkeypatch: p
 
 @given(_values)
 @example({"t": 1e-05, "u": 1e16, "v": 5e-324})  # exponent forms the stdlib writes otherwise
+@example(6.103515625e-05)  # below 1e-4 orjson wrote it out (0.00006103515625), the stdlib with an exponent
 @example({"text": "caf\u00e9 \x7f \x00 \n"})  # escapes the stdlib makes
 @example({"seed": 2**64, "nan": float("nan")})
 @example({"b": {"z": 1, "a": [True, None, 0.1]}, "a": ""})

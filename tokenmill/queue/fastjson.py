@@ -91,13 +91,17 @@ def canonical(value: Any, *free: Any) -> bytes:
     """`json.dumps(value, sort_keys=True, separators=(",", ":"))` to the byte (what content hashes are taken of, so
     that every version hashes a job alike): orjson's sorted output where it is the same, which it is when the free
     parts pass the check of `dumps`, and the output is printable ASCII (the stdlib escapes DEL and every non-ASCII
-    character) without a number in exponent form (the stdlib writes `1e-05` and `1e+16`, orjson `1e-5`, `1e16`)."""
+    character) without a number in exponent form (the stdlib writes `1e-05` and `1e+16`, orjson `1e-5`, `1e16`) and
+    without `0.0000` (below 1e-4 orjson may write a number out where the stdlib uses an exponent: `0.00006103515625`
+    against `6.103515625e-05`; hypothesis found it; a text holding `0.0000` only takes the stdlib's way). Over
+    ~1.2 M floats of every magnitude, these checks let through no output that differs from the stdlib's."""
     if _orjson_writes_as_stdlib(free):
         try:
             raw = orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
         except (TypeError, orjson.JSONEncodeError):
             raw = None
-        if raw is not None and raw.isascii() and raw.find(b"\x7f") < 0 and raw.translate(_EXPONENTS).find(b"0e") < 0:
+        if (raw is not None and raw.isascii() and raw.find(b"\x7f") < 0 and raw.translate(_EXPONENTS).find(b"0e") < 0
+                and raw.find(b"0.0000") < 0):
             return raw
     return json.dumps(value, sort_keys=True, separators=(",", ":")).encode()
 
