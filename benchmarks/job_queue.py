@@ -20,8 +20,9 @@ one `tokenmill worker` on builtin:tiny, loads the same model in this process, an
   The same again outside the decode steps (first -> last token, stamped by the engine in both paths): those are
   the same engine code in both processes, and on a shared machine their speed drifts by more than the queue's
   whole cost. The probe's own spread is printed beside: the same job run in-process twice in a row; and the
-  machine's floor under it: a Redis round trip from this process (PING) right after each probe. A lone job waits
-  on four of those in a row (the push that wakes the worker's BLMOVE, the record script, the check-in script,
+  machine's floor under it: Redis round trips from this process (PING) right after each probe, the first finding
+  Redis idle since the probe (as each of a lone job's hops finds the process it wakes), the rest back to back, whose
+  median is the warm figure. A lone job waits on four of those in a row (the push that wakes the worker's BLMOVE, the record script, the check-in script,
   the store that publishes the result) and on three more wake-ups (the engine process, its reader, the finisher);
 * under load: submit -> result p50/p99 of the batch, for both paths.
 
@@ -116,7 +117,8 @@ class Paired:
     queue: Probe
     local: Probe
     again: Probe
-    round_trip: float = 0.0  # a Redis PING from the client right after the queue's probe
+    round_trip: float = 0.0  # a Redis PING from the client right after the queue's probe, back to back
+    idle_round_trip: float = 0.0  # the first of those PINGs: Redis idle since the queue's probe, as a lone job finds it
 
     @property
     def added(self) -> float:
@@ -281,14 +283,16 @@ class QueuePath:
         result = self.client.submit(**workload.job(index)).result(timeout=60)
         return Probe(time.time() - sent, result.finished_at - result.first_token_at)
 
-    def round_trip(self, pings: int = 9) -> float:
-        """The median of `pings` PINGs from this process: the machine's cost of one wake-up each way."""
+    def round_trips(self, pings: int = 9) -> tuple[float, float]:
+        """`pings` PINGs from this process: the first, which finds Redis idle since the last probe (as each of a lone
+        job's hops finds the process it wakes), and the median of all, back to back: the machine's cost of one wake-up
+        each way, cold and warm."""
         times = []
         for _ in range(pings):
             started = time.perf_counter()
             self.pinged.ping()
             times.append(time.perf_counter() - started)
-        return statistics.median(times)
+        return times[0], statistics.median(times)
 
     def log_tail(self) -> None:
         """The worker's warnings and errors, if any (a benchmark over a worker that logged errors is suspect)."""
@@ -391,8 +395,9 @@ def main() -> None:
                 for name, queue in paths if index % 2 == 0 else paths[::-1]:
                     # the job through the queue, then alone in-process: the pair shares the machine's speed of the moment
                     probe = queue.probe(workload, index)
-                    added[name].append(Paired(probe, local.probe(workload, index), local.probe(workload, index),
-                                              queue.round_trip()))
+                    local_probes = local.probe(workload, index), local.probe(workload, index)
+                    idle, warm = queue.round_trips()
+                    added[name].append(Paired(probe, *local_probes, warm, idle))
             for queue in queues.values():
                 queue.log_tail()
         finally:
@@ -463,7 +468,9 @@ def report(args: argparse.Namespace, workload: Workload, local_runs: list[Run], 
               f"**{ms([p.added_outside_decode for p in added], 50, 99)}**; the decode steps themselves, engine "
               f"process minus in-process: {ms([p.decode_added for p in added], 50)}; the probe's own spread (the same job "
               f"in-process twice, moments apart): {ms([p.null for p in added], 1, 50, 99)}; a Redis round trip "
-              f"(PING from this process, median of 9 after each probe), p50 {1000 * percentile([p.round_trip for p in added], 50):.2f}")
+              f"(PING from this process after each probe): back to back (median of 9) p50 "
+              f"{1000 * percentile([p.round_trip for p in added], 50):.2f}, the first, Redis idle since the probe, p50 "
+              f"{1000 * percentile([p.idle_round_trip for p in added], 50):.2f}")
     print(f"- machine load average when done: {os.getloadavg()[0]:.2f}")
 
 
