@@ -9,6 +9,13 @@ at a time, each `--pause` seconds after the last one's result, and prints every 
 (p50, p10 and p90 over the jobs), in the order a lone job reaches them, and the job's time outside the engine's
 steps. A job's stamps are those between its `submit` and its result, each name's first (and, for the steps, the
 last exit). A stamp costs ~1 µs, ~30 a job: this finds where the time goes; the goal's figure is `job_queue.py`'s.
+
+    python benchmarks/lone_job_hops.py --steps --max-tokens 40 --jobs 100
+
+`--steps` also runs each job in-process right after (the engine in this process, its `LLMEngine.step` stamped too) and
+compares the decode steps themselves: per step index, the median time of that step in the worker's engine process and
+in-process, their sums over a job, and the time the engine loop spent between steps. `job_queue.py` reports a lone job's
+decode steps as slower in the engine process; this tells work the engine process adds from the same work run slower.
 """
 
 from __future__ import annotations
@@ -93,6 +100,7 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=300)
     parser.add_argument("--max-tokens", type=int, default=1)
     parser.add_argument("--pause", type=float, default=0.01, help="seconds idle before each job")
+    parser.add_argument("--steps", action="store_true", help="compare each decode step with the same job in-process")
     args = parser.parse_args()
     workload = job_queue.make_workload(args.jobs, 1, args.max_tokens, args.max_tokens)
     with tempfile.TemporaryDirectory(prefix="tokenmill-hops-") as tmp:
@@ -107,18 +115,73 @@ def main() -> None:
                 path.unlink()
             client_stamps: list[tuple[str, float]] = []
             stamp_client(client_stamps)
-            windows = []
+            local = in_process(workload, client_stamps) if args.steps else None
+            windows, local_windows = [], []
             for index in range(args.jobs):
                 time.sleep(args.pause)
                 started = time.time()
                 queue.client.submit(**workload.job(index)).result(timeout=60)
                 windows.append((started, time.time()))
+                if local is not None:  # right after: the pair shares the machine's speed of the moment
+                    started = time.time()
+                    local.probe(workload, index)
+                    local_windows.append((started, time.time()))
             time.sleep(3 * hop_stamps.FLUSH_INTERVAL)
             stamps = read_stamps(stamp_dir) + [(at, name) for name, at in client_stamps]
             queue.log_tail()
         finally:
             queue.close()
     report(per_job(stamps, windows), args)
+    if args.steps:
+        report_steps(stamps, windows, local_windows)
+
+
+def in_process(workload: job_queue.Workload, stamps: list[tuple[str, float]]) -> job_queue.LocalPath:
+    """The same engine in this process, its steps stamped as "local.step" (as the engine loop's are)."""
+    from tokenmill.engine.llm_engine import LLMEngine
+
+    LLMEngine.step = hop_stamps.stamped(LLMEngine.step, "local.step", stamps)
+    local = job_queue.LocalPath(256, 1)
+    local.warm_up(workload)
+    del stamps[:]  # the warm-up's
+    return local
+
+
+def step_times(stamps: list[tuple[float, str]], name: str, windows: list[tuple[float, float]]) -> list[list[tuple[float, float]]]:
+    """Per job window, the (entry, exit) times of its `name` stamps, in order."""
+    pairs, opened = [], None
+    for at, stamp in sorted(stamps):
+        if stamp == name + ">":
+            opened = at
+        elif stamp == name + "<" and opened is not None:
+            pairs.append((opened, at))
+            opened = None
+    return [[(entry, leave) for entry, leave in pairs if started <= entry <= ended] for started, ended in windows]
+
+
+def report_steps(stamps: list[tuple[float, str]], windows: list[tuple[float, float]],
+                 local_windows: list[tuple[float, float]]) -> None:
+    """Per step index, the engine process's step against the same job's in-process step (ms, medians over jobs)."""
+    queue_jobs, local_jobs = step_times(stamps, "_Loop._step", windows), step_times(stamps, "local.step", local_windows)
+
+    def durations(job: list[tuple[float, float]]) -> list[float]:
+        return [(leave - entry) * 1e3 for entry, leave in job]
+
+    def gaps(job: list[tuple[float, float]]) -> float:
+        return sum(job[i + 1][0] - job[i][1] for i in range(len(job) - 1)) * 1e3
+
+    steps = min(len(job) for job in queue_jobs + local_jobs)
+    print(f"\ndecode steps of the same {len(queue_jobs)} jobs, the worker's engine process against in-process right after "
+          "(ms, medians over jobs); the engine loop's step includes the pipe write of a finished job's result\n")
+    print("| step | engine process | in-process | difference |\n|---:|---:|---:|---:|")
+    for index in sorted({0, 1, 2, 4, 8, steps // 2, steps - 2, steps - 1} & set(range(steps))):
+        mine = statistics.median(durations(job)[index] for job in queue_jobs)
+        theirs = statistics.median(durations(job)[index] for job in local_jobs)
+        print(f"| {index} | {mine:.3f} | {theirs:.3f} | {mine - theirs:+.3f} |")
+    for label, figure in (("all steps, a job", lambda job: sum(durations(job))), ("between steps, a job", gaps)):
+        mine = statistics.median(figure(job) for job in queue_jobs)
+        theirs = statistics.median(figure(job) for job in local_jobs)
+        print(f"| {label} | {mine:.3f} | {theirs:.3f} | {mine - theirs:+.3f} |")
 
 
 if __name__ == "__main__":
