@@ -22,8 +22,9 @@ one `tokenmill worker` on builtin:tiny, loads the same model in this process, an
   whole cost. The probe's own spread is printed beside: the same job run in-process twice in a row; and the
   machine's floor under it: Redis round trips from this process (PING) right after each probe, the first finding
   Redis idle since the probe (as each of a lone job's hops finds the process it wakes), the rest back to back, whose
-  median is the warm figure. A lone job waits on four of those in a row (the push that wakes the worker's BLMOVE, the record script, the check-in script,
-  the store that publishes the result) and on three more wake-ups (the engine process, its reader, the finisher);
+  median is the warm figure. A lone job waits on four of those in a row (the push that wakes the worker's BLMOVE,
+  the record script, the check-in script, the store that publishes the result) and on three more wake-ups (the
+  engine process, its reader, the finisher);
 * under load: submit -> result p50/p99 of the batch, for both paths.
 
 `--intake` isolates the queue path: the same worker, Redis and result path, with as little engine work per job
