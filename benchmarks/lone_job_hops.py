@@ -147,7 +147,8 @@ def in_process(workload: job_queue.Workload, stamps: list[tuple[str, float]]) ->
     return local
 
 
-def step_times(stamps: list[tuple[float, str]], name: str, windows: list[tuple[float, float]]) -> list[list[tuple[float, float]]]:
+def step_times(stamps: list[tuple[float, str]], name: str,
+               windows: list[tuple[float, float]]) -> list[list[tuple[float, float]]]:
     """Per job window, the (entry, exit) times of its `name` stamps, in order."""
     pairs, opened = [], None
     for at, stamp in sorted(stamps):
