@@ -398,7 +398,7 @@ def main() -> None:
                     probe = queue.probe(workload, index)
                     local_probes = local.probe(workload, index), local.probe(workload, index)
                     idle, warm = queue.round_trips()
-                    added[name].append(Paired(probe, *local_probes, warm, idle))
+                    added[name].append(Paired(probe, *local_probes, round_trip=warm, idle_round_trip=idle))
             for queue in queues.values():
                 queue.log_tail()
         finally:
