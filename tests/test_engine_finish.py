@@ -64,10 +64,13 @@ def test_the_sampler_gets_each_row_at_its_current_position_and_suppression(rando
                 assert row.num_output_tokens == seq.num_output_tokens, seq.request_id
             banned = seq.params.min_tokens > seq.num_output_tokens
             assert bool(row.suppressed_ids) == banned, (seq.request_id, seq.num_output_tokens)
+            assert row.argmax_only == (seq.params.greedy and not banned), seq.request_id
             seen.append((seq.params.greedy, seq.num_output_tokens))
         return execute(batch, rows)
 
     engine.runner.execute = checked
     while engine.has_unfinished():
         engine.step()
+        if engine.requests and rng.random() < 0.05:  # the engine's counts of changing rows follow a cancel too
+            engine.cancel_request(rng.choice(sorted(engine.requests)), "cancelled")
     assert any(not greedy and n > 1 for greedy, n in seen)  # sampled rows seen past their first tokens

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ from transformers import AutoModelForCausalLM
 from model_fixtures import random_prompts
 from tokenmill import LLM, InvalidRequestError, SamplingParams
 from tokenmill.engine.llm_engine import StopMatcher
-from tokenmill.engine.sampler import exponential_noise
+from tokenmill.engine.sampler import Sampler, SamplingRow, exponential_noise
 
 
 @pytest.fixture(scope="module")
@@ -209,3 +210,34 @@ def test_unknown_fields_are_named() -> None:
         SamplingParams(temprature=0.5)  # type: ignore[call-arg]
     with pytest.raises(TypeError, match="max_batch_tokens"):
         LLM("builtin:tiny", max_batch_tokens=3)
+
+
+def test_a_batch_of_argmax_rows_samples_as_the_full_path(random_seed: int) -> None:
+    """`Sampler` reads an all-greedy plain batch once and takes its argmax: the tokens must be the ones its full
+    path (suppression, penalties, logprobs, noise) gives, and a row counts as plain exactly when it is greedy with
+    no logprobs, penalty, grammar or suppressed ids, including once `suppress` lifts its ids."""
+    generator = torch.Generator().manual_seed(random_seed)
+    rng = random.Random(random_seed)
+    logits = torch.randn(12, 50, generator=generator)
+    options = [{"temperature": 0.0}, {"temperature": 0.8}, {"temperature": 0.0, "logprobs": 2},
+               {"temperature": 0.0, "repetition_penalty": 1.3}]
+    rows = []
+    for i in range(12):  # the first row plain, the others drawn
+        params = SamplingParams(max_tokens=4, **(rng.choice(options) if i else options[0]))
+        suppressed = rng.choice([[], [3, 7]]) if i else []
+        rows.append(SamplingRow(params, i, 0, [rng.randrange(50) for _ in range(5)], suppressed))
+    for row in rows:
+        assert row.argmax_only == (row.params.greedy and row.params.logprobs is None
+                                   and row.params.repetition_penalty == 1.0 and not row.suppressed_ids)
+    plain = [row for row in rows if row.argmax_only]
+    suppressed = [row for row in rows if row.params == SamplingParams(max_tokens=4, temperature=0.0) and row.suppressed_ids]
+    for row in suppressed:  # min_tokens reached: the engine lifts the ids, and the row is plain from then on
+        row.suppress([])
+        assert row.argmax_only
+    plain += suppressed
+    fast = Sampler()(logits[: len(plain)], plain)
+    for row in plain:
+        row.argmax_only = False  # the same rows through the full path
+    full = Sampler()(logits[: len(plain)], plain)
+    assert fast.token_ids == full.token_ids == logits[: len(plain)].argmax(dim=-1).tolist()
+    assert fast.logprobs == full.logprobs == [None] * len(plain)

@@ -120,6 +120,10 @@ class LLMEngine:
         ))
         self.eos_ids = self._eos_ids()
         self.requests: dict[str, _Request] = {}
+        # How many of `requests` have a row that changes (`_Request.row_changes`) and a grammar: a step whose
+        # requests have neither skips the passes over them that would find none (see `_forget`).
+        self._num_changing_rows = 0
+        self._num_constrained = 0
         self._seed_source = random.Random(self.config.seed)
         self._totals = {"prompt": 0, "generated": 0, "preempted": 0, "steps": 0}
         self._grammars: GrammarCache | None = None  # built on the first structured request
@@ -193,11 +197,13 @@ class LLMEngine:
         stops = StopMatcher(params.stop) if params.stop else None
         end_len = min(len(token_ids) + params.max_tokens, self.max_model_len)
         plain = stops is None and constraint is None and params.min_tokens == 0
-        self.requests[request_id] = _Request(seq, seed, stop_ids, constraint=constraint, row=row, stops=stops,
-                                             end_len=end_len, plain=plain,
-                                             row_changes=not params.greedy or params.min_tokens > 0)
+        request = self.requests[request_id] = _Request(seq, seed, stop_ids, constraint=constraint, row=row,
+                                                       stops=stops, end_len=end_len, plain=plain,
+                                                       row_changes=not params.greedy or params.min_tokens > 0)
+        self._num_changing_rows += request.row_changes
+        self._num_constrained += constraint is not None
         if arrival is not None:
-            self.requests[request_id].arrival_time = arrival
+            request.arrival_time = arrival
         self._totals["prompt"] += len(token_ids)
 
     def _check_prompt(self, token_ids: list[int]) -> None:
@@ -249,14 +255,14 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> None:
         self._pending.pop(request_id, None)
-        request = self.requests.pop(request_id, None)
+        request = self._forget(request_id)
         if request is not None and not request.seq.is_finished:
             self.scheduler.finish(request.seq, "abort")
 
     def cancel_request(self, request_id: str, reason: str) -> RequestOutput | None:
         """Finish a request now with `finish_reason=reason` ("cancelled", "deadline"): its blocks and batch slot
         are freed at once and what it generated so far comes back. None for a request that is not running."""
-        request = self.requests.pop(request_id, None)
+        request = self._forget(request_id)
         if request is None:
             return None
         self.scheduler.finish(request.seq, reason)
@@ -304,9 +310,17 @@ class LLMEngine:
                 continue
             if output is not None:
                 self.scheduler.finish(seq, reason)
-                del self.requests[seq.request_id]
+                self._forget(seq.request_id)
                 finished.append(output)
         return finished
+
+    def _forget(self, request_id: str) -> _Request | None:
+        """Take a request out of `requests` (None if it is not there), keeping the engine's counts of them."""
+        request = self.requests.pop(request_id, None)
+        if request is not None:
+            self._num_changing_rows -= request.row_changes
+            self._num_constrained -= request.constraint is not None
+        return request
 
     def _requests_of(self, seqs: list[Sequence]) -> list[_Request]:
         requests = self.requests
@@ -319,14 +333,10 @@ class LLMEngine:
             for request, logprobs in zip(requests, result.logprobs):
                 if logprobs is not None:
                     request.logprobs.append(logprobs)
-        candidates = []
-        for request in requests:
-            if request.first_token_time is None:
-                request.first_token_time = now
-            tokens = request.seq.token_ids
-            if not request.plain or tokens[-1] in request.stop_ids or len(tokens) >= request.end_len:
-                candidates.append(request)
-        return candidates
+        for request in [r for r in requests if r.first_token_time is None]:
+            request.first_token_time = now
+        return [r for r, token in zip(requests, result.token_ids)
+                if not r.plain or token in r.stop_ids or len(r.seq.token_ids) >= r.end_len]
 
     def _execute(self, batch: ScheduledBatch,
                  sampling: list[_Request]) -> tuple[SampleResult, list[tuple[Sequence, InvalidRequestError]]]:
@@ -363,23 +373,25 @@ class LLMEngine:
 
     def _fail(self, seq: Sequence, error: InvalidRequestError, now: float) -> RequestOutput:
         """Finish one request with `finish_reason="error"`, releasing its blocks."""
-        request = self.requests.pop(seq.request_id)
+        request = self._forget(seq.request_id)
         self.scheduler.finish(seq, "error")
         return RequestOutput(seq.request_id, seq.prompt_token_ids, seq.output_token_ids, "", "error",
                              arrival_time=request.arrival_time, finished_time=now, error=str(error))
 
     def _advance_grammars(self, grown: list[_Request]) -> None:
+        if not self._num_constrained:
+            return
         constrained = [r for r in grown if r.constraint is not None]
         if constrained:
             advance([r.constraint for r in constrained], [r.seq.token_ids[-1] for r in constrained])
 
     def _sampling_rows(self, requests: list[_Request]) -> list[SamplingRow]:
         """The requests' rows, built at admission (each shares its `seq.token_ids`), brought to this step."""
-        for request in [r for r in requests if r.row_changes]:
+        for request in [r for r in requests if r.row_changes] if self._num_changing_rows else []:
             row, seq = request.row, request.seq
             row.num_output_tokens = len(seq.token_ids) - seq.num_prompt_tokens
             if seq.params.min_tokens and row.num_output_tokens >= seq.params.min_tokens:
-                row.suppressed_ids = request.constraint.banned_ids if request.constraint is not None else []
+                row.suppress(request.constraint.banned_ids if request.constraint is not None else [])
         return [request.row for request in requests]
 
     def _finish_reason(self, request: _Request) -> str | None:

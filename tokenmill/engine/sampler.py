@@ -13,7 +13,7 @@ and any logprobs come back to the host in one read (`transfer.read_back`), the s
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -38,8 +38,20 @@ class SamplingRow:
     seed: int
     num_output_tokens: int  # the position whose noise the row draws (the engine keeps it current for sampled rows)
     token_ids: list[int]  # prompt + output so far, for the repetition penalty
-    suppressed_ids: list[int]  # EOS/stop ids banned while min_tokens is not reached
+    suppressed_ids: list[int]  # EOS/stop ids banned while min_tokens is not reached (set with `suppress`)
     constraint: Constraint | None = None  # structured output: the grammar masks the logits first
+    # Greedy, with no logprobs, grammar, penalty or suppressed ids: the row's token is its logits' argmax.
+    # Known per row so that a batch of such rows (the common batch) is read once, not once per feature.
+    argmax_only: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.suppress(self.suppressed_ids)
+
+    def suppress(self, token_ids: list[int]) -> None:
+        self.suppressed_ids = token_ids
+        params = self.params
+        self.argmax_only = (params.greedy and params.logprobs is None and params.repetition_penalty == 1.0
+                            and self.constraint is None and not token_ids)
 
 
 @dataclass
@@ -125,6 +137,8 @@ def _race(probs: torch.Tensor, row_keys: torch.Tensor, token_ids: torch.Tensor |
 
 class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
+        if all([row.argmax_only for row in rows]):  # the same tokens as below, with one read of the rows
+            return SampleResult(read_back(logits.argmax(dim=-1)), [None] * len(rows))
         logits = logits.float()
         # Per-row host reads as list comprehensions: on CPython 3.11+ their specialised attribute loads beat
         # map(attrgetter(...)), whose generic lookups cost about twice as much per row.

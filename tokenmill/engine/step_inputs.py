@@ -122,8 +122,9 @@ class StepInputBuilder:
         rows = np.array(self.mirror.rows(seqs), dtype=np.int64)
         start = np.array(starts, dtype=np.int64)
         num_tokens = sum(counts)
-        if num_tokens == num_seqs:  # decode only: one token per sequence
-            ids = [seq.token_ids[s] for seq, s in zip(seqs, starts)]
+        if num_tokens == num_seqs:  # one token per sequence: the last one of each decoding sequence
+            ids = ([seq.token_ids[-1] for seq in seqs] if batch.num_decodes == num_seqs
+                   else [seq.token_ids[s] for seq, s in zip(seqs, starts)])
             end, cu = start + 1, np.arange(num_seqs + 1, dtype=np.int64)
             positions, token_rows, max_seqlen_q = start, rows, 1
         else:
