@@ -28,8 +28,8 @@ def test_no_running_request_is_past_its_end_after_any_step(random_seed: int) -> 
         for output in engine.step():
             finished[output.request_id] = output
         for request in engine.requests.values():  # nothing still running should have finished
-            if request.seq.num_output_tokens:
-                assert engine._finish_reason(request) is None, (request.seq.request_id, request.seq.token_ids)
+            if request.num_output_tokens:
+                assert engine._finish_reason(request) is None, (request.request_id, request.token_ids)
     assert set(finished) == set(params)
     for request_id, output in finished.items():
         p, tokens = params[request_id], output.token_ids

@@ -65,11 +65,13 @@ class EngineStats:
     num_steps: int
 
 
-@dataclass
-class _Request:
-    seq: Sequence
-    seed: int
-    stop_ids: frozenset[int]
+@dataclass(eq=False)
+class _Request(Sequence):
+    """A request as the engine holds it: the sequence the scheduler plans (so that a step's sequences are its
+    requests, found without a lookup) with what sampling and finishing it need."""
+
+    seed: int = 0
+    stop_ids: frozenset[int] = frozenset()
     arrival_time: float = field(default_factory=time.time)
     first_token_time: float | None = None
     logprobs: list[dict] = field(default_factory=list)
@@ -188,18 +190,17 @@ class LLMEngine:
         """Into the scheduler: the request's grammar (`spec`, built once in `add_request`), if any, is compiled by now."""
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
         constraint = self._constraint(spec, stop_ids)
-        seq = Sequence(request_id, token_ids, params)
-        self.scheduler.add(seq)
-        seed = params.seed if params.seed is not None else self._seed_source.getrandbits(63)
+        request = _Request(request_id, token_ids, params, stop_ids=stop_ids, constraint=constraint)
+        self.scheduler.add(request)
+        request.seed = seed = params.seed if params.seed is not None else self._seed_source.getrandbits(63)
         banned = constraint.banned_ids if constraint is not None else []
         suppressed = (sorted(stop_ids) if params.min_tokens > 0 else []) + banned
-        row = SamplingRow(params, seed, 0, seq.token_ids, suppressed, constraint=constraint)
-        stops = StopMatcher(params.stop) if params.stop else None
-        end_len = min(len(token_ids) + params.max_tokens, self.max_model_len)
-        plain = stops is None and constraint is None and params.min_tokens == 0
-        request = self.requests[request_id] = _Request(seq, seed, stop_ids, constraint=constraint, row=row,
-                                                       stops=stops, end_len=end_len, plain=plain,
-                                                       row_changes=not params.greedy or params.min_tokens > 0)
+        request.row = SamplingRow(params, seed, 0, request.token_ids, suppressed, constraint=constraint)
+        request.stops = StopMatcher(params.stop) if params.stop else None
+        request.end_len = min(len(token_ids) + params.max_tokens, self.max_model_len)
+        request.plain = request.stops is None and constraint is None and params.min_tokens == 0
+        request.row_changes = not params.greedy or params.min_tokens > 0
+        self.requests[request_id] = request
         self._num_changing_rows += request.row_changes
         self._num_constrained += constraint is not None
         if arrival is not None:
@@ -256,8 +257,8 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> None:
         self._pending.pop(request_id, None)
         request = self._forget(request_id)
-        if request is not None and not request.seq.is_finished:
-            self.scheduler.finish(request.seq, "abort")
+        if request is not None and not request.is_finished:
+            self.scheduler.finish(request, "abort")
 
     def cancel_request(self, request_id: str, reason: str) -> RequestOutput | None:
         """Finish a request now with `finish_reason=reason` ("cancelled", "deadline"): its blocks and batch slot
@@ -265,12 +266,11 @@ class LLMEngine:
         request = self._forget(request_id)
         if request is None:
             return None
-        self.scheduler.finish(request.seq, reason)
+        self.scheduler.finish(request, reason)
         try:
             return self._output(request, time.time(), reason)
         except Exception:  # the partial tokens cannot be decoded: the tokens still are the output
-            seq = request.seq
-            return RequestOutput(request_id, seq.prompt_token_ids, seq.output_token_ids, "", reason,
+            return RequestOutput(request_id, request.prompt_token_ids, request.output_token_ids, "", reason,
                                  arrival_time=request.arrival_time, first_token_time=request.first_token_time,
                                  finished_time=time.time())
 
@@ -290,27 +290,28 @@ class LLMEngine:
         self._totals["preempted"] += batch.num_preempted
         if not batch.seqs:
             return admitted
-        sampling = self._requests_of(list(compress(batch.seqs, batch.sample_mask)))
+        # The scheduler's sequences are this engine's requests: `_admit` adds only `_Request`s.
+        sampling: list[_Request] = list(compress(batch.seqs, batch.sample_mask))  # type: ignore[arg-type]
         result, failed = self._execute(batch, sampling)
         self._totals["steps"] += 1
         grown = self.scheduler.update(batch, result.token_ids)
         self._totals["generated"] += len(grown)
-        requests = self._requests_of(grown) if failed else sampling
+        requests: list[_Request] = grown if failed else sampling  # type: ignore[assignment]
         self._advance_grammars(requests)
         now = time.time()
         finished = admitted + [self._fail(seq, error, now) for seq, error in failed]
         for request in self._note_tokens(requests, result, now):
-            seq = request.seq
             try:
                 reason = self._finish_reason(request)
                 output = None if reason is None else self._output(request, now, reason)
             except Exception as exc:  # the tokenizer cannot decode this request's tokens: its failure only
-                finished.append(self._fail(seq, InvalidRequestError("stop" if seq.params.stop else "token_ids",
-                                                                    f"decoding the output failed: {exc!r}"), now))
+                error = InvalidRequestError("stop" if request.params.stop else "token_ids",
+                                            f"decoding the output failed: {exc!r}")
+                finished.append(self._fail(request, error, now))
                 continue
             if output is not None:
-                self.scheduler.finish(seq, reason)
-                self._forget(seq.request_id)
+                self.scheduler.finish(request, reason)
+                self._forget(request.request_id)
                 finished.append(output)
         return finished
 
@@ -322,10 +323,6 @@ class LLMEngine:
             self._num_constrained -= request.constraint is not None
         return request
 
-    def _requests_of(self, seqs: list[Sequence]) -> list[_Request]:
-        requests = self.requests
-        return [requests[seq.request_id] for seq in seqs]
-
     def _note_tokens(self, requests: list[_Request], result: SampleResult, now: float) -> list[_Request]:
         """Record the step's first-token times and logprobs; return the requests that may have finished
         (see `_Request.plain`: only these need `_finish_reason`)."""
@@ -336,7 +333,7 @@ class LLMEngine:
         for request in [r for r in requests if r.first_token_time is None]:
             request.first_token_time = now
         return [r for r, token in zip(requests, result.token_ids)
-                if not r.plain or token in r.stop_ids or len(r.seq.token_ids) >= r.end_len]
+                if not r.plain or token in r.stop_ids or len(r.token_ids) >= r.end_len]
 
     def _execute(self, batch: ScheduledBatch,
                  sampling: list[_Request]) -> tuple[SampleResult, list[tuple[Sequence, InvalidRequestError]]]:
@@ -359,7 +356,7 @@ class LLMEngine:
             alone = ScheduledBatch(count)
             alone.add(seq, count)
             try:
-                result = self.runner.execute(alone, self._sampling_rows(self._requests_of([seq] if samples else [])))
+                result = self.runner.execute(alone, self._sampling_rows([seq] if samples else []))
             except Exception as exc:
                 if not _raised_in_sampler(exc):
                     raise
@@ -383,35 +380,35 @@ class LLMEngine:
             return
         constrained = [r for r in grown if r.constraint is not None]
         if constrained:
-            advance([r.constraint for r in constrained], [r.seq.token_ids[-1] for r in constrained])
+            advance([r.constraint for r in constrained], [r.token_ids[-1] for r in constrained])
 
     def _sampling_rows(self, requests: list[_Request]) -> list[SamplingRow]:
         """The requests' rows, built at admission (each shares its `seq.token_ids`), brought to this step."""
         for request in [r for r in requests if r.row_changes] if self._num_changing_rows else []:
-            row, seq = request.row, request.seq
-            row.num_output_tokens = len(seq.token_ids) - seq.num_prompt_tokens
-            if seq.params.min_tokens and row.num_output_tokens >= seq.params.min_tokens:
+            row = request.row
+            row.num_output_tokens = len(request.token_ids) - request.num_prompt_tokens
+            if request.params.min_tokens and row.num_output_tokens >= request.params.min_tokens:
                 row.suppress(request.constraint.banned_ids if request.constraint is not None else [])
         return [request.row for request in requests]
 
     def _finish_reason(self, request: _Request) -> str | None:
-        seq, params = request.seq, request.seq.params
-        num_output_tokens = len(seq.token_ids) - seq.num_prompt_tokens
+        params = request.params
+        num_output_tokens = len(request.token_ids) - request.num_prompt_tokens
         # A complete grammar after which only a stop token could follow ends the sequence, min_tokens or not.
         grammar_done = request.constraint is not None and request.constraint.done
         if num_output_tokens < params.min_tokens and not grammar_done:
             return None
-        if seq.token_ids[-1] in request.stop_ids:
+        if request.token_ids[-1] in request.stop_ids:
             return "stop"
         if request.stops is not None:
-            text = self._decode(seq)
+            text = self._decode(request)
             cut = request.stops.first_hit(text)
             if cut is not None:
                 request.text = text[:cut]
                 return "stop"
         if grammar_done:
             return "error" if request.constraint.error() else "stop"  # type: ignore[union-attr]
-        if num_output_tokens >= params.max_tokens or len(seq.token_ids) >= self.max_model_len:
+        if num_output_tokens >= params.max_tokens or len(request.token_ids) >= self.max_model_len:
             return "length"
         return None
 
@@ -419,18 +416,18 @@ class LLMEngine:
         return self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=seq.params.skip_special_tokens)
 
     def _output(self, request: _Request, now: float, reason: str) -> RequestOutput:
-        seq, constraint = request.seq, request.constraint
-        text = request.text if request.text is not None else self._decode(seq)
+        constraint = request.constraint
+        text = request.text if request.text is not None else self._decode(request)
         satisfied = None if constraint is None else constraint.completed and request.text is None
         parsed, constraint_error = self._check(request) if satisfied else (None, None)
         return RequestOutput(
-            request_id=seq.request_id,
-            prompt_token_ids=seq.prompt_token_ids,
-            token_ids=seq.output_token_ids,
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            token_ids=request.output_token_ids,
             text=text,
             finish_reason=reason,
-            logprobs=request.logprobs if seq.params.logprobs is not None else None,
-            num_cached_tokens=seq.num_cached_tokens,
+            logprobs=request.logprobs if request.params.logprobs is not None else None,
+            num_cached_tokens=request.num_cached_tokens,
             arrival_time=request.arrival_time,
             first_token_time=request.first_token_time,
             finished_time=now,
@@ -444,12 +441,11 @@ class LLMEngine:
     def _check(self, request: _Request) -> tuple[Any, str | None]:
         """The final check of a grammar-complete output: its text without a trailing stop token (which
         `skip_special_tokens=False` would show), against the request's constraint in full."""
-        seq = request.seq
-        tokens = seq.output_token_ids
+        tokens = request.output_token_ids
         if tokens and tokens[-1] in request.stop_ids:
             tokens = tokens[:-1]
-        text = self.tokenizer.decode(tokens, skip_special_tokens=seq.params.skip_special_tokens)
-        return check_completion(seq.params.structured, text)  # type: ignore[arg-type]
+        text = self.tokenizer.decode(tokens, skip_special_tokens=request.params.skip_special_tokens)
+        return check_completion(request.params.structured, text)  # type: ignore[arg-type]
 
     def stats(self) -> EngineStats:
         return EngineStats(
