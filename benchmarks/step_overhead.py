@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import ctypes
+import gc
 import glob
 import json
 import os
@@ -53,6 +54,7 @@ import tokenmill.engine.llm_engine as llm_engine  # noqa: E402
 from tokenmill import SamplingParams  # noqa: E402
 from tokenmill.engine.loader import LoadedModel  # noqa: E402
 from tokenmill.engine.tiny import tiny_tokenizer  # noqa: E402
+from tokenmill.worker.engine_process import freeze_startup_objects  # noqa: E402
 
 VOCAB = 64
 MAX_TOKENS = 2048  # never reached: no request finishes while the steps are timed
@@ -71,7 +73,7 @@ class StubModel:
         return SimpleNamespace(logits=self.logits[:, : logits_to_keep.shape[0]])
 
 
-def build_engine(num_seqs: int, context: int, steps: int) -> llm_engine.LLMEngine:
+def build_engine(num_seqs: int, context: int, steps: int, outputs: int = 0) -> llm_engine.LLMEngine:
     """An engine whose model is the stub, with a 1-layer, 1-head KV cache sized for the whole run."""
     hf_config = LlamaConfig(vocab_size=VOCAB, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
                             num_attention_heads=1, num_key_value_heads=1, max_position_embeddings=4096,
@@ -82,7 +84,7 @@ def build_engine(num_seqs: int, context: int, steps: int) -> llm_engine.LLMEngin
     llm_engine.load = lambda config: loaded
     try:
         # Sequences admitted first decode while the others prefill (about num_seqs * context / 8192 steps).
-        longest = context + 40 + 5 + steps + num_seqs * (context + 40) // 8192 + 16
+        longest = context + 40 + 5 + max(steps, 3 * outputs // 2) + num_seqs * (context + 40) // 8192 + 16
         blocks_per_seq = -(-longest // 16)
         return llm_engine.LLMEngine("builtin:tiny", max_num_seqs=num_seqs, max_num_batched_tokens=8192,
                                     max_model_len=4096, num_kv_blocks=max(num_seqs * blocks_per_seq, -(-(context + 40 + MAX_TOKENS) // 16)) + 16,
@@ -118,20 +120,35 @@ class Split:
 
 
 def measure(num_seqs: int, context: int, steps: int, temperature: float,
-            profile: bool = False, split: bool = False) -> tuple[float, float]:
-    """Median wall and CPU microseconds per running sequence per decode step."""
-    engine = build_engine(num_seqs, context, steps)
+            profile: bool = False, split: bool = False, outputs: int = 0) -> tuple[float, float]:
+    """Median wall and CPU microseconds per running sequence per decode step (with `outputs`, per step of the
+    steady state in which requests finish and are replaced)."""
+    engine = build_engine(num_seqs, context, steps, outputs)
     rng = random.Random(num_seqs)
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=temperature, ignore_eos=True)
-    for i in range(num_seqs):
-        jitter = min(40, context // 2)
+    jitter = min(40, context // 2)
+    added = 0
+
+    def add_request() -> None:
+        nonlocal added
+        max_tokens = rng.randint(max(1, outputs // 2), outputs * 3 // 2) if outputs else MAX_TOKENS
         prompt = [rng.randrange(4, VOCAB) for _ in range(context + rng.randint(-jitter, jitter))]
-        engine.add_request(str(i), prompt, params)
-    while engine.scheduler.waiting or any(s.num_uncomputed_tokens > 1 for s in engine.scheduler.running):
-        engine.step()
-    for _ in range(5):  # warm-up decode steps
-        engine.step()
-    assert len(engine.scheduler.running) == num_seqs
+        engine.add_request(str(added), prompt, SamplingParams(max_tokens=max_tokens, temperature=temperature,
+                                                               ignore_eos=True))
+        added += 1
+
+    for _ in range(num_seqs):
+        add_request()
+    freeze_startup_objects()  # as the worker's engine process does once its engine is built
+    if outputs:  # into the steady state: requests finish at their own lengths, each replaced at once
+        for _ in range(3 * outputs // 2 + num_seqs * context // 8192 + 5):
+            for _ in engine.step():
+                add_request()
+    else:
+        while engine.scheduler.waiting or any(s.num_uncomputed_tokens > 1 for s in engine.scheduler.running):
+            engine.step()
+        for _ in range(5):  # warm-up decode steps
+            engine.step()
+        assert len(engine.scheduler.running) == num_seqs
     walls, cpus = [], []
     phases = Split(engine) if split else None
     profiler = cProfile.Profile() if profile else None
@@ -147,9 +164,12 @@ def measure(num_seqs: int, context: int, steps: int, temperature: float,
             profiler.disable()
         walls.append(time.perf_counter() - wall0)
         cpus.append(time.thread_time() - cpu0)
-        assert not finished, [(f.finish_reason, len(f.token_ids)) for f in finished[:3]]
+        assert outputs or not finished, [(f.finish_reason, len(f.token_ids)) for f in finished[:3]]
+        for _ in finished:  # outside the timed step, as a worker adds them between steps
+            add_request()
     if callgrind:
         callgrind.timed_stop()
+    gc.unfreeze()  # frozen objects outlive the interpreter's last collection: nanobind (triton) reports them as leaks
     if profiler:
         pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
     scale = 1e6 / num_seqs
@@ -172,7 +192,7 @@ def run_child(args: argparse.Namespace, size: int, pythonpath: str, workdir: str
     """One measurement in a fresh process: CPU microseconds, or with --instructions instructions, per
     running sequence per step."""
     command = [sys.executable, os.path.abspath(__file__), str(size), "--one", "--context", str(args.context),
-               "--steps", str(args.steps), "--temperature", str(args.temperature)]
+               "--steps", str(args.steps), "--temperature", str(args.temperature), "--outputs", str(args.outputs)]
     env = dict(os.environ, PYTHONPATH=pythonpath)
     if not args.instructions:
         out = subprocess.run(command, env=env, check=True, capture_output=True, text=True).stdout
@@ -222,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=680, help="mean prompt length (tokens)")
     parser.add_argument("--steps", type=int, default=60, help="timed decode steps")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy rows")
+    parser.add_argument("--outputs", type=int, default=0,
+                        help="steady state: requests end after ~N output tokens (N/2 to 3N/2) and are replaced at once")
     parser.add_argument("--profile", action="store_true", help="cProfile the timed steps")
     parser.add_argument("--split", action="store_true", help="CPU time per phase (schedule, inputs, ...)")
     parser.add_argument("--against", metavar="PATH", help="compare with the tokenmill checkout at PATH")
@@ -235,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         against(args)
         return 0
     if args.one:
-        wall, cpu = measure(args.sizes[0], args.context, args.steps, args.temperature)
+        wall, cpu = measure(args.sizes[0], args.context, args.steps, args.temperature, outputs=args.outputs)
         print(json.dumps({"wall": wall, "cpu": cpu}))
         return 0
     import tokenmill
@@ -244,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     print("| running seqs | context | us/seq/step (wall) | us/seq/step (CPU) | ms/step (wall) |")
     print("|---:|---:|---:|---:|---:|")
     for size in args.sizes:
-        wall, cpu = measure(size, args.context, args.steps, args.temperature, args.profile, args.split)
+        wall, cpu = measure(size, args.context, args.steps, args.temperature, args.profile, args.split, args.outputs)
         print(f"| {size} | ~{args.context} | {wall:.2f} | {cpu:.2f} | {wall * size / 1000:.2f} |", flush=True)
     return 0
 

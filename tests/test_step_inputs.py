@@ -1,6 +1,6 @@
 """The persistent step inputs equal the same inputs built from scratch from the batch, on every step of
 random schedules with chunked prefill, preemption, prefix hits, finishing and aborts, with the reused
-staging buffer poisoned before every step."""
+staging buffer poisoned before every step, and the rows of finished sequences released or reclaimed."""
 
 from __future__ import annotations
 
@@ -72,4 +72,6 @@ def test_inputs_match_a_rebuild_from_scratch(seed: int, block_size: int, budget:
         for seq in scheduler.update(batch, sampled):
             if seq.num_output_tokens >= seq.params.max_tokens or rng.random() < 0.05:
                 scheduler.finish(seq, "stop")
+                if rng.random() < 0.5:  # released by the engine, or left for the mirror to reclaim
+                    builder.mirror.release(seq.seq_id)
     assert not scheduler.has_unfinished()

@@ -316,9 +316,10 @@ class LLMEngine:
         return finished
 
     def _forget(self, request_id: str) -> _Request | None:
-        """Take a request out of `requests` (None if it is not there), keeping the engine's counts of them."""
+        """Take a request out of `requests` (None if it is not there); the engine's counts and the runner's row follow."""
         request = self.requests.pop(request_id, None)
         if request is not None:
+            self.runner.release(request)
             self._num_changing_rows -= request.row_changes
             self._num_constrained -= request.constraint is not None
         return request

@@ -121,6 +121,10 @@ class ModelRunner:
         logits = self.forward(self.inputs.build(batch))
         return self.sampler(logits, rows)
 
+    def release(self, seq: Sequence) -> None:
+        """Forget a sequence that will not run again (its block-table row)."""
+        self.inputs.mirror.release(seq.seq_id)
+
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """Logits `[len(sample_rows), vocab]` for one step's flat batch."""
         meta = AttentionMetadata(

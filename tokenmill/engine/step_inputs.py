@@ -43,8 +43,9 @@ class BlockTableMirror:
     """Block tables of live sequences as rows of a host array, written only where a table grew.
 
     A row remembers the Python list it mirrors: `BlockManager.free` gives a sequence a new, empty list, so
-    a preempted and readmitted sequence is recognised by identity and rewritten whole. Rows of sequences
-    absent from a step are reclaimed only when the rows run out.
+    a preempted and readmitted sequence is recognised by identity and rewritten whole. A finished sequence's
+    row is released by the engine (`release`); rows of sequences absent from a step are also reclaimed when
+    the rows run out, a scan of every row that releasing spares the steps of a busy engine.
     """
 
     def __init__(self, rows: int, width: int) -> None:
@@ -68,13 +69,18 @@ class BlockTableMirror:
             out.append(row)
         return out
 
+    def release(self, seq_id: int) -> None:
+        """The sequence will not run again: its row is free."""
+        row = self.row_of.pop(seq_id, None)
+        if row is not None:
+            self.mirrored[row], self.lengths[row] = None, 0
+            self.free_rows.append(row)
+
     def _claim(self, seq: Sequence, step_seqs: list[Sequence]) -> int:
         if not self.free_rows:
             live = {s.seq_id for s in step_seqs}
             for seq_id in [i for i in self.row_of if i not in live]:
-                row = self.row_of.pop(seq_id)
-                self.mirrored[row], self.lengths[row] = None, 0
-                self.free_rows.append(row)
+                self.release(seq_id)
         if not self.free_rows:
             self._grow(rows=2 * self.table.shape[0])
         row = self.row_of[seq.seq_id] = self.free_rows.pop()
@@ -121,10 +127,11 @@ class StepInputBuilder:
         starts = [seq.num_computed_tokens for seq in seqs]
         rows = np.array(self.mirror.rows(seqs), dtype=np.int64)
         start = np.array(starts, dtype=np.int64)
-        num_tokens = sum(counts)
-        if num_tokens == num_seqs:  # one token per sequence: the last one of each decoding sequence
-            ids = ([seq.token_ids[-1] for seq in seqs] if batch.num_decodes == num_seqs
-                   else [seq.token_ids[s] for seq, s in zip(seqs, starts)])
+        num_tokens, head = sum(counts), batch.num_decodes
+        ids = [seq.token_ids[-1] for seq in seqs[:head]]  # the leading decodes compute their last token
+        if num_tokens == num_seqs:  # one token per sequence
+            if head < num_seqs:
+                ids += [seq.token_ids[s] for seq, s in zip(seqs[head:], starts[head:])]
             end, cu = start + 1, np.arange(num_seqs + 1, dtype=np.int64)
             positions, token_rows, max_seqlen_q = start, rows, 1
         else:
@@ -132,7 +139,7 @@ class StepInputBuilder:
             cu = np.zeros(num_seqs + 1, dtype=np.int64)
             np.cumsum(count, out=cu[1:])
             end = start + count
-            ids = [t for seq, s, e in zip(seqs, starts, end.tolist()) for t in seq.token_ids[s:e]]
+            ids += [t for seq, s, e in zip(seqs[head:], starts[head:], end[head:].tolist()) for t in seq.token_ids[s:e]]
             positions = np.arange(num_tokens, dtype=np.int64) + np.repeat(start - cu[:-1], count)
             token_rows, max_seqlen_q = np.repeat(rows, count), max(counts)
         max_seq_len = int(end.max())

@@ -82,7 +82,9 @@ class Scheduler:
         self.config = config
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []  # in admission order: the last admitted is preempted first
+        # In admission order (the last admitted is preempted first); a dict, not a list, so that a sequence leaves
+        # in O(1) wherever it is: finishing one among 1,024 scanned ~500 others (7 µs), and short jobs finish dozens a step.
+        self.running: dict[Sequence, None] = {}
 
     def check(self, seq: Sequence) -> None:
         """Reject a request that could never finish, before it takes any resources."""
@@ -180,7 +182,7 @@ class Scheduler:
         """Make room for `count` more tokens of `seq`, preempting the most recently admitted sequences."""
         target = seq.num_computed_tokens + count
         while not self.block_manager.can_allocate(seq, target):
-            victim = self.running[-1]
+            victim = next(reversed(self.running))
             self._preempt(victim, batch)
             if victim is seq:
                 return False
@@ -199,12 +201,12 @@ class Scheduler:
             self.block_manager.cache_full_blocks(seq, seq.num_computed_tokens + count)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+            self.running[seq] = None
             batch.add(seq, count)
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
         """Free `seq`'s blocks and requeue it at the front: it recomputes prompt and outputs later."""
-        self.running.remove(seq)
+        del self.running[seq]
         batch.remove(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
@@ -230,7 +232,7 @@ class Scheduler:
     def finish(self, seq: Sequence, reason: str) -> None:
         """Release a finished (or aborted) sequence's blocks at once, wherever it is."""
         if seq.status is SequenceStatus.RUNNING:
-            self.running.remove(seq)
+            del self.running[seq]
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
