@@ -13,6 +13,7 @@ benchmark times `--steps` decode steps and reports microseconds of host time per
     python benchmarks/step_overhead.py --profile 1024        # cProfile of the decode steps, top functions
     python benchmarks/step_overhead.py --against /path/to/other/checkout   # both, side by side, alternating
     python benchmarks/step_overhead.py --against /path/to/other/checkout --instructions   # under callgrind
+    python benchmarks/step_overhead.py --context 32 --outputs 16   # the steady state of short jobs (see below)
 
 The figure is CPU time of the stepping thread (`time.thread_time`; torch runs on that one thread), so a loaded
 machine costs wall time but not CPU time; it still inflates CPU time somewhat (shared caches, a sibling
@@ -21,6 +22,13 @@ and reports the median of each and their ratio. `--instructions` counts the inst
 execute instead (valgrind's callgrind, switched on only around them through a client request; needs
 valgrind, its headers and a C compiler): the same on an idle and a loaded machine, but the setup runs
 under valgrind too (minutes at 1,024 sequences).
+
+`--outputs N` times the steady state of short jobs instead: each request ends after N/2 to 3N/2 output tokens and
+is replaced at once by a new one (added between the timed steps, as the worker's engine process adds them), so the
+timed steps also finish requests, admit new ones and prefill their prompts (`--context`), all of which the decode-only
+figure leaves out. In both modes the heap is frozen once the engine is built, as the worker's engine process freezes
+it (`freeze_startup_objects`): without that, collections walking the engine's objects took a quarter to a third of
+the steady state's host time.
 
 It only uses `LLMEngine`, `tokenmill.engine.llm_engine.load` and the model call convention of the runner,
 so it runs unchanged against older checkouts (how the "before" column of docs/benchmarks/step-overhead.md was measured).
