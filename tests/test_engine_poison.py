@@ -100,15 +100,14 @@ def test_a_sampling_failure_fails_that_request_only(llm: LLM, monkeypatch: pytes
 
 def test_a_decoding_failure_fails_that_request_only(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
     """Fault injection: the tokenizer cannot decode for the one request that keeps special tokens."""
-    tokenizer = llm.engine.tokenizer
-    real_decode = tokenizer.decode
+    real_decode = llm.engine.detokenize
 
-    def decode(ids: list[int], skip_special_tokens: bool = False, **kwargs: object) -> str:
+    def decode(ids: list[int], skip_special_tokens: bool) -> str:
         if not skip_special_tokens:
             raise ValueError("cannot decode")
-        return real_decode(ids, skip_special_tokens=skip_special_tokens, **kwargs)
+        return real_decode(ids, skip_special_tokens)
 
-    monkeypatch.setattr(tokenizer, "decode", decode)
+    monkeypatch.setattr(llm.engine, "detokenize", decode)
     prompts = random_prompts(3, 5, 20, seed=12)
     params = [SamplingParams(max_tokens=6, temperature=0.0), SamplingParams(max_tokens=6, temperature=0.0, stop=["zz"],
               skip_special_tokens=False), SamplingParams(max_tokens=6, temperature=0.0)]

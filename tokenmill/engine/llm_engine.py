@@ -14,6 +14,7 @@ import torch
 
 from tokenmill.engine import sampler as sampler_module
 from tokenmill.engine.config import EngineConfig
+from tokenmill.engine.detokenize import text_decoder
 from tokenmill.engine.loader import load
 from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.engine.prompt_limits import check_prompt_chars, max_prompt_chars
@@ -107,6 +108,7 @@ class LLMEngine:
         self.config = EngineConfig.from_kwargs(model, **options)
         loaded = load(self.config)
         self.tokenizer = loaded.tokenizer
+        self.detokenize = text_decoder(self.tokenizer)  # (ids, skip_special_tokens) -> text, as the tokenizer decodes
         self.hf_config = loaded.hf_config
         self.max_model_len = self._max_model_len()
         #: text prompts longer than this are refused before tokenizing (None: the tokenizer gives no bound)
@@ -414,7 +416,7 @@ class LLMEngine:
         return None
 
     def _decode(self, seq: Sequence) -> str:
-        return self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=seq.params.skip_special_tokens)
+        return self.detokenize(seq.output_token_ids, seq.params.skip_special_tokens)
 
     def _output(self, request: _Request, now: float, reason: str) -> RequestOutput:
         constraint = request.constraint
@@ -445,7 +447,7 @@ class LLMEngine:
         tokens = request.output_token_ids
         if tokens and tokens[-1] in request.stop_ids:
             tokens = tokens[:-1]
-        text = self.tokenizer.decode(tokens, skip_special_tokens=request.params.skip_special_tokens)
+        text = self.detokenize(tokens, request.params.skip_special_tokens)
         return check_completion(request.params.structured, text)  # type: ignore[arg-type]
 
     def stats(self) -> EngineStats:
