@@ -132,6 +132,7 @@ def measure(num_seqs: int, context: int, steps: int, temperature: float,
     """Median wall and CPU microseconds per running sequence per decode step (with `outputs`, per step of the
     steady state in which requests finish and are replaced)."""
     engine = build_engine(num_seqs, context, steps, outputs)
+    freeze_startup_objects()  # as the worker's engine process does once its engine is built, before any request
     rng = random.Random(num_seqs)
     jitter = min(40, context // 2)
     added = 0
@@ -146,7 +147,6 @@ def measure(num_seqs: int, context: int, steps: int, temperature: float,
 
     for _ in range(num_seqs):
         add_request()
-    freeze_startup_objects()  # as the worker's engine process does once its engine is built
     if outputs:  # into the steady state: requests finish at their own lengths, each replaced at once
         for _ in range(3 * outputs // 2 + num_seqs * context // 8192 + 5):
             for _ in engine.step():

@@ -24,6 +24,12 @@ def test_step_overhead_prints_a_row_per_size(tmp_path: Path) -> None:
     assert len(rows) == 2 and "inputs" in out
 
 
+def test_step_overhead_runs_the_steady_state_of_short_jobs(tmp_path: Path) -> None:
+    out = run("benchmarks/step_overhead.py", "16", "--context", "8", "--outputs", "4", "--steps", "6", tmp_path=tmp_path)
+    [row] = [line for line in out.splitlines() if line.startswith("| 16 |")]
+    assert float(row.split("|")[4]) > 0, out  # CPU µs per sequence per step
+
+
 def test_gpu_throughput_quick_runs_on_cpu(tmp_path: Path) -> None:
     out = run("benchmarks/gpu_throughput.py", "--quick", "--models", "qwen2.5-0.5b", "--systems", "tokenmill,static",
               "--requests", "3", tmp_path=tmp_path)
