@@ -230,7 +230,8 @@ def test_a_batch_of_argmax_rows_samples_as_the_full_path(random_seed: int) -> No
         assert row.argmax_only == (row.params.greedy and row.params.logprobs is None
                                    and row.params.repetition_penalty == 1.0 and not row.suppressed_ids)
     plain = [row for row in rows if row.argmax_only]
-    suppressed = [row for row in rows if row.params == SamplingParams(max_tokens=4, temperature=0.0) and row.suppressed_ids]
+    greedy = SamplingParams(max_tokens=4, temperature=0.0)
+    suppressed = [row for row in rows if row.params == greedy and row.suppressed_ids]
     for row in suppressed:  # min_tokens reached: the engine lifts the ids, and the row is plain from then on
         row.suppress([])
         assert row.argmax_only

@@ -25,7 +25,8 @@ def test_step_overhead_prints_a_row_per_size(tmp_path: Path) -> None:
 
 
 def test_step_overhead_runs_the_steady_state_of_short_jobs(tmp_path: Path) -> None:
-    out = run("benchmarks/step_overhead.py", "16", "--context", "8", "--outputs", "4", "--steps", "6", tmp_path=tmp_path)
+    out = run("benchmarks/step_overhead.py", "16", "--context", "8", "--outputs", "4", "--steps", "6",
+              tmp_path=tmp_path)
     [row] = [line for line in out.splitlines() if line.startswith("| 16 |")]
     assert float(row.split("|")[4]) > 0, out  # CPU µs per sequence per step
 

@@ -22,7 +22,8 @@ Decoder = Callable[[list[int], bool], str]
 
 
 def text_decoder(tokenizer: Any) -> Decoder:
-    """`decode(ids, skip_special_tokens)`, equal to `tokenizer.decode(ids, skip_special_tokens=...)` for a list of ints."""
+    """`decode(ids, skip_special_tokens)`, equal to `tokenizer.decode(ids, skip_special_tokens=...)` for a list of
+    ints."""
     if isinstance(tokenizer, PreTrainedTokenizerFast) and not tokenizer.clean_up_tokenization_spaces:
         classes = type(tokenizer).__mro__
         own = [vars(tokenizer), *map(vars, classes[: classes.index(PreTrainedTokenizerFast)])]

@@ -318,7 +318,8 @@ class LLMEngine:
         return finished
 
     def _forget(self, request_id: str) -> _Request | None:
-        """Take a request out of `requests` (None if it is not there); the engine's counts and the runner's row follow."""
+        """Take a request out of `requests` (None if it is not there); the engine's counts and the runner's row
+        follow."""
         request = self.requests.pop(request_id, None)
         if request is not None:
             self.runner.release(request)
