@@ -372,11 +372,11 @@ class LLMEngine:
             batch.remove(seq)
         return SampleResult(tokens, logprobs), failed
 
-    def _fail(self, seq: Sequence, error: InvalidRequestError, now: float) -> RequestOutput:
+    def _fail(self, request: _Request, error: InvalidRequestError, now: float) -> RequestOutput:
         """Finish one request with `finish_reason="error"`, releasing its blocks."""
-        request = self._forget(seq.request_id)
-        self.scheduler.finish(seq, "error")
-        return RequestOutput(seq.request_id, seq.prompt_token_ids, seq.output_token_ids, "", "error",
+        self._forget(request.request_id)
+        self.scheduler.finish(request, "error")
+        return RequestOutput(request.request_id, request.prompt_token_ids, request.output_token_ids, "", "error",
                              arrival_time=request.arrival_time, finished_time=now, error=str(error))
 
     def _advance_grammars(self, grown: list[_Request]) -> None:
@@ -387,12 +387,13 @@ class LLMEngine:
             advance([r.constraint for r in constrained], [r.token_ids[-1] for r in constrained])
 
     def _sampling_rows(self, requests: list[_Request]) -> list[SamplingRow]:
-        """The requests' rows, built at admission (each shares its `seq.token_ids`), brought to this step."""
-        for request in [r for r in requests if r.row_changes] if self._num_changing_rows else []:
-            row = request.row
-            row.num_output_tokens = len(request.token_ids) - request.num_prompt_tokens
-            if request.params.min_tokens and row.num_output_tokens >= request.params.min_tokens:
-                row.suppress(request.constraint.banned_ids if request.constraint is not None else [])
+        """The requests' rows, built at admission (each shares its request's `token_ids`), brought to this step."""
+        if self._num_changing_rows:
+            for request in [r for r in requests if r.row_changes]:
+                row = request.row
+                row.num_output_tokens = len(request.token_ids) - request.num_prompt_tokens
+                if request.params.min_tokens and row.num_output_tokens >= request.params.min_tokens:
+                    row.suppress(request.constraint.banned_ids if request.constraint is not None else [])
         return [request.row for request in requests]
 
     def _finish_reason(self, request: _Request) -> str | None:
