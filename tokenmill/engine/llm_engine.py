@@ -125,7 +125,7 @@ class LLMEngine:
         self.eos_ids = self._eos_ids()
         self.requests: dict[str, _Request] = {}
         # How many of `requests` have a row that changes (`_Request.row_changes`) and a grammar: a step whose
-        # requests have neither skips the passes over them that would find none (see `_forget`).
+        # requests have neither skips the passes over them that would find none (see `_end`).
         self._num_changing_rows = 0
         self._num_constrained = 0
         self._seed_source = random.Random(self.config.seed)
@@ -258,17 +258,14 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> None:
         self._pending.pop(request_id, None)
-        request = self._forget(request_id)
-        if request is not None and not request.is_finished:
-            self.scheduler.finish(request, "abort")
+        self._end(request_id, "abort")
 
     def cancel_request(self, request_id: str, reason: str) -> RequestOutput | None:
         """Finish a request now with `finish_reason=reason` ("cancelled", "deadline"): its blocks and batch slot
         are freed at once and what it generated so far comes back. None for a request that is not running."""
-        request = self._forget(request_id)
+        request = self._end(request_id, reason)
         if request is None:
             return None
-        self.scheduler.finish(request, reason)
         try:
             return self._output(request, time.time(), reason)
         except Exception:  # the partial tokens cannot be decoded: the tokens still are the output
@@ -312,19 +309,20 @@ class LLMEngine:
                 finished.append(self._fail(request, error, now))
                 continue
             if output is not None:
-                self.scheduler.finish(request, reason)
-                self._forget(request.request_id)
+                self._end(request.request_id, reason)
                 finished.append(output)
         return finished
 
-    def _forget(self, request_id: str) -> _Request | None:
-        """Take a request out of `requests` (None if it is not there); the engine's counts and the runner's row
-        follow."""
+    def _end(self, request_id: str, reason: str) -> _Request | None:
+        """Take a request out of `requests` and finish it with `reason` (its blocks freed at once), unless the
+        scheduler finished it already; the engine's counts and the runner's row follow. None if it is not there."""
         request = self.requests.pop(request_id, None)
         if request is not None:
             self.runner.release(request)
             self._num_changing_rows -= request.row_changes
             self._num_constrained -= request.constraint is not None
+            if not request.is_finished:
+                self.scheduler.finish(request, reason)
         return request
 
     def _note_tokens(self, requests: list[_Request], result: SampleResult, now: float) -> list[_Request]:
@@ -374,8 +372,7 @@ class LLMEngine:
 
     def _fail(self, request: _Request, error: InvalidRequestError, now: float) -> RequestOutput:
         """Finish one request with `finish_reason="error"`, releasing its blocks."""
-        self._forget(request.request_id)
-        self.scheduler.finish(request, "error")
+        self._end(request.request_id, "error")
         return RequestOutput(request.request_id, request.prompt_token_ids, request.output_token_ids, "", "error",
                              arrival_time=request.arrival_time, finished_time=now, error=str(error))
 
