@@ -314,15 +314,15 @@ class LLMEngine:
         return finished
 
     def _end(self, request_id: str, reason: str) -> _Request | None:
-        """Take a request out of `requests` and finish it with `reason` (its blocks freed at once), unless the
-        scheduler finished it already; the engine's counts and the runner's row follow. None if it is not there."""
+        """Take a request out of `requests` and finish it with `reason` (its blocks freed at once); the engine's
+        counts and the runner's row follow. None if it is not there. The only caller of `scheduler.finish`: a
+        request still in `requests` is never finished."""
         request = self.requests.pop(request_id, None)
         if request is not None:
             self.runner.release(request)
             self._num_changing_rows -= request.row_changes
             self._num_constrained -= request.constraint is not None
-            if not request.is_finished:
-                self.scheduler.finish(request, reason)
+            self.scheduler.finish(request, reason)
         return request
 
     def _note_tokens(self, requests: list[_Request], result: SampleResult, now: float) -> list[_Request]:
