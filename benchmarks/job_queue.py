@@ -24,7 +24,10 @@ one `tokenmill worker` on builtin:tiny, loads the same model in this process, an
   Redis idle since the probe (as each of a lone job's hops finds the process it wakes), the rest back to back, whose
   median is the warm figure. A lone job waits on four of those in a row (the push that wakes the worker's BLMOVE,
   the record script, the check-in script, the store that publishes the result) and on three more wake-ups (the
-  engine process, its reader, the finisher);
+  engine process, its reader, the finisher). Last, how much slower code runs after a pause on the machine:
+  `Client.prepare` of one job after 20 ms asleep, and again at once. Then the same probe with the same prompts at
+  `max_tokens=1`, alternating with the first: one engine step, a few ms, so the machine's drift (the same 40-token
+  job in-process twice: +-15-40 ms at p1/p99 on the shared 2-core VMs) no longer hides what the queue adds;
 * under load: submit -> result p50/p99 of the batch, for both paths.
 
 `--intake` isolates the queue path: the same worker, Redis and result path, with as little engine work per job
@@ -83,6 +86,9 @@ import redis  # noqa: E402
 from tokenmill.client import Client  # noqa: E402
 from tokenmill.sampling_params import SamplingParams  # noqa: E402
 
+#: Seconds asleep before `QueuePath.cold_start` times code as a lone job's hops find it: longer than the 5 ms after
+#: which, on the shared 2-core VMs, the first call of a fixed piece of code had slowed ~10x (2026-12-04).
+COLD_PAUSE = 0.02
 WARMUP_JOBS = 600  # enough for the worker to start all its pool threads, as a long-running worker has
 
 
@@ -120,6 +126,8 @@ class Paired:
     again: Probe
     round_trip: float = 0.0  # a Redis PING from the client right after the queue's probe, back to back
     idle_round_trip: float = 0.0  # the first of those PINGs: Redis idle since the queue's probe, as a lone job finds it
+    cold_prepare: float = 0.0  # `Client.prepare` of one job after `COLD_PAUSE` asleep (`QueuePath.cold_start`)
+    warm_prepare: float = 0.0  # the same call again at once
 
     @property
     def added(self) -> float:
@@ -295,6 +303,17 @@ class QueuePath:
             times.append(time.perf_counter() - started)
         return times[0], statistics.median(times)
 
+    def cold_start(self, job: dict) -> tuple[float, float]:
+        """`Client.prepare(job)` after `COLD_PAUSE` seconds asleep, then again at once: what the machine does to code
+        that runs after a pause (as each process a lone job wakes runs its part after one). On these shared VMs the
+        first call was ~10x slower, whether the pause slept or spun: other tenants had evicted the code's caches."""
+        time.sleep(COLD_PAUSE)
+        started = time.perf_counter()
+        self.client.prepare(job)
+        first = time.perf_counter()
+        self.client.prepare(job)
+        return first - started, time.perf_counter() - first
+
     def log_tail(self) -> None:
         """The worker's warnings and errors, if any (a benchmark over a worker that logged errors is suspect)."""
         lines = [line for line in self.log_path.read_text(errors="replace").splitlines() if " ERROR " in line or " CRITICAL " in line]
@@ -389,6 +408,8 @@ def main() -> None:
                     queue_runs[name].append(queue.run(workload))
                     local_runs[name].append(local.run(workload))
             added: dict[str, list[Paired]] = {name: [] for name in queues}
+            added_one: dict[str, list[Paired]] = {name: [] for name in queues}  # the same prompts, one token each
+            one_token = Workload(workload.prompts, [1] * len(workload.prompts))
             paths = list(queues.items())
             for index in range(args.probe_jobs):
                 # each queue path in turn, job by job: the same drift for both; which goes first alternates too (of one
@@ -398,7 +419,11 @@ def main() -> None:
                     probe = queue.probe(workload, index)
                     local_probes = local.probe(workload, index), local.probe(workload, index)
                     idle, warm = queue.round_trips()
-                    added[name].append(Paired(probe, *local_probes, round_trip=warm, idle_round_trip=idle))
+                    cold_prepare, warm_prepare = queue.cold_start(workload.job(index))
+                    added[name].append(Paired(probe, *local_probes, round_trip=warm, idle_round_trip=idle,
+                                              cold_prepare=cold_prepare, warm_prepare=warm_prepare))
+                    probe = queue.probe(one_token, index)
+                    added_one[name].append(Paired(probe, local.probe(one_token, index), local.probe(one_token, index)))
             for queue in queues.values():
                 queue.log_tail()
         finally:
@@ -407,9 +432,9 @@ def main() -> None:
     for name in queues:
         if len(queues) > 1:
             print(f"\n### {name}")
-        report(args, workload, local_runs[name], queue_runs[name], added[name])
+        report(args, workload, local_runs[name], queue_runs[name], added[name], added_one[name])
     if len(queues) > 1:
-        compare(workload, local_runs, queue_runs, added)
+        compare(workload, local_runs, queue_runs, added, added_one)
 
 
 #: What `--intake` changes; a flag given on the command line wins.
@@ -429,7 +454,8 @@ def _median_run(runs: list[Run]) -> Run:
     return sorted(runs, key=lambda run: run.elapsed)[len(runs) // 2]
 
 
-def report(args: argparse.Namespace, workload: Workload, local_runs: list[Run], queue_runs: list[Run], added: list[Paired]) -> None:
+def report(args: argparse.Namespace, workload: Workload, local_runs: list[Run], queue_runs: list[Run], added: list[Paired],
+           added_one: list[Paired]) -> None:
     n = len(workload.prompts)
     local, queue = _median_run(local_runs), _median_run(queue_runs)
     queue_cpu = sum(queue.cpu.values())
@@ -471,7 +497,13 @@ def report(args: argparse.Namespace, workload: Workload, local_runs: list[Run], 
               f"in-process twice, moments apart): {ms([p.null for p in added], 1, 50, 99)}; a Redis round trip "
               f"(PING from this process after each probe): back to back (median of 9) p50 "
               f"{1000 * percentile([p.round_trip for p in added], 50):.2f}, the first, Redis idle since the probe, p50 "
-              f"{1000 * percentile([p.idle_round_trip for p in added], 50):.2f}")
+              f"{1000 * percentile([p.idle_round_trip for p in added], 50):.2f}; this process's `Client.prepare` of "
+              f"one job after {1000 * COLD_PAUSE:.0f} ms asleep p50 {1e6 * percentile([p.cold_prepare for p in added], 50):.0f}"
+              f" µs, again at once p50 {1e6 * percentile([p.warm_prepare for p in added], 50):.0f} µs (how much slower "
+              f"code runs after a pause on this machine, as a lone job's every hop does)")
+        print(f"- the same, lone one-token jobs (the same prompts, `max_tokens=1`; one engine step, too short for the "
+              f"machine's drift to hide the queue's own cost): **{ms([p.added for p in added_one], 50, 99)}**; the probe's "
+              f"own spread: {ms([p.null for p in added_one], 1, 50, 99)}")
     print(f"- machine load average when done: {os.getloadavg()[0]:.2f}")
 
 
@@ -509,7 +541,7 @@ def count_instructions(args: argparse.Namespace, workload: Workload, repos: dict
 
 
 def compare(workload: Workload, local_runs: dict[str, list[Run]], queue_runs: dict[str, list[Run]],
-            added: dict[str, list[Paired]]) -> None:
+            added: dict[str, list[Paired]], added_one: dict[str, list[Paired]]) -> None:
     """Per round, each path's figure over the other's (this checkout's first): the rounds ran side by side; then the
     lone jobs' added latency, whose probes alternated job by job."""
     n = len(workload.prompts)
@@ -529,8 +561,10 @@ def compare(workload: Workload, local_runs: dict[str, list[Run]], queue_runs: di
         print(f"| {label} | {', '.join(f'{v:.3f}' for v in mine)} | {', '.join(f'{v:.3f}' for v in theirs)} | "
               f"**{statistics.median(quotients):.2f}** |")
     if added[this]:
-        for label, figure in (("added latency", lambda p: p.added), ("added latency outside the decode steps", lambda p: p.added_outside_decode)):
-            mine, theirs = [1000 * figure(p) for p in added[this]], [1000 * figure(p) for p in added[other]]
+        for label, probes, figure in (("added latency", added, lambda p: p.added),
+                                      ("added latency outside the decode steps", added, lambda p: p.added_outside_decode),
+                                      ("one-token jobs' added latency", added_one, lambda p: p.added)):
+            mine, theirs = [1000 * figure(p) for p in probes[this]], [1000 * figure(p) for p in probes[other]]
             print(f"- lone jobs, {label} (ms): p50 {percentile(mine, 50):.1f} against {percentile(theirs, 50):.1f}; "
                   f"p99 {percentile(mine, 99):.1f} against {percentile(theirs, 99):.1f}; median of the same job's "
                   f"difference (this - other): {statistics.median(a - b for a, b in zip(mine, theirs)):+.2f}")
