@@ -24,6 +24,8 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import redis
 
+from tokenmill.queue.packing import PACKER_OPTIONS
+
 TLS_SCHEME = "rediss"
 #: `ssl_*` query parameters passed on to redis-py's `SSLConnection` unchanged (paths, a key password, ciphers).
 _PASSED_ON = frozenset({"ssl_ca_certs", "ssl_ca_path", "ssl_certfile", "ssl_keyfile", "ssl_password", "ssl_ciphers"})
@@ -61,6 +63,7 @@ def redis_tls(url: str) -> tuple[str, dict[str, Any] | None]:
 
 
 def redis_client(url: str, **options: Any) -> redis.Redis:
-    """A redis-py client for `url` with the TLS options above (for tokenmill's own keys, beside Celery's)."""
+    """A redis-py client for `url` with the TLS options above and hiredis's packing (`tokenmill.queue.packing`), for
+    tokenmill's own keys beside Celery's."""
     bare, tls = redis_tls(url)
-    return redis.Redis.from_url(bare, **(tls or {}), **options)
+    return redis.Redis.from_url(bare, **PACKER_OPTIONS, **(tls or {}), **options)

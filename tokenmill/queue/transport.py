@@ -60,6 +60,7 @@ from kombu.utils.objects import cached_property
 
 from tokenmill.queue import fastjson
 from tokenmill.queue.batching import Coalescer
+from tokenmill.queue.packing import PACKER_OPTIONS
 
 log = logging.getLogger(__name__)
 
@@ -387,7 +388,7 @@ class Channel(kombu_redis.Channel):
     def _connparams(self, asynchronous: bool = False) -> dict[str, Any]:
         transport = self.connection
         if transport is not None and transport.client is not None:
-            self._params[asynchronous] = super()._connparams(asynchronous=asynchronous)
+            self._params[asynchronous] = {**super()._connparams(asynchronous=asynchronous), **PACKER_OPTIONS}
         return dict(self._params[asynchronous])
 
     @contextmanager

@@ -21,6 +21,7 @@ from kombu.utils.encoding import bytes_to_str
 
 from tokenmill.queue.batching import Coalescer
 from tokenmill.queue.cancels import result_meta
+from tokenmill.queue.packing import PACKER_OPTIONS
 
 #: The worker app's backends by URL scheme (`celery.app.backends.by_name` aliases).
 BACKEND_OVERRIDES = {scheme: f"{__name__}:CoalescingRedisBackend" for scheme in ("redis", "rediss")}
@@ -60,6 +61,7 @@ class CoalescingRedisBackend(RedisBackend):
         # waits on results through this backend's pub/sub consumer, the one part that is not. Set on the
         # instance: Celery's Backend.__init__ sets it from `result_backend_thread_safe` (False), over the class's.
         self.thread_safe = True
+        self.connparams.update(PACKER_OPTIONS)  # its pool's connections pack with hiredis alone
         self._stores: Coalescer[tuple[str, bytes, int], None] = Coalescer(self._store_many, limit=self.STORE_LIMIT)
         self._store_script: Any = None
 
