@@ -47,6 +47,20 @@ def test_rediss_without_the_ca_verifies_and_refuses_an_unknown_ca(tls_redis_serv
             client.app.backend.client.ping()
 
 
+def test_the_http_apis_records_speak_verified_tls(tls_redis_server: TlsRedisServer) -> None:
+    """`tokenmill serve`'s own keys (files, batches, webhooks) go over the same verified TLS as the queue's."""
+    from tokenmill.apps.api.records import Records
+
+    records = Records(tls_redis_server.url)
+    options = records.redis.connection_pool.connection_kwargs
+    assert options["ssl_cert_reqs"] == ssl.CERT_REQUIRED and options["ssl_check_hostname"] is True
+    records.add_file("tenant-a", {"id": "file-tls", "bytes": 3})
+    assert records.redis.get("tokenmill:api:file:file-tls") is not None  # written over TLS, read back
+    unknown_ca = Records(f"rediss://:{PASSWORD}@127.0.0.1:{tls_redis_server.port}/0")
+    with pytest.raises(Exception, match="certificate verify failed"):
+        unknown_ca.redis.ping()
+
+
 def test_client_never_sends_the_password_to_a_plaintext_rediss_address(plain_listener: PlainListener, tmp_path) -> None:
     url = f"rediss://:{PASSWORD}@127.0.0.1:{plain_listener.port}/0"
     for code in (f"Client({url!r}).submit(prompt='x')", f"Client({url!r}).get('some-job')"):

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import redis
+from tokenmill.queue.tls import redis_client
 
 PREFIX = "tokenmill:api:"
 SEQUENCE = PREFIX + "seq"
@@ -61,7 +61,7 @@ class Records:
     """The API's records on one Redis (the queue's result backend)."""
 
     def __init__(self, url: str, webhooks: bool = False) -> None:
-        self.redis = redis.Redis.from_url(url)
+        self.redis = redis_client(url)  # TLS verified as on every tokenmill connection (`tokenmill.queue.tls`)
         self.webhooks = webhooks  # write a webhook event when a batch becomes final
         self._renew = self.redis.register_script(_RENEW)
         self._release = self.redis.register_script(_RELEASE)
