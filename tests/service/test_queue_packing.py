@@ -1,5 +1,5 @@
 """`tokenmill.queue.packing`: hiredis's packing writes the bytes redis-py's own packer writes, refuses what it refuses,
-and every tokenmill Redis client uses it."""
+and the transport, the worker's result backend and tokenmill's own clients use it."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def test_unencodable_text_is_refused_as_redis_py_refuses_it() -> None:
         PACKER.pack("SET", "key", "\ud800")
 
 
-def test_every_tokenmill_client_packs_with_it(redis_server: RedisServer) -> None:
+def test_the_transport_the_workers_backend_and_tokenmills_clients_pack_with_it(redis_server: RedisServer) -> None:
     """The service's own client, the transport's connections (worker and client) and the worker's result backend."""
     from tokenmill.worker.app import create_app
 

@@ -1,4 +1,6 @@
-"""Redis commands packed by hiredis alone, for every tokenmill connection to Redis (broker, results, its own keys).
+"""Redis commands packed by hiredis alone: on the transport's connections (producers' and workers'), the worker's result
+backend and tokenmill's own clients (`tokenmill.queue.tls.redis_client`: the worker service, the HTTP API's records).
+A producer reads results through Celery's own Redis backend, as it was: its commands are few per job.
 
 Why: redis-py's hiredis packer runs each argument through its Python `Encoder.encode` (four type checks, then
 `str.encode`) and two generator expressions before hiredis packs them in C. The worker's scripts take several
