@@ -27,7 +27,7 @@ one `tokenmill worker` on builtin:tiny, loads the same model in this process, an
   engine process, its reader, the finisher). Last, how much slower code runs after a pause on the machine:
   `Client.prepare` of one job after 20 ms asleep, and again at once. Then the same probe with the same prompts at
   `max_tokens=1`, alternating with the first: one engine step, a few ms, so the machine's drift (the same 40-token
-  job in-process twice: +-15-40 ms at p1/p99 on the shared 2-core VMs) no longer hides what the queue adds;
+  job in-process twice: 15-43 ms apart at p1 and p99 on the shared 2-core VMs) no longer hides what the queue adds;
 * under load: submit -> result p50/p99 of the batch, for both paths.
 
 `--intake` isolates the queue path: the same worker, Redis and result path, with as little engine work per job

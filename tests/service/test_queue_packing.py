@@ -3,6 +3,7 @@ and the transport, the worker's result backend and tokenmill's own clients use i
 
 from __future__ import annotations
 
+import enum
 from typing import Any
 
 import pytest
@@ -16,10 +17,20 @@ from tokenmill.queue.packing import PACKER
 from tokenmill.queue.settings import QueueSettings
 from tokenmill.queue.tls import redis_client
 
+
+class _Level(enum.IntEnum):  # an int subclass: hiredis refuses it, redis-py writes its repr
+    HIGH = 2
+
+
+class _Name(str):
+    pass
+
+
 #: redis-py's own packer, as a connection builds it (no connection is opened).
 STOCK = Connection()
 _arguments = (st.text() | st.binary() | st.integers(min_value=-(2**80), max_value=2**80)
-              | st.floats(allow_nan=True, allow_infinity=True) | st.binary().map(bytearray) | st.binary().map(memoryview))
+              | st.floats(allow_nan=True, allow_infinity=True) | st.binary().map(bytearray) | st.binary().map(memoryview)
+              | st.sampled_from([_Level.HIGH, _Name("sub")]))
 _commands = st.sampled_from(["EVALSHA", "SET", "SCRIPT LOAD", "CLIENT SETNAME", b"LPUSH", b"SCRIPT  FLUSH"])
 
 
@@ -28,7 +39,7 @@ def packed(pack: Any, *args: Any) -> bytes:
 
 
 @given(_commands, st.lists(_arguments, max_size=12))
-@example("EVALSHA", ["é", 1e16, -0.0, 2**64, 5e-324, bytearray(b"x"), memoryview(b"y")])
+@example("EVALSHA", ["é", 1e16, -0.0, 2**64, 5e-324, bytearray(b"x"), memoryview(b"y"), _Level.HIGH, _Name("s")])
 def test_the_bytes_are_redis_pys(command: Any, args: list[Any]) -> None:
     assert packed(PACKER.pack, command, *args) == packed(STOCK.pack_command, command, *args)
 

@@ -34,18 +34,18 @@ class HiredisPacker:
             args = (*command.split(), *args[1:])
         try:
             return [hiredis.pack_command(args)]
-        except TypeError:  # hiredis takes str, bytes, int, float (and memoryview) only
-            return [hiredis.pack_command(tuple(_plain(arg) for arg in args))]
+        except TypeError:  # hiredis takes str, bytes, int and float (and memoryview) only: the rest as redis-py takes it
+            return [hiredis.pack_command(tuple(_encoded(arg) for arg in args))]
 
 
-def _plain(arg: Any) -> Any:
-    """An argument hiredis refused, as redis-py's `Encoder.encode` takes it: a bytearray as bytes; a bool, None or any
-    other object refused with redis-py's `DataError` (a bool is an int to hiredis, but not to redis-py)."""
-    if isinstance(arg, bytearray | memoryview):
+def _encoded(arg: Any) -> bytes:
+    """`arg` as redis-py's `Encoder.encode` writes it (UTF-8, its default): for what hiredis refused, such as a
+    bytearray, or an int or str subclass; a bool, None or any other object raises redis-py's `DataError`."""
+    if isinstance(arg, bytes | bytearray | memoryview):
         return bytes(arg)
-    if isinstance(arg, bool) or not isinstance(arg, str | bytes | int | float):
+    if isinstance(arg, bool) or not isinstance(arg, str | int | float):
         raise DataError(f"Invalid input of type: '{type(arg).__name__}'. Convert to a bytes, string, int or float first.")
-    return arg
+    return (arg if isinstance(arg, str) else repr(arg)).encode()
 
 
 PACKER = HiredisPacker()
