@@ -20,32 +20,23 @@ from __future__ import annotations
 from typing import Any
 
 import hiredis
-from redis.exceptions import DataError
+from redis.connection import Encoder
+
+#: redis-py's own encoder, as its connections make it by default: for the arguments hiredis refuses.
+_ENCODER = Encoder(encoding="utf-8", encoding_errors="strict", decode_responses=False)
 
 
 class HiredisPacker:
     """A redis-py command packer (`Connection(command_packer=...)`) that leaves argument encoding to hiredis."""
 
     def pack(self, *args: Any) -> list[bytes]:
-        command = args[0]
-        if isinstance(command, str):  # redis-py writes some commands as one string: "SCRIPT LOAD", "CLIENT SETNAME"
-            args = (*command.split(), *args[1:])
-        elif isinstance(command, bytes) and b" " in command:
-            args = (*command.split(), *args[1:])
+        if isinstance(args[0], str | bytes):  # redis-py writes some commands as one: "SCRIPT LOAD", "CLIENT SETNAME"
+            args = (*args[0].split(), *args[1:])
         try:
             return [hiredis.pack_command(args)]
         except TypeError:  # hiredis takes str, bytes, int and float (and memoryview) only: the rest as redis-py takes it
-            return [hiredis.pack_command(tuple(_encoded(arg) for arg in args))]
-
-
-def _encoded(arg: Any) -> bytes:
-    """`arg` as redis-py's `Encoder.encode` writes it (UTF-8, its default): for what hiredis refused, such as a
-    bytearray, or an int or str subclass; a bool, None or any other object raises redis-py's `DataError`."""
-    if isinstance(arg, bytes | bytearray | memoryview):
-        return bytes(arg)
-    if isinstance(arg, bool) or not isinstance(arg, str | int | float):
-        raise DataError(f"Invalid input of type: '{type(arg).__name__}'. Convert to a bytes, string, int or float first.")
-    return (arg if isinstance(arg, str) else repr(arg)).encode()
+            return [hiredis.pack_command(tuple(
+                bytes(arg) if isinstance(arg, bytearray | memoryview) else _ENCODER.encode(arg) for arg in args))]
 
 
 PACKER = HiredisPacker()
