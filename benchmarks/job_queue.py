@@ -250,7 +250,9 @@ class QueuePath:
         if concurrency:
             command += ["--concurrency", str(concurrency)]
         command += self.flags
-        env = {**os.environ, "PYTHONPATH": str(self.repo), "OMP_NUM_THREADS": str(threads)}
+        # The checkout first; what PYTHONPATH held stays after it (packages carried to a machine without them).
+        path = os.pathsep.join(filter(None, [str(self.repo), os.environ.get("PYTHONPATH")]))
+        env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": str(threads)}
         self.log_path = log_path
         process = subprocess.Popen(command, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT, env=env, cwd=self.repo)
 

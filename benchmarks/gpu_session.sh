@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# One lent GPU session's measurements, in one run of under 10 minutes (device time is short and a machine
+# starts bare): greedy parity, the engine's throughput against transformers, the attention kernels against
+# the device's ceilings, then the job queue on that machine. Each stage has its own time limit, so one that
+# hangs or fails costs only its own slot; each one's output goes to $OUT/<stage>.log as it runs (the rows
+# as each finishes: the device tool brings back at most 8 files, so the JSON copies stay on the machine).
+#
+#   bash benchmarks/gpu_session.sh      # in the repository root, on the device machine ($OUT set by the tool)
+#
+# The machine has its own torch, triton and transformers and nothing else of ours: what the queue stage needs
+# (celery, redis-py, pydantic, ...) travels as wheels in .whl/, and redis-server with the libraries it links
+# in .gpu/ (both ignored by git; see docs/internals/gpu-path.md). A stage whose packages are missing fails
+# alone.
+set -u
+OUT=${OUT:-/tmp/gpu_session}
+mkdir -p "$OUT"
+ROOT=$(pwd)
+export PYTHONUNBUFFERED=1 PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+START=$(date +%s)
+
+stage() {  # stage NAME SECONDS COMMAND...: run it under a time limit, output to the console and $OUT/NAME.log
+    local name=$1 limit=$2
+    shift 2
+    echo "=== $name: limit ${limit} s, at $(( $(date +%s) - START )) s"
+    timeout -k 5 "$limit" "$@" > "$OUT/$name.log" 2>&1
+    local status=$?
+    tr '\r' '\n' < "$OUT/$name.log" | grep -v 'it/s\]$' | tail -n 40
+    echo "=== $name: exit $status after $(( $(date +%s) - START )) s"
+}
+
+{
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
+    python3 -c "import sys, torch, triton, transformers; print(sys.version.split()[0], 'torch', torch.__version__,
+'cuda', torch.version.cuda, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+    nproc
+} > "$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+
+if compgen -G ".whl/*.whl" > /dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+if [ -x .gpu/redis-server ] && ! command -v redis-server > /dev/null; then
+    mkdir -p /tmp/gpu-bin
+    printf '#!/bin/sh\nLD_LIBRARY_PATH=%s/.gpu/lib exec %s/.gpu/redis-server "$@"\n' "$ROOT" "$ROOT" > /tmp/gpu-bin/redis-server
+    chmod +x /tmp/gpu-bin/redis-server
+    export PATH="/tmp/gpu-bin:$PATH"
+fi
+
+stage parity 75 python3 benchmarks/gpu_parity.py --json /tmp/gpu_parity.json
+stage throughput-qwen 140 python3 benchmarks/gpu_throughput.py --models qwen2.5-0.5b --deadline 100 \
+    --json /tmp/gpu_throughput_qwen.json
+stage kernels 120 python3 benchmarks/kernels_gpu.py --deadline 80
+stage queue 100 python3 benchmarks/job_queue.py --rounds 1 --probe-jobs 200
+stage queue-intake 60 python3 benchmarks/job_queue.py --intake --rounds 1
+left=$(( 570 - ($(date +%s) - START) ))
+if [ "$left" -gt 60 ]; then
+    stage throughput-llama "$left" python3 benchmarks/gpu_throughput.py --models llama-3-8b --requests 500 \
+        --deadline $(( left - 50 )) --json /tmp/gpu_throughput_llama.json
+fi
+echo "=== done after $(( $(date +%s) - START )) s"
