@@ -168,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
                          required=dtype == "float32", seconds=time.perf_counter() - start), rows, path)
     print("\n| model | dtype | backend | against transformers |\n|---|---|---|---|")
     for row in rows:
-        print(f"| {row.model} | {row.dtype} | {row.backend} | {row.agreement}{' (required: FAIL)' if row.failed else ''} |")
+        verdict = " (required: FAIL)" if row.failed else ""
+        print(f"| {row.model} | {row.dtype} | {row.backend} | {row.agreement}{verdict} |")
     return 1 if any(row.failed for row in rows) else 0
 
 
