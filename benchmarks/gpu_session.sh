@@ -6,6 +6,7 @@
 # as each finishes: the device tool brings back at most 8 files, so the JSON copies stay on the machine).
 #
 #   bash benchmarks/gpu_session.sh      # in the repository root, on the device machine ($OUT set by the tool)
+#   STAGES="queue queue-intake" bash benchmarks/gpu_session.sh     # only the stages named
 #
 # The machine has its own torch, triton and transformers and nothing else of ours: what the queue stage needs
 # (celery, redis-py, pydantic, ...) travels as wheels in .whl/, and redis-server with the libraries it links
@@ -21,6 +22,7 @@ START=$(date +%s)
 stage() {  # stage NAME SECONDS COMMAND...: run it under a time limit, output to the console and $OUT/NAME.log
     local name=$1 limit=$2
     shift 2
+    case " ${STAGES:-$name} " in *" $name "*) ;; *) return ;; esac
     echo "=== $name: limit ${limit} s, at $(( $(date +%s) - START )) s"
     timeout -k 5 "$limit" "$@" > "$OUT/$name.log" 2>&1
     local status=$?
@@ -51,8 +53,8 @@ stage parity 75 python3 benchmarks/gpu_parity.py --json /tmp/gpu_parity.json
 stage throughput-qwen 140 python3 benchmarks/gpu_throughput.py --models qwen2.5-0.5b --deadline 100 \
     --json /tmp/gpu_throughput_qwen.json
 stage kernels 120 python3 benchmarks/kernels_gpu.py --deadline 80
-stage queue 100 python3 benchmarks/job_queue.py --rounds 1 --probe-jobs 200
-stage queue-intake 60 python3 benchmarks/job_queue.py --intake --rounds 1
+stage queue ${QUEUE_LIMIT:-100} python3 benchmarks/job_queue.py --rounds 1 --probe-jobs ${PROBE_JOBS:-200}
+stage queue-intake ${QUEUE_LIMIT:-60} python3 benchmarks/job_queue.py --intake --rounds 1
 left=$(( 570 - ($(date +%s) - START) ))
 if [ "$left" -gt 60 ]; then
     stage throughput-llama "$left" python3 benchmarks/gpu_throughput.py --models llama-3-8b --requests 500 \

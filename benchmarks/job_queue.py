@@ -208,6 +208,15 @@ def own_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def shared_device_kv_blocks() -> int | None:
+    """On a GPU the engines of both paths share one device, and each would size its KV cache to 0.9 of the
+    device's memory: each gets a fixed pool instead, ample for these jobs. None without one (the engine's own
+    sizing, as before)."""
+    import torch
+
+    return 16384 if torch.cuda.is_available() else None
+
+
 class QueuePath:
     """redis-server + one worker subprocess + a Client in this process."""
 
@@ -253,6 +262,8 @@ class QueuePath:
         # The checkout first; what PYTHONPATH held stays after it (packages carried to a machine without them).
         path = os.pathsep.join(filter(None, [str(self.repo), os.environ.get("PYTHONPATH")]))
         env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": str(threads)}
+        if (blocks := shared_device_kv_blocks()) is not None:
+            env["TOKENMILL_NUM_KV_BLOCKS"] = str(blocks)
         self.log_path = log_path
         process = subprocess.Popen(command, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT, env=env, cwd=self.repo)
 
@@ -343,7 +354,7 @@ class LocalPath:
         from tokenmill import LLM
 
         torch.set_num_threads(threads)
-        self.llm = LLM("builtin:tiny", max_num_seqs=max_num_seqs)
+        self.llm = LLM("builtin:tiny", max_num_seqs=max_num_seqs, num_kv_blocks=shared_device_kv_blocks())
 
     def warm_up(self, workload: Workload) -> None:
         self.llm.generate(workload.prompts[:20], [workload.params(i) for i in range(20)], use_tqdm=False)

@@ -75,20 +75,21 @@ class Batch:
         return self.head_dim**-0.5
 
 
-def make_batch(num_seqs: int, chunk: int, context: int, heads: tuple[int, int, int]) -> Batch:
+def make_batch(num_seqs: int, chunk: int, context: int, heads: tuple[int, int, int], device: str = "cuda",
+               dtype: torch.dtype = DTYPE) -> Batch:
     """`num_seqs` sequences of `context` cached tokens plus `chunk` new ones, blocks scattered at random."""
     hq, hkv, head_dim = heads
     length = context + chunk
     blocks = -(-length // BLOCK_SIZE)
-    tables = torch.randperm(num_seqs * blocks, device="cuda").view(num_seqs, blocks).int()
+    tables = torch.randperm(num_seqs * blocks, device=device).view(num_seqs, blocks).int()
     cache_shape = (num_seqs * blocks, BLOCK_SIZE, hkv, head_dim)
     return Batch(
-        query=torch.randn(num_seqs * chunk, hq, head_dim, device="cuda", dtype=DTYPE),
-        k_cache=torch.randn(cache_shape, device="cuda", dtype=DTYPE),
-        v_cache=torch.randn(cache_shape, device="cuda", dtype=DTYPE),
+        query=torch.randn(num_seqs * chunk, hq, head_dim, device=device, dtype=dtype),
+        k_cache=torch.randn(cache_shape, device=device, dtype=dtype),
+        v_cache=torch.randn(cache_shape, device=device, dtype=dtype),
         block_tables=tables,
-        cu_seqlens_q=torch.arange(num_seqs + 1, device="cuda", dtype=torch.int32) * chunk,
-        seq_lens=torch.full((num_seqs,), length, device="cuda", dtype=torch.int32),
+        cu_seqlens_q=torch.arange(num_seqs + 1, device=device, dtype=torch.int32) * chunk,
+        seq_lens=torch.full((num_seqs,), length, device=device, dtype=torch.int32),
         chunk=chunk, context=context,
     )
 

@@ -42,3 +42,34 @@ def test_gpu_throughput_quick_runs_on_cpu(tmp_path: Path) -> None:
 
 def test_kernels_gpu_says_it_needs_cuda(tmp_path: Path) -> None:
     assert "nothing was measured" in run("benchmarks/kernels_gpu.py", "--deadline", "1", tmp_path=tmp_path)
+
+
+def test_gpu_parity_quick_runs_on_cpu(tmp_path: Path) -> None:
+    out = run("benchmarks/gpu_parity.py", "--quick", "--requests", "2", tmp_path=tmp_path)
+    rows = json.loads((tmp_path / "gpu_parity.json").read_text())
+    assert [(r["dtype"], r["backend"]) for r in rows] == 2 * [("float32", "triton"), ("float32", "torch"),
+                                                            ("bfloat16", "triton")], out
+    assert all(r["identical"] == r["requests"] == 2 and not r["failed"] for r in rows if r["required"]), out
+
+
+def test_kernel_check_fails_a_wrong_or_unwritten_row() -> None:
+    """kernels_gpu's check against float64: the torch backend's output passes, a NaN (unwritten) row or a small
+    error in one row fails it."""
+    import torch
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import kernels_gpu
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    from tokenmill.kernels.torch_attention import TorchBackend
+
+    batch = kernels_gpu.make_batch(3, 5, 37, (4, 2, 16), device="cpu", dtype=torch.float32)
+    out = TorchBackend().paged_attention(*batch.args())
+    assert kernels_gpu.check(batch, out).endswith(" ok")
+    for row, error in ((0, float("nan")), (2 * 5 + 4, 0.05)):
+        wrong = out.clone()
+        wrong[row, 1, 3] += error
+        verdict = kernels_gpu.check(batch, wrong)
+        assert verdict.endswith("FAIL"), verdict
+    assert kernels_gpu.poisoned(out).isnan().all()
