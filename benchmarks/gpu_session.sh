@@ -49,12 +49,15 @@ if [ -x .gpu/redis-server ] && ! command -v redis-server > /dev/null; then
     export PATH="/tmp/gpu-bin:$PATH"
 fi
 
-stage parity 75 python3 benchmarks/gpu_parity.py --json /tmp/gpu_parity.json
+stage parity 90 python3 benchmarks/gpu_parity.py --json /tmp/gpu_parity.json
 stage throughput-qwen 140 python3 benchmarks/gpu_throughput.py --models qwen2.5-0.5b --deadline 100 \
     --json /tmp/gpu_throughput_qwen.json
-stage kernels 120 python3 benchmarks/kernels_gpu.py --deadline 80
-stage queue ${QUEUE_LIMIT:-100} python3 benchmarks/job_queue.py --rounds 1 --probe-jobs ${PROBE_JOBS:-200}
-stage queue-intake ${QUEUE_LIMIT:-60} python3 benchmarks/job_queue.py --intake --rounds 1
+stage kernels 110 python3 benchmarks/kernels_gpu.py --deadline 75
+stage queue ${QUEUE_LIMIT:-90} python3 benchmarks/job_queue.py --rounds 1 --probe-jobs ${PROBE_JOBS:-200}
+stage queue-intake ${QUEUE_LIMIT:-50} python3 benchmarks/job_queue.py --intake --rounds 1
+# A lone job's decode steps, step by step, in the worker's engine process and in-process: on 2026-12-04's H200 they
+# took 24 ms longer (p50) in the engine process, cause not found.
+stage queue-steps ${QUEUE_LIMIT:-60} python3 benchmarks/lone_job_hops.py --steps --max-tokens 40 --jobs 60
 left=$(( 570 - ($(date +%s) - START) ))
 if [ "$left" -gt 60 ]; then
     stage throughput-llama "$left" python3 benchmarks/gpu_throughput.py --models llama-3-8b --requests 500 \
