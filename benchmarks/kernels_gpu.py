@@ -5,11 +5,11 @@ which reads K/V and writes almost nothing, can at best reach) and a large bf16 m
 attention as GB/s of K/V read and its share of the read-only ceiling; (3) the KV write (the step's new K/V
 scattered into the paged cache) as GB/s moved; (4) prefill chunks as TFLOP/s and their share of the matmul
 rate, next to torch SDPA on the same data; (5) each case's error against a float64 reference (outputs poisoned
-with NaN before the checked call), and bitwise batch invariance. Two head shapes: Llama-3-8B (Hq=32, Hkv=8, D=128) and Qwen2.5-0.5B (Hq=14, Hkv=2, D=64:
-GQA groups of 7, padded to 8 in the kernel); bf16, block size 16, block tables shuffled. Every tile
-configuration in `configs()` is timed, the first being the backend's default, so one run says whether the
-default should change. Stops starting new cases after `--deadline` seconds and prints one table at the end.
-It measures the kernels as they are; it changes nothing.
+with NaN before the checked call), and bitwise batch invariance. Two head shapes: Llama-3-8B (Hq=32, Hkv=8,
+D=128) and Qwen2.5-0.5B (Hq=14, Hkv=2, D=64: GQA groups of 7, padded to 8 in the kernel); bf16, block size 16,
+block tables shuffled. Every tile configuration in `configs()` is timed, the first being the backend's default,
+so one run says whether the default should change. Stops starting new cases after `--deadline` seconds and
+prints one table at the end. It measures the kernels as they are; it changes nothing.
 
     python benchmarks/kernels_gpu.py [--deadline 420] [--shapes llama-3-8b,qwen2.5-0.5b]
 
