@@ -62,11 +62,24 @@ def room(module: str) -> str:
     return "common" if parts[1] in COMMON else parts[1]
 
 
+def parse(path: Path) -> ast.Module:
+    """`ast.parse`, again if CPython 3.11 raises its spurious "AST constructor recursion depth mismatch": 3.11 keeps
+    that depth in state shared between threads, so a parse in another thread of the test process (3.11's traceback
+    formatting parses source lines, e.g. a library logging a retry) can trip this one; the file is not at fault."""
+    for attempt in range(3):
+        try:
+            return ast.parse(path.read_text(), str(path))
+        except SystemError as error:
+            if "recursion depth mismatch" not in str(error) or attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
 def imports_of(module: str, path: Path, modules: set[str]) -> list[tuple[str, list[str], int]]:
     """(imported module, names taken from it, line) for every import and whole-module string in one file."""
     found = []
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(parse(path)):
         if isinstance(node, ast.Import):
             found += [(alias.name, [], node.lineno) for alias in node.names if alias.name in modules]
         elif isinstance(node, ast.ImportFrom):
@@ -106,7 +119,7 @@ def private_definitions(tree: ast.AST) -> set[str]:
 def private_uses() -> list[str]:
     """`other._name` where `_name` is defined in another tokenmill file and not in this one (`self._x` and
     `cls._x` are a class's own business; a private name of a third-party object is not ours to judge here)."""
-    trees = {module: ast.parse(path.read_text(), str(path)) for module, path in module_files().items()}
+    trees = {module: parse(path) for module, path in module_files().items()}
     defined = {module: private_definitions(tree) for module, tree in trees.items()}
     uses = []
     for module, tree in trees.items():
