@@ -53,7 +53,8 @@ stage parity 90 python3 benchmarks/gpu_parity.py --json /tmp/gpu_parity.json
 stage throughput-qwen 140 python3 benchmarks/gpu_throughput.py --models qwen2.5-0.5b --deadline 100 \
     --json /tmp/gpu_throughput_qwen.json
 stage kernels 110 python3 benchmarks/kernels_gpu.py --deadline 75
-stage queue ${QUEUE_LIMIT:-90} python3 benchmarks/job_queue.py --rounds 1 --probe-jobs ${PROBE_JOBS:-200}
+# 60 lone-job probes: on the H200 they took ~70 s, and the benchmark prints nothing until it ends.
+stage queue ${QUEUE_LIMIT:-90} python3 benchmarks/job_queue.py --rounds 1 --probe-jobs ${PROBE_JOBS:-60}
 stage queue-intake ${QUEUE_LIMIT:-50} python3 benchmarks/job_queue.py --intake --rounds 1
 # A lone job's decode steps, step by step, in the worker's engine process and in-process: on 2026-12-04's H200 they
 # took 24 ms longer (p50) in the engine process, cause not found.
