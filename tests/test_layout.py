@@ -10,6 +10,7 @@ fails here, naming the files.
 from __future__ import annotations
 
 import ast
+import functools
 import graphlib
 import re
 import subprocess
@@ -62,17 +63,19 @@ def room(module: str) -> str:
     return "common" if parts[1] in COMMON else parts[1]
 
 
+@functools.cache
 def parse(path: Path) -> ast.Module:
-    """`ast.parse`, again if CPython 3.11 raises its spurious "AST constructor recursion depth mismatch": 3.11 keeps
-    that depth in state shared between threads, so a parse in another thread of the test process (3.11's traceback
-    formatting parses source lines, e.g. a library logging a retry) can trip this one; the file is not at fault."""
-    for attempt in range(3):
+    """`ast.parse` of one file, once for all the checks below (they only read the tree); parsed again if CPython 3.11
+    raises its spurious "AST constructor recursion depth mismatch": 3.11 keeps that depth in state shared between
+    threads, so a parse in another thread of the test process (3.11's traceback formatting parses source lines, e.g. a
+    library logging a retry) can trip this one; the file is not at fault."""
+    for _ in range(2):
         try:
             return ast.parse(path.read_text(), str(path))
         except SystemError as error:
-            if "recursion depth mismatch" not in str(error) or attempt == 2:
+            if "recursion depth mismatch" not in str(error):
                 raise
-    raise AssertionError("unreachable")
+    return ast.parse(path.read_text(), str(path))
 
 
 def imports_of(module: str, path: Path, modules: set[str]) -> list[tuple[str, list[str], int]]:
