@@ -75,6 +75,7 @@ import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
+import urllib.request  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -156,6 +157,7 @@ class Run:
     latencies: list[float]
     cpu: dict[str, float] = field(default_factory=dict)
     submit_elapsed: float = 0.0
+    steps: int | None = None  # engine steps (forward passes) the jobs took; None where the worker's metrics gave none
 
 
 def make_workload(count: int, seed: int, min_tokens: int, max_tokens: int) -> Workload:
@@ -229,6 +231,7 @@ class QueuePath:
         self.entry = entry  # what Python runs: the `tokenmill` command, or a script that wraps it (hop_stamps.py)
         self.flags = flags  # more `tokenmill worker` flags (`--against-flags`)
         self.redis = self._start_redis(directory)
+        self.metrics_port = free_port()
         self.worker = self._start_worker(directory / "worker.log", max_num_seqs, threads, concurrency)
         self.engine_pid = engine_pid(self.worker.pid)
         self.client = Client(self.broker)
@@ -255,7 +258,7 @@ class QueuePath:
 
     def _start_worker(self, log_path: Path, max_num_seqs: int, threads: int, concurrency: int | None) -> subprocess.Popen:
         command = [*self.wrapper, sys.executable, *self.entry, "worker", "--broker", self.broker, "--model", "builtin:tiny",
-                   "--max-num-seqs", str(max_num_seqs), "--metrics-port", "0", "--hostname", "bench@%h"]
+                   "--max-num-seqs", str(max_num_seqs), "--metrics-port", str(self.metrics_port), "--hostname", "bench@%h"]
         if concurrency:
             command += ["--concurrency", str(concurrency)]
         command += self.flags
@@ -285,6 +288,7 @@ class QueuePath:
         before = {name: process_cpu(pid) for name, pid in pids.items() if pid}
         client_before = own_cpu()
         jobs = [workload.job(i) for i in range(len(workload.prompts))]
+        steps_before = self.engine_steps()
         started = time.perf_counter()
         handles = self.client.submit_many(jobs)
         submit_elapsed = time.perf_counter() - started
@@ -297,7 +301,30 @@ class QueuePath:
         assert tokens == workload.tokens
         cpu = {name: process_cpu(pids[name]) - value for name, value in before.items()}
         cpu["client"] = own_cpu() - client_before
-        return Run(elapsed, latencies, cpu, submit_elapsed)
+        steps_after = self.engine_steps(settled=True)
+        steps = None if steps_before is None or steps_after is None else steps_after - steps_before
+        return Run(elapsed, latencies, cpu, submit_elapsed, steps)
+
+    def engine_steps(self, settled: bool = False) -> int | None:
+        """The worker's `tokenmill_engine_steps_total`, or None if its metrics endpoint gives none. The engine process
+        reports its steps every 0.5 s (`_STATS_INTERVAL`), also when idle: `settled` waits until two reads a second
+        apart agree, so that the steps of the run just ended are all counted."""
+        last = None
+        for _ in range(10 if settled else 1):
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as reply:
+                    text = reply.read().decode()
+            except OSError:
+                return None
+            found = re.search(r"^tokenmill_engine_steps_total (\S+)$", text, re.M)
+            if found is None:
+                return None
+            count = int(float(found.group(1)))
+            if count == last or not settled:
+                return count
+            last = count
+            time.sleep(1.0)
+        return last
 
     def probe(self, workload: Workload, index: int) -> Probe:
         """Submit -> result of one job alone, and its decode steps (the engine process's first -> last token)."""
@@ -361,11 +388,13 @@ class LocalPath:
 
     def run(self, workload: Workload) -> Run:
         params = [workload.params(i) for i in range(len(workload.prompts))]
+        steps_before = self.llm.engine.stats().num_steps
         cpu_before, started = own_cpu(), time.perf_counter()
         outputs = self.llm.generate(workload.prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - started
         assert sum(len(o.token_ids) for o in outputs) == workload.tokens
-        return Run(elapsed, [o.finished_time - o.arrival_time for o in outputs], {"in-process": own_cpu() - cpu_before})
+        return Run(elapsed, [o.finished_time - o.arrival_time for o in outputs], {"in-process": own_cpu() - cpu_before},
+                   steps=self.llm.engine.stats().num_steps - steps_before)
 
     def probe(self, workload: Workload, index: int) -> Probe:
         one = self.llm.generate([workload.prompts[index]], [workload.params(index)], use_tqdm=False)[0]
@@ -480,6 +509,9 @@ def report(args: argparse.Namespace, workload: Workload, local_runs: list[Run], 
          f"{queue_cpu:.2f} = " + " + ".join(f"{v:.2f} {k}" for k, v in queue.cpu.items())),
         ("submit -> result p50 under load (s)", f"{percentile(local.latencies, 50):.2f}", f"{percentile(queue.latencies, 50):.2f}"),
         ("submit -> result p99 under load (s)", f"{percentile(local.latencies, 99):.2f}", f"{percentile(queue.latencies, 99):.2f}"),
+        # a step on a GPU costs its kernel launches more than its tokens: more steps for the same jobs is slower there
+        ("engine steps (forward passes), each round", ", ".join(str(run.steps) for run in local_runs),
+         ", ".join("?" if run.steps is None else str(run.steps) for run in queue_runs)),
     ]
     mode = "intake mode (the queue path's ceiling), " if args.intake else ""
     print(f"\n{mode}{n} jobs, prompts of 4-24 words, max_tokens {args.min_tokens}-{args.max_tokens} (ignore_eos, greedy), builtin:tiny, "

@@ -12,17 +12,23 @@ last exit). A stamp costs ~1 µs, ~30 a job: this finds where the time goes; the
 
     python benchmarks/lone_job_hops.py --steps --max-tokens 40 --jobs 100
 
-`--steps` also runs each job in-process right after (the engine in this process, its `LLMEngine.step` stamped too) and
-compares the decode steps themselves: per step index, the median time of that step in the worker's engine process and
-in-process, their sums over a job, and the time the engine loop spent between steps. `job_queue.py` reports a lone job's
-decode steps as slower in the engine process; this tells work the engine process adds from the same work run slower.
+`--steps` also runs each job in-process beside it (the engine in this process, its `LLMEngine.step` stamped too; the
+queue's job first in even pairs, the in-process one first in odd pairs) and compares the decode steps themselves: per
+step index, the median time of that step in the worker's engine process and in-process, their sums over a job (also
+per order), and the time the engine loop spent between steps. `job_queue.py` reports a lone job's decode steps as
+slower in the engine process; this tells work the engine process adds from the same work run slower, and whether
+going first is what costs. Where `nvidia-smi` runs, it samples the GPU's SM clock every 20 ms meanwhile, and the
+median clock during each path's jobs is printed: a GPU that clocks down while idle runs whichever job goes first
+on a slower clock.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -116,17 +122,27 @@ def main() -> None:
             client_stamps: list[tuple[str, float]] = []
             stamp_client(client_stamps)
             local = in_process(workload, client_stamps) if args.steps else None
+            clocks = GpuClocks(Path(tmp) / "clocks.csv") if args.steps else None
             windows, local_windows = [], []
             for index in range(args.jobs):
                 time.sleep(args.pause)
-                started = time.time()
-                queue.client.submit(**workload.job(index)).result(timeout=60)
-                windows.append((started, time.time()))
-                if local is not None:  # right after: the pair shares the machine's speed of the moment
+
+                def through_queue() -> None:
+                    started = time.time()
+                    queue.client.submit(**workload.job(index)).result(timeout=60)
+                    windows.append((started, time.time()))
+
+                def here() -> None:
                     started = time.time()
                     local.probe(workload, index)
                     local_windows.append((started, time.time()))
+
+                # the pair shares the machine's speed of the moment; which goes first alternates
+                for run in ((through_queue, here) if index % 2 == 0 else (here, through_queue)) if local else (through_queue,):
+                    run()
             time.sleep(3 * hop_stamps.FLUSH_INTERVAL)
+            if clocks is not None:
+                clocks.report(windows, local_windows)
             stamps = read_stamps(stamp_dir) + [(at, name) for name, at in client_stamps]
             queue.log_tail()
         finally:
@@ -134,6 +150,43 @@ def main() -> None:
     report(per_job(stamps, windows), args)
     if args.steps:
         report_steps(stamps, windows, local_windows)
+
+
+class GpuClocks:
+    """The GPU's SM clock, sampled every 20 ms by `nvidia-smi` in the background (nothing where it does not run)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        try:
+            self.sampler: subprocess.Popen | None = subprocess.Popen(
+                ["nvidia-smi", "--query-gpu=timestamp,clocks.sm", "--format=csv,noheader,nounits", "-lms", "20"],
+                stdout=open(path, "w"), stderr=subprocess.DEVNULL)
+        except OSError:
+            self.sampler = None
+
+    def report(self, windows: list[tuple[float, float]], local_windows: list[tuple[float, float]]) -> None:
+        if self.sampler is None:
+            return
+        self.sampler.terminate()
+        self.sampler.wait()
+        times, values = [], []
+        for line in self.path.read_text().splitlines():  # "2026/12/04 13:45:01.234, 1980" (local time)
+            stamp, _, clock = line.partition(",")
+            try:
+                times.append(datetime.datetime.strptime(stamp.strip(), "%Y/%m/%d %H:%M:%S.%f").timestamp())
+                values.append(int(clock))
+            except ValueError:
+                continue
+        if not values:
+            print("\nGPU SM clock: no samples")
+            return
+
+        def during(spans: list[tuple[float, float]]) -> str:
+            inside = [v for t, v in zip(times, values) if any(a <= t <= b for a, b in spans)]
+            return f"{statistics.median(inside):.0f} MHz ({len(inside)} samples)" if inside else "no samples"
+
+        print(f"\nGPU SM clock (nvidia-smi every 20 ms), median: during the queue's jobs {during(windows)}, during the "
+              f"in-process jobs {during(local_windows)}; over the whole run {min(values)}-{max(values)} MHz")
 
 
 def in_process(workload: job_queue.Workload, stamps: list[tuple[str, float]]) -> job_queue.LocalPath:
@@ -172,7 +225,7 @@ def report_steps(stamps: list[tuple[float, str]], windows: list[tuple[float, flo
         return sum(job[i + 1][0] - job[i][1] for i in range(len(job) - 1)) * 1e3
 
     steps = min(len(job) for job in queue_jobs + local_jobs)
-    print(f"\ndecode steps of the same {len(queue_jobs)} jobs, the worker's engine process against in-process right after "
+    print(f"\ndecode steps of the same {len(queue_jobs)} jobs, the worker's engine process against in-process beside it "
           "(ms, medians over jobs); the engine loop's step includes the pipe write of a finished job's result\n")
     print("| step | engine process | in-process | difference |\n|---:|---:|---:|---:|")
     for index in sorted({0, 1, 2, 4, 8, steps // 2, steps - 2, steps - 1} & set(range(steps))):
@@ -183,6 +236,12 @@ def report_steps(stamps: list[tuple[float, str]], windows: list[tuple[float, flo
         mine = statistics.median(figure(job) for job in queue_jobs)
         theirs = statistics.median(figure(job) for job in local_jobs)
         print(f"| {label} | {mine:.3f} | {theirs:.3f} | {mine - theirs:+.3f} |")
+    for label, first in (("all steps, the queue's job first", 0), ("all steps, the in-process job first", 1)):
+        pairs = [(queue_jobs[i], local_jobs[i]) for i in range(first, min(len(queue_jobs), len(local_jobs)), 2)]
+        if pairs:
+            mine = statistics.median(sum(durations(job)) for job, _ in pairs)
+            theirs = statistics.median(sum(durations(job)) for _, job in pairs)
+            print(f"| {label} ({len(pairs)} jobs) | {mine:.3f} | {theirs:.3f} | {mine - theirs:+.3f} |")
 
 
 if __name__ == "__main__":
