@@ -57,7 +57,8 @@ stage kernels 110 python3 benchmarks/kernels_gpu.py --deadline 75
 stage queue ${QUEUE_LIMIT:-90} python3 benchmarks/job_queue.py --rounds 1 --probe-jobs ${PROBE_JOBS:-60}
 stage queue-intake ${QUEUE_LIMIT:-50} python3 benchmarks/job_queue.py --intake --rounds 1
 # A lone job's decode steps, step by step, in the worker's engine process and in-process: on 2026-12-04's H200 they
-# took 24 ms longer (p50) in the engine process, cause not found.
+# took 24 ms longer (p50) in the engine process, cause not found. The queue's job went first in every pair there; here
+# the order alternates, and the GPU's SM clock during each path's jobs is printed (a GPU that clocks down when idle).
 stage queue-steps ${QUEUE_LIMIT:-60} python3 benchmarks/lone_job_hops.py --steps --max-tokens 40 --jobs 60
 left=$(( 570 - ($(date +%s) - START) ))
 if [ "$left" -gt 60 ]; then
