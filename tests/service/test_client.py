@@ -12,6 +12,8 @@ from service_fixtures import REPO, RedisServer
 
 from tokenmill.client import Client, JobTimeoutError
 from tokenmill.errors import InvalidRequestError
+from tokenmill.queue.names import JOB_HASH_HEADER
+from tokenmill.queue.schemas import content_hash
 
 
 def _queued(server: RedisServer, queue: str = "tokenmill") -> list[dict]:
@@ -77,6 +79,11 @@ def test_messages_are_celery_protocol_2_json_tasks(redis_server: RedisServer) ->
     assert args[0]["prompt"] == "secret prompt text" and args[0]["sampling"]["max_tokens"] == 3
     assert kwargs == {} and set(embed) == {"callbacks", "errbacks", "chain", "chord"}
     assert [h.id for h in handles][0] == "job-1"
+    # each handle carries its own job's hash, the one its message's header tells the worker (hashed as it is published)
+    by_id = {m["headers"]["id"]: m for m in queued}
+    for handle in handles:
+        wire = json.loads(base64.b64decode(by_id[handle.id]["body"]))[0][0]
+        assert handle.job_hash == content_hash(wire) == by_id[handle.id]["headers"][JOB_HASH_HEADER]
 
 
 def test_result_timeout_is_a_clear_error(redis_server: RedisServer) -> None:
