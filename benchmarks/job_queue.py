@@ -28,7 +28,12 @@ one `tokenmill worker` on builtin:tiny, loads the same model in this process, an
   `Client.prepare` of one job after 20 ms asleep, and again at once. Then the same probe with the same prompts at
   `max_tokens=1`, alternating with the first: one engine step, a few ms, so the machine's drift (the same 40-token
   job in-process twice: 15-43 ms apart at p1 and p99 on the shared 2-core VMs) no longer hides what the queue adds;
-* under load: submit -> result p50/p99 of the batch, for both paths.
+* under load: submit -> result p50/p99 of the batch, for both paths;
+* the engine steps each path took, and how full they could be: the sequences running or waiting before each step
+  (at most `--max-num-seqs`), averaged over each tenth of the run's steps. The worker runs under
+  `benchmarks/step_log.py`, which logs its engine process's steps. The in-process engine has all jobs at its first
+  step, the worker's gets them as it takes them; on a GPU a step costs its kernel launches more than its tokens, so
+  part-full steps are what a slower intake costs there.
 
 `--intake` isolates the queue path: the same worker, Redis and result path, with as little engine work per job
 as the engine allows (builtin:tiny, `max_tokens=1`, `--max-num-seqs 1024`, 3000 jobs, no latency probe). Its
@@ -70,13 +75,14 @@ import re  # noqa: E402
 import resource  # noqa: E402
 import shlex  # noqa: E402
 import shutil  # noqa: E402
+import signal  # noqa: E402
 import socket  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
-import urllib.request  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
+from typing import Any  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -157,7 +163,7 @@ class Run:
     latencies: list[float]
     cpu: dict[str, float] = field(default_factory=dict)
     submit_elapsed: float = 0.0
-    steps: int | None = None  # engine steps (forward passes) the jobs took; None where the worker's metrics gave none
+    steps: list[tuple[int, int]] | None = None  # (running, waiting) before each engine step; None where not logged
 
 
 def make_workload(count: int, seed: int, min_tokens: int, max_tokens: int) -> Workload:
@@ -224,14 +230,18 @@ class QueuePath:
 
     def __init__(self, directory: Path, max_num_seqs: int, threads: int, concurrency: int | None, repo: Path = REPO,
                  wrapper: tuple[str, ...] = (), entry: tuple[str, ...] = ("-m", "tokenmill.cli"),
-                 flags: tuple[str, ...] = ()) -> None:
+                 flags: tuple[str, ...] = (), step_log: bool = False) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         self.repo = repo
         self.wrapper = wrapper  # a command the worker runs under (valgrind)
         self.entry = entry  # what Python runs: the `tokenmill` command, or a script that wraps it (hop_stamps.py)
         self.flags = flags  # more `tokenmill worker` flags (`--against-flags`)
+        # `step_log`: the worker runs under `step_log.py`, its engine's steps logged in `<directory>/steps` (`Run.steps`)
         self.redis = self._start_redis(directory)
-        self.metrics_port = free_port()
+        self.step_log = directory / "steps" if step_log else None
+        if self.step_log:
+            self.step_log.mkdir()
+            self.entry = (str(Path(__file__).with_name("step_log.py")),)
         self.worker = self._start_worker(directory / "worker.log", max_num_seqs, threads, concurrency)
         self.engine_pid = engine_pid(self.worker.pid)
         self.client = Client(self.broker)
@@ -258,13 +268,15 @@ class QueuePath:
 
     def _start_worker(self, log_path: Path, max_num_seqs: int, threads: int, concurrency: int | None) -> subprocess.Popen:
         command = [*self.wrapper, sys.executable, *self.entry, "worker", "--broker", self.broker, "--model", "builtin:tiny",
-                   "--max-num-seqs", str(max_num_seqs), "--metrics-port", str(self.metrics_port), "--hostname", "bench@%h"]
+                   "--max-num-seqs", str(max_num_seqs), "--metrics-port", "0", "--hostname", "bench@%h"]
         if concurrency:
             command += ["--concurrency", str(concurrency)]
         command += self.flags
         # The checkout first; what PYTHONPATH held stays after it (packages carried to a machine without them).
         path = os.pathsep.join(filter(None, [str(self.repo), os.environ.get("PYTHONPATH")]))
         env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": str(threads)}
+        if self.step_log:
+            env["STEP_LOG"] = str(self.step_log)
         if (blocks := shared_device_kv_blocks()) is not None:
             env["TOKENMILL_NUM_KV_BLOCKS"] = str(blocks)
         self.log_path = log_path
@@ -288,7 +300,7 @@ class QueuePath:
         before = {name: process_cpu(pid) for name, pid in pids.items() if pid}
         client_before = own_cpu()
         jobs = [workload.job(i) for i in range(len(workload.prompts))]
-        steps_before = self.engine_steps()
+        since = time.time()
         started = time.perf_counter()
         handles = self.client.submit_many(jobs)
         submit_elapsed = time.perf_counter() - started
@@ -301,30 +313,18 @@ class QueuePath:
         assert tokens == workload.tokens
         cpu = {name: process_cpu(pids[name]) - value for name, value in before.items()}
         cpu["client"] = own_cpu() - client_before
-        steps_after = self.engine_steps(settled=True)
-        steps = None if steps_before is None or steps_after is None else steps_after - steps_before
-        return Run(elapsed, latencies, cpu, submit_elapsed, steps)
+        return Run(elapsed, latencies, cpu, submit_elapsed, self.logged_steps(since) if self.step_log else None)
 
-    def engine_steps(self, settled: bool = False) -> int | None:
-        """The worker's `tokenmill_engine_steps_total`, or None if its metrics endpoint gives none. The engine process
-        reports its steps every 0.5 s (`_STATS_INTERVAL`), also when idle: `settled` waits until two reads a second
-        apart agree, so that the steps of the run just ended are all counted."""
-        last = None
-        for _ in range(10 if settled else 1):
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as reply:
-                    text = reply.read().decode()
-            except OSError:
-                return None
-            found = re.search(r"^tokenmill_engine_steps_total (\S+)$", text, re.M)
-            if found is None:
-                return None
-            count = int(float(found.group(1)))
-            if count == last or not settled:
-                return count
-            last = count
-            time.sleep(1.0)
-        return last
+    def logged_steps(self, since: float) -> list[tuple[int, int]]:
+        """(running, waiting) before each step the engine process began from `since` (a `time.time()`) on, in order:
+        `step_log.py`'s lines "<time> <running> <waiting>", which the engine process writes out on SIGUSR1."""
+        if self.engine_pid:
+            os.kill(self.engine_pid, signal.SIGUSR1)
+            time.sleep(0.1)  # the handler runs between two of its bytecodes, and an idle wait on its pipe is woken
+        steps = []
+        for path in self.step_log.glob("*.steps"):
+            steps += [(float(at), int(running), int(waiting)) for at, running, waiting in map(str.split, path.open())]
+        return [(running, waiting) for at, running, waiting in sorted(steps) if at >= since]
 
     def probe(self, workload: Workload, index: int) -> Probe:
         """Submit -> result of one job alone, and its decode steps (the engine process's first -> last token)."""
@@ -382,19 +382,27 @@ class LocalPath:
 
         torch.set_num_threads(threads)
         self.llm = LLM("builtin:tiny", max_num_seqs=max_num_seqs, num_kv_blocks=shared_device_kv_blocks())
+        self.steps: list[tuple[int, int]] = []  # (running, waiting) before each step, as `step_log.py` logs them
+        engine, step = self.llm.engine, self.llm.engine.step
+
+        def logged() -> Any:
+            self.steps.append((len(engine.scheduler.running), len(engine.scheduler.waiting)))
+            return step()
+
+        engine.step = logged
 
     def warm_up(self, workload: Workload) -> None:
         self.llm.generate(workload.prompts[:20], [workload.params(i) for i in range(20)], use_tqdm=False)
 
     def run(self, workload: Workload) -> Run:
         params = [workload.params(i) for i in range(len(workload.prompts))]
-        steps_before = self.llm.engine.stats().num_steps
+        del self.steps[:]
         cpu_before, started = own_cpu(), time.perf_counter()
         outputs = self.llm.generate(workload.prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - started
         assert sum(len(o.token_ids) for o in outputs) == workload.tokens
         return Run(elapsed, [o.finished_time - o.arrival_time for o in outputs], {"in-process": own_cpu() - cpu_before},
-                   steps=self.llm.engine.stats().num_steps - steps_before)
+                   steps=list(self.steps))
 
     def probe(self, workload: Workload, index: int) -> Probe:
         one = self.llm.generate([workload.prompts[index]], [workload.params(index)], use_tqdm=False)[0]
@@ -438,7 +446,7 @@ def main() -> None:
         try:
             for number, (name, (repo, flags)) in enumerate(repos.items()):
                 queues[name] = QueuePath(Path(tmp) / str(number), args.max_num_seqs, args.threads, args.concurrency, repo,
-                                         flags=flags)
+                                         flags=flags, step_log=True)
             local = LocalPath(args.max_num_seqs, args.threads)
             for queue in queues.values():
                 queue.warm_up(workload)
@@ -492,6 +500,15 @@ def intake_defaults(argv: list[str]) -> list[str]:
     return [*(item for flag, value in INTAKE_DEFAULTS.items() if flag not in given for item in (flag, value)), *argv]
 
 
+def filled_by_tenths(steps: list[tuple[int, int]] | None, max_num_seqs: int) -> str:
+    """How full the engine's steps could be: the sequences running or waiting before each step, at most `max_num_seqs`,
+    averaged over each tenth of the run's steps in turn."""
+    if not steps:
+        return "?"
+    tenths = [steps[len(steps) * i // 10:len(steps) * (i + 1) // 10] for i in range(10)]
+    return " ".join(f"{sum(min(max_num_seqs, sum(step)) for step in part) / len(part):.0f}" for part in tenths if part)
+
+
 def _median_run(runs: list[Run]) -> Run:
     return sorted(runs, key=lambda run: run.elapsed)[len(runs) // 2]
 
@@ -510,8 +527,10 @@ def report(args: argparse.Namespace, workload: Workload, local_runs: list[Run], 
         ("submit -> result p50 under load (s)", f"{percentile(local.latencies, 50):.2f}", f"{percentile(queue.latencies, 50):.2f}"),
         ("submit -> result p99 under load (s)", f"{percentile(local.latencies, 99):.2f}", f"{percentile(queue.latencies, 99):.2f}"),
         # a step on a GPU costs its kernel launches more than its tokens: more steps for the same jobs is slower there
-        ("engine steps (forward passes), each round", ", ".join(str(run.steps) for run in local_runs),
-         ", ".join("?" if run.steps is None else str(run.steps) for run in queue_runs)),
+        ("engine steps (forward passes), each round", ", ".join(str(len(run.steps)) for run in local_runs),
+         ", ".join("?" if run.steps is None else str(len(run.steps)) for run in queue_runs)),
+        (f"sequences a step had, running or waiting (at most {args.max_num_seqs}), by tenths of the steps",
+         filled_by_tenths(local.steps, args.max_num_seqs), filled_by_tenths(queue.steps, args.max_num_seqs)),
     ]
     mode = "intake mode (the queue path's ceiling), " if args.intake else ""
     print(f"\n{mode}{n} jobs, prompts of 4-24 words, max_tokens {args.min_tokens}-{args.max_tokens} (ignore_eos, greedy), builtin:tiny, "

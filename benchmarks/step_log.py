@@ -1,0 +1,53 @@
+"""`tokenmill worker` whose engine process logs every engine step: when it began, and how many sequences were running
+and waiting before it. `benchmarks/job_queue.py` runs its workers this way to print how full the steps of each path
+were: the in-process engine has all of a burst's requests at its first step, the worker's engine gets them as the
+worker takes them, and on a GPU a step costs its kernel launches more than its tokens.
+
+    STEP_LOG=/some/dir python benchmarks/step_log.py worker --broker ... (the `tokenmill` command's arguments)
+
+Run as a script, never installed: the engine process, started by multiprocessing's "spawn", runs this file again as
+its `__mp_main__`, where `LLMEngine.step` is wrapped. Each step keeps (time, running, waiting) in memory (~1 µs; a
+write to a file at each step would add a system call to each of a lone job's decode steps); on SIGUSR1, which the
+benchmark sends before it reads them, they are appended to `<dir>/<pid>.steps` as "<time> <running> <waiting>" lines.
+Without `STEP_LOG` nothing is logged.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+
+def log_steps(directory: str) -> None:
+    from tokenmill.engine.llm_engine import LLMEngine
+
+    steps: list[tuple[float, int, int]] = []
+    fd = os.open(os.path.join(directory, f"{os.getpid()}.steps"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    step = LLMEngine.step
+
+    def logged(engine: Any) -> Any:
+        steps.append((time.time(), len(engine.scheduler.running), len(engine.scheduler.waiting)))
+        return step(engine)
+
+    def write_out(*_: Any) -> None:
+        # a raw write: a handler that flushed a buffered file could interrupt that file's own flush
+        taken = len(steps)
+        os.write(fd, "".join(f"{at:.6f} {running} {waiting}\n" for at, running, waiting in steps[:taken]).encode())
+        del steps[:taken]
+
+    LLMEngine.step = logged  # type: ignore[method-assign]
+    signal.signal(signal.SIGUSR1, write_out)
+
+
+if __name__ == "__mp_main__" and os.environ.get("STEP_LOG"):  # the engine process
+    log_steps(os.environ["STEP_LOG"])
+
+if __name__ == "__main__":
+    # Python put this file's folder first on sys.path: the benchmarks there must not shadow what the worker imports
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != os.path.dirname(os.path.abspath(__file__))]
+    from tokenmill.cli import main
+
+    sys.exit(main())
