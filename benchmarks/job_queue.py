@@ -313,7 +313,7 @@ class QueuePath:
         assert tokens == workload.tokens
         cpu = {name: process_cpu(pids[name]) - value for name, value in before.items()}
         cpu["client"] = own_cpu() - client_before
-        return Run(elapsed, latencies, cpu, submit_elapsed, self.logged_steps(since) if self.step_log else None)
+        return Run(elapsed, latencies, cpu, submit_elapsed, (self.logged_steps(since) or None) if self.step_log else None)
 
     def logged_steps(self, since: float) -> list[tuple[int, int]]:
         """(running, waiting) before each step the engine process began from `since` (a `time.time()`) on, in order:

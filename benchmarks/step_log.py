@@ -6,7 +6,7 @@ worker takes them, and on a GPU a step costs its kernel launches more than its t
     STEP_LOG=/some/dir python benchmarks/step_log.py worker --broker ... (the `tokenmill` command's arguments)
 
 Run as a script, never installed: the engine process, started by multiprocessing's "spawn", runs this file again as
-its `__mp_main__`, where `LLMEngine.step` is wrapped. Each step keeps (time, running, waiting) in memory (~1 µs; a
+its `__mp_main__`, where the engine loop's engine gets its `step` wrapped. Each step keeps (time, running, waiting) in memory (~1 µs; a
 write to a file at each step would add a system call to each of a lone job's decode steps); on SIGUSR1, which the
 benchmark sends before it reads them, they are appended to `<dir>/<pid>.steps` as "<time> <running> <waiting>" lines.
 Without `STEP_LOG` nothing is logged.
@@ -22,15 +22,24 @@ from typing import Any
 
 
 def log_steps(directory: str) -> None:
-    from tokenmill.engine.llm_engine import LLMEngine
+    # torch-free here: the engine (and torch) come in `serve`, after it set the process's CPUs (`--engine-cpus`)
+    from tokenmill.worker import engine_process
 
+    if not hasattr(engine_process, "_Loop"):  # a checkout older than the engine loop (`job_queue.py --against`)
+        return
     steps: list[tuple[float, int, int]] = []
     fd = os.open(os.path.join(directory, f"{os.getpid()}.steps"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-    step = LLMEngine.step
+    start_loop = engine_process._Loop.__init__
 
-    def logged(engine: Any) -> Any:
-        steps.append((time.time(), len(engine.scheduler.running), len(engine.scheduler.waiting)))
-        return step(engine)
+    def start_logged_loop(loop: Any, engine: Any, conn: Any) -> None:
+        start_loop(loop, engine, conn)
+        step = engine.step
+
+        def logged() -> Any:
+            steps.append((time.time(), len(engine.scheduler.running), len(engine.scheduler.waiting)))
+            return step()
+
+        engine.step = logged
 
     def write_out(*_: Any) -> None:
         # a raw write: a handler that flushed a buffered file could interrupt that file's own flush
@@ -38,7 +47,7 @@ def log_steps(directory: str) -> None:
         os.write(fd, "".join(f"{at:.6f} {running} {waiting}\n" for at, running, waiting in steps[:taken]).encode())
         del steps[:taken]
 
-    LLMEngine.step = logged  # type: ignore[method-assign]
+    engine_process._Loop.__init__ = start_logged_loop  # type: ignore[method-assign]
     signal.signal(signal.SIGUSR1, write_out)
 
 
