@@ -16,12 +16,14 @@ one `tokenmill worker` on builtin:tiny, loads the same model in this process, an
   in-process), which does not depend on what else the machine runs;
 * client submit rate: `Client.submit_many` of all jobs (validation, Celery messages, pipelined LPUSH);
 * added latency: one job at a time on an idle system, submit -> result through the queue minus
-  add -> finish of the same job in the in-process engine right after it (p50/p99): what the queue costs one job.
+  add -> finish of the same job in the in-process engine beside it (p50/p99): what the queue costs one job. Which
+  of the two runs first alternates every two jobs, and the figures are also printed for each order: on the H200
+  (2026-12-04) the queue's job always ran first, and its decode steps came out 24 ms slower there.
   The same again outside the decode steps (first -> last token, stamped by the engine in both paths): those are
   the same engine code in both processes, and on a shared machine their speed drifts by more than the queue's
   whole cost. The probe's own spread is printed beside: the same job run in-process twice in a row; and the
-  machine's floor under it: Redis round trips from this process (PING) right after each probe, the first finding
-  Redis idle since the probe (as each of a lone job's hops finds the process it wakes), the rest back to back, whose
+  machine's floor under it: Redis round trips from this process (PING) after each probe, the first finding
+  Redis idle since the queue's probe where the in-process runs came after it (as each of a lone job's hops finds the process it wakes), the rest back to back, whose
   median is the warm figure. A lone job waits on four of those in a row (the push that wakes the worker's BLMOVE,
   the record script, the check-in script, the store that publishes the result) and on three more wake-ups (the
   engine process, its reader, the finisher). Last, how much slower code runs after a pause on the machine:
@@ -125,8 +127,9 @@ class Probe:
 
 @dataclass
 class Paired:
-    """One job through the queue, then alone in-process twice: the second in-process run measures the probe's own
-    spread (the same job, the same engine, moments apart)."""
+    """One job through the queue and alone in-process twice, the queue's first or the in-process ones first
+    (`queue_first`): the second in-process run measures the probe's own spread (the same job, the same engine, moments
+    apart)."""
 
     queue: Probe
     local: Probe
@@ -135,6 +138,7 @@ class Paired:
     idle_round_trip: float = 0.0  # the first of those PINGs: Redis idle since the queue's probe, as a lone job finds it
     cold_prepare: float = 0.0  # `Client.prepare` of one job after `COLD_PAUSE` asleep (`QueuePath.cold_start`)
     warm_prepare: float = 0.0  # the same call again at once
+    queue_first: bool = True
 
     @property
     def added(self) -> float:
@@ -465,15 +469,21 @@ def main() -> None:
                 # each queue path in turn, job by job: the same drift for both; which goes first alternates too (of one
                 # pair of lone jobs, the first came out 0.16 ms slower, paired, on 2026-12-03 whatever its code)
                 for name, queue in paths if index % 2 == 0 else paths[::-1]:
-                    # the job through the queue, then alone in-process: the pair shares the machine's speed of the moment
-                    probe = queue.probe(workload, index)
+                    # the job through the queue and alone in-process: the pair shares the machine's speed of the moment.
+                    # Which goes first alternates every two jobs: a device that slows down while idle (a GPU lowering
+                    # its clocks) would otherwise always slow the same one
+                    queue_first = index // 2 % 2 == 0
+                    probe = queue.probe(workload, index) if queue_first else None
                     local_probes = local.probe(workload, index), local.probe(workload, index)
+                    probe = probe or queue.probe(workload, index)
                     idle, warm = queue.round_trips()
                     cold_prepare, warm_prepare = queue.cold_start(workload.job(index))
                     added[name].append(Paired(probe, *local_probes, round_trip=warm, idle_round_trip=idle,
-                                              cold_prepare=cold_prepare, warm_prepare=warm_prepare))
-                    probe = queue.probe(one_token, index)
-                    added_one[name].append(Paired(probe, local.probe(one_token, index), local.probe(one_token, index)))
+                                              cold_prepare=cold_prepare, warm_prepare=warm_prepare, queue_first=queue_first))
+                    probe = queue.probe(one_token, index) if queue_first else None
+                    local_probes = local.probe(one_token, index), local.probe(one_token, index)
+                    added_one[name].append(Paired(probe or queue.probe(one_token, index), *local_probes,
+                                                  queue_first=queue_first))
             for queue in queues.values():
                 queue.log_tail()
         finally:
@@ -561,13 +571,20 @@ def report(args: argparse.Namespace, workload: Workload, local_runs: list[Run], 
               f"in-process twice, moments apart): {ms([p.null for p in added], 1, 50, 99)}; a Redis round trip "
               f"(PING from this process after each probe): back to back (median of 9) p50 "
               f"{1000 * percentile([p.round_trip for p in added], 50):.2f}, the first, Redis idle since the probe, p50 "
-              f"{1000 * percentile([p.idle_round_trip for p in added], 50):.2f}; this process's `Client.prepare` of "
+              f"{1000 * percentile([p.idle_round_trip for p in added if p.queue_first], 50):.2f}; this process's `Client.prepare` of "
               f"one job after {1000 * COLD_PAUSE:.0f} ms asleep p50 {1e6 * percentile([p.cold_prepare for p in added], 50):.0f}"
               f" µs, again at once p50 {1e6 * percentile([p.warm_prepare for p in added], 50):.0f} µs (how much slower "
               f"code runs after a pause on this machine, as a lone job's every hop does)")
         print(f"- the same, lone one-token jobs (the same prompts, `max_tokens=1`; one engine step, too short for the "
               f"machine's drift to hide the queue's own cost): **{ms([p.added for p in added_one], 50, 99)}**; the probe's "
               f"own spread: {ms([p.null for p in added_one], 1, 50, 99)}")
+        for label, probes, figure in (("added latency", added, lambda p: p.added),
+                                      ("its decode steps, engine process minus in-process", added, lambda p: p.decode_added),
+                                      ("one-token jobs' added latency", added_one, lambda p: p.added)):
+            orders = [(order, [figure(p) for p in probes if p.queue_first == first])
+                      for order, first in (("the queue's job first", True), ("the in-process job first", False))]
+            print(f"- {label}, by which path ran first: " + "; ".join(
+                f"{order} {ms(values, 50)} ({len(values)} jobs)" for order, values in orders if values))
     print(f"- machine load average when done: {os.getloadavg()[0]:.2f}")
 
 
