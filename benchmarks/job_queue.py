@@ -23,8 +23,8 @@ one `tokenmill worker` on builtin:tiny, loads the same model in this process, an
   the same engine code in both processes, and on a shared machine their speed drifts by more than the queue's
   whole cost. The probe's own spread is printed beside: the same job run in-process twice in a row; and the
   machine's floor under it: Redis round trips from this process (PING) after each probe, the first finding
-  Redis idle since the queue's probe where the in-process runs came after it (as each of a lone job's hops finds the process it wakes), the rest back to back, whose
-  median is the warm figure. A lone job waits on four of those in a row (the push that wakes the worker's BLMOVE,
+  Redis idle since the queue's probe where the in-process runs came after it (as each of a lone job's hops finds the
+  process it wakes), the rest back to back, whose median is the warm figure. A lone job waits on four of those in a row (the push that wakes the worker's BLMOVE,
   the record script, the check-in script, the store that publishes the result) and on three more wake-ups (the
   engine process, its reader, the finisher). Last, how much slower code runs after a pause on the machine:
   `Client.prepare` of one job after 20 ms asleep, and again at once. Then the same probe with the same prompts at
@@ -84,8 +84,8 @@ import subprocess  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
-from typing import Any  # noqa: E402
 from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -579,7 +579,7 @@ def report(args: argparse.Namespace, workload: Workload, local_runs: list[Run], 
               f"machine's drift to hide the queue's own cost): **{ms([p.added for p in added_one], 50, 99)}**; the probe's "
               f"own spread: {ms([p.null for p in added_one], 1, 50, 99)}")
         for label, probes, figure in (("added latency", added, lambda p: p.added),
-                                      ("its decode steps, engine process minus in-process", added, lambda p: p.decode_added),
+                                      ("a lone job's decode steps, engine process minus in-process", added, lambda p: p.decode_added),
                                       ("one-token jobs' added latency", added_one, lambda p: p.added)):
             orders = [(order, [figure(p) for p in probes if p.queue_first == first])
                       for order, first in (("the queue's job first", True), ("the in-process job first", False))]
