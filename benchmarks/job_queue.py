@@ -396,7 +396,8 @@ class LocalPath:
         engine.step = logged
 
     def warm_up(self, workload: Workload) -> None:
-        self.llm.generate(workload.prompts[:20], [workload.params(i) for i in range(20)], use_tqdm=False)
+        count = min(20, len(workload.prompts))  # `lone_job_hops.py --jobs` may ask for fewer
+        self.llm.generate(workload.prompts[:count], [workload.params(i) for i in range(count)], use_tqdm=False)
 
     def run(self, workload: Workload) -> Run:
         params = [workload.params(i) for i in range(len(workload.prompts))]
