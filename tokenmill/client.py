@@ -155,13 +155,14 @@ class Client:
                 wires.append(self.prepare(_as_dict(job)))
             except InvalidRequestError as exc:
                 raise InvalidRequestError(f"jobs[{index}].{exc.field}", exc.message) from None
-        handles = []
+        handles: list[JobHandle] = []
         with self.publisher.batch(max_size=_PUBLISH_BATCH) as batch:
             flush_at = _FIRST_PUBLISH
             for count, wire in enumerate(wires, 1):
                 # hashed here, not before the first write: 1,000 jobs' hashes held it back ~10 ms
-                handles.append(JobHandle(wire["id"], self, content_hash(wire)))
-                batch.publish(*self._task(wire, handles[-1].job_hash))
+                handle = JobHandle(wire["id"], self, content_hash(wire))
+                handles.append(handle)
+                batch.publish(*self._task(wire, handle.job_hash))
                 if count == flush_at:
                     batch.flush()
                     flush_at += min(count, _PUBLISH_BATCH)
