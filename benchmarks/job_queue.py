@@ -37,6 +37,12 @@ one `tokenmill worker` on builtin:tiny, loads the same model in this process, an
   step, the worker's gets them as it takes them; on a GPU a step costs its kernel launches more than its tokens, so
   part-full steps are what a slower intake costs there.
 
+`--step-floor MS` makes every engine step of both paths last at least MS milliseconds, sleeping what it did not take:
+a GPU's step, whose host cost is its kernel launches whatever its sequences (the H200's builtin:tiny steps: ~6.6 ms of
+the engine's CPU each at 256 sequences), imitated on a CPU, where a step costs about its tokens and so a part-full step
+costs little. Its sleep also leaves the CPUs to the client, worker and Redis, as a GPU machine's other cores would.
+No lone-job probes then: the in-process engine stamps a job's end inside its last step, before that step's sleep.
+
 `--intake` isolates the queue path: the same worker, Redis and result path, with as little engine work per job
 as the engine allows (builtin:tiny, `max_tokens=1`, `--max-num-seqs 1024`, 3000 jobs, no latency probe). Its
 figures to read are jobs/s (first submit -> last stored result) against the in-process engine on the same
@@ -85,13 +91,13 @@ import tempfile  # noqa: E402
 import time  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import Any  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import redis  # noqa: E402
 
+from benchmarks.step_log import logging_step  # noqa: E402
 from tokenmill.client import Client  # noqa: E402
 from tokenmill.sampling_params import SamplingParams  # noqa: E402
 
@@ -234,13 +240,15 @@ class QueuePath:
 
     def __init__(self, directory: Path, max_num_seqs: int, threads: int, concurrency: int | None, repo: Path = REPO,
                  wrapper: tuple[str, ...] = (), entry: tuple[str, ...] = ("-m", "tokenmill.cli"),
-                 flags: tuple[str, ...] = (), step_log: bool = False) -> None:
+                 flags: tuple[str, ...] = (), step_log: bool = False, step_floor: float = 0.0) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         self.repo = repo
         self.wrapper = wrapper  # a command the worker runs under (valgrind)
         self.entry = entry  # what Python runs: the `tokenmill` command, or a script that wraps it (hop_stamps.py)
         self.flags = flags  # more `tokenmill worker` flags (`--against-flags`)
-        # `step_log`: the worker runs under `step_log.py`, its engine's steps logged in `<directory>/steps` (`Run.steps`)
+        # `step_log`: the worker runs under `step_log.py`, its engine's steps logged in `<directory>/steps` (`Run.steps`),
+        # each lasting at least `step_floor` seconds (`--step-floor`)
+        self.step_floor = step_floor
         self.redis = self._start_redis(directory)
         self.step_log = directory / "steps" if step_log else None
         if self.step_log:
@@ -281,6 +289,7 @@ class QueuePath:
         env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": str(threads)}
         if self.step_log:
             env["STEP_LOG"] = str(self.step_log)
+            env["STEP_FLOOR_MS"] = str(self.step_floor * 1000)
         if (blocks := shared_device_kv_blocks()) is not None:
             env["TOKENMILL_NUM_KV_BLOCKS"] = str(blocks)
         self.log_path = log_path
@@ -379,21 +388,16 @@ class QueuePath:
 class LocalPath:
     """`LLM.generate` in this process."""
 
-    def __init__(self, max_num_seqs: int, threads: int) -> None:
+    def __init__(self, max_num_seqs: int, threads: int, step_floor: float = 0.0) -> None:
+        """`step_floor`: seconds each engine step lasts at least (`--step-floor`)."""
         import torch
 
         from tokenmill import LLM
 
         torch.set_num_threads(threads)
         self.llm = LLM("builtin:tiny", max_num_seqs=max_num_seqs, num_kv_blocks=shared_device_kv_blocks())
-        self.steps: list[tuple[int, int]] = []  # (running, waiting) before each step, as `step_log.py` logs them
-        engine, step = self.llm.engine, self.llm.engine.step
-
-        def logged() -> Any:
-            self.steps.append((len(engine.scheduler.running), len(engine.scheduler.waiting)))
-            return step()
-
-        engine.step = logged
+        self.steps: list[tuple[float, int, int]] = []  # (time, running, waiting) before each step, as the worker's
+        self.llm.engine.step = logging_step(self.llm.engine, self.steps, step_floor)
 
     def warm_up(self, workload: Workload) -> None:
         count = min(20, len(workload.prompts))  # `lone_job_hops.py --jobs` may ask for fewer
@@ -407,7 +411,7 @@ class LocalPath:
         elapsed = time.perf_counter() - started
         assert sum(len(o.token_ids) for o in outputs) == workload.tokens
         return Run(elapsed, [o.finished_time - o.arrival_time for o in outputs], {"in-process": own_cpu() - cpu_before},
-                   steps=list(self.steps))
+                   steps=[(running, waiting) for _, running, waiting in self.steps])
 
     def probe(self, workload: Workload, index: int) -> Probe:
         one = self.llm.generate([workload.prompts[index]], [workload.params(index)], use_tqdm=False)[0]
@@ -432,10 +436,14 @@ def main() -> None:
                              "alternating, e.g. --against-flags='--engine-cpus auto'")
     parser.add_argument("--instructions", action="store_true",
                         help="the worker's instructions per one-token job under callgrind (see above); implies --intake")
+    parser.add_argument("--step-floor", type=float, default=0.0, metavar="MS",
+                        help="each engine step of both paths lasts at least MS milliseconds (see above)")
     parser.add_argument("--intake", action="store_true",
                         help="the queue path's ceiling: max_tokens=1, 3000 jobs, --max-num-seqs 1024, no latency probe "
                              "(explicit flags still win)")
     args = parser.parse_args(intake_defaults(sys.argv[1:]))
+    if args.step_floor:  # the in-process engine stamps a job's end inside its last step, before that step's floor
+        args.probe_jobs = 0
     workload = make_workload(args.jobs, args.seed, args.min_tokens, args.max_tokens)
 
     repos = {"this checkout": (REPO, ())}
@@ -451,8 +459,8 @@ def main() -> None:
         try:
             for number, (name, (repo, flags)) in enumerate(repos.items()):
                 queues[name] = QueuePath(Path(tmp) / str(number), args.max_num_seqs, args.threads, args.concurrency, repo,
-                                         flags=flags, step_log=True)
-            local = LocalPath(args.max_num_seqs, args.threads)
+                                         flags=flags, step_log=True, step_floor=args.step_floor / 1000)
+            local = LocalPath(args.max_num_seqs, args.threads, args.step_floor / 1000)
             for queue in queues.values():
                 queue.warm_up(workload)
             local.warm_up(workload)
@@ -544,6 +552,7 @@ def report(args: argparse.Namespace, workload: Workload, local_runs: list[Run], 
          filled_by_tenths(local.steps, args.max_num_seqs), filled_by_tenths(queue.steps, args.max_num_seqs)),
     ]
     mode = "intake mode (the queue path's ceiling), " if args.intake else ""
+    mode += f"every engine step at least {args.step_floor:g} ms (`--step-floor`), " if args.step_floor else ""
     print(f"\n{mode}{n} jobs, prompts of 4-24 words, max_tokens {args.min_tokens}-{args.max_tokens} (ignore_eos, greedy), builtin:tiny, "
           f"max_num_seqs {args.max_num_seqs}, {args.threads} torch thread(s), {os.cpu_count()} CPUs, "
           f"median of {args.rounds} alternating rounds\n")

@@ -10,6 +10,8 @@ its `__mp_main__`, where the engine loop's engine gets its `step` wrapped. Each 
 write to a file at each step would add a system call to each of a lone job's decode steps); on SIGUSR1, which the
 benchmark sends before it reads them, they are appended to `<dir>/<pid>.steps` as "<time> <running> <waiting>" lines.
 Without `STEP_LOG` nothing is logged.
+
+`STEP_FLOOR_MS` (with `STEP_LOG`): each step lasts at least that long, sleeping what it did not take (`logging_step`).
 """
 
 from __future__ import annotations
@@ -18,10 +20,30 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 
-def log_steps(directory: str) -> None:
+def logging_step(engine: Any, steps: list[tuple[float, int, int]], floor_s: float = 0.0) -> Callable[[], Any]:
+    """`engine.step`, keeping (time, running, waiting) before each step in `steps`. With `floor_s`, a step that took
+    less sleeps the rest before its outputs are returned: a GPU's step, whose host cost is its kernel launches and
+    barely grows with its sequences, imitated on a CPU, where a step costs about its tokens (`job_queue.py
+    --step-floor`). Sleeping, not spinning: the CPUs stay free for the client, worker and Redis, as a GPU machine's
+    other cores would be."""
+    step, scheduler = engine.step, engine.scheduler
+
+    def logged() -> Any:
+        began = time.time()
+        steps.append((began, len(scheduler.running), len(scheduler.waiting)))
+        outputs = step()
+        if floor_s and (left := began + floor_s - time.time()) > 0:
+            time.sleep(left)
+        return outputs
+
+    return logged
+
+
+def log_steps(directory: str, floor_s: float = 0.0) -> None:
     # torch-free here: the engine (and torch) come in `serve`, after it set the process's CPUs (`--engine-cpus`)
     from tokenmill.worker import engine_process
 
@@ -33,13 +55,7 @@ def log_steps(directory: str) -> None:
 
     def start_logged_loop(loop: Any, engine: Any, conn: Any) -> None:
         start_loop(loop, engine, conn)
-        step = engine.step
-
-        def logged() -> Any:
-            steps.append((time.time(), len(engine.scheduler.running), len(engine.scheduler.waiting)))
-            return step()
-
-        engine.step = logged
+        engine.step = logging_step(engine, steps, floor_s)
 
     def write_out(*_: Any) -> None:
         # a raw write: a handler that flushed a buffered file could interrupt that file's own flush
@@ -52,7 +68,7 @@ def log_steps(directory: str) -> None:
 
 
 if __name__ == "__mp_main__" and os.environ.get("STEP_LOG"):  # the engine process
-    log_steps(os.environ["STEP_LOG"])
+    log_steps(os.environ["STEP_LOG"], float(os.environ.get("STEP_FLOOR_MS") or 0) / 1000)
 
 if __name__ == "__main__":
     # Python put this file's folder first on sys.path: the benchmarks there must not shadow what the worker imports
