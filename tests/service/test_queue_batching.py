@@ -1,4 +1,5 @@
-"""`Coalescer`: many threads' single calls answered by shared calls, each thread getting its own answer."""
+"""`Coalescer`: many threads' single calls answered by shared calls, each thread getting its own answer. `HeldScript`:
+a script's calls on one held connection, through script flushes and Redis restarts."""
 
 from __future__ import annotations
 
@@ -6,8 +7,12 @@ import threading
 import time
 
 import pytest
+import redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
+from service_fixtures import RedisServer
 
-from tokenmill.queue.batching import Coalescer
+from tokenmill.queue.batching import Coalescer, HeldScript
 
 
 def _run_threads(count: int, target) -> None:
@@ -84,3 +89,52 @@ def test_a_wrong_number_of_answers_is_an_error_not_a_mismatch() -> None:
     coalescer = Coalescer(lambda items: [])
     with pytest.raises(RuntimeError, match="0 answers for 1 items"):
         coalescer.call("x")
+
+
+#: Sets each key to its argument unless it holds a value; returns how many it set and the values now held. An
+#: argument "fail" makes it an error instead.
+_SET_NEW = """
+if ARGV[1] == 'fail' then return redis.error_reply('refused') end
+local set = 0
+for i, key in ipairs(KEYS) do
+  if redis.call('SET', key, ARGV[i], 'NX') then set = set + 1 end
+end
+return {set, redis.call('MGET', unpack(KEYS))}
+"""
+
+
+def _retrying_client(server: RedisServer) -> redis.Redis:
+    """A client with the worker service's retry policy (tries through a Redis restart)."""
+    return redis.Redis.from_url(server.url, retry=Retry(ExponentialBackoff(cap=0.2, base=0.05), retries=100),
+                                retry_on_error=[redis.ConnectionError, redis.TimeoutError])
+
+
+def test_a_held_script_runs_on_one_connection_and_survives_a_script_flush(redis_server: RedisServer) -> None:
+    client = _retrying_client(redis_server)
+    script = HeldScript(client, _SET_NEW)
+    assert script(["a", "b"], ["1", "2"]) == [2, [b"1", b"2"]]
+    assert script(["b", "c"], ["x", "3"]) == [1, [b"2", b"3"]]  # NX: a stored value stays
+    redis_server.client().script_flush()  # as after a Redis restart: EVALSHA finds no script
+    assert script(["d"], ["4"]) == [1, [b"4"]]
+    pool = client.connection_pool
+    assert len(pool._in_use_connections) == 1 and not pool._available_connections  # one connection, held
+    ids = {entry["id"] for entry in redis_server.client().client_list() if entry["cmd"] in ("evalsha", "eval")}
+    assert len(ids) == 1, ids
+
+
+def test_a_held_script_waits_through_a_redis_restart_and_its_errors_are_raised(redis_server: RedisServer) -> None:
+    """A call while Redis is down is retried until it is back (the client's policy), on a new connection; a script
+    error is raised, not retried, and the connection serves the next call."""
+    client = _retrying_client(redis_server)
+    script = HeldScript(client, _SET_NEW)
+    assert script(["a"], ["1"]) == [1, [b"1"]]
+    redis_server.stop()  # AOF flushed: "a" survives
+    restarted = threading.Timer(0.5, redis_server.start)
+    restarted.start()
+    try:
+        assert script(["a", "b"], ["9", "2"]) == [1, [b"1", b"2"]]
+    finally:
+        restarted.join()
+    with pytest.raises(redis.ResponseError, match="refused"):
+        script(["c"], ["fail"])
+    assert script(["c"], ["3"]) == [1, [b"3"]]

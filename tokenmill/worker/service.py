@@ -59,7 +59,7 @@ from redis.retry import Retry
 
 from tokenmill.errors import InvalidRequestError
 from tokenmill.queue import dead_letters
-from tokenmill.queue.batching import Coalescer
+from tokenmill.queue.batching import Coalescer, HeldScript
 from tokenmill.queue.cancels import encode_result, is_final
 from tokenmill.queue.names import CANCEL_KEY, DEAD_LETTER_KEY, DELIVERIES_KEY
 from tokenmill.queue.schemas import SCHEMA_VERSION, Job, JobResult, is_job_id
@@ -491,12 +491,17 @@ class WorkerService:
         for (hash_key, index_key), held in tags.items():
             keys += [hash_key, index_key]
             args += [len(held), *held]
-        self._scripts["store"](keys=keys, args=args)
+        self._store(keys, args)
         return [None] * len(batches)
 
     @cached_property
     def _scripts(self) -> dict[str, Any]:
-        return {"check_in": self.redis.register_script(_CHECK_IN), "store": self.redis.register_script(_STORE)}
+        return {"check_in": self.redis.register_script(_CHECK_IN)}
+
+    @cached_property
+    def _store(self) -> HeldScript:
+        """The store script on a connection of its own: its calls come one at a time (`self._stores`)."""
+        return HeldScript(self.redis, _STORE)
 
     def dead_letter(self, job: Job, attempt: int, started_at: float) -> dict[str, Any]:
         message = (
