@@ -3,6 +3,7 @@ a script's calls on one held connection, through script flushes and Redis restar
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 
@@ -138,3 +139,46 @@ def test_a_held_script_waits_through_a_redis_restart_and_its_errors_are_raised(r
     with pytest.raises(redis.ResponseError, match="refused"):
         script(["c"], ["fail"])
     assert script(["c"], ["3"]) == [1, [b"3"]]
+
+
+def test_a_held_script_called_from_many_threads_at_once_answers_each_its_own(redis_server: RedisServer) -> None:
+    """Calls that find the held connection busy take redis-py's pooled path: every call gets its own reply."""
+    script = HeldScript(_retrying_client(redis_server), "return redis.call('INCR', KEYS[1])")
+    replies: list[int] = []
+    together = threading.Barrier(8)
+
+    def call(_: int) -> None:
+        together.wait()
+        for _ in range(50):
+            replies.append(script(["counter"], []))
+
+    _run_threads(8, call)
+    assert sorted(replies) == list(range(1, 401))
+
+
+def test_a_held_script_interrupted_leaves_no_reply_for_the_next_call(redis_server: RedisServer) -> None:
+    """A signal handler that raises while a call waits for its reply (as a worker's shutdown may): the next call reads
+    its own reply, not the one left unread."""
+    script = HeldScript(_retrying_client(redis_server), """
+if ARGV[1] == 'slow' then
+  local deadline = tonumber(redis.call('TIME')[1]) + 1
+  while tonumber(redis.call('TIME')[1]) < deadline do end
+end
+return ARGV[1]
+""")
+
+    class Interrupted(Exception):
+        pass
+
+    def interrupt(*_: object) -> None:
+        raise Interrupted
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.1)
+        with pytest.raises(Interrupted):
+            script([], ["slow"])
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert script([], ["fast"]) == b"fast"

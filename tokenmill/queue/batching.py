@@ -88,23 +88,38 @@ class Coalescer(Generic[Item, Answer]):
 
 
 class HeldScript:
-    """A Lua script whose calls come one at a time (a `Coalescer`'s `many`), sent on a connection held for them.
+    """A Lua script sent on a connection held for it, not taken from the client's pool for each call; a call that finds
+    the connection in use by another thread takes redis-py's own path instead.
 
     Why: through redis-py's client each call takes a connection from the pool (with a readiness poll, a system call),
-    records its timing for redis-py's observability hooks, dispatches a release event and returns the connection:
-    sampled in the worker's finisher thread (py-spy `--gil`, 1,000 jobs of 16-64 tokens), that path held the GIL in
-    ~15% of the finisher's samples, against the script's own packing and reading. Here a call is the EVALSHA and its
-    reply: the finisher's CPU per job 0.175 -> 0.155 ms (median of 6 rounds each, side by side). The client's retry policy applies as on its own path (`Retry.call_with_retry`, the connection dropped after
-    each failed try); a Redis that has lost its scripts (restarted) gets this one again by EVAL.
+    records its timing for redis-py's observability hooks, dispatches a release event and returns the connection.
+    Sampled in the worker's finisher thread (py-spy `--gil`, 1,000 jobs of 16-64 tokens), that path held the GIL in
+    ~15% of the finisher's samples; held, the finisher's CPU per job went 0.175 -> 0.155 ms (median of 6 rounds each,
+    side by side). A lone job's scripts (its take's record, its check-in) find the process cold: one call after 20 ms
+    asleep took 480 µs through redis-py and 305 held (p50 of 200, a local redis-server).
+
+    The connection's retry policy applies as on redis-py's path (`Retry.call_with_retry`, the connection dropped after
+    each failed try), and any call that raises drops it too; a Redis that has lost its scripts (restarted) gets this
+    one again by EVAL.
     """
 
     def __init__(self, client: redis.Redis, script: str) -> None:
         self._client = client
         self._script = script
         self._sha = hashlib.sha1(script.encode()).hexdigest()
+        self._pooled = client.register_script(script)
         self._connection: Any = None  # taken from the client's pool at the first call, and kept
+        self._lock = threading.Lock()
 
     def __call__(self, keys: Sequence[Any], args: Sequence[Any]) -> Any:
+        if not self._lock.acquire(blocking=False):  # another thread's call is in progress on the connection
+            return self._pooled(keys=keys, args=args)
+        try:
+            return self._call_held(keys, args)
+        finally:
+            self._lock.release()
+
+    def _call_held(self, keys: Sequence[Any], args: Sequence[Any]) -> Any:
         if self._connection is None:
             self._connection = self._client.connection_pool.get_connection()
         connection = self._connection
@@ -118,4 +133,8 @@ class HeldScript:
                 connection.send_command("EVAL", self._script, *operands)
                 return connection.read_response()
 
-        return connection.retry.call_with_retry(call, lambda _: connection.disconnect())
+        try:
+            return connection.retry.call_with_retry(call, lambda _: connection.disconnect())
+        except BaseException:  # a reply may be left unread (redis-py's pool checks for one at each checkout; here none
+            connection.disconnect()  # is made): the next call starts on a new connection
+            raise

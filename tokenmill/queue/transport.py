@@ -59,7 +59,7 @@ from kombu.transport import virtual
 from kombu.utils.objects import cached_property
 
 from tokenmill.queue import fastjson
-from tokenmill.queue.batching import Coalescer
+from tokenmill.queue.batching import Coalescer, HeldScript
 from tokenmill.queue.packing import PACKER_OPTIONS
 
 log = logging.getLogger(__name__)
@@ -406,9 +406,11 @@ class Channel(kombu_redis.Channel):
 
     @cached_property
     def _scripts(self) -> dict[str, Any]:
+        """The record script, run at every take (a lone job's among them), on a connection held for it
+        (`HeldScript`); the rarer ones through redis-py's client."""
         client = self.Client(connection_pool=self.pool)
-        scripts = (("record", _RECORD), ("record items", _RECORD_ITEMS), ("discard", _DISCARD), ("recover", _RECOVER))
-        return {name: client.register_script(text) for name, text in scripts}
+        scripts = (("record items", _RECORD_ITEMS), ("discard", _DISCARD), ("recover", _RECOVER))
+        return {"record": HeldScript(client, _RECORD), **{name: client.register_script(text) for name, text in scripts}}
 
     def _processing_key(self, source: str) -> str:
         key = self._processing_keys.get(source)

@@ -48,7 +48,6 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
-from functools import cached_property
 from typing import Any
 
 import redis
@@ -163,6 +162,8 @@ class WorkerService:
             retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=120),
             retry_on_error=[redis.ConnectionError, redis.TimeoutError],
         )
+        self._check_in_script = HeldScript(self.redis, _CHECK_IN)
+        self._store_script = HeldScript(self.redis, _STORE)
         self._running: dict[str, Future | None] = {}  # job id -> the future a joining delivery waits on
         self._engine_ids: dict[str, str] = {}  # job id -> its engine request id, while it generates
         self._cancelling: set[str] = set()  # running jobs asked to stop (applied at submit if not submitted yet)
@@ -470,7 +471,7 @@ class WorkerService:
         whether the job was cancelled."""
         keys = [*result_keys, *(DELIVERIES_KEY.format(job_id=job_id) for job_id in job_ids),
                 *(CANCEL_KEY.format(job_id=job_id) for job_id in job_ids)]
-        replies = self._scripts["check_in"](keys=keys, args=[int(self.settings.result_expires)])
+        replies = self._check_in_script(keys, [int(self.settings.result_expires)])
         return [CheckIn(replies[i], int(replies[i + 1]), bool(replies[i + 2])) for i in range(0, len(replies), 3)]
 
     def store_results(self, encoded: dict[bytes, bytes], acks: Sequence[tuple[str, str, str]] = ()) -> None:
@@ -491,17 +492,9 @@ class WorkerService:
         for (hash_key, index_key), held in tags.items():
             keys += [hash_key, index_key]
             args += [len(held), *held]
-        self._store(keys, args)
+        self._store_script(keys, args)
         return [None] * len(batches)
 
-    @cached_property
-    def _scripts(self) -> dict[str, Any]:
-        return {"check_in": self.redis.register_script(_CHECK_IN)}
-
-    @cached_property
-    def _store(self) -> HeldScript:
-        """The store script on a connection of its own: its calls come one at a time (`self._stores`)."""
-        return HeldScript(self.redis, _STORE)
 
     def dead_letter(self, job: Job, attempt: int, started_at: float) -> dict[str, Any]:
         message = (
