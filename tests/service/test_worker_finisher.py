@@ -47,7 +47,7 @@ class Run:
         self.ended = threading.Event()
         self.abandoned: str | None = None
 
-    def finish(self, futures: list[Future]) -> tuple[dict[bytes, bytes], list[tuple[str, str, str]]]:
+    def finish(self, futures: list[Future], turn: dict) -> tuple[dict[bytes, bytes], list[tuple[str, str, str]]]:
         for future in futures:
             index = self.futures.index(future)
             if index == self.fail_on:

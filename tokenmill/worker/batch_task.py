@@ -273,12 +273,14 @@ class BatchRun:
         """The results not stored yet, encoded as Celery's meta under their keys (for `stored` once in Redis)."""
         return self.encode(results, self.unstored(results))
 
-    def encode(self, results: dict[str, dict[str, Any]], job_ids: list[str]) -> dict[bytes, bytes]:
-        """These jobs' results, encoded as Celery's meta under their keys."""
+    def encode(self, results: dict[str, dict[str, Any]], job_ids: list[str], meta: dict[str, Any] | None = None
+               ) -> dict[bytes, bytes]:
+        """These jobs' results, encoded as Celery's meta under their keys. `meta`: `result_meta` for SUCCESS, when the
+        caller made it already."""
         if not job_ids:
             return {}
         # the meta's other fields (date_done, children) are the same for every job stored now
-        meta = result_meta(self.backend, states.SUCCESS)
+        meta = meta or result_meta(self.backend, states.SUCCESS)
         return {self._result_key(job_id): encode_result(self.backend, results[job_id], meta) for job_id in job_ids}
 
     def _result_key(self, job_id: str) -> bytes:

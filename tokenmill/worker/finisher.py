@@ -33,9 +33,10 @@ class Finishing(Protocol):
 
     service: Any
 
-    def finish(self, futures: list[Future]) -> tuple[dict[bytes, bytes], list[tuple[str, str, str]]]:
+    def finish(self, futures: list[Future], turn: dict[Any, Any]) -> tuple[dict[bytes, bytes], list[tuple[str, str, str]]]:
         """Complete the jobs of these resolved engine futures; every result not stored yet, encoded by key, and the
-        messages the store acks (`WorkerService.store_results`)."""
+        messages the store acks (`WorkerService.store_results`). `turn`: shared by the runs finished in one turn, for
+        what they may make once for all (Celery's meta of a result stored now)."""
 
     def stored_all(self) -> bool:
         """The encoded results are stored: settle them; whether the run has ended (no job left in the engine)."""
@@ -87,10 +88,10 @@ class Finisher:
                 self._runs.add(run)
             elif run in self._runs:  # else the run was abandoned: its aborted futures resolve later
                 by_run.setdefault(run, []).append(future)
-        encoded, acks, finishing = {}, [], []
+        encoded, acks, finishing, turn = {}, [], [], {}
         for run, futures in by_run.items():
             try:
-                results, run_acks = run.finish(futures)
+                results, run_acks = run.finish(futures, turn)
                 encoded.update(results)
                 acks += run_acks
             except Exception as exc:  # noqa: BLE001: this run's jobs are requeued; the others go on

@@ -39,13 +39,14 @@ from collections.abc import Iterator
 from concurrent.futures import Future
 from typing import Any
 
-from celery import bootsteps
+from celery import bootsteps, states
 from celery.exceptions import Reject
 from celery.utils.saferepr import saferepr
 from celery.worker.state import task_accepted, task_ready
 from celery.worker.strategy import default
 
 from tokenmill.errors import InvalidRequestError
+from tokenmill.queue.cancels import result_meta
 from tokenmill.queue.names import JOB_HASH_HEADER
 from tokenmill.queue.schemas import is_content_hash
 from tokenmill.queue.transport import ack_records, acked_by_script, acks_together
@@ -394,9 +395,10 @@ class IntakeRun(BatchRun):
         else:
             self._end()
 
-    def finish(self, futures: list[Future]) -> tuple[dict[bytes, bytes], list[tuple[str, str, str]]]:
+    def finish(self, futures: list[Future], turn: dict[Any, Any]) -> tuple[dict[bytes, bytes], list[tuple[str, str, str]]]:
         """`Finishing.finish`: each resolved job's result; every result of the run not stored yet, encoded, and
-        the records of their jobs' messages, acked by the same script."""
+        the records of their jobs' messages, acked by the same script. Celery's meta of the results is made once per
+        turn and result backend (`result_meta`: ~10% of the finisher's CPU when made per run, 1.5 jobs a run)."""
         left_engine = 0
         try:
             for future in futures:
@@ -409,7 +411,10 @@ class IntakeRun(BatchRun):
         held = [job_id for job_id in new if job_id in self.requests]
         records = ack_records([self.requests[job_id].message for job_id in held])
         self._acked_by_store = {job_id: record for job_id, record in zip(held, records) if record is not None}
-        return self.encode(self.done, new), list(self._acked_by_store.values())
+        meta = turn.get(self.backend)
+        if meta is None and new:
+            meta = turn[self.backend] = result_meta(self.backend, states.SUCCESS)
+        return self.encode(self.done, new, meta), list(self._acked_by_store.values())
 
     def stored_all(self) -> bool:
         """`Finishing.stored_all`: the results are in Redis; once no job is left in the engine, the run ends."""
