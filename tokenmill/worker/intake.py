@@ -398,7 +398,8 @@ class IntakeRun(BatchRun):
     def finish(self, futures: list[Future], turn: dict[Any, Any]) -> tuple[dict[bytes, bytes], list[tuple[str, str, str]]]:
         """`Finishing.finish`: each resolved job's result; every result of the run not stored yet, encoded, and
         the records of their jobs' messages, acked by the same script. Celery's meta of the results is made once per
-        turn and result backend (`result_meta`: ~10% of the finisher's CPU when made per run, 1.5 jobs a run)."""
+        turn and result backend (`result_meta`, 6 µs, once per run before: 1.5 jobs a run; the finisher's CPU per
+        16-64-token job 0.153 -> 0.143 ms in 5 rounds of 3,000 jobs, 0.140 both in 8 of 1,000)."""
         left_engine = 0
         try:
             for future in futures:
