@@ -35,7 +35,8 @@ one `tokenmill worker` on builtin:tiny, loads the same model in this process, an
   (at most `--max-num-seqs`), averaged over each tenth of the run's steps. The worker runs under
   `benchmarks/step_log.py`, which logs its engine process's steps. The in-process engine has all jobs at its first
   step, the worker's gets them as it takes them; on a GPU a step costs its kernel launches more than its tokens, so
-  part-full steps are what a slower intake costs there.
+  part-full steps are what a slower intake costs there. The first steps of the median round are listed too, each
+  with its start (ms since the first submit) and its sequences: when a burst's jobs reached the engine;
 
 `--step-floor MS` makes every engine step of both paths last at least MS milliseconds, sleeping what it did not take:
 a GPU's step, whose host cost is its kernel launches whatever its sequences (the H200's builtin:tiny steps: ~6.6 ms of
@@ -173,7 +174,8 @@ class Run:
     latencies: list[float]
     cpu: dict[str, float] = field(default_factory=dict)
     submit_elapsed: float = 0.0
-    steps: list[tuple[int, int]] | None = None  # (running, waiting) before each engine step; None where not logged
+    # (seconds since the run began, running, waiting) at each engine step's start; None where not logged
+    steps: list[tuple[float, int, int]] | None = None
 
 
 def make_workload(count: int, seed: int, min_tokens: int, max_tokens: int) -> Workload:
@@ -328,8 +330,9 @@ class QueuePath:
         cpu["client"] = own_cpu() - client_before
         return Run(elapsed, latencies, cpu, submit_elapsed, (self.logged_steps(since) or None) if self.step_log else None)
 
-    def logged_steps(self, since: float) -> list[tuple[int, int]]:
-        """(running, waiting) before each step the engine process began from `since` (a `time.time()`) on, in order:
+    def logged_steps(self, since: float) -> list[tuple[float, int, int]]:
+        """(seconds since `since`, running, waiting) of each step the engine process began from `since` (a `time.time()`)
+        on, in order:
         `step_log.py`'s lines "<time> <running> <waiting>", which the engine process writes out on SIGUSR1."""
         if self.engine_pid:
             os.kill(self.engine_pid, signal.SIGUSR1)
@@ -337,7 +340,7 @@ class QueuePath:
         steps = []
         for path in self.step_log.glob("*.steps"):
             steps += [(float(at), int(running), int(waiting)) for at, running, waiting in map(str.split, path.open())]
-        return [(running, waiting) for at, running, waiting in sorted(steps) if at >= since]
+        return [(at - since, running, waiting) for at, running, waiting in sorted(steps) if at >= since]
 
     def probe(self, workload: Workload, index: int) -> Probe:
         """Submit -> result of one job alone, and its decode steps (the engine process's first -> last token)."""
@@ -406,12 +409,13 @@ class LocalPath:
     def run(self, workload: Workload) -> Run:
         params = [workload.params(i) for i in range(len(workload.prompts))]
         del self.steps[:]
+        since = time.time()
         cpu_before, started = own_cpu(), time.perf_counter()
         outputs = self.llm.generate(workload.prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - started
         assert sum(len(o.token_ids) for o in outputs) == workload.tokens
         return Run(elapsed, [o.finished_time - o.arrival_time for o in outputs], {"in-process": own_cpu() - cpu_before},
-                   steps=[(running, waiting) for _, running, waiting in self.steps])
+                   steps=[(at - since, running, waiting) for at, running, waiting in self.steps])
 
     def probe(self, workload: Workload, index: int) -> Probe:
         one = self.llm.generate([workload.prompts[index]], [workload.params(index)], use_tqdm=False)[0]
@@ -506,6 +510,8 @@ def main() -> None:
         compare(workload, local_runs, queue_runs, added, added_one)
 
 
+#: Engine steps whose start and sequences the report lists, per path (`first_steps`).
+FIRST_STEPS = 16
 #: What `--intake` changes; a flag given on the command line wins.
 INTAKE_DEFAULTS = {"--jobs": "3000", "--min-tokens": "1", "--max-tokens": "1", "--max-num-seqs": "1024", "--probe-jobs": "0"}
 
@@ -519,13 +525,22 @@ def intake_defaults(argv: list[str]) -> list[str]:
     return [*(item for flag, value in INTAKE_DEFAULTS.items() if flag not in given for item in (flag, value)), *argv]
 
 
-def filled_by_tenths(steps: list[tuple[int, int]] | None, max_num_seqs: int) -> str:
+def filled_by_tenths(steps: list[tuple[float, int, int]] | None, max_num_seqs: int) -> str:
     """How full the engine's steps could be: the sequences running or waiting before each step, at most `max_num_seqs`,
     averaged over each tenth of the run's steps in turn."""
     if not steps:
         return "?"
     tenths = [steps[len(steps) * i // 10:len(steps) * (i + 1) // 10] for i in range(10)]
-    return " ".join(f"{sum(min(max_num_seqs, sum(step)) for step in part) / len(part):.0f}" for part in tenths if part)
+    return " ".join(f"{sum(min(max_num_seqs, running + waiting) for _, running, waiting in part) / len(part):.0f}"
+                    for part in tenths if part)
+
+
+def first_steps(steps: list[tuple[float, int, int]] | None, count: int = FIRST_STEPS) -> str:
+    """The run's first `count` engine steps as "<ms since the run began>:<sequences running or waiting>": when a
+    burst's jobs reached the engine."""
+    if not steps:
+        return "?"
+    return " ".join(f"{1000 * at:.0f}:{running + waiting}" for at, running, waiting in steps[:count])
 
 
 def _median_run(runs: list[Run]) -> Run:
@@ -570,6 +585,8 @@ def report(args: argparse.Namespace, workload: Workload, local_runs: list[Run], 
           + f"; engine process minus in-process: {per_job.get('engine', 0) - per_job['in-process']:+.3f}"
           + " (goals: worker <= 0.2, engine <= in-process + 0.1, redis <= 0.1)")
     print(f"- client submit rate (`submit_many`, {n} jobs): **{statistics.median(submit_rates):.0f} jobs/s** (goal >= 2000)")
+    print(f"- the first {FIRST_STEPS} engine steps of the median-time round, \"ms since the run began:sequences running or "
+          f"waiting\": in-process {first_steps(local.steps)}; through the queue {first_steps(queue.steps)}")
     if added:
         def ms(values: list[float], *qs: int) -> str:
             return ", ".join(f"p{q} {1000 * percentile(values, q):.1f}" for q in qs)
