@@ -8,7 +8,7 @@ it. Two ways to publish the same task message, alternating job by job in one run
 * Celery's: `app.amqp.as_task_v2`, then `send_task_message` through a producer taken from the app's pool (kombu's
   retrying publish, `Producer.publish`, the queue's declaration check), as `Client.submit` did until 2026-12-03;
 * tokenmill's: `Client.submit`'s publisher (`tokenmill.queue.publisher`: the same message on a kombu channel kept
-  open; the queued bytes are equal but for the delivery tag, see tests/service/test_publisher.py).
+  open; the queued envelope is equal but for the delivery tag, the body once decoded, see tests/service/test_publisher.py).
 
 Measured: the publish alone (the same validated job, to a redis-server of its own), then lone one-token jobs through
 one `tokenmill worker` on builtin:tiny, submit -> result. Prints p50 and p90 of each way and their ratio.

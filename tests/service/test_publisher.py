@@ -38,24 +38,39 @@ def _without_tag(message: dict[str, Any]) -> dict[str, Any]:
     return message
 
 
-def test_jobs_and_groups_are_queued_as_celery_queues_them(redis_server: RedisServer) -> None:
-    """`submit`, `submit_many` and an annotate group's message are, but for the delivery tag, byte for byte what
-    Celery's `send_task_message` queues for the same task: any Celery worker takes them."""
-    client = Client(redis_server.url)
-    single = client.submit(prompt="one job", max_tokens=3, temperature=0.0)
-    many = client.submit_many([{"prompt": f"job {i}", "seed": i} for i in range(3)])
-    group = [client.prepare({"prompt": "in a group"})]
-    client.publisher.publish(BATCH_TASK_NAME, "a" * 32, [{"jobs": group}], "[<1 jobs>]", ignore_result=True)
-    ours = [_without_tag(message) for message in _taken(redis_server, 5)]
+def _body(message: dict[str, Any]) -> Any:
+    """The message's decoded body (taken out of the message)."""
+    return json.loads(base64.b64decode(message.pop("body")))
 
-    for handle, message in zip([single, *many], ours):
-        wire = json.loads(base64.b64decode(message["body"]))[0][0]
+
+def test_jobs_and_groups_are_queued_as_celery_queues_them(redis_server: RedisServer) -> None:
+    """`submit`, `submit_many`, `Client.publisher.publish` of any task and an annotate group's message are, but for
+    the delivery tag and how their bodies' JSON is spaced, what Celery's `send_task_message` queues for the same task:
+    the same envelope, the same body once decoded: any Celery worker takes them. A job's body is written by orjson
+    (compact, UTF-8) unless a free-form part holds what orjson writes otherwise (an integer past 64 bits here); any
+    other task's by kombu, byte for byte Celery's."""
+    client = Client(redis_server.url)
+    single = client.submit(prompt="one job, ünïcode 中文", max_tokens=3, temperature=0.0)
+    many = client.submit_many([{"prompt": f"job {i}", "seed": i, "metadata": {"big": 2**70 if i else 1}} for i in range(3)])
+    group = [client.prepare({"prompt": "in a group", "json_schema": {"type": "object"}})]
+    client.publisher.publish(BATCH_TASK_NAME, "a" * 32, [{"jobs": group}], "[<1 jobs>]", ignore_result=True)
+    client.publisher.publish("other.task", "b" * 32, [{"x": 1.5}], "[<other>]")
+    ours = [_without_tag(message) for message in _taken(redis_server, 6)]
+    raw_bodies = [base64.b64decode(message["body"]) for message in ours]
+    our_bodies = [_body(message) for message in ours[:-1]]
+
+    for handle, body, message in zip([single, *many], our_bodies, ours):
+        wire = body[0][0]
         assert wire["id"] == handle.id and message["headers"][JOB_HASH_HEADER] == handle.job_hash
         _as_celery_sends(client, TASK_NAME, handle.id, [wire], f"[<job {handle.id}>]", {JOB_HASH_HEADER: handle.job_hash})
     _as_celery_sends(client, BATCH_TASK_NAME, "a" * 32, [{"jobs": group}], "[<1 jobs>]", ignore_result=True)
-    celerys = [_without_tag(message) for message in _taken(redis_server, 5)]
-    assert ours == celerys
-    assert ours[-1]["headers"]["ignore_result"] is True and ours[0]["headers"]["ignore_result"] is False
+    _as_celery_sends(client, "other.task", "b" * 32, [{"x": 1.5}], "[<other>]")
+    celerys = [_without_tag(message) for message in _taken(redis_server, 6)]
+    assert our_bodies == [_body(message) for message in celerys[:-1]]
+    assert ours == celerys  # the envelopes; the other task's body byte for byte
+    assert raw_bodies[0].find("中文".encode()) >= 0 and raw_bodies[0].find(b'", "') < 0  # orjson's: UTF-8, no spaces
+    assert raw_bodies[2].find(b'"big": 1180591620717411303424') >= 0  # the stdlib's, where orjson refuses
+    assert ours[-2]["headers"]["ignore_result"] is True and ours[0]["headers"]["ignore_result"] is False
     assert redis_server.client().llen("tokenmill") == 0
 
 

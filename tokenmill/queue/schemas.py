@@ -207,9 +207,14 @@ def is_content_hash(value: Any) -> bool:
 def content_hash(wire: dict[str, Any]) -> str:
     """`Job.content_hash` of a job's validated wire form (`Job.to_wire()`), without parsing it again."""
     content = {k: v for k, v in wire.items() if k not in VOLATILE_FIELDS}
-    sampling = content.get("sampling")
-    schema = sampling.get("json_schema") if isinstance(sampling, dict) else None
-    return hashlib.sha256(fastjson.canonical(content, content.get("metadata"), schema)).hexdigest()
+    return hashlib.sha256(fastjson.canonical(content, *free_form(content))).hexdigest()
+
+
+def free_form(wire: dict[str, Any]) -> tuple[Any, ...]:
+    """The parts of a job's validated wire form that may hold any JSON value (its metadata, its JSON schema; the rest
+    is strings, integers and checked finite numbers): what `fastjson` checks before writing a job with orjson."""
+    sampling = wire.get("sampling")
+    return wire.get("metadata"), sampling.get("json_schema") if isinstance(sampling, dict) else None
 
 
 def invalid_request_from(exc: ValidationError) -> InvalidRequestError:
