@@ -6,6 +6,7 @@ import base64
 import json
 import threading
 import time
+from datetime import datetime, timezone
 from typing import Any
 
 import pytest
@@ -167,3 +168,26 @@ def test_with_redis_down_submit_fails_as_celerys_publish_does_and_works_once_it_
     client.submit(prompt="after")
     queued = [json.loads(base64.b64decode(m["body"]))[0][0]["prompt"] for m in _taken(redis_server, 2)]
     assert queued == ["before", "after"] and len(client.publisher._idle) == 1
+
+
+def test_a_body_a_publish_signal_handler_changed_is_written_by_kombu(redis_server: RedisServer) -> None:
+    """A `before_task_publish` handler may put in the body what kombu's encoder writes its own way (a datetime): with
+    handlers connected, a job's body is checked whole, and such a body is written by kombu, which the worker reads
+    back as a datetime."""
+    from kombu.utils.json import loads as kombu_loads
+
+    def add_when(sender: str, body: Any, **_: Any) -> None:
+        body[1]["when"] = datetime(2026, 12, 4, 16, 0, tzinfo=timezone.utc)
+
+    client = Client(redis_server.url)
+    before_task_publish.connect(add_when, weak=False)
+    try:
+        handle = client.submit(prompt="changed by a signal handler")
+    finally:
+        before_task_publish.disconnect(add_when)
+    plain = client.submit(prompt="not changed")
+    changed, unchanged = (base64.b64decode(m["body"]) for m in _taken(redis_server, 2))
+    args, kwargs, _ = kombu_loads(changed)
+    assert args[0]["id"] == handle.id and kwargs == {"when": datetime(2026, 12, 4, 16, 0, tzinfo=timezone.utc)}
+    assert changed.find(b'", "') >= 0 and unchanged.find(b'", "') < 0  # kombu's spacing; orjson's again
+    assert json.loads(unchanged)[0][0]["id"] == plain.id

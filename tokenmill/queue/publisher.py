@@ -96,7 +96,10 @@ class Publisher:
         message_headers.update(headers or {})
         before_task_publish.send(sender=name, body=body, exchange="", routing_key=self.queue, declare=[self.queue],
                                  headers=message_headers, properties=properties, retry_policy={})
-        content_type, content_encoding, data = _serialized(body, free_form)
+        # a handler of that signal may have put in the body what kombu's encoder writes its own way (a datetime, a
+        # UUID): with handlers connected the whole body is checked, and such a body is kombu's to write
+        checked = free_form if free_form is None or not before_task_publish.receivers else (body,)
+        content_type, content_encoding, data = _serialized(body, checked)
         properties["delivery_mode"] = self._delivery_mode
         put(channel.prepare_message(data, None, content_type, content_encoding, message_headers, properties),
             exchange="", routing_key=self.queue)
@@ -142,9 +145,9 @@ class Publisher:
 def _serialized(body: Any, free_form: tuple[Any, ...] | None) -> tuple[str, str, Any]:
     """(content type, content encoding, data) of a task message's body (`Publisher.send`)."""
     if free_form is not None:
-        try:  # a signal handler may have put a value in the body only kombu's encoder writes (a datetime, a UUID)
-            return "application/json", "utf-8", fastjson.dumps(body, *free_form)
-        except TypeError:
+        try:  # `fastjson.dumps` takes the stdlib's way where a free-form part holds what orjson writes otherwise; a
+            return "application/json", "utf-8", fastjson.dumps(body, *free_form)  # value only kombu's encoder writes
+        except TypeError:  # (a datetime, a UUID) stops the stdlib: kombu's serializer writes the body
             pass
     return serialization.dumps(body, serializer="json")
 
