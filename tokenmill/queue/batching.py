@@ -12,7 +12,6 @@ one message each.
 
 from __future__ import annotations
 
-import hashlib
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
@@ -105,9 +104,7 @@ class HeldScript:
 
     def __init__(self, client: redis.Redis, script: str) -> None:
         self._client = client
-        self._script = script
-        self._sha = hashlib.sha1(script.encode()).hexdigest()
-        self._pooled = client.register_script(script)
+        self._pooled = client.register_script(script)  # redis-py's `Script`: its text and SHA1 serve the held calls too
         self._connection: Any = None  # taken from the client's pool at the first call, and kept
         self._lock = threading.Lock()
 
@@ -126,11 +123,11 @@ class HeldScript:
         operands = (len(keys), *keys, *args)
 
         def call() -> Any:
-            connection.send_command("EVALSHA", self._sha, *operands)
+            connection.send_command("EVALSHA", self._pooled.sha, *operands)
             try:
                 return connection.read_response()
             except NoScriptError:
-                connection.send_command("EVAL", self._script, *operands)
+                connection.send_command("EVAL", self._pooled.script, *operands)
                 return connection.read_response()
 
         try:

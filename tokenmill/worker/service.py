@@ -495,7 +495,6 @@ class WorkerService:
         self._store_script(keys, args)
         return [None] * len(batches)
 
-
     def dead_letter(self, job: Job, attempt: int, started_at: float) -> dict[str, Any]:
         message = (
             f"delivered {attempt} times and no earlier delivery finished (the worker running it died each time); "
