@@ -242,6 +242,22 @@ REENCODED_GROWTH = 6
 _ADDED_BYTES = 1024
 
 
+def job_payload(args: tuple[Any, ...], fields: dict[str, Any]) -> dict[str, Any]:
+    """The job object of a `tokenmill.generate` call (empty when the job came as keyword fields only); pops `job` from
+    `fields`. A plain Celery producer may send the job positionally, as `job=`, or as keyword fields."""
+    if "job" in fields:
+        args = (*args, fields.pop("job"))
+    if len(args) > 1:
+        raise InvalidRequestError("job", f"expected one job object, got {len(args)} positional arguments")
+    payload = args[0] if args else {}
+    if payload is None:
+        return {}
+    if not isinstance(payload, dict):
+        raise InvalidRequestError("job", f"must be an object of job fields, got {type(payload).__name__} "
+                                         "(send prompt=... as a keyword argument, or a dict)")
+    return payload
+
+
 def check_size(wire: dict[str, Any], limit: int, source: bytes | None = None) -> None:
     """Refuse a job whose JSON is over `limit` bytes, naming the field that makes it big.
 

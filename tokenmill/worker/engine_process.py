@@ -226,8 +226,7 @@ class EngineProcess:
                 return
             op = message["op"]
             if op == "done":
-                for output in message["outputs"]:
-                    self._resolve(output["request_id"], result=EngineOutput(**output))
+                self._resolve_done(message["outputs"])
             elif op == "refused":
                 self._resolve(message["id"], error=InvalidRequestError(message["field"], message["message"]))
             elif op == "stats":
@@ -239,6 +238,14 @@ class EngineProcess:
             elif op == "fatal":
                 self._lost(EngineFailure(f"the engine failed: {message['error']}"))
                 return
+
+    def _resolve_done(self, outputs: list[dict[str, Any]]) -> None:
+        """A step's finished requests: their futures taken under one lock, then resolved (as `_resolve` each)."""
+        with self._lock:
+            futures = [self._pending.pop(output["request_id"], None) for output in outputs]
+        for future, output in zip(futures, outputs):
+            if future is not None and not future.done():  # else aborted meanwhile
+                future.set_result(EngineOutput(**output))
 
     def _resolve(self, request_id: str, result: EngineOutput | None = None, error: Exception | None = None) -> None:
         with self._lock:

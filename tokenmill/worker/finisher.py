@@ -64,8 +64,9 @@ class Finisher:
                 self._thread = threading.Thread(target=self._serve, name="tokenmill-finisher", daemon=True)
                 self._thread.start()
         self._resolved.put((run, None))  # before any of its futures: the run is known when they come
+        put = functools.partial(self._put, run)
         for future in futures:
-            future.add_done_callback(functools.partial(self._put, run))
+            future.add_done_callback(put)
 
     def _put(self, run: Finishing, future: Future) -> None:
         self._resolved.put((run, future))

@@ -81,6 +81,10 @@ def result_id(message: Any) -> str | None:
     return task_id if isinstance(task_id, str) and 0 < len(task_id) <= MAX_RESULT_ID_CHARS else None
 
 
+#: The `timelimit` header of a task sent without time limits, as JSON decodes it.
+_NO_TIME_LIMITS = [None, None]
+
+
 def protocol_problem(message: Any) -> str | None:
     """Why `message` is not a usable Celery protocol-2 task message, or None if it is.
 
@@ -109,7 +113,7 @@ def protocol_problem(message: Any) -> str | None:
 
 
 def _time_limits_ok(value: Any) -> bool:
-    if value is None:
+    if value is None or value == _NO_TIME_LIMITS:  # what Celery's `send_task` writes without limits: no generator
         return True
     return isinstance(value, list | tuple) and len(value) == 2 and all(
         v is None or (isinstance(v, int | float) and not isinstance(v, bool)) for v in value)

@@ -48,7 +48,7 @@ from celery.worker.strategy import default
 from tokenmill.errors import InvalidRequestError
 from tokenmill.queue.cancels import result_meta
 from tokenmill.queue.names import JOB_HASH_HEADER
-from tokenmill.queue.schemas import is_content_hash
+from tokenmill.queue.schemas import is_content_hash, job_payload
 from tokenmill.queue.transport import ack_records, acked_by_script, acks_together
 from tokenmill.worker.batch_task import BatchRun
 from tokenmill.worker.finisher import Finisher
@@ -97,10 +97,9 @@ def job_fields(request: Any) -> dict[str, Any] | None:
     if any(request.time_limits) or request.task.time_limit or request.task.soft_time_limit:
         return None
     embed = request.message.payload[2] or {}  # decoded once by kombu, cached
-    if any(embed.get(name) for name in _TRACED):
-        return None
-    from tokenmill.worker.runtime import job_payload  # the worker side only: producers import the app
-
+    for name in _TRACED:  # a loop, not `any` over a generator: per message
+        if embed.get(name):
+            return None
     fields = dict(request.kwargs)
     try:
         payload = job_payload(tuple(request.args), fields)

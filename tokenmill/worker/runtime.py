@@ -14,7 +14,7 @@ from typing import Any
 from celery.signals import worker_shutting_down
 
 from tokenmill.errors import InvalidRequestError
-from tokenmill.queue.schemas import JobResult, check_size
+from tokenmill.queue.schemas import JobResult, check_size, job_payload
 from tokenmill.worker.service import WorkerService
 from tokenmill.worker.settings import WorkerSettings
 
@@ -62,21 +62,6 @@ def _time_limit(timelimit: Any) -> float | None:
     pool enforces neither: the worker ends the job at that point itself, as `deadline_exceeded`.)"""
     limits = [float(limit) for limit in (timelimit or ()) if limit]
     return min(limits) if limits else None
-
-
-def job_payload(args: tuple[Any, ...], fields: dict[str, Any]) -> dict[str, Any]:
-    """The job object of a task call (empty when the job came as keyword fields only); pops `job` from `fields`."""
-    if "job" in fields:
-        args = (*args, fields.pop("job"))
-    if len(args) > 1:
-        raise InvalidRequestError("job", f"expected one job object, got {len(args)} positional arguments")
-    payload = args[0] if args else {}
-    if payload is None:
-        return {}
-    if not isinstance(payload, dict):
-        raise InvalidRequestError("job", f"must be an object of job fields, got {type(payload).__name__} "
-                                         "(send prompt=... as a keyword argument, or a dict)")
-    return payload
 
 
 @worker_shutting_down.connect
