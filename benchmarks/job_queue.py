@@ -99,7 +99,7 @@ sys.path.insert(0, str(REPO))
 
 import redis  # noqa: E402
 
-from benchmarks.step_log import logging_step  # noqa: E402
+from benchmarks.step_log import THREADS_SIGNAL, logging_step  # noqa: E402
 from tokenmill.client import Client  # noqa: E402
 from tokenmill.sampling_params import SamplingParams  # noqa: E402
 
@@ -177,6 +177,8 @@ class Run:
     submit_elapsed: float = 0.0
     # (seconds since the run began, running, waiting) at each engine step's start; None where not logged
     steps: list[tuple[float, int, int]] | None = None
+    # the worker's CPU seconds by thread name (threads of one name summed), and how many threads had each name
+    threads: dict[str, tuple[float, int]] = field(default_factory=dict)
 
 
 def make_workload(count: int, seed: int, min_tokens: int, max_tokens: int) -> Workload:
@@ -222,6 +224,18 @@ def engine_pid(worker_pid: int) -> int | None:
         if parent == worker_pid and b"spawn_main" in command:
             return int(stat.parent.name)
     return None
+
+
+def thread_cpu(pid: int) -> dict[int, float]:
+    """User + system CPU seconds of each of a process's threads so far, by native thread id (Linux /proc)."""
+    seconds = {}
+    for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended meanwhile
+            continue
+        seconds[int(stat.parent.name)] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return seconds
 
 
 def own_cpu() -> float:
@@ -314,6 +328,7 @@ class QueuePath:
     def run(self, workload: Workload) -> Run:
         pids = {"worker": self.worker.pid, "engine": self.engine_pid, "redis": self.redis.pid}
         before = {name: process_cpu(pid) for name, pid in pids.items() if pid}
+        threads_before = thread_cpu(self.worker.pid)
         client_before = own_cpu()
         jobs = [workload.job(i) for i in range(len(workload.prompts))]
         since = time.time()
@@ -329,7 +344,31 @@ class QueuePath:
         assert tokens == workload.tokens
         cpu = {name: process_cpu(pids[name]) - value for name, value in before.items()}
         cpu["client"] = own_cpu() - client_before
-        return Run(elapsed, latencies, cpu, submit_elapsed, (self.logged_steps(since) or None) if self.step_log else None)
+        threads = self.by_thread_name(threads_before, thread_cpu(self.worker.pid))
+        return Run(elapsed, latencies, cpu, submit_elapsed, (self.logged_steps(since) or None) if self.step_log else None,
+                   threads)
+
+    def by_thread_name(self, before: dict[int, float], after: dict[int, float]) -> dict[str, tuple[float, int]]:
+        """The worker's CPU seconds between `before` and `after` (`thread_cpu`), by the name the worker gives each
+        thread (`step_log.log_threads`; threads of one name summed, with their count); empty where not logged."""
+        if not self.step_log:
+            return {}
+        path = self.step_log / f"{self.worker.pid}.threads"
+        path.unlink(missing_ok=True)
+        os.kill(self.worker.pid, THREADS_SIGNAL)
+        deadline = time.monotonic() + 2
+        while not path.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.05)  # written in one call, but the file exists before that call
+        if not path.exists():
+            return {}
+        names = {int(native_id): name for native_id, name in (line.split(" ", 1) for line in path.read_text().splitlines())}
+        totals: dict[str, tuple[float, int]] = {}
+        for tid, seconds in after.items():
+            name = names.get(tid, "(ended before the names were taken)")
+            spent, count = totals.get(name, (0.0, 0))
+            totals[name] = (spent + seconds - before.get(tid, 0.0), count + 1)
+        return totals
 
     def logged_steps(self, since: float) -> list[tuple[float, int, int]]:
         """(seconds since `since`, running, waiting) of each step the engine process began from `since` (a `time.time()`)
@@ -591,6 +630,10 @@ def report(args: argparse.Namespace, workload: Workload, local_runs: list[Run], 
     print("- CPU per job (ms, from /proc; median-time round): " + ", ".join(f"{k} {v:.3f}" for k, v in per_job.items())
           + f"; engine process minus in-process: {per_job.get('engine', 0) - per_job['in-process']:+.3f}"
           + " (goals: worker <= 0.2, engine <= in-process + 0.1, redis <= 0.1)")
+    if queue.threads:
+        print("- worker CPU per job by thread (ms, median-time round): " + ", ".join(
+            f"{name}{f' x{count}' if count > 1 else ''} {1000 * spent / n:.3f}"
+            for name, (spent, count) in sorted(queue.threads.items(), key=lambda item: -item[1][0]) if spent > 0))
     print(f"- client submit rate (`submit_many`, {n} jobs): **{statistics.median(submit_rates):.0f} jobs/s** (goal >= 2000)")
     print(f"- the first {FIRST_STEPS} engine steps of the median-time round, \"ms since the run began:sequences running or "
           f"waiting\": in-process {first_steps(local.steps)}; through the queue {first_steps(queue.steps)}")

@@ -9,7 +9,8 @@ Run as a script, never installed: the engine process, started by multiprocessing
 its `__mp_main__`, where the engine loop's engine gets its `step` wrapped. Each step keeps (time, running, waiting) in memory (~1 µs; a
 write to a file at each step would add a system call to each of a lone job's decode steps); on SIGUSR1, which the
 benchmark sends before it reads them, they are appended to `<dir>/<pid>.steps` as "<time> <running> <waiting>" lines.
-Without `STEP_LOG` nothing is logged.
+Without `STEP_LOG` nothing is logged. The worker process itself writes its threads' names and native ids to
+`<dir>/<pid>.threads` on `THREADS_SIGNAL` (`log_threads`): the benchmark's worker CPU by thread.
 
 `STEP_FLOOR_MS` (with `STEP_LOG`): each step lasts at least that long, sleeping what it did not take (`logging_step`).
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -67,12 +69,34 @@ def log_steps(directory: str, floor_s: float = 0.0) -> None:
     signal.signal(signal.SIGUSR1, write_out)
 
 
+#: The signal `log_threads` answers: a real-time one, which Celery's worker leaves alone (it takes SIGUSR1 and SIGUSR2).
+THREADS_SIGNAL = signal.SIGRTMIN + 4
+
+
+def log_threads(directory: str) -> None:
+    """On `THREADS_SIGNAL`, this process's threads as "<native id> <name>" lines in `<dir>/<pid>.threads`: the
+    benchmark reads each thread's CPU from /proc and names it from these (Python 3.11 gives its threads no OS name)."""
+    path = os.path.join(directory, f"{os.getpid()}.threads")
+
+    def write_out(*_: Any) -> None:
+        text = "".join(f"{thread.native_id} {thread.name}\n" for thread in threading.enumerate())
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        try:
+            os.write(fd, text.encode())
+        finally:
+            os.close(fd)
+
+    signal.signal(THREADS_SIGNAL, write_out)
+
+
 if __name__ == "__mp_main__" and os.environ.get("STEP_LOG"):  # the engine process
     log_steps(os.environ["STEP_LOG"], float(os.environ.get("STEP_FLOOR_MS") or 0) / 1000)
 
 if __name__ == "__main__":
     # Python put this file's folder first on sys.path: the benchmarks there must not shadow what the worker imports
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != os.path.dirname(os.path.abspath(__file__))]
+    if os.environ.get("STEP_LOG"):
+        log_threads(os.environ["STEP_LOG"])
     from tokenmill.cli import main
 
     sys.exit(main())
