@@ -9,7 +9,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from tokenmill.errors import InvalidRequestError
-from tokenmill.queue.schemas import SCHEMA_VERSION, Job, JobResult, S3Location
+from tokenmill.queue.schemas import SCHEMA_VERSION, Job, JobResult, S3Location, job_payload
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -55,6 +55,35 @@ def test_bad_job_names_the_field(fields: dict, field: str) -> None:
     with pytest.raises(InvalidRequestError) as caught:
         Job.from_wire(fields)
     assert caught.value.field == field
+
+
+@pytest.mark.parametrize(
+    ("args", "fields", "payload", "rest"),
+    [
+        (({"prompt": "hi"},), {}, {"prompt": "hi"}, {}),  # the client's way: one positional job
+        ((), {"job": {"prompt": "hi"}, "max_tokens": 3}, {"prompt": "hi"}, {"max_tokens": 3}),  # `job=`, fields beside it
+        ((), {"prompt": "hi"}, {}, {"prompt": "hi"}),  # keyword fields only
+        ((None,), {}, {}, {}),
+    ],
+)
+def test_job_payload_reads_each_way_a_producer_may_send_a_job(args: tuple, fields: dict, payload: dict, rest: dict) -> None:
+    fields = dict(fields)
+    assert job_payload(args, fields) == payload
+    assert fields == rest  # `job` popped, the other fields left for the job
+
+
+@pytest.mark.parametrize(
+    ("args", "fields", "message"),
+    [
+        (({"prompt": "a"}, {"prompt": "b"}), {}, "expected one job object, got 2"),
+        (({"prompt": "a"},), {"job": {"prompt": "b"}}, "expected one job object, got 2"),
+        (("hi",), {}, "must be an object of job fields, got str"),
+    ],
+)
+def test_job_payload_refuses_a_call_that_is_not_one_job_object(args: tuple, fields: dict, message: str) -> None:
+    with pytest.raises(InvalidRequestError) as raised:
+        job_payload(args, dict(fields))
+    assert raised.value.field == "job" and message in raised.value.message
 
 
 def test_s3_location_key_and_uri() -> None:
