@@ -8,7 +8,7 @@ worker takes them, and on a GPU a step costs its kernel launches more than its t
 Run as a script, never installed: the engine process, started by multiprocessing's "spawn", runs this file again as
 its `__mp_main__`, where the engine loop's engine gets its `step` wrapped. Each step keeps (time, running, waiting) in memory (~1 µs; a
 write to a file at each step would add a system call to each of a lone job's decode steps); on SIGUSR1, which the
-benchmark sends before it reads them, they are appended to `<dir>/<pid>.steps` as "<time> <running> <waiting>" lines.
+benchmark sends before it reads them, a thread of the engine process appends them to `<dir>/<pid>.steps` as "<time> <running> <waiting>" lines.
 Without `STEP_LOG` nothing is logged. The worker process itself writes its threads' names and native ids to
 `<dir>/<pid>.threads` on `THREADS_SIGNAL` (`log_threads`): the benchmark's worker CPU by thread.
 
@@ -59,14 +59,29 @@ def log_steps(directory: str, floor_s: float = 0.0) -> None:
         start_loop(loop, engine, conn)
         engine.step = logging_step(engine, steps, floor_s)
 
-    def write_out(*_: Any) -> None:
-        # a raw write: a handler that flushed a buffered file could interrupt that file's own flush
-        taken = len(steps)
+    def write_out() -> None:
+        taken = len(steps)  # the engine's thread appends meanwhile: only these are written and removed
         os.write(fd, "".join(f"{at:.6f} {running} {waiting}\n" for at, running, waiting in steps[:taken]).encode())
         del steps[:taken]
 
     engine_process._Loop.__init__ = start_logged_loop  # type: ignore[method-assign]
-    signal.signal(signal.SIGUSR1, write_out)
+    answer(signal.SIGUSR1, write_out, "step-log-writer")
+
+
+def answer(signum: int, action: Callable[[], None], name: str) -> None:
+    """Run `action` on a thread of its own each time `signum` arrives: the signal is blocked in this thread, and so in
+    every thread started from here on (torch's and CUDA's in the engine process, Celery's in the worker), and that one
+    thread waits for it. A Python handler runs only on the main thread, once it wakes: a signal the kernel gave to
+    another thread while the main one waited on a pipe was handled at the next message, after the benchmark had read
+    (a likely cause of the two runs on the H200 whose engine process wrote no steps when asked)."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signum})
+
+    def wait() -> None:
+        while True:
+            signal.sigwait({signum})
+            action()
+
+    threading.Thread(target=wait, name=name, daemon=True).start()
 
 
 #: The signal `log_threads` answers: a real-time one, which Celery's worker leaves alone (it takes SIGUSR1 and SIGUSR2).
@@ -78,7 +93,7 @@ def log_threads(directory: str) -> None:
     benchmark reads each thread's CPU from /proc and names it from these (Python 3.11 gives its threads no OS name)."""
     path = os.path.join(directory, f"{os.getpid()}.threads")
 
-    def write_out(*_: Any) -> None:
+    def write_out() -> None:
         text = "".join(f"{thread.native_id} {thread.name}\n" for thread in threading.enumerate())
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         try:
@@ -86,7 +101,7 @@ def log_threads(directory: str) -> None:
         finally:
             os.close(fd)
 
-    signal.signal(THREADS_SIGNAL, write_out)
+    answer(THREADS_SIGNAL, write_out, "thread-names-writer")
 
 
 if __name__ == "__mp_main__" and os.environ.get("STEP_LOG"):  # the engine process
