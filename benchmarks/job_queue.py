@@ -209,7 +209,12 @@ def wait_until(check, timeout: float, what: str) -> None:
 
 def process_cpu(pid: int) -> float:
     """User + system CPU seconds of a process so far (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return stat_cpu(Path(f"/proc/{pid}/stat"))
+
+
+def stat_cpu(stat: Path) -> float:
+    """User + system CPU seconds in a /proc `stat` file (a process's, or one of its threads')."""
+    fields = stat.read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
@@ -231,10 +236,9 @@ def thread_cpu(pid: int) -> dict[int, float]:
     seconds = {}
     for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
+            seconds[int(stat.parent.name)] = stat_cpu(stat)
         except OSError:  # the thread ended meanwhile
             continue
-        seconds[int(stat.parent.name)] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     return seconds
 
 

@@ -226,9 +226,9 @@ class EngineProcess:
                 return
             op = message["op"]
             if op == "done":
-                self._resolve_done(message["outputs"])
+                self._resolve({output["request_id"]: EngineOutput(**output) for output in message["outputs"]})
             elif op == "refused":
-                self._resolve(message["id"], error=InvalidRequestError(message["field"], message["message"]))
+                self._resolve({message["id"]: InvalidRequestError(message["field"], message["message"])})
             elif op == "stats":
                 self._report(message)
             elif op == "ready":
@@ -239,23 +239,19 @@ class EngineProcess:
                 self._lost(EngineFailure(f"the engine failed: {message['error']}"))
                 return
 
-    def _resolve_done(self, outputs: list[dict[str, Any]]) -> None:
-        """A step's finished requests: their futures taken under one lock, then resolved (as `_resolve` each)."""
+    def _resolve(self, answers: dict[str, EngineOutput | Exception]) -> None:
+        """Resolve these requests' futures with their outputs (an exception: raised by the future), the futures taken
+        from the pending ones under one lock for all (a step's finished requests come together); a request aborted
+        meanwhile has none."""
         with self._lock:
-            futures = [self._pending.pop(output["request_id"], None) for output in outputs]
-        for future, output in zip(futures, outputs):
-            if future is not None and not future.done():  # else aborted meanwhile
-                future.set_result(EngineOutput(**output))
-
-    def _resolve(self, request_id: str, result: EngineOutput | None = None, error: Exception | None = None) -> None:
-        with self._lock:
-            future = self._pending.pop(request_id, None)
-        if future is None or future.done():  # aborted meanwhile
-            return
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(result)
+            futures = [(self._pending.pop(request_id, None), answer) for request_id, answer in answers.items()]
+        for future, answer in futures:
+            if future is None or future.done():
+                continue
+            if isinstance(answer, Exception):
+                future.set_exception(answer)
+            else:
+                future.set_result(answer)
 
     def _lost(self, error: EngineFailure) -> None:
         """The engine is gone: `on_fatal` first, under the lock, and only then fail the requests in flight.
