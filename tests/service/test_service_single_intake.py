@@ -6,6 +6,7 @@ leases, and each stored once; the jobs the intake leaves to the pool path beside
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 from service_fixtures import TEST_VISIBILITY_TIMEOUT, RedisServer, ResultLog, engine_pid, stopped, wait_for
@@ -162,3 +163,51 @@ def test_lone_jobs_on_an_idle_worker_are_admitted_on_the_consumers_loop(redis_se
     large = client.submit(prompt="lone and large", metadata={"pad": "x" * LOOP_ADMISSION_MAX_BYTES}, **SHORT)
     assert large.result(timeout=60).ok
     assert _settled_threads(worker.process.pid) - threads_before == 2  # and a group thread
+
+
+class _TaskEvents:
+    """Celery's task events as Flower receives them: an event receiver on the broker, in a thread of its own."""
+
+    def __init__(self, app) -> None:
+        self.seen: list[dict] = []
+        self._connection = app.connection_for_read()
+        self._receiver = app.events.Receiver(self._connection, handlers={"*": self.seen.append})
+        self._thread = threading.Thread(target=self._receiver.capture, kwargs={"limit": None, "timeout": None},
+                                        daemon=True)
+        self._thread.start()
+
+    def of(self, job_id: str) -> list[str]:
+        return [event["type"] for event in list(self.seen) if event.get("uuid") == job_id]
+
+    def close(self) -> None:
+        self._receiver.should_stop = True
+        self._thread.join(10)
+        self._connection.release()
+
+
+def test_flower_sees_a_single_jobs_task_events_once_it_turns_them_on(redis_server: RedisServer, start_worker) -> None:
+    """With task events off (the default), a job sends none; `celery control enable_events`, as Flower sends it, turns
+    them on for the next jobs: received, started and succeeded (with its result), as the pool path sends them; off
+    again, none. Fails if the intake decides once, at its first job, whether to send them."""
+    client = Client(redis_server.url)
+    app = create_app(QueueSettings(broker_url=redis_server.url))
+    start_worker(redis_server.url, "events").wait_ready().wait_listening(app)
+    events = _TaskEvents(app)
+    try:
+        wait_for(lambda: any(e["type"] == "worker-heartbeat" for e in list(events.seen)), 30, "a worker heartbeat")
+        quiet = client.submit(prompt="no events yet", **SHORT)
+        assert quiet.result(timeout=60).ok
+        app.control.enable_events(reply=True, timeout=5)  # answered once the worker's dispatcher sends task events
+        watched = client.submit(prompt="with events", **SHORT)
+        assert watched.result(timeout=60).ok
+        wanted = ["task-received", "task-started", "task-succeeded"]
+        wait_for(lambda: events.of(watched.id) == wanted, 30, "the job's three task events")
+        succeeded = next(e for e in events.seen if e.get("uuid") == watched.id and e["type"] == "task-succeeded")
+        assert watched.id in succeeded["result"] and succeeded["runtime"] >= 0
+        app.control.disable_events(reply=True, timeout=5)
+        after = client.submit(prompt="events off again", **SHORT)
+        assert after.result(timeout=60).ok
+        time.sleep(2)  # events would have come by now (the watched job's came within its result's wait)
+        assert events.of(quiet.id) == [] and events.of(after.id) == []
+    finally:
+        events.close()

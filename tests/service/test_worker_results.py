@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+import uuid
 from datetime import datetime, timezone
 
 import pytest
@@ -114,3 +115,16 @@ def test_results_and_the_acks_of_their_messages_are_one_script_call(redis_server
     assert "cmdstat_exec" not in stats  # no separate ack pipeline
     messages = [announced.get_message(timeout=5) for _ in range(3)]
     assert [m["channel"] for m in messages if m and m["type"] == "message"] == [b"celery-task-meta-new"]
+
+
+@pytest.mark.parametrize("task_id", ["3b82ed58653f4726a20822a2f532681d", "job:é-1", uuid.UUID(int=7), b"bytes-id"])
+@pytest.mark.parametrize("key", ["", "extra"])
+def test_result_keys_are_celerys(task_id: object, key: str) -> None:
+    """The worker's backend joins a text id to the prefix it encoded once; every key is still Celery's own."""
+    app = create_app(QueueSettings(broker_url="redis://127.0.0.1:1/0"))
+    app.conf.result_backend_transport_options = {"global_keyprefix": "tenant-a"}  # Celery's prefix for shared Redis
+    backend = app.backend
+    assert backend.get_key_for_task(task_id, key) == RedisBackend.get_key_for_task(backend, task_id, key)
+    assert backend.get_key_for_task(task_id, key).startswith(b"tenant-a_celery-task-meta-")
+    with pytest.raises(ValueError):
+        backend.get_key_for_task("")

@@ -74,7 +74,6 @@ class BatchRun:
         self.started_at = time.time()
         self._stored: set[str] = set()
         self._mine: dict[str, Job] = {}  # claimed by this run (`WorkerService.claim`) until stored or released
-        self._keys: dict[str, bytes] = {}
 
     def settled(self, job_ids: list[str], results: dict[str, dict[str, Any]]) -> None:
         """Hook: these jobs' final results are in Redis (stored now, with `results`, or found stored)."""
@@ -138,7 +137,8 @@ class BatchRun:
         dead-lettered ones get their results in `done`."""
         from tokenmill.worker.service import Attempt, stored_job_hash
 
-        checked = self.service.check_in([job.id for job in jobs], [self._result_key(job.id) for job in jobs])
+        key = self.backend.get_key_for_task
+        checked = self.service.check_in([job.id for job in jobs], [key(job.id) for job in jobs])
         todo, stored = [], []
         for job, check in zip(jobs, checked):
             run = Attempt(job, self.started_at, check.attempt, job_hash=self.sent_hash(job.id))
@@ -281,14 +281,8 @@ class BatchRun:
             return {}
         # the meta's other fields (date_done, children) are the same for every job stored now
         meta = meta or result_meta(self.backend, states.SUCCESS)
-        return {self._result_key(job_id): encode_result(self.backend, results[job_id], meta) for job_id in job_ids}
-
-    def _result_key(self, job_id: str) -> bytes:
-        """The job's Celery result key, made once per job (Celery's `get_key_for_task` encodes each of its parts)."""
-        key = self._keys.get(job_id)
-        if key is None:
-            key = self._keys[job_id] = self.backend.get_key_for_task(job_id)
-        return key
+        key = self.backend.get_key_for_task
+        return {key(job_id): encode_result(self.backend, results[job_id], meta) for job_id in job_ids}
 
     def stored(self, results: dict[str, dict[str, Any]]) -> None:
         """The results `encode_new` gave are in Redis: a later store does not repeat them, and their jobs are no

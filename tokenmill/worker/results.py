@@ -64,6 +64,13 @@ class CoalescingRedisBackend(RedisBackend):
         self.connparams.update(PACKER_OPTIONS)  # its pool's connections pack with hiredis alone
         self._stores: Coalescer[tuple[str, bytes, int], None] = Coalescer(self._store_many, limit=self.STORE_LIMIT)
         self._store_script: Any = None
+        self._task_key_prefix: bytes = self._get_key_for(self.task_keyprefix, "")
+
+    def get_key_for_task(self, task_id: Any, key: Any = "") -> bytes:
+        """Celery's key; a text id is joined to the prefix encoded once (Celery encodes each part anew: 0.9 µs a job)."""
+        if task_id and key == "" and task_id.__class__ is str:
+            return self._task_key_prefix + task_id.encode()
+        return super().get_key_for_task(task_id, key)
 
     def _get_result_meta(self, result: Any, state: str, traceback: Any, request: Any, format_date: bool = True,
                          encode: bool = False) -> dict[str, Any]:
