@@ -37,7 +37,7 @@ from tokenmill.queue.app import queue_app
 from tokenmill.queue.cancels import CANCELLED_STATE, FINAL_STATES, Outcome
 from tokenmill.queue.names import CANCEL_KEY, DELIVERIES_KEY, JOB_HASH_HEADER, RUN_JOBS_KEY, TASK_NAME
 from tokenmill.queue.publisher import Publisher
-from tokenmill.queue.schemas import Job, JobResult, check_size, content_hash, free_form
+from tokenmill.queue.schemas import Job, JobResult, check_size, content_hash, free_form, message_wire
 from tokenmill.queue.settings import QueueSettings
 
 log = logging.getLogger(__name__)
@@ -183,8 +183,8 @@ class Client:
         """`Publisher.publish`'s arguments for a job. argsrepr/kwargsrepr are what Celery shows in logs, events and
         Flower: never the prompt. The job's hash goes along, so the worker need not hash it again; its free-form parts
         let its body be written by orjson."""
-        return (TASK_NAME, wire["id"], [wire], f"[<job {wire['id']}>]", {JOB_HASH_HEADER: job_hash} if job_hash else None,
-                free_form(wire))
+        return (TASK_NAME, wire["id"], [message_wire(wire)], f"[<job {wire['id']}>]",
+                {JOB_HASH_HEADER: job_hash} if job_hash else None, free_form(wire))
 
     # -- results -------------------------------------------------------------------------------
 

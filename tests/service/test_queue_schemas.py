@@ -155,3 +155,32 @@ def test_check_size_with_a_source_still_refuses_what_it_must() -> None:
     with pytest.raises(InvalidRequestError) as caught:  # too long for the shortcut: measured, refused
         check_size(big, 4096, json.dumps(big).encode())
     assert caught.value.field == "prompt"
+
+
+@given(st.fixed_dictionaries({}, optional={
+    "max_tokens": st.integers(1, 4096), "temperature": st.sampled_from([0, 0.0, 0.7, 1, 1.0]),
+    "top_k": st.sampled_from([-1, 0, 5]), "min_p": st.sampled_from([0, 0.0, 0.1]), "seed": st.none() | st.integers(0, 9),
+    "stop": st.sampled_from([[], ["x"]]), "ignore_eos": st.booleans(), "json_object": st.booleans(),
+    "logprobs": st.none() | st.integers(0, 3)}), st.sampled_from([{}, {"row": 1}]))
+def test_a_jobs_message_holds_what_is_not_a_default_and_parses_to_the_same_job(sampling: dict, metadata: dict) -> None:
+    """What a job's message carries (`message_wire`) gives a worker the same job, and so the same content hash; a
+    sampling value is left out only where it is its field's default, of its type."""
+    from tokenmill.queue.schemas import content_hash, message_wire
+
+    job = Job.from_wire({"id": "j-1", "prompt": "hi", "sampling": sampling, "metadata": metadata})
+    wire = job.to_wire()
+    sent = json.loads(json.dumps(message_wire(wire)))
+    assert Job.from_wire(sent) == job
+    assert Job.from_wire(sent).content_hash() == content_hash(wire) == job.content_hash()
+    defaults = SamplingParams().to_dict()
+    assert sent["sampling"] == {name: value for name, value in wire["sampling"].items()
+                                if type(value) is not type(defaults[name]) or value != defaults[name]}
+    assert SamplingParams.from_dict(sent["sampling"]) == job.sampling  # as the engine process gets a request's too
+    assert {**sent, "sampling": None} == {**wire, "sampling": None}  # only sampling values are left out
+
+
+def test_a_default_jobs_message_has_no_sampling_values() -> None:
+    from tokenmill.queue.schemas import message_wire
+
+    assert message_wire(Job.from_wire({"prompt": "hi"}).to_wire())["sampling"] == {}
+    assert message_wire(Job.from_wire({"prompt": "hi", "temperature": 0}).to_wire())["sampling"] == {"temperature": 0.0}

@@ -211,13 +211,14 @@ class QueueRunner:
 
     def _publish(self, group: list[dict[str, Any]]) -> None:
         from tokenmill.queue.names import BATCH_TASK_NAME, RUN_JOBS_KEY
-        from tokenmill.queue.schemas import free_form
+        from tokenmill.queue.schemas import free_form, message_wire
 
         run_key = RUN_JOBS_KEY.format(run_id=self.run_id)  # listed before it is queued: a cancel finds every job
         self.client.app.backend.client.pipeline().sadd(run_key, *(job["id"] for job in group)).expire(
             run_key, int(self.client.settings.result_expires)).execute()
         # ignore_result: each job's result is stored under its own id; the group's own would be a wasted key
-        self.client.publisher.publish(BATCH_TASK_NAME, uuid.uuid4().hex, [{"jobs": group}], f"[<{len(group)} jobs>]",
+        self.client.publisher.publish(BATCH_TASK_NAME, uuid.uuid4().hex, [{"jobs": [message_wire(job) for job in group]}],
+                                      f"[<{len(group)} jobs>]",
                                       free_form=tuple(part for job in group for part in free_form(job)), ignore_result=True)
 
     def _collect(self, submitted: dict[str, Unit]) -> Iterator[tuple[Unit, Outcome]]:

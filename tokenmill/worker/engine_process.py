@@ -13,7 +13,7 @@ it to drain; outputs finished in a step go back in one message right after that 
 
 Messages are JSON (`send_bytes`/`recv_bytes` of `multiprocessing.connection`), never pickle:
 
-    worker -> engine   {"op": "add", "id", "prompt" | "messages", "params"} | {"op": "add_many", "requests": [add, ...]}
+    worker -> engine   {"op": "add", "id", "prompt" | "messages", "params" (not the defaults)} | {"op": "add_many", "requests": [add, ...]}
                        | {"op": "abort", "id"} | {"op": "cancel", "id", "reason"} | {"op": "stop"}
     engine -> worker   {"op": "ready", "tokenizer", "max_prompt_chars", "max_model_len"} | {"op": "done", "outputs": [...]}
                        | {"op": "refused", "id", "field", "message"} | {"op": "stats", ...} | {"op": "fatal", "error"}
@@ -51,7 +51,7 @@ from typing import Any
 from tokenmill.engine.prompt_limits import check_prompt_chars
 from tokenmill.errors import InvalidRequestError
 from tokenmill.queue import fastjson
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import SamplingParams, without_defaults
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +153,8 @@ class EngineProcess:
             if isinstance(prompt, InvalidRequestError):
                 future.set_exception(prompt)
                 continue
-            adds.append({"op": "add", "id": request_id, "prompt": prompt, "messages": messages, "params": params.to_dict()})
+            adds.append({"op": "add", "id": request_id, "prompt": prompt, "messages": messages,
+                         "params": without_defaults(params.to_dict())})
             sent.append((request_id, future))
         if not adds:
             return futures
@@ -163,7 +164,7 @@ class EngineProcess:
                 raise EngineFailure("the engine is stopped")
             for request_id, future in sent:
                 self._pending[request_id] = future
-            self._conn.send_bytes(fastjson.dumps(message, *(add["params"]["json_schema"] for add in adds)))
+            self._conn.send_bytes(fastjson.dumps(message, *(add["params"].get("json_schema") for add in adds)))
         return futures
 
     def tokenize(self, prompts: list[Any]) -> list[Any]:
