@@ -165,7 +165,7 @@ def test_lone_jobs_on_an_idle_worker_are_admitted_on_the_consumers_loop(redis_se
     assert _settled_threads(worker.process.pid) - threads_before == 2  # and a group thread
 
 
-class _TaskEvents:
+class _EventReceiver:
     """Celery's task events as Flower receives them: an event receiver on the broker, in a thread of its own."""
 
     def __init__(self, app) -> None:
@@ -192,7 +192,7 @@ def test_flower_sees_a_single_jobs_task_events_once_it_turns_them_on(redis_serve
     client = Client(redis_server.url)
     app = create_app(QueueSettings(broker_url=redis_server.url))
     start_worker(redis_server.url, "events").wait_ready().wait_listening(app)
-    events = _TaskEvents(app)
+    events = _EventReceiver(app)
     try:
         wait_for(lambda: any(e["type"] == "worker-heartbeat" for e in list(events.seen)), 30, "a worker heartbeat")
         quiet = client.submit(prompt="no events yet", **SHORT)
