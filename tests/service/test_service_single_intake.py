@@ -187,7 +187,7 @@ class _EventReceiver:
 
 def test_flower_sees_a_single_jobs_task_events_once_it_turns_them_on(redis_server: RedisServer, start_worker) -> None:
     """With task events off (the default), a job sends none; `celery control enable_events`, as Flower sends it, turns
-    them on for the next jobs: received, started and succeeded (with its result), as the pool path sends them; off
+    them on for the next jobs: received, started and succeeded (with its result), the events of Celery's pool path; off
     again, none. Fails if the intake decides once, at its first job, whether to send them."""
     client = Client(redis_server.url)
     app = create_app(QueueSettings(broker_url=redis_server.url))
