@@ -35,7 +35,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future
 from typing import Any
 
@@ -372,7 +372,7 @@ class IntakeRun(BatchRun):
         """Parse, claim, check in, store the results known already, and hand the rest to the engine and `FINISHER`.
         Any failure requeues the unfinished jobs' messages."""
         try:
-            _accept(list(self.requests.values()))
+            _accept(self.requests.values())
             jobs, self.done = self._parse(self.raw)
             mine, running = self.service.claim(jobs)
             self._mine = {job.id: job for job in mine}
@@ -544,7 +544,7 @@ def _acknowledge(request: Any, by_script: bool = False) -> None:
         request.acknowledged = True
 
 
-def _accept(requests: list[Any]) -> None:
+def _accept(requests: Iterable[Any]) -> None:
     """What Celery's pool does as a job starts: `active` in `celery inspect`, the `task-started` event."""
     now, pid = time.time(), os.getpid()
     for request in requests:
