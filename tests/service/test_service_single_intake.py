@@ -192,11 +192,14 @@ def test_flower_sees_a_single_jobs_task_events_once_it_turns_them_on(redis_serve
     client = Client(redis_server.url)
     app = create_app(QueueSettings(broker_url=redis_server.url))
     start_worker(redis_server.url, "events").wait_ready().wait_listening(app)
+    node = next(name for reply in app.control.ping(timeout=5) for name in reply if name.startswith("events@"))
     events = _EventReceiver(app)
     try:
         wait_for(lambda: any(e["type"] == "worker-heartbeat" for e in list(events.seen)), 30, "a worker heartbeat")
         quiet = client.submit(prompt="no events yet", **SHORT)
         assert quiet.result(timeout=60).ok
+        # its result is published before the finisher settles it (`task-succeeded` is sent then, if events are on)
+        wait_for(lambda: quiet.id not in _active_ids(app, node), 15, "the first job settled")
         app.control.enable_events(reply=True, timeout=5)  # answered once the worker's dispatcher sends task events
         watched = client.submit(prompt="with events", **SHORT)
         assert watched.result(timeout=60).ok
