@@ -113,11 +113,9 @@ class Job(BaseModel):
     @classmethod
     def _gather_flat_sampling(cls, data: Any) -> Any:
         """Move flat sampling fields (`max_tokens=...`) under `sampling`, the single place they are checked."""
-        if not isinstance(data, dict):
+        if not isinstance(data, dict) or _SAMPLING_FIELDS.isdisjoint(data):  # a set test: the usual, nested job
             return data
         flat = {k: v for k, v in data.items() if k in _SAMPLING_FIELDS}
-        if not flat:
-            return data
         nested = data.get("sampling")
         if isinstance(nested, SamplingParams):
             nested = nested.to_dict()
@@ -160,8 +158,8 @@ class Job(BaseModel):
 
     @model_validator(mode="after")
     def _exactly_one_prompt(self) -> Job:
-        given = [name for name in _PROMPT_FIELDS if getattr(self, name) is not None]
-        if len(given) != 1:
+        if (self.prompt is None) + (self.messages is None) + (self.prompt_token_ids is None) != 2:  # per job: no getattr
+            given = [name for name in _PROMPT_FIELDS if getattr(self, name) is not None]
             got = " and ".join(given) if given else "none"
             raise InvalidRequestError(
                 given[-1] if given else "prompt", f"exactly one of prompt, messages, prompt_token_ids is required (got {got})"
