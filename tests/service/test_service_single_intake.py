@@ -41,7 +41,8 @@ def _active_ids(app, node: str) -> set[str]:
 
 def test_jobs_held_by_the_intake_thread_are_active_in_inspect_keep_their_leases_and_take_no_thread_each(
         redis_server: RedisServer, start_worker, result_log: ResultLog) -> None:
-    """Fails on the pool path: each held job had its own pool thread (16 jobs, 16 more threads)."""
+    """Fails on the pool path: each held job had its own pool thread (16 jobs, 16 more threads). Also: Celery's count
+    of the jobs it accepted, as `celery inspect stats` shows it."""
     client = Client(redis_server.url)
     app = create_app(QueueSettings(broker_url=redis_server.url))
     worker = start_worker(redis_server.url, "intake").wait_ready().wait_listening(app)
@@ -66,6 +67,9 @@ def test_jobs_held_by_the_intake_thread_are_active_in_inspect_keep_their_leases_
     wait_for(lambda: broker.hlen("unacked") == 0 and not _active_ids(app, node), 15, "every message acked, none active")
     wait_for(lambda: all(h.id in result_log.counts for h in handles), 10, "every result notification")
     assert {h.id: result_log.counts[h.id] for h in handles} == {h.id: 1 for h in handles}
+    # `celery inspect stats` counts every job the intake accepted (once per group there, once per job in Celery)
+    stats = app.control.inspect(timeout=5, destination=[node]).stats() or {}
+    assert stats[node]["total"] == {TASK_NAME: 17}, stats.get(node, {}).get("total")
 
 
 def test_one_take_of_intake_jobs_and_pool_path_jobs_each_ends_as_alone(

