@@ -4,13 +4,16 @@ header is taken only in the form of one (`is_content_hash`; the worker's use of 
 
 from __future__ import annotations
 
+import dataclasses
+from types import SimpleNamespace
 from typing import Any
 
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from tokenmill.queue import fastjson
 from tokenmill.queue.schemas import Job, JobResult, content_hash, is_content_hash
-from tokenmill.worker.engine_process import EngineOutput
+from tokenmill.worker.engine_process import EngineOutput, output_fields
 from tokenmill.worker.service import Attempt, result_wire
 
 json_values = st.recursive(
@@ -71,9 +74,21 @@ def test_result_wire_is_the_validated_results_dump(run: Attempt, output: EngineO
         assert wire["logprobs"] is None
 
 
+@given(outputs())
+@settings(max_examples=200, deadline=None)
+def test_an_output_crosses_the_engine_pipe_whole(output: EngineOutput) -> None:
+    """The engine process leaves None fields out of an output's message (`output_fields`); the worker's
+    `EngineOutput` is the same as with every field sent (fails if a None field is dropped that has no default)."""
+    fields = dataclasses.asdict(output)
+    fields["prompt_token_ids"] = [0] * fields.pop("num_prompt_tokens")
+    sent = output_fields(SimpleNamespace(**fields))
+    assert EngineOutput(**fastjson.plain_loads(fastjson.dumps(sent, output.logprobs, output.parsed))) == output
+    assert all(value is not None for name, value in sent.items() if name in ("logprobs", "parsed"))
+
+
 def test_result_wire_does_not_share_the_jobs_lists() -> None:
     job = Job.from_wire({"prompt": "hi", "metadata": {"k": 1}})
-    output = EngineOutput("r1", 3, [1, 2], "ab", "stop", None, 1.0, 2.0)
+    output = EngineOutput("r1", 3, [1, 2], "ab", "stop", first_token_time=1.0, finished_time=2.0)
     wire = result_wire(job, Attempt(job, 1.0, 1), output, "w")
     wire["metadata"]["k"] = 2
     wire["token_ids"].append(3)

