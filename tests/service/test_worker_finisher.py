@@ -10,7 +10,6 @@ import contextlib
 import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import Future
 from typing import Any
 
 from kombu.transport import virtual
@@ -39,21 +38,22 @@ class Run:
     def __init__(self, service: Service, name: str, jobs: int, fail_on: int | None = None) -> None:
         self.service = service
         self.name = name
-        self.futures = [Future() for _ in range(jobs)]
-        self.pending = set(self.futures)
+        self.ids = [f"{name}#{index}" for index in range(jobs)]  # its engine request ids
+        self.pending = set(self.ids)
         self.unstored: dict[bytes, bytes] = {}
         self.stored: list[bytes] = []
         self.fail_on = fail_on
         self.ended = threading.Event()
         self.abandoned: str | None = None
+        self.accepting = True
 
-    def finish(self, futures: list[Future], turn: dict) -> tuple[dict[bytes, bytes], list[tuple[str, str, str]]]:
-        for future in futures:
-            index = self.futures.index(future)
+    def finish(self, answers: list[tuple[str, Any]], turn: dict) -> tuple[dict[bytes, bytes], list[tuple[str, str, str]]]:
+        for request_id, answer in answers:
+            index = self.ids.index(request_id)
             if index == self.fail_on:
                 raise ValueError("cannot complete")
-            self.pending.discard(future)
-            self.unstored[f"{self.name}-{index}".encode()] = future.result()
+            self.pending.discard(request_id)
+            self.unstored[f"{self.name}-{index}".encode()] = answer
         return dict(self.unstored), [("unacked", "unacked_index", key.decode()) for key in self.unstored]
 
     def stored_all(self) -> bool:
@@ -61,12 +61,22 @@ class Run:
         self.unstored = {}
         if self.pending:
             return False
+        self.accepting = False
         self.ended.set()
         return True
 
     def abandon(self, reason: str) -> None:
+        self.accepting = False
         self.abandoned = reason
         self.ended.set()
+
+
+def watched(finisher: Finisher, *runs: Run) -> list[Any]:
+    """Each run handed to the finisher; their sinks, as the engine would answer them."""
+    sinks = [finisher.sink(run) for run in runs]
+    for run in runs:
+        finisher.watch(run)
+    return sinks
 
 
 def wait(event: threading.Event) -> None:
@@ -76,13 +86,13 @@ def wait(event: threading.Event) -> None:
 def test_jobs_of_several_runs_that_end_together_are_stored_in_one_call() -> None:
     service, finisher = Service(), Finisher()
     first, second = Run(service, "a", 2), Run(service, "b", 3)
-    with service.lock:  # the finisher's first store waits, so everything below resolves before its next turn
-        finisher.watch(first, first.futures)
-        finisher.watch(second, second.futures)
-        first.futures[0].set_result(b"a0")
+    with service.lock:  # the finisher's first store waits, so everything below is answered before its next turn
+        answer_first, answer_second = watched(finisher, first, second)
+        answer_first(first.ids[0], b"a0")
         time.sleep(0.2)  # the finisher takes a0 and blocks in its store
-        for future in [first.futures[1], *second.futures]:
-            future.set_result(b"x")
+        answer_first(first.ids[1], b"x")
+        for request_id in second.ids:
+            answer_second(request_id, b"x")
     wait(first.ended)
     wait(second.ended)
     assert service.stores[0] == {b"a-0": b"a0"}
@@ -93,16 +103,15 @@ def test_jobs_of_several_runs_that_end_together_are_stored_in_one_call() -> None
     assert first.abandoned is None and second.abandoned is None
 
 
-def test_a_run_whose_completion_fails_is_abandoned_alone_and_its_later_futures_are_ignored() -> None:
+def test_a_run_whose_completion_fails_is_abandoned_alone_and_its_later_answers_are_ignored() -> None:
     service, finisher = Service(), Finisher()
     broken, healthy = Run(service, "a", 3, fail_on=1), Run(service, "b", 1)
-    finisher.watch(broken, broken.futures)
-    finisher.watch(healthy, healthy.futures)
-    broken.futures[1].set_result(b"x")
+    answer_broken, answer_healthy = watched(finisher, broken, healthy)
+    answer_broken(broken.ids[1], b"x")
     wait(broken.ended)
     assert broken.abandoned == "ValueError"
-    broken.futures[0].set_result(b"late")  # an aborted request's future resolves after the run was abandoned
-    healthy.futures[0].set_result(b"y")
+    answer_broken(broken.ids[0], b"late")  # an aborted request is answered after the run was abandoned
+    answer_healthy(healthy.ids[0], b"y")
     wait(healthy.ended)
     assert healthy.abandoned is None
     assert all(b"a-0" not in store for store in service.stores)
@@ -113,14 +122,12 @@ def test_a_failed_store_abandons_the_runs_it_held_and_later_runs_are_stored() ->
     service, finisher = Service(), Finisher()
     service.fail_store = True
     lost = Run(service, "a", 1)
-    finisher.watch(lost, lost.futures)
-    lost.futures[0].set_result(b"x")
+    watched(finisher, lost)[0](lost.ids[0], b"x")
     wait(lost.ended)
     assert lost.abandoned == "ConnectionError" and lost.stored == []
     service.fail_store = False
     later = Run(service, "b", 1)
-    finisher.watch(later, later.futures)
-    later.futures[0].set_result(b"y")
+    watched(finisher, later)[0](later.ids[0], b"y")
     wait(later.ended)
     assert later.abandoned is None and service.stores == [{b"b-0": b"y"}]
 
@@ -128,8 +135,7 @@ def test_a_failed_store_abandons_the_runs_it_held_and_later_runs_are_stored() ->
 def test_runs_still_in_the_engine_when_the_grace_ends_are_abandoned() -> None:
     service, finisher = Service(), Finisher()
     running = Run(service, "a", 2)
-    finisher.watch(running, running.futures)
-    running.futures[0].set_result(b"x")
+    watched(finisher, running)[0](running.ids[0], b"x")
     time.sleep(0.2)
     assert not running.ended.is_set()
     service.grace_expired.set()  # seen within the finisher's check interval, with no job ending meanwhile
@@ -154,16 +160,37 @@ def test_the_runs_that_settle_in_one_turn_settle_inside_one_settling_context() -
 
     finisher = Finisher(settling=settling)
     first, second = Recorded(service, "a", 2), Recorded(service, "b", 1)
-    with service.lock:  # as above: the first turn blocks in its store while the rest resolve
-        finisher.watch(first, first.futures)
-        finisher.watch(second, second.futures)
-        first.futures[0].set_result(b"a0")
+    with service.lock:  # as above: the first turn blocks in its store while the rest are answered
+        answer_first, answer_second = watched(finisher, first, second)
+        answer_first(first.ids[0], b"a0")
         time.sleep(0.2)
-        first.futures[1].set_result(b"a1")
-        second.futures[0].set_result(b"b0")
+        answer_first(first.ids[1], b"a1")
+        answer_second(second.ids[0], b"b0")
     wait(first.ended)
     wait(second.ended)
     assert turns == [["a"], ["a", "b"]]
+
+
+def test_answers_that_come_before_the_run_is_watched_wait_for_it_and_those_of_an_abandoned_run_are_dropped() -> None:
+    """The engine may answer a request while its run is still being admitted (a prompt refused as it is sent, a job
+    done within the admission): the answer waits until `watch` hands the run over. A run abandoned before that (its
+    admission failed) is never watched: its answers, and those of its aborted requests, are dropped."""
+    service, finisher = Service(), Finisher()
+    early, failed, other = Run(service, "a", 2), Run(service, "b", 1), Run(service, "c", 1)
+    answer_early, answer_failed = finisher.sink(early), finisher.sink(failed)
+    answer_early(early.ids[0], b"a0")
+    answer_failed(failed.ids[0], b"lost")
+    failed.abandon("admission failed")
+    watched(finisher, other)[0](other.ids[0], b"c0")  # starts the finisher, which takes all three answers
+    wait(other.ended)
+    time.sleep(0.2)  # more turns: the early answer still waits, nothing of the abandoned run is stored
+    assert not early.ended.is_set() and early.stored == []
+    finisher.watch(early)
+    answer_early(early.ids[1], b"a1")
+    wait(early.ended)
+    assert early.abandoned is None and early.stored == [b"a-0", b"a-1"]
+    assert all(b"b-0" not in store for store in service.stores)
+    assert service.stores[0] == {b"c-0": b"c0"}
 
 
 class Message:

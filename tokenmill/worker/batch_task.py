@@ -212,7 +212,7 @@ class BatchRun:
                     del deadlines[future]
                 for future in finished:
                     run = futures[future][0]
-                    done[run.job.id] = self._complete(run, future)
+                    done[run.job.id] = self._complete(run, future.exception() or future.result())
                 if pending and self.service.grace_expired.is_set():
                     log.warning("group %r: %d jobs not finished when the shutdown grace ran out; requeueing it",
                                 self.task_id, len(pending))
@@ -236,10 +236,13 @@ class BatchRun:
         self.service.metrics.jobs_in_flight.inc(len(runs))
         return futures
 
-    def _complete(self, run: Any, future: Future) -> dict[str, Any]:
-        """The final result of a job whose engine future resolved (raises what the future raised, but a refusal)."""
+    def _complete(self, run: Any, answer: Any) -> dict[str, Any]:
+        """The final result of a job from the engine's answer (`engine_process.Answer`: an output, or an exception,
+        raised here unless it is a refusal)."""
         try:
-            return self.service.complete(run, output=future.result())
+            if isinstance(answer, BaseException):
+                raise answer
+            return self.service.complete(run, output=answer)
         except InvalidRequestError as exc:
             return self.service.complete(run, error=exc)
 

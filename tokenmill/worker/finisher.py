@@ -7,8 +7,9 @@ ms of CPU per job and ~8 context switches, against 0.35 ms and 0.7 when every jo
 Here the jobs that ended since the last turn, in every group, are completed together, and stored and their messages
 acked in one script call; group threads only admit.
 
-A run's state is this thread's once `watch` is called; runs are abandoned (unfinished engine requests aborted, their
-messages requeued) when completing or storing fails, and when the shutdown grace runs out. Torch-free.
+The engine hands each answer straight to this thread's queue (a sink per run, `EngineProcess.send_many`), not through
+a future per job. A run's state is this thread's once `watch` is called; runs are abandoned (unfinished engine requests
+aborted, their messages requeued) when completing or storing fails, and when the shutdown grace runs out. Torch-free.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future
 from typing import Any, Protocol
 
 log = logging.getLogger("tokenmill.worker")
@@ -32,11 +32,14 @@ class Finishing(Protocol):
     """What the finisher needs of a run (`tokenmill.worker.intake.IntakeRun`)."""
 
     service: Any
+    #: Whether answers may still come for the run: True until it ends or is abandoned (then they are dropped).
+    accepting: bool
 
-    def finish(self, futures: list[Future], turn: dict[Any, Any]) -> tuple[dict[bytes, bytes], list[tuple[str, str, str]]]:
-        """Complete the jobs of these resolved engine futures; every result not stored yet, encoded by key, and the
-        messages the store acks (`WorkerService.store_results`). `turn`: shared by the runs finished in one turn, for
-        what they may make once for all (Celery's meta of a result stored now)."""
+    def finish(self, answers: list[tuple[str, Any]], turn: dict[Any, Any]
+               ) -> tuple[dict[bytes, bytes], list[tuple[str, str, str]]]:
+        """Complete the jobs of these (engine request id, answer) pairs (`engine_process.Answer`); every result not
+        stored yet, encoded by key, and the messages the store acks (`WorkerService.store_results`). `turn`: shared by
+        the runs finished in one turn, for what they may make once for all (Celery's meta of a result stored now)."""
 
     def stored_all(self) -> bool:
         """The encoded results are stored: settle them; whether the run has ended (no job left in the engine)."""
@@ -46,30 +49,34 @@ class Finishing(Protocol):
 
 
 class Finisher:
-    """The thread (started with the first run) and the queue of resolved engine futures it takes from."""
+    """The thread (started with the first run) and the queue of engine answers it takes from."""
 
     def __init__(self, settling: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext) -> None:
         """`settling`: a context the runs of a turn settle in (`Intake.holding_acks`: their acks wake the consumer's
         loop once a turn, not once a run)."""
         self._settling = settling
-        self._resolved: queue.SimpleQueue[tuple[Finishing, Future | None]] = queue.SimpleQueue()
+        # (run, engine request id, answer), or (run, None, None) when `watch` hands the run over
+        self._resolved: queue.SimpleQueue[tuple[Finishing, str | None, Any]] = queue.SimpleQueue()
         self._runs: set[Finishing] = set()  # runs with jobs in the engine: this thread's only
+        self._early: list[tuple[Finishing, str, Any]] = []  # answers of runs not handed over yet
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
 
-    def watch(self, run: Finishing, futures: list[Future]) -> None:
-        """Finish `run`'s jobs as their engine futures resolve."""
+    def sink(self, run: Finishing) -> Callable[[str, Any], None]:
+        """Where the engine answers `run`'s requests (`EngineProcess.send_many`'s sink), from before `watch`: an
+        answer that comes first (a prompt refused as it is sent, a job done within the admission) waits for it."""
+        return functools.partial(self._put, run)
+
+    def watch(self, run: Finishing) -> None:
+        """Finish `run`'s jobs as their answers come: the run is this thread's from now on."""
         with self._lock:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._serve, name="tokenmill-finisher", daemon=True)
                 self._thread.start()
-        self._resolved.put((run, None))  # before any of its futures: the run is known when they come
-        put = functools.partial(self._put, run)
-        for future in futures:
-            future.add_done_callback(put)
+        self._resolved.put((run, None, None))
 
-    def _put(self, run: Finishing, future: Future) -> None:
-        self._resolved.put((run, future))
+    def _put(self, run: Finishing, request_id: str, answer: Any) -> None:
+        self._resolved.put((run, request_id, answer))
 
     def _serve(self) -> None:
         while True:
@@ -81,18 +88,26 @@ class Finisher:
                     self._abandon(run, "finisher failed")
 
     def _turn(self) -> None:
-        """Everything resolved since the last turn (waiting up to `CHECK_INTERVAL` for the first), per run."""
+        """Everything answered since the last turn (waiting up to `CHECK_INTERVAL` for the first), per run."""
         resolved = self._take()
-        by_run: dict[Finishing, list[Future]] = {}
-        for run, future in resolved:
-            if future is None:
+        for run, request_id, _ in resolved:
+            if request_id is None:
                 self._runs.add(run)
-            elif run in self._runs:  # else the run was abandoned: its aborted futures resolve later
-                by_run.setdefault(run, []).append(future)
+        by_run: dict[Finishing, list[tuple[str, Any]]] = {}
+        early, self._early = self._early, []
+        for item in (*early, *resolved):
+            run, request_id, answer = item
+            if request_id is None:
+                continue
+            if run in self._runs:
+                by_run.setdefault(run, []).append((request_id, answer))
+            elif run.accepting:  # still being admitted: its `watch` comes next
+                self._early.append(item)
+            # else the run ended or was abandoned: its aborted requests are answered later
         encoded, acks, finishing, turn = {}, [], [], {}
-        for run, futures in by_run.items():
+        for run, answers in by_run.items():
             try:
-                results, run_acks = run.finish(futures, turn)
+                results, run_acks = run.finish(answers, turn)
                 encoded.update(results)
                 acks += run_acks
             except Exception as exc:  # noqa: BLE001: this run's jobs are requeued; the others go on
@@ -116,7 +131,7 @@ class Finisher:
             log.warning("single jobs: a group's jobs were not finished when the shutdown grace ran out; requeueing them")
             self._abandon(run, "worker shutting down")
 
-    def _take(self) -> list[tuple[Finishing, Future | None]]:
+    def _take(self) -> list[tuple[Finishing, str | None, Any]]:
         try:
             taken = [self._resolved.get(timeout=CHECK_INTERVAL)]
         except queue.Empty:

@@ -66,7 +66,7 @@ from tokenmill.queue.served import Announcer
 from tokenmill.queue.tls import redis_client
 from tokenmill.worker.cancel_listener import CancelListener
 from tokenmill.worker.cpus import format_cpu_list, pin_process, placement
-from tokenmill.worker.engine_process import EngineProcess
+from tokenmill.worker.engine_process import EngineProcess, Sink
 from tokenmill.worker.metrics import WorkerMetrics
 from tokenmill.worker.settings import WorkerSettings
 from tokenmill.worker.sinks import OutputWriteError, RetryPolicy, S3Sink, WriteAbandoned, output_refusal
@@ -366,9 +366,10 @@ class WorkerService:
             return self.complete(run, error=exc)
         return self.complete(run, output=output)
 
-    def submit_many(self, runs: list[Attempt]) -> list[tuple[Future, str]]:
+    def submit_many(self, runs: list[Attempt], sink: Sink | None = None) -> list[tuple[Future | None, str]]:
         """Hand jobs to the engine in one pipe message (a group's jobs, or single jobs admitted together); returns
-        each one's engine future and request id (to abort it)."""
+        each one's engine future and request id (to abort it). With `sink`, each answer goes there instead
+        (`EngineProcess.send_many`), and the futures are None."""
         self.metrics.finished.queue_waits(max(0.0, run.started_at - run.job.submitted_at) for run in runs
                                           if run.job.submitted_at is not None)
         requests = []
@@ -376,7 +377,11 @@ class WorkerService:
             job = run.job
             messages = [m.model_dump() for m in job.messages] if job.messages else None
             requests.append((f"{job.id}#{next(self._request_numbers)}", job.sampling, job.prompt or job.prompt_token_ids, messages))
-        futures = self.engine.submit_many(requests) if requests else []
+        futures: list[Future | None] = [None] * len(requests)
+        if requests and sink is not None:
+            self.engine.send_many(requests, sink)
+        elif requests:
+            futures = self.engine.submit_many(requests)
         with self._lock:
             self._engine_ids.update((run.job.id, request[0]) for run, request in zip(runs, requests))
             stop = [request[0] for run, request in zip(runs, requests) if run.job.id in self._cancelling]
