@@ -1,0 +1,53 @@
+"""`EngineProcess.send_many`: every request is answered exactly once, through its sink (the single-job intake's way to
+its finisher, with no future per job): a prompt refused before sending at once, an aborted request with
+`CancelledError` (and never again once the engine ends it), the rest with the engine's output. A real engine process on
+builtin:tiny; the futures of `submit_many` are built on the same sinks (tests/service/test_service_crash.py)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import threading
+import time
+from concurrent.futures import CancelledError
+from typing import Any
+
+from tokenmill import LLM
+from tokenmill.errors import InvalidRequestError
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.worker.engine_process import EngineOutput, EngineProcess
+
+
+def test_each_request_is_answered_once_through_its_sink() -> None:
+    answers: list[tuple[str, Any, str]] = []  # (request id, answer, the thread that answered)
+    answered = threading.Condition()
+
+    def sink(request_id: str, answer: Any) -> None:
+        with answered:
+            answers.append((request_id, answer, threading.current_thread().name))
+            answered.notify_all()
+
+    engine = EngineProcess("builtin:tiny", {"max_model_len": 64})
+    engine.start(timeout=300)
+    try:
+        (process,) = multiprocessing.active_children()
+        os.kill(process.pid, signal.SIGSTOP)  # nothing can finish before the abort below
+        params = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0)
+        engine.send_many([("kept", params, "a prompt the engine runs", None), ("too-long", params, "x" * 100_000, None),
+                          ("aborted", params, "a prompt aborted before it runs", None)], sink)
+        # the refusal came before `send_many` returned, on the caller's thread
+        assert [(request_id, type(answer)) for request_id, answer, _ in answers] == [("too-long", InvalidRequestError)]
+        engine.abort("aborted")
+        assert [(request_id, type(answer)) for request_id, answer, _ in answers[1:]] == [("aborted", CancelledError)]
+        os.kill(process.pid, signal.SIGCONT)
+        with answered:
+            assert answered.wait_for(lambda: any(request_id == "kept" for request_id, _, _ in answers), timeout=60)
+        time.sleep(0.5)  # time for a stray answer (the aborted request's, had the engine run it) to come
+        assert sorted(request_id for request_id, _, _ in answers) == ["aborted", "kept", "too-long"]
+        (kept,) = [(answer, thread) for request_id, answer, thread in answers if request_id == "kept"]
+        assert isinstance(kept[0], EngineOutput) and kept[1] == "tokenmill-engine-reader"
+        expected = LLM("builtin:tiny", max_model_len=64).generate(["a prompt the engine runs"], params, use_tqdm=False)[0]
+        assert kept[0].token_ids == expected.token_ids and len(kept[0].token_ids) == 4
+    finally:
+        engine.stop()
