@@ -214,7 +214,7 @@ class EngineProcess:
             sink(request_id, CancelledError())
 
     def cancel(self, request_id: str, reason: str) -> None:
-        """Stop a request at the next step boundary: its future resolves with what it generated so far
+        """Stop a request at the next step boundary: it is answered with what it generated so far
         (`finish_reason=reason`), or with its normal output if it finished first."""
         with self._lock:
             if request_id in self._pending and not self._stopping:
