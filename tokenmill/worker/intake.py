@@ -6,9 +6,9 @@ hand-off to a pool thread, `trace_task` (signals, `saferepr` of the result, the 
 and ~6 thread wake-ups per job among up to 1,280 threads (~20% of the worker's CPU in the kernel).
 
 This module is the task's Celery `Strategy`: Celery's own (`celery.worker.strategy.default`), so every
-message still becomes Celery's `Request` (revoked and expired checks, the `task-received` event, `reserved`),
-except that the request is handed to `Intake` instead of the pool. A group thread (kept once idle, for the
-next group) takes every request waiting and admits them as one group with the group path's steps
+message still becomes Celery's `Request` (revoked and expired checks, `reserved`, the `task-received` event while
+task events are on), except that the request is handed to `Intake` instead of the pool. A group thread (kept once
+idle, for the next group) takes every request waiting and admits them as one group with the group path's steps
 (`tokenmill.worker.batch_task.BatchRun`): one check-in script and one engine-process message. It then hands the
 group to the finisher (`tokenmill.worker.finisher`), one thread for every group: the jobs that ended since its
 last turn are completed together and their results stored in one script call that also acks their messages;
@@ -51,6 +51,7 @@ from tokenmill.queue.names import JOB_HASH_HEADER
 from tokenmill.queue.schemas import is_content_hash, job_payload
 from tokenmill.queue.transport import ack_records, acked_by_script, acks_together
 from tokenmill.worker.batch_task import BatchRun
+from tokenmill.worker.control import sends_task_events
 from tokenmill.worker.finisher import Finisher
 
 log = logging.getLogger("tokenmill.worker")
@@ -77,15 +78,21 @@ def strategy(task: Any, app: Any, consumer: Any, **options: Any) -> Any:
     # and compared anew), for an answer fixed once the app's `timezone`, a cached property, has been read
     uses_utc = app.uses_utc_timezone()
     app.uses_utc_timezone = lambda: uses_utc
-    return default(task, app, _Routed(consumer, INTAKE.offer), **options)
+    # Celery's strategy builds each message's `task-received` event and sends it to the dispatcher, which drops it
+    # while task events are off (the default): given no dispatcher then, it builds none (1.1 µs a job), nor do its
+    # requests. `enable_events` and `disable_events` rebuild the strategies (`tokenmill.worker.control`).
+    dispatcher = consumer.event_dispatcher
+    return default(task, app, _Routed(consumer, INTAKE.offer, dispatcher if sends_task_events(dispatcher) else None),
+                   **options)
 
 
 class _Routed:
-    """The consumer as Celery's strategy sees it, but for where a request goes."""
+    """The consumer as Celery's strategy sees it, but for where a request goes and the event dispatcher it sends to."""
 
-    def __init__(self, consumer: Any, on_task_request: Any) -> None:
+    def __init__(self, consumer: Any, on_task_request: Any, event_dispatcher: Any) -> None:
         self._consumer = consumer
         self.on_task_request = on_task_request
+        self.event_dispatcher = event_dispatcher
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._consumer, name)
@@ -522,12 +529,9 @@ FINISHER = Finisher(settling=INTAKE.holding_acks)
 
 
 def _sends_task_events(request: Any) -> bool:
-    """Whether `Request.send_event` would send a task event (with `-E`, or once `celery control enable_events`, as
-    Flower sends it, has turned them on; a worker's dispatcher is on for its heartbeats even without, but then drops
-    task events): 0.2 µs, where `send_event` builds the event's fields and the dispatcher drops it in 1.5."""
-    eventer = request.eventer
-    return bool(eventer is not None and eventer.enabled and request.task.send_events
-                and (not eventer.groups or "task" in eventer.groups))
+    """Whether `Request.send_event` would send a task event (`sends_task_events`; a request made while they were off
+    has no dispatcher): 0.2 µs, where `send_event` builds the event's fields and the dispatcher drops it in 1.5."""
+    return request.task.send_events and sends_task_events(request.eventer)
 
 
 def _has_room(request: Any) -> bool:
