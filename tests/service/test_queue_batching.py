@@ -160,9 +160,13 @@ def test_a_held_script_interrupted_leaves_no_reply_for_the_next_call(redis_serve
     """A signal handler that raises while a call waits for its reply (as a worker's shutdown may): the next call reads
     its own reply, not the one left unread."""
     script = HeldScript(_retrying_client(redis_server), """
+local function now()  -- microseconds: whole seconds alone made the wait end at the next second, 0-1 s away
+  local time = redis.call('TIME')
+  return tonumber(time[1]) * 1000000 + tonumber(time[2])
+end
 if ARGV[1] == 'slow' then
-  local deadline = tonumber(redis.call('TIME')[1]) + 1
-  while tonumber(redis.call('TIME')[1]) < deadline do end
+  local deadline = now() + 1000000
+  while now() < deadline do end
 end
 return ARGV[1]
 """)
