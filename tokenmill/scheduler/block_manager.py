@@ -76,13 +76,12 @@ class BlockManager:
     def allocate(self, seq: Sequence, num_tokens: int) -> None:
         """Grow `seq`'s block table to hold `num_tokens` tokens in total (caller checked `can_allocate`), with the
         blocks freed longest ago: each loses its hash (`_evict`), and a free block has no other reference."""
-        table, blocks, take_oldest = seq.block_table, self.blocks, self.free_blocks.popitem
-        for _ in range(-(-num_tokens // self.block_size) - len(table)):
-            block_id = take_oldest(last=False)[0]
-            if blocks[block_id].hash is not None:
+        for _ in range(self.blocks_needed(num_tokens) - len(seq.block_table)):
+            block_id, _ = self.free_blocks.popitem(last=False)
+            if self.blocks[block_id].hash is not None:
                 self._evict(block_id)
-            blocks[block_id].ref_count = 1
-            table.append(block_id)
+            self.blocks[block_id].ref_count = 1
+            seq.block_table.append(block_id)
 
     def cache_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
         """Register the blocks that the first `num_tokens` tokens of `seq` fill, so later requests reuse them.
