@@ -59,9 +59,11 @@ stage queue ${QUEUE_LIMIT:-90} python3 benchmarks/job_queue.py --rounds 1 --prob
 # thread, whose goal of 0.2 ms the H200 host missed (0.220-0.227 ms, 2026-12-04), is the median round's.
 stage queue-intake ${QUEUE_LIMIT:-70} python3 benchmarks/job_queue.py --intake --rounds 3
 # A lone job's decode steps, step by step, in the worker's engine process and in-process: on 2026-12-04's H200 they
-# took 24 ms longer (p50) in the engine process, cause not found. The queue's job went first in every pair there; here
-# the order alternates, and the GPU's SM clock during each path's jobs is printed (a GPU that clocks down when idle).
-stage queue-steps ${QUEUE_LIMIT:-60} python3 benchmarks/lone_job_hops.py --steps --max-tokens 40 --jobs 60
+# took ~10% longer in the engine process (+11 ms over 40 steps), cause not found. The order alternates, the GPU's SM
+# clock during each path's jobs is printed, and each job runs a third time in a spawned child process (the same engine
+# as in-process): as slow there, the cause is being a child process; as fast, the engine process's own setup or loop.
+# 40 jobs: three runs each now where there were two runs of 60.
+stage queue-steps ${QUEUE_LIMIT:-75} python3 benchmarks/lone_job_hops.py --steps --max-tokens 40 --jobs 40
 # With what time is left: the engine process on a CPU of its own (`--engine-cpus auto`) beside an unpinned worker, side
 # by side; on the 2-core machine it cut a lone job's decode steps and cost the one-token ceiling, here 16 cores share.
 left=$(( 570 - ($(date +%s) - START) ))

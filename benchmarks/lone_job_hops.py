@@ -19,13 +19,19 @@ per order), and the time the engine loop spent between steps. `job_queue.py` rep
 slower in the engine process; this tells work the engine process adds from the same work run slower, and whether
 going first is what costs. Where `nvidia-smi` runs, it samples the GPU's SM clock every 20 ms meanwhile, and the
 median clock during each path's jobs is printed: a GPU that clocks down while idle runs whichever job goes first
-on a slower clock.
+on a slower clock. A third run of each job goes to the same in-process engine in a child process of this one,
+started as the worker starts its engine process ("spawn"), its steps stamped alike (it runs last in two pairs of
+jobs, first in the next two): on 2026-12-04's H200 the engine process's decode steps were ~10% slower than
+in-process (+11 ms over 40 steps) while on CPUs they are within 0.5%. Steps as slow in that child say the cause
+is being a child process (the CPU it is placed on, its own CUDA context); steps as fast as in-process put it in
+the engine process's own setup or loop.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import multiprocessing
 import os
 import statistics
 import subprocess
@@ -33,6 +39,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -122,8 +129,9 @@ def main() -> None:
             client_stamps: list[tuple[str, float]] = []
             stamp_client(client_stamps)
             local = in_process(workload, client_stamps) if args.steps else None
+            child = SpawnedEngine(workload) if args.steps else None
             clocks = GpuClocks(Path(tmp) / "clocks.csv") if args.steps else None
-            windows, local_windows = [], []
+            windows, local_windows, child_windows = [], [], []
             for index in range(args.jobs):
                 time.sleep(args.pause)
 
@@ -137,9 +145,19 @@ def main() -> None:
                     local.probe(workload, index)
                     local_windows.append((started, time.time()))
 
+                def in_child() -> None:
+                    started = time.time()
+                    client_stamps.extend(child.probe(index))
+                    child_windows.append((started, time.time()))
+
                 # the pair shares the machine's speed of the moment; which goes first alternates
-                for run in ((through_queue, here) if index % 2 == 0 else (here, through_queue)) if local else (through_queue,):
+                runs = ((through_queue, here) if index % 2 == 0 else (here, through_queue)) if local else (through_queue,)
+                if child is not None:
+                    runs = (*runs, in_child) if index % 4 < 2 else (in_child, *runs)
+                for run in runs:
                     run()
+            if child is not None:
+                child.close()
             time.sleep(3 * hop_stamps.FLUSH_INTERVAL)
             if clocks is not None:
                 clocks.report(windows, local_windows)
@@ -149,7 +167,7 @@ def main() -> None:
             queue.close()
     report(per_job(stamps, windows), args)
     if args.steps:
-        report_steps(stamps, windows, local_windows)
+        report_steps(stamps, windows, local_windows, child_windows)
 
 
 class GpuClocks:
@@ -189,15 +207,48 @@ class GpuClocks:
               f"in-process jobs {during(local_windows)}; over the whole run {min(values)}-{max(values)} MHz")
 
 
-def in_process(workload: job_queue.Workload, stamps: list[tuple[str, float]]) -> job_queue.LocalPath:
-    """The same engine in this process, its steps stamped as "local.step" (as the engine loop's are)."""
+def in_process(workload: job_queue.Workload, stamps: list[tuple[str, float]],
+               label: str = "local.step") -> job_queue.LocalPath:
+    """The same engine in this process, its steps stamped as `label` (as the engine loop's are)."""
     from tokenmill.engine.llm_engine import LLMEngine
 
-    LLMEngine.step = hop_stamps.stamped(LLMEngine.step, "local.step", stamps)
+    LLMEngine.step = hop_stamps.stamped(LLMEngine.step, label, stamps)
     local = job_queue.LocalPath(256, 1)
     local.warm_up(workload)
     del stamps[:]  # the warm-up's
     return local
+
+
+class SpawnedEngine:
+    """`in_process` in a child process started with "spawn", as the worker starts its engine process; its steps
+    stamped as "child.step" and sent back with each job (the module docstring says what it tells apart)."""
+
+    def __init__(self, workload: job_queue.Workload) -> None:
+        context = multiprocessing.get_context("spawn")
+        self.conn, child_conn = context.Pipe()
+        self.process = context.Process(target=_serve_spawned, args=(child_conn, workload), daemon=True)
+        self.process.start()
+        self.conn.recv()  # warmed up
+
+    def probe(self, index: int) -> list[tuple[str, float]]:
+        """Job `index` run alone in the child; its steps' stamps."""
+        self.conn.send(index)
+        return self.conn.recv()
+
+    def close(self) -> None:
+        self.conn.send(None)
+        self.process.join(timeout=30)
+
+
+def _serve_spawned(conn: Any, workload: job_queue.Workload) -> None:
+    """The child's loop: each index received is run as `LocalPath.probe` and answered with its steps' stamps."""
+    stamps: list[tuple[str, float]] = []
+    local = in_process(workload, stamps, "child.step")
+    conn.send("ready")
+    while (index := conn.recv()) is not None:
+        local.probe(workload, index)
+        conn.send(stamps[:])
+        del stamps[:]
 
 
 def step_times(stamps: list[tuple[float, str]], name: str,
@@ -214,9 +265,11 @@ def step_times(stamps: list[tuple[float, str]], name: str,
 
 
 def report_steps(stamps: list[tuple[float, str]], windows: list[tuple[float, float]],
-                 local_windows: list[tuple[float, float]]) -> None:
-    """Per step index, the engine process's step against the same job's in-process step (ms, medians over jobs)."""
+                 local_windows: list[tuple[float, float]], child_windows: list[tuple[float, float]]) -> None:
+    """Per step index, the engine process's step against the same job's in-process step (ms, medians over jobs), and
+    the same job's step in a spawned child beside them."""
     queue_jobs, local_jobs = step_times(stamps, "_Loop._step", windows), step_times(stamps, "local.step", local_windows)
+    child_jobs = step_times(stamps, "child.step", child_windows)
 
     def durations(job: list[tuple[float, float]]) -> list[float]:
         return [(leave - entry) * 1e3 for entry, leave in job]
@@ -224,18 +277,21 @@ def report_steps(stamps: list[tuple[float, str]], windows: list[tuple[float, flo
     def gaps(job: list[tuple[float, float]]) -> float:
         return sum(job[i + 1][0] - job[i][1] for i in range(len(job) - 1)) * 1e3
 
-    steps = min(len(job) for job in queue_jobs + local_jobs)
+    steps = min(len(job) for job in queue_jobs + local_jobs + child_jobs)
     print(f"\ndecode steps of the same {len(queue_jobs)} jobs, the worker's engine process against in-process beside it "
-          "(ms, medians over jobs); the engine loop's step includes the pipe write of a finished job's result\n")
-    print("| step | engine process | in-process | difference |\n|---:|---:|---:|---:|")
+          "(ms, medians over jobs); the engine loop's step includes the pipe write of a finished job's result; the "
+          "same engine as in-process in a spawned child process\n")
+    print("| step | engine process | in-process | difference | spawned child | child - in-process |\n"
+          "|---:|---:|---:|---:|---:|---:|")
+
+    def row(label: str, figure: Any) -> None:
+        mine, theirs, child = (statistics.median(figure(job) for job in jobs) for jobs in (queue_jobs, local_jobs, child_jobs))
+        print(f"| {label} | {mine:.3f} | {theirs:.3f} | {mine - theirs:+.3f} | {child:.3f} | {child - theirs:+.3f} |")
+
     for index in sorted({0, 1, 2, 4, 8, steps // 2, steps - 2, steps - 1} & set(range(steps))):
-        mine = statistics.median(durations(job)[index] for job in queue_jobs)
-        theirs = statistics.median(durations(job)[index] for job in local_jobs)
-        print(f"| {index} | {mine:.3f} | {theirs:.3f} | {mine - theirs:+.3f} |")
-    for label, figure in (("all steps, a job", lambda job: sum(durations(job))), ("between steps, a job", gaps)):
-        mine = statistics.median(figure(job) for job in queue_jobs)
-        theirs = statistics.median(figure(job) for job in local_jobs)
-        print(f"| {label} | {mine:.3f} | {theirs:.3f} | {mine - theirs:+.3f} |")
+        row(str(index), lambda job, index=index: durations(job)[index])
+    row("all steps, a job", lambda job: sum(durations(job)))
+    row("between steps, a job", gaps)
     for label, first in (("all steps, the queue's job first", 0), ("all steps, the in-process job first", 1)):
         pairs = [(queue_jobs[i], local_jobs[i]) for i in range(first, min(len(queue_jobs), len(local_jobs)), 2)]
         if pairs:
