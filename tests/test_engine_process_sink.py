@@ -51,3 +51,19 @@ def test_each_request_is_answered_once_through_its_sink() -> None:
         assert kept[0].token_ids == expected.token_ids and len(kept[0].token_ids) == 4
     finally:
         engine.stop()
+
+
+def test_a_request_whose_write_fails_is_not_left_pending() -> None:
+    """`send_many` raising on the write (the pipe broken) answers none of its requests and keeps none pending: the caller
+    has the error, and a run that is then abandoned is not held in memory by a sink nobody will call."""
+    answers: list[str] = []
+    engine = EngineProcess("builtin:tiny", {"max_model_len": 64})
+    engine._conn.close()  # the pipe gone: the write raises, as to an engine process that died
+    try:
+        engine.send_many([("a", SamplingParams(max_tokens=2), [5, 6, 7], None)], lambda request_id, _: answers.append(request_id))
+    except OSError:
+        pass
+    else:
+        raise AssertionError("send_many wrote to a closed pipe")
+    assert answers == []
+    engine.cancel("a", "cancelled")  # writes (and so raises, the pipe closed) only for a request still pending

@@ -165,7 +165,8 @@ class EngineProcess:
         write here and one read in the engine process instead of one each; each one's answer goes to `sink`. Text
         prompts go as token ids when the engine sent its tokenizer; a prompt refused here is answered at once and not
         sent. A sink, not a future per request: the single-job intake hands every answer to its finisher's queue, and
-        a future's lifecycle (its `Condition`, done callback, `set_result`, `result`) cost it 3 µs a job."""
+        a future's lifecycle (its `Condition`, done callback, `set_result`, `result`) cost it 3 µs a job. If the write
+        raises, no request of the message is answered: the caller has the error, and nothing stays pending."""
         prompts = self.tokenize([prompt for _, _, prompt, _ in requests])
         adds = []
         for (request_id, params, _, messages), prompt in zip(requests, prompts):
@@ -177,12 +178,13 @@ class EngineProcess:
         if not adds:
             return
         message = adds[0] if len(adds) == 1 else {"op": "add_many", "requests": adds}
+        payload = fastjson.dumps(message, *(add["params"].get("json_schema") for add in adds))
         with self._lock:
             if self._stopping:
                 raise EngineFailure("the engine is stopped")
-            for add in adds:
+            self._conn.send_bytes(payload)
+            for add in adds:  # after the write, which may raise; no answer is read before the lock is released
                 self._pending[add["id"]] = sink
-            self._conn.send_bytes(fastjson.dumps(message, *(add["params"].get("json_schema") for add in adds)))
 
     def tokenize(self, prompts: list[Any]) -> list[Any]:
         """Each text prompt as token ids, or the error refusing it; other prompts (token ids, None) as given."""
