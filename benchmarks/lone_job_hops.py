@@ -22,7 +22,7 @@ median clock during each path's jobs is printed: a GPU that clocks down while id
 on a slower clock. A third run of each job goes to the same in-process engine in a child process of this one,
 started as the worker starts its engine process ("spawn"), its steps stamped alike (it runs last in two pairs of
 jobs, first in the next two): on 2026-12-04's H200 the engine process's decode steps were ~10% slower than
-in-process (+11 ms over 40 steps) while on CPUs they are within 0.5%. Steps as slow in that child say the cause
+in-process (+11 ms over 40 steps) while on CPUs they are within 0.5-3%. Steps as slow in that child say the cause
 is being a child process (the CPU it is placed on, its own CUDA context); steps as fast as in-process put it in
 the engine process's own setup or loop.
 """
