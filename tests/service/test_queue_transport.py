@@ -362,3 +362,54 @@ def test_items_not_where_the_take_left_them_are_recorded_by_content(redis_server
         assert channel._claim_many(swept)[0] == []
         assert client.hlen("unacked") == 2 and client.llen(queue.name) == 2
         assert client.lrange(queue.name, -2, -1) == [item for _, item in swept[::-1]]  # taken next, the first first
+
+
+#: Another client's script that keeps Redis busy for 4 s (under its 5 s `busy-reply-threshold`): commands sent meanwhile wait, then run in order.
+_BUSY_4S = ("local t0 = redis.call('TIME') local s = t0[1] + t0[2] / 1e6 "
+            "repeat local t = redis.call('TIME') until t[1] + t[2] / 1e6 - s > 4 return 1")
+
+
+def test_a_take_whose_reply_is_lost_with_its_connection_is_requeued(redis_server: RedisServer,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """kombu drops a consumer connection whose reply is overdue (`maybe_check_brpop_health`: `brpop_timeout` +
+    `health_check_interval`) and sends the next take on a new one. Redis, busy meanwhile, still runs the take sent on
+    the dropped connection: its items go into this live consumer's processing list, and its reply nowhere. The next
+    take puts them back on their queue first, so every message is delivered once and nothing stays behind."""
+    queue = Queue(f"q-{uuid.uuid4().hex[:8]}", EXCHANGE, routing_key="r-lost")
+    client = redis_server.client()
+    received: list[str] = []
+
+    def on_message(body: dict, message: object) -> None:
+        received.append(body["body"])
+        message.ack()
+
+    # kombu's check: a reply overdue by `brpop_timeout` (1 s) + 1 s; redis-py's (the same setting) pings a connection
+    # idle for 1 s before its next command, which the take below is sent well within
+    with _connection(redis_server, health_check_interval=1.0) as connection:
+        with Consumer(connection.channel(), [queue], callbacks=[on_message], prefetch_count=20):
+            bodies = _publish(redis_server, queue, 1)
+            wait_for(lambda: _drained(connection) or received == bodies, 20, "the first message")  # its lists registered
+            bodies += _publish(redis_server, queue, 5)  # waiting: taken at the next poll
+            busy = threading.Thread(target=redis_server.client().eval, args=(_BUSY_4S, 0))
+            busy.start()
+            time.sleep(0.2)
+            poller = connection.transport.cycle
+            poller.on_poll_start()  # kombu sends the take, which waits for the busy script
+            time.sleep(2.2)
+            with caplog.at_level("WARNING"):
+                poller.maybe_check_brpop_health()  # overdue: kombu drops the connection
+                busy.join()  # then Redis runs the take, its reply going nowhere
+                wait_for(lambda: _drained(connection) or sorted(received) == sorted(bodies), 20, "every message")
+    assert sorted(received) == sorted(bodies)  # each once
+    assert "dropping stale connection" in caplog.text and "whose reply was lost" in caplog.text
+    assert client.llen(queue.name) == 0 and client.hlen("unacked") == 0
+    assert all(client.llen(key) == 0 for key in client.hkeys(tm_transport.CONSUMERS_KEY))
+
+
+def _drained(connection: Connection, timeout: float = 0.2) -> bool:
+    """One `drain_events` (False, for `wait_for`'s predicates)."""
+    try:
+        connection.drain_events(timeout=timeout)
+    except TimeoutError:
+        pass
+    return False

@@ -35,6 +35,11 @@ Other changes to kombu's channel, each for a fault seen in practice:
 * The old channel can still ack after its transport was closed: its Redis connection parameters are
   kept (kombu recomputes them from the closed transport and fails with `'NoneType' object has no
   attribute 'hostname'`, which stopped workers on a Redis restart).
+* A take whose reply is lost with its connection (kombu drops a connection whose reply is overdue, or one
+  the server closed, and takes again on a new one without reading the old) leaves what Redis moved for it
+  in this live consumer's processing lists, where no sweep looks while its heartbeat lives: the next take
+  first puts them back on their queues (`Channel._return_unread`). Every take tells kombu when it was
+  sent, as BLMOVE did, so that kombu's check of an overdue reply measures the take's own wait.
 
 Producers need nothing of this: messages are published exactly as kombu's Redis transport does, so
 plain `redis://` URLs and plain Celery apps keep working, and their jobs get the same guarantee
@@ -173,13 +178,29 @@ redis.call('LREM', KEYS[1], 1, ARGV[1])
 set_aside(KEYS[2], ARGV[1], ARGV[2], ARGV[3])
 return 1
 """
+# Moves every item of a processing list back to the end of its queue that takes read (the one taken first comes out
+# first again). Every script that requeues a processing list does it with this function.
+_REQUEUE = """
+local function requeue(processing, source)
+  local moved = 0
+  while redis.call('LMOVE', processing, source, 'LEFT', 'RIGHT') do moved = moved + 1 end
+  return moved
+end
+"""
 # KEYS: consumers, processing, heartbeat, source. ARGV: the processing key (its field in `consumers`).
 # Requeues a dead consumer's processing list at the head of its queue; -1 while the consumer lives.
-_RECOVER = """
+_RECOVER = _REQUEUE + """
 if redis.call('EXISTS', KEYS[3]) == 1 then return -1 end
-local moved = 0
-while redis.call('LMOVE', KEYS[2], KEYS[4], 'LEFT', 'RIGHT') do moved = moved + 1 end
+local moved = requeue(KEYS[2], KEYS[4])
 redis.call('HDEL', KEYS[1], ARGV[1])
+return moved
+"""
+# KEYS: a live consumer's processing lists, then their queues (as many). Requeues every item of each: what a take
+# whose reply never came moved there (`Channel._return_unread`). Returns the items moved.
+_RETURN = _REQUEUE + """
+local n = #KEYS / 2
+local moved = 0
+for i = 1, n do moved = moved + requeue(KEYS[i], KEYS[n + i]) end
 return moved
 """
 
@@ -370,6 +391,7 @@ class Channel(kombu_redis.Channel):
         self._take_many = True  # whether the next poll takes without blocking (the last one found messages)
         self._found_empty = False  # whether the last poll was a take that found every list empty
         self._take_keys: list[str] = []  # the lists the last take or BLMOVE took from, in kombu's order
+        self._unread = False  # a take or BLMOVE was sent whose items are not recorded yet (see `_return_unread`)
         self._processing_keys: dict[str, str] = {}
         self._decoded_bodies: dict[int, tuple[str, str, Any]] = {}  # id(body) -> (body, encoding, decoded), one take's
         self._record_tails: dict[tuple[str, str], bytes] = {}  # (exchange, routing key) -> their JSON in a record
@@ -409,7 +431,7 @@ class Channel(kombu_redis.Channel):
         """The record script, run at every take (a lone job's among them), on a connection held for it
         (`HeldScript`); the rarer ones through redis-py's client."""
         client = self.Client(connection_pool=self.pool)
-        scripts = (("record items", _RECORD_ITEMS), ("discard", _DISCARD), ("recover", _RECOVER))
+        scripts = (("record items", _RECORD_ITEMS), ("discard", _DISCARD), ("recover", _RECOVER), ("return", _RETURN))
         return {"record": HeldScript(client, _RECORD), **{name: client.register_script(text) for name, text in scripts}}
 
     def _processing_key(self, source: str) -> str:
@@ -442,6 +464,8 @@ class Channel(kombu_redis.Channel):
         of jobs that is a BLMOVE and a record per job, not a take, a check and a BLMOVE."""
         if timeout is None:
             timeout = self.brpop_timeout
+        if self._unread:
+            self._return_unread()
         queues = self._queue_cycle.consume(len(self.active_queues))
         if not queues:
             return
@@ -453,6 +477,8 @@ class Channel(kombu_redis.Channel):
             self._register_sources(keys)
             self._blmove_source = None
             self._in_poll = self.client.connection
+            self._brpop_sent_at = monotonic()  # kombu's check of a reply overdue on a dead connection reads it
+            self._unread = True
             self.client.connection.send_command(
                 "EVAL", _TAKE, 2 * len(keys), *keys, *(self._processing_key(key) for key in keys), limit)
             return
@@ -464,7 +490,21 @@ class Channel(kombu_redis.Channel):
         self._blmove_source = source
         self._in_poll = self.client.connection
         self._brpop_sent_at = monotonic()
+        self._unread = True
         self.client.connection.send_command("BLMOVE", source, self._processing_key(source), "RIGHT", "LEFT", timeout or 0)
+
+    def _return_unread(self) -> None:
+        """Requeue what the last take or BLMOVE moved into this consumer's processing lists and never got recorded:
+        its reply was lost with its connection (kombu drops a connection whose reply is overdue, or one the server
+        closed, and sends the next take on a new one without reading the old). Those items are on no queue and in
+        no `unacked`, and this consumer's heartbeat keeps every sweep from them. Between takes its lists are
+        otherwise empty: each take's items leave them in the script that records them."""
+        keys = list(self._sources)
+        with self.conn_or_acquire() as client:
+            moved = self._scripts["return"](keys=[*map(self._processing_key, keys), *keys], client=client)
+        self._unread = False
+        if moved:
+            log.warning("requeued %d message(s) taken by a take whose reply was lost with its connection", moved)
 
     def _register_sources(self, keys: list[str]) -> None:
         """Register new processing lists (before anything is moved into them) and renew the heartbeat when due."""
@@ -515,10 +555,12 @@ class Channel(kombu_redis.Channel):
             self._take_many = bool(taken)  # found some: more are likely waiting; none: block next time
             self._found_empty = command == "EVAL" and not taken
             if not taken:
+                self._unread = False
                 raise kombu_redis.Empty()
             for source in dict.fromkeys(source for source, _ in taken):
                 self._queue_cycle.rotate(source.rsplit(self.sep, 1)[0])
             delivered, waiting = self._claim_many(taken, self._take_keys)
+            self._unread = False
             if waiting == 0:  # a lone message: block next, without a take that finds nothing first
                 self._take_many, self._found_empty = False, True
             for payload, queue in delivered:
