@@ -363,6 +363,11 @@ def test_items_not_where_the_take_left_them_are_recorded_by_content(redis_server
         assert client.hlen("unacked") == 2 and client.llen(queue.name) == 2
         assert client.lrange(queue.name, -2, -1) == [item for _, item in swept[::-1]]  # taken next, the first first
 
+        with _connection(redis_server) as other:  # another consumer takes and records them before this one's record
+            assert len(_consume(other, queue, 2, ack=False)) == 2
+            assert channel._claim_many(swept)[0] == []  # requeued, not a reused tag: nothing set aside
+        assert client.lrange(tm_transport.MALFORMED_KEY, 0, -1) == [again] and client.hlen("unacked") == 4
+
 
 #: Another client's script that keeps Redis busy for 4 s (under its 5 s `busy-reply-threshold`): commands sent meanwhile wait, then run in order.
 _BUSY_4S = ("local t0 = redis.call('TIME') local s = t0[1] + t0[2] / 1e6 "

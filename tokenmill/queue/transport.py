@@ -133,17 +133,17 @@ return codes
 # As `_RECORD`, for items found where `_RECORD` did not expect them, each sent whole and found by its content.
 # KEYS: unacked, unacked_index, malformed, then each item's processing list. ARGV[1]: now, ARGV[2]: bytes of a
 # set-aside copy, ARGV[3]: copies kept; then per item: item, delivery tag, the end of its unacked record. Returns
-# per item `_RECORD`'s codes, but 0 when the item is no longer in its processing list (a sweep requeued it).
+# per item `_RECORD`'s codes, but 0 when the item is no longer in its processing list (a sweep requeued it), whether
+# or not another consumer has taken and recorded it since (its tag in flight then is no reuse).
 _RECORD_ITEMS = _SET_ASIDE + """
 local codes = {}
 for i = 4, #KEYS do
   local item, tag, tail = ARGV[3 * i - 8], ARGV[3 * i - 7], ARGV[3 * i - 6]
-  if redis.call('HEXISTS', KEYS[1], tag) == 1 then
-    redis.call('LREM', KEYS[i], 1, item)
+  if redis.call('LREM', KEYS[i], 1, item) == 0 then
+    codes[i - 3] = 0
+  elseif redis.call('HEXISTS', KEYS[1], tag) == 1 then
     set_aside(KEYS[3], item, ARGV[2], ARGV[3])
     codes[i - 3] = -1
-  elseif redis.call('LREM', KEYS[i], 1, item) == 0 then
-    codes[i - 3] = 0
   else
     redis.call('HSET', KEYS[1], tag, '[' .. item .. ', ' .. tail .. ']')
     redis.call('ZADD', KEYS[2], ARGV[1], tag)
