@@ -4,6 +4,7 @@ requeue of a dead consumer's processing list, and the reconnect crash of kombu's
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 import uuid
@@ -418,3 +419,24 @@ def _drained(connection: Connection, timeout: float = 0.2) -> bool:
     except TimeoutError:
         pass
     return False
+
+
+def test_a_requeue_that_meets_redis_down_leaves_the_message_to_the_visibility_timeout(
+        redis_server: RedisServer) -> None:
+    """A requeue (`reject(requeue=True)`, as the intake requeues a group's jobs on Celery's loop, which logs and
+    swallows the connection error) while Redis is down: the message is no longer held by the consumer, so no lease
+    renews it, and once Redis is back the visibility timeout puts it back on its queue."""
+    queue = Queue(f"q-{uuid.uuid4().hex[:8]}", EXCHANGE, routing_key="r-requeue")
+    _publish(redis_server, queue, 1)
+    with _connection(redis_server, visibility_timeout=1) as connection:
+        ((_, message),) = _consume(connection, queue, 1, ack=False)
+        assert list(tm_transport.held_deliveries().values()) == [[message.delivery_tag]]
+        redis_server.stop()
+        message.reject_log_error(logging.getLogger("test"), connection.connection_errors, requeue=True)
+        assert tm_transport.held_deliveries() == {}  # no lease renews it
+        redis_server.start()
+        client = redis_server.client()
+        assert client.hexists("unacked", message.delivery_tag)  # still recorded: the visibility timeout's to requeue
+        time.sleep(1.5)
+        message.channel.qos.restore_visible()
+        assert client.llen(queue.name) == 1 and client.hlen("unacked") == 0

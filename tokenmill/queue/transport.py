@@ -344,6 +344,15 @@ class QoS(kombu_redis.QoS):
         finally:
             virtual.QoS.ack(self, delivery_tag)
 
+    def reject(self, delivery_tag: str, requeue: bool = False) -> None:
+        """As kombu, but the local record goes even if Redis is down, as `ack`'s does: a message whose requeue failed
+        stayed held here, its lease renewed for good (`tokenmill.worker.leases`), so that neither this worker nor the
+        visibility timeout ran it again. Its unacked record is still in Redis: the visibility timeout requeues it."""
+        try:
+            super().reject(delivery_tag, requeue)
+        finally:
+            virtual.QoS.ack(self, delivery_tag)
+
     def _ack_many(self, tags: list[str]) -> list[None]:
         with self.channel.conn_or_acquire() as client:
             client.pipeline().zrem(self.unacked_index_key, *tags).hdel(self.unacked_key, *tags).execute()
