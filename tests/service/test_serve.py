@@ -7,7 +7,9 @@ import base64
 import hashlib
 import json
 import os
+import select
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -641,3 +643,43 @@ def _raised(call: Callable[[], Any]) -> list[BaseException]:
     except BaseException as exc:
         return [exc]
     return []
+
+
+def _chunked_upload(port: int, authorization: str | None, megabytes: int) -> tuple[str, int]:
+    """A chunked `POST /v1/files` (no Content-Length to check first) of up to `megabytes` MiB, sent a MiB at a time
+    until the server answers: its status line, and how many MiB had been sent by then."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        head = ("--B\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n--B\r\nContent-Disposition: "
+                "form-data; name=\"file\"; filename=\"a.jsonl\"\r\nContent-Type: application/octet-stream\r\n\r\n")
+        sock.sendall(("POST /v1/files HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+                      "Content-Type: multipart/form-data; boundary=B\r\n"
+                      + (f"Authorization: {authorization}\r\n" if authorization else "") + "\r\n").encode())
+        block = b"A" * (1 << 20)
+        sent = 0
+        try:
+            for piece in [head.encode()] + [block] * megabytes + [b"\r\n--B--\r\n"]:
+                if select.select([sock], [], [], 0.05)[0]:
+                    break
+                sock.sendall(b"%x\r\n%s\r\n" % (len(piece), piece))
+                sent += piece is block
+            else:
+                sock.sendall(b"0\r\n\r\n")
+        except OSError:  # the server answered and closed while this was sending
+            pass
+        return sock.recv(4096).split(b"\r\n", 1)[0].decode(), sent
+
+
+def test_an_upload_is_refused_before_its_body_is_read(tmp_path, redis_server, serve) -> None:
+    """Without a key, or past the upload limit, a `POST /v1/files` is answered as soon as that is known: the key
+    before any of the body is read, the size once the limit is passed, whatever the body's length (a chunked request
+    has no Content-Length), so nobody can fill the server's disk with uploads it refuses."""
+    server = serve(redis_server.url, **{"max-upload-bytes": 4096})
+    status, sent = _chunked_upload(server.port, None, 64)
+    assert status.endswith("401 Unauthorized") and sent <= 2, (status, sent)
+    status, sent = _chunked_upload(server.port, "Bearer wrong-key", 64)
+    assert status.endswith("401 Unauthorized") and sent <= 2, (status, sent)
+    status, sent = _chunked_upload(server.port, f"Bearer {KEYS['alice']}", 64)
+    assert status.endswith("413 Request Entity Too Large") and sent <= 2, (status, sent)
+    client = server.client()
+    uploaded = upload(client, write_jsonl(tmp_path / "small.jsonl", [chat_line("a", "hi")]))  # under the limit: taken
+    assert client.files.retrieve(uploaded).bytes > 0

@@ -15,7 +15,7 @@ from contextlib import asynccontextmanager
 from typing import Annotated, Any
 from urllib.parse import quote
 
-from fastapi import Depends, FastAPI, File, Form, Header, Query, Request, UploadFile
+from fastapi import Depends, FastAPI, File, Form, Header, Query, UploadFile
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
@@ -24,6 +24,7 @@ from tokenmill.apps.api.auth import Keys
 from tokenmill.apps.api.driver import Supervisor, file_object
 from tokenmill.apps.api.errors import APIError, not_found
 from tokenmill.apps.api.files import new_file_id, open_store
+from tokenmill.apps.api.guard import RequestGuard
 from tokenmill.apps.api.records import FINAL, Records, batch_key, now
 from tokenmill.apps.api.settings import ServeSettings
 from tokenmill.apps.api.webhooks import Deliverer
@@ -33,7 +34,6 @@ from tokenmill.queue.served import served_models
 
 _WINDOW = re.compile(r"^([1-9][0-9]*)(h|m|s)$")
 _SECONDS = {"h": 3600, "m": 60, "s": 1}
-_MULTIPART_SLACK = 64 * 1024  # the multipart envelope around the file in Content-Length
 
 
 class CreateBatch(BaseModel):
@@ -75,6 +75,7 @@ def create_app(settings: ServeSettings, keys: Keys) -> FastAPI:
 
     app = FastAPI(title="tokenmill", lifespan=lifespan)
     errors.install(app)
+    app.add_middleware(RequestGuard, keys=keys, max_upload_bytes=settings.max_upload_bytes)
 
     def tenant(authorization: Annotated[str | None, Header()] = None) -> str:
         return keys.tenant(authorization)
@@ -103,14 +104,11 @@ def _file_routes(app: FastAPI, services: Services, Tenant: Any) -> None:
         return found
 
     @app.post("/v1/files")
-    def upload(request: Request, tenant: Tenant, file: Annotated[UploadFile, File()],
-               purpose: Annotated[str, Form()]) -> dict[str, Any]:
+    def upload(tenant: Tenant, file: Annotated[UploadFile, File()], purpose: Annotated[str, Form()]) -> dict[str, Any]:
+        """The key and the body's size were checked before the body was read (`RequestGuard`); the file's own size
+        is checked as it is saved."""
         if purpose != "batch":
             raise APIError(400, f"purpose: only 'batch' is supported, got {purpose!r}", "purpose", "invalid_value")
-        length = int(request.headers.get("content-length") or 0)
-        if length > settings.max_upload_bytes + _MULTIPART_SLACK:
-            raise APIError(413, f"file: larger than the {settings.max_upload_bytes}-byte upload limit "
-                           "(TOKENMILL_MAX_UPLOAD_BYTES)", "file", "file_too_large")
         file_id = new_file_id()
         size = store.save(file_id, file.file, settings.max_upload_bytes)
         found = file_object(file_id, file.filename or "upload.jsonl", size, purpose)

@@ -1,0 +1,92 @@
+"""The API key and the body's size, checked ahead of FastAPI, before a request's body is read.
+
+Why: FastAPI reads a request's whole body (a multipart upload is spooled to the temporary directory) before it runs
+the route's dependencies, so a request without a key, or larger than the limit, was refused only once all of it had
+arrived: anyone who reached the port could fill the server's disk, one upload at a time (a chunked request has no
+Content-Length to check first). Here every `/v1/` request without a valid key is answered 401 before any of its body
+is read, and a body is cut off at its route's limit (`POST /v1/files`: `max_upload_bytes` and the multipart envelope;
+any other: `MAX_BODY_BYTES`) with a 413. The routes still take the tenant from their `Tenant` dependency.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.datastructures import Headers
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from tokenmill.apps.api.auth import Keys
+from tokenmill.apps.api.errors import APIError
+
+#: The multipart envelope around an uploaded file (its part headers and boundaries), on top of the file's limit.
+MULTIPART_SLACK = 64 * 1024
+#: Largest body of any other request: `POST /v1/batches` sends a few hundred bytes.
+MAX_BODY_BYTES = 1024 * 1024
+UPLOAD_PATH = "/v1/files"
+
+
+class _TooLarge(Exception):
+    """Raised into the app by `receive` once a body passes its limit."""
+
+
+class RequestGuard:
+    """ASGI middleware: the key, then the body's size (see the module docstring)."""
+
+    def __init__(self, app: ASGIApp, keys: Keys, max_upload_bytes: int) -> None:
+        self.app = app
+        self.keys = keys
+        self.max_upload_bytes = max_upload_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            await self.app(scope, receive, send)
+            return
+        upload = scope["method"] == "POST" and scope["path"] == UPLOAD_PATH
+        limit = self.max_upload_bytes + MULTIPART_SLACK if upload else MAX_BODY_BYTES
+        too_large = APIError(413, f"file: larger than the {self.max_upload_bytes}-byte upload limit "
+                             "(TOKENMILL_MAX_UPLOAD_BYTES)", "file", "file_too_large") if upload else APIError(
+            413, f"request: the body is larger than {MAX_BODY_BYTES} bytes", None, "request_too_large")
+        headers = Headers(scope=scope)
+        try:
+            self.keys.tenant(headers.get("authorization"))
+            if int(headers.get("content-length") or 0) > limit:
+                raise too_large
+        except APIError as exc:
+            await _answer(exc, scope, receive, send)
+            return
+        await self._limited(scope, receive, send, limit, too_large)
+
+    async def _limited(self, scope: Scope, receive: Receive, send: Send, limit: int, too_large: APIError) -> None:
+        """The app, its body cut off past `limit`: whatever it then answers (FastAPI turns the error into a 400) is
+        replaced by the 413."""
+        state: dict[str, Any] = {"read": 0, "over": False, "answered": False}
+
+        async def counted() -> Message:
+            message = await receive()
+            if message["type"] == "http.request":
+                state["read"] += len(message.get("body", b""))
+                if state["read"] > limit:
+                    state["over"] = True
+                    raise _TooLarge
+            return message
+
+        async def answering(message: Message) -> None:
+            if not state["over"]:
+                await send(message)
+            elif not state["answered"]:
+                state["answered"] = True
+                await _answer(too_large, scope, receive, send)
+
+        try:
+            await self.app(scope, counted, answering)
+        except _TooLarge:
+            pass
+        if state["over"] and not state["answered"]:
+            await _answer(too_large, scope, receive, send)
+
+
+async def _answer(error: APIError, scope: Scope, receive: Receive, send: Send) -> None:
+    """`error` in OpenAI's shape; the connection is closed after it, so an unread body is not waited for."""
+    response = JSONResponse(error.body(), status_code=error.status, headers={"Connection": "close"})
+    await response(scope, receive, send)
