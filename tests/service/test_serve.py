@@ -681,5 +681,9 @@ def test_an_upload_is_refused_before_its_body_is_read(tmp_path, redis_server, se
     status, sent = _chunked_upload(server.port, f"Bearer {KEYS['alice']}", 64)
     assert status.endswith("413 Request Entity Too Large") and sent <= 2, (status, sent)
     client = server.client()
+    with pytest.raises(openai.APIStatusError) as too_big:  # any other body is cut at 1 MiB
+        client.batches.create(input_file_id="file-x", endpoint="/v1/chat/completions", completion_window="24h",
+                              metadata={"padding": "x" * (2 << 20)})
+    assert too_big.value.status_code == 413 and too_big.value.response.json()["error"]["code"] == "request_too_large"
     uploaded = upload(client, write_jsonl(tmp_path / "small.jsonl", [chat_line("a", "hi")]))  # under the limit: taken
     assert client.files.retrieve(uploaded).bytes > 0
