@@ -8,10 +8,12 @@ from pathlib import Path
 
 import pytest
 from annotate_helpers import ENGINE, read_jsonl, write_jsonl
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from openai.types import Completion
 from openai.types.chat import ChatCompletion
 
-from tokenmill.apps.batch import batch
+from tokenmill.apps.batch import BODY_FIELDS, URLS, LineError, Parser, batch
 from tokenmill.errors import InvalidRequestError
 from tokenmill.sampling_params import SamplingParams
 
@@ -148,3 +150,30 @@ def test_response_format_json_schema(llm, tmp_path: Path) -> None:
     [line] = read_jsonl(tmp_path / "out.jsonl")
     body = ChatCompletion.model_validate(line["response"]["body"])
     assert isinstance(json.loads(body.choices[0].message.content)["ok"], bool)
+
+
+_ANY_JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False)
+                         | st.text(max_size=8),
+                         lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+                         max_leaves=6)
+
+
+@st.composite
+def _request_lines(draw: st.DrawFn) -> bytes:
+    """A request line whose url and body fields (any of `BODY_FIELDS`) hold any JSON value."""
+    url = draw(st.sampled_from(sorted(URLS)) | _ANY_JSON)
+    body: dict = {"messages": [{"role": "user", "content": "hi"}]} if url == "/v1/chat/completions" else {"prompt": "hi"}
+    for name in draw(st.lists(st.sampled_from(sorted(BODY_FIELDS)), max_size=4, unique=True)):
+        body[name] = draw(_ANY_JSON)
+    return json.dumps({"custom_id": "a", "method": "POST", "url": url, "body": body}).encode()
+
+
+@settings(max_examples=1000, deadline=None)
+@given(_request_lines())
+def test_a_line_of_any_values_is_a_request_or_a_line_error(raw: bytes) -> None:
+    """Whatever values a line's fields hold, parsing it gives a request or that line's error, never an exception that
+    would stop the whole batch (`"seed": "7"`, `"stop": 5` and `"url": ["x"]` did)."""
+    try:
+        Parser("m", 16, logprobs_ok=True).parse(raw)
+    except LineError as exc:
+        assert exc.code in ("invalid_request", "invalid_json") and exc.custom_id == "a"

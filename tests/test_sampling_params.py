@@ -123,3 +123,10 @@ def test_to_dict_gives_the_fields_in_order_and_only_them() -> None:
     assert params.to_dict() == {name: getattr(params, name) for name in names}
     params.note = "not a field"  # type: ignore[attr-defined]
     assert list(params.to_dict()) == names
+
+
+@pytest.mark.parametrize(("name", "value"), [("stop", 5), ("stop", {"a": 1}), ("stop_token_ids", 7), ("stop_token_ids", "12")])
+def test_stop_fields_that_are_not_lists_are_refused_by_name(name: str, value: Any) -> None:
+    with pytest.raises(InvalidRequestError) as refused:
+        SamplingParams(**{name: value})
+    assert refused.value.field == name

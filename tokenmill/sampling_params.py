@@ -72,6 +72,9 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        for name, what in (("stop", "a string or a list of strings"), ("stop_token_ids", "a list of integers")):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), list | tuple):
+                raise InvalidRequestError(name, f"must be {what}, got {getattr(self, name)!r}")
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self._check()

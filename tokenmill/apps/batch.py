@@ -84,7 +84,7 @@ class Parser:
         if line.get("method", "POST") != "POST":
             raise LineError("invalid_request", f"method: must be POST, got {line.get('method')!r}")
         url = line.get("url")
-        if url not in URLS:
+        if not isinstance(url, str) or url not in URLS:
             raise LineError("invalid_request", f"url: unsupported {url!r} (supported: {', '.join(URLS)})")
         body = line.get("body")
         if not isinstance(body, dict):
@@ -105,11 +105,11 @@ class Parser:
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 128:
             raise InvalidRequestError("n", f"must be an integer in [1, 128], got {n!r}")
         params, logprobs = self._sampling(url, body)
+        base = sampling_dict(params)  # checked before the seed is offset per choice
         model = body.get("model") if isinstance(body.get("model"), str) else self.model
         units = []
         for index in range(n):
-            choice = dict(params, seed=params["seed"] + index) if params.get("seed") is not None else params
-            choice = sampling_dict(choice)
+            choice = base if base["seed"] is None else sampling_dict(dict(base, seed=base["seed"] + index))
             key = content_key(model=self.model, prompt=prompt, messages=messages, sampling=choice, choice=index)
             units.append(Unit(key, prompt, messages, choice, label=custom_id, weight=1 / n))
         return Request(custom_id, url, model, units, logprobs, content_key(custom_id=custom_id, units=[u.key for u in units]))
