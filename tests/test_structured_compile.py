@@ -72,3 +72,16 @@ def test_size_limits_name_the_field(options: dict, field: str) -> None:
     with pytest.raises(InvalidRequestError) as error:
         SamplingParams(**options)
     assert error.value.field == field and "at most" in error.value.message
+
+
+def test_a_request_cancelled_while_its_grammar_compiles_never_runs() -> None:
+    """A cancel (or a deadline) that comes while the request's grammar is still compiling finishes it at once, with
+    nothing generated; it does not run once the grammar is ready."""
+    engine = LLM("builtin:tiny").engine
+    engine.add_request("big", [1, 2, 3], SamplingParams(max_tokens=16, choice=words(3000, seed=3)))
+    assert engine.stats().num_waiting == 1  # compiling
+    cancelled = engine.cancel_request("big", "deadline")
+    assert cancelled is not None and cancelled.finish_reason == "deadline" and cancelled.token_ids == []
+    assert cancelled.constraint_satisfied is False and not engine.has_unfinished()
+    engine.add_request("after", [4, 5], SamplingParams(max_tokens=4, choice=words(3000, seed=3)))  # the same grammar
+    assert finish_order(engine) == ["after"]  # "big" never comes back

@@ -262,7 +262,12 @@ class LLMEngine:
 
     def cancel_request(self, request_id: str, reason: str) -> RequestOutput | None:
         """Finish a request now with `finish_reason=reason` ("cancelled", "deadline"): its blocks and batch slot
-        are freed at once and what it generated so far comes back. None for a request that is not running."""
+        are freed at once and what it generated so far comes back (nothing, for one whose grammar was still
+        compiling: it never ran, and now never will). None for a request that is not here."""
+        pending = self._pending.pop(request_id, None)
+        if pending is not None:
+            return RequestOutput(request_id, pending.token_ids, [], "", reason, arrival_time=pending.arrival_time,
+                                 finished_time=time.time(), constraint_satisfied=False)
         request = self._end(request_id, reason)
         if request is None:
             return None
@@ -456,7 +461,7 @@ class LLMEngine:
             kv_cache_usage=self.scheduler.block_manager.usage(),
             num_prompt_tokens=self._totals["prompt"],
             num_generated_tokens=self._totals["generated"],
-            num_prefix_hit_tokens=self.scheduler.block_manager.num_hit_tokens,
+            num_prefix_hit_tokens=self.scheduler.num_prefix_hit_tokens,
             num_preemptions=self._totals["preempted"],
             num_steps=self._totals["steps"],
         )
