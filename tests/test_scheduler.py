@@ -115,6 +115,26 @@ def test_freed_blocks_stay_cached_until_evicted_lru() -> None:
     assert miss.num_computed_tokens == 0
 
 
+def test_prefix_hits_are_counted_once_per_admission() -> None:
+    """A request that shares cached blocks but does not fit yet matches its prefix at every step it waits at the head
+    of the queue; its hits count once, when it is admitted."""
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=64, block_size=4, num_blocks=6, max_model_len=64))
+    first = Sequence("a", [1] * 8 + [2], SamplingParams(max_tokens=12))
+    scheduler.add(first)
+    while len(first.token_ids) < 17:  # 5 of the 6 blocks
+        scheduler.update(scheduler.schedule(), [3])
+    waiting = Sequence("b", [1] * 8 + [4] * 8, SamplingParams(max_tokens=1))  # its first 2 blocks are `first`'s
+    scheduler.add(waiting)
+    steps = 0
+    while waiting.status is not SequenceStatus.RUNNING:  # it needs 2 blocks more than are free until `first` ends
+        batch = scheduler.schedule()
+        scheduler.update(batch, [3] * batch.sample_mask.count(True))
+        if len(first.token_ids) >= 21:
+            scheduler.finish(first, "length")
+        steps += 1
+    assert steps > 2 and scheduler.num_prefix_hit_tokens == waiting.num_cached_tokens == 8
+
+
 def test_requests_that_can_never_fit_are_rejected() -> None:
     scheduler = Scheduler(SchedulerConfig(max_model_len=64, block_size=4, num_blocks=8))
     with pytest.raises(InvalidRequestError, match="max_model_len") as error:

@@ -34,7 +34,6 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_blocks: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached_blocks: dict[int, int] = {}  # chain hash -> block id
-        self.num_hit_tokens = 0  # prompt tokens served from the prefix cache so far
 
     @property
     def num_blocks(self) -> int:
@@ -67,7 +66,6 @@ class BlockManager:
             self._take(block_id)
             seq.block_table.append(block_id)
         seq.num_computed_tokens = seq.num_cached_tokens = len(seq.block_table) * self.block_size
-        self.num_hit_tokens += seq.num_cached_tokens
 
     def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:
         """Whether `seq` can hold `num_tokens` tokens in total."""
