@@ -24,6 +24,7 @@ import pytest
 from openai import OpenAI
 from service_fixtures import KEYS, REPO, S3_BUCKET, Server, engine_pid, free_port, stopped, wait_for
 
+from tokenmill.apps.api.records import refused_key
 from tokenmill.apps.batch import batch as run_batch
 from tokenmill.queue.names import CANCEL_KEY
 
@@ -419,6 +420,8 @@ def test_lines_naming_a_model_no_worker_serves_error_and_the_batch_completes(tmp
     assert [(e["custom_id"], e["error"]["code"], e["response"]) for e in errors] == [
         ("b", "model_not_found", None), ("d", "model_not_found", None)]
     assert "'gpt-4o'" in errors[0]["error"]["message"] and "builtin:tiny" in errors[0]["error"]["message"]
+    refused = refused_key(batch.id)  # the lines never queued, kept while the batch ran: gone once it ended
+    wait_for(lambda: not redis_server.client().exists(refused), 10, f"{refused} deleted")
     assert worker.terminate() == 0  # a worker that stops withdraws its model
     assert list(client.models.list()) == []
 

@@ -113,12 +113,14 @@ class Driver(threading.Thread):
     def run(self) -> None:
         try:
             self.drive()
+            self.records.redis.delete(refused_key(self.batch_id))  # ended: its outcomes are in its files now
         except Stopped:
             log.info("batch %s: handed over", self.batch_id)
         except Exception as exc:  # a bug or a lost Redis must not leave the batch stuck in the active set
             log.exception("batch %s: failed", self.batch_id)
             try:
                 self._fail([{"code": "server_error", "message": f"{type(exc).__name__}: {exc}", "line": None, "param": None}])
+                self.records.redis.delete(refused_key(self.batch_id))
             except Exception:
                 log.exception("batch %s: could not record the failure", self.batch_id)
         finally:
