@@ -388,7 +388,13 @@ def test_server_kill_9_mid_batch_another_server_finishes_it_running_nothing_twic
     wait_for(lambda: len(result_log.counts) >= 3, 120, "some requests done")
     with stopped(engine_pid(worker.process.pid)):
         wait_for(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 3, 30, "counted by the server")
+        counted = client.batches.retrieve(batch.id).request_counts.completed
         first.kill()
+        seen, until = [], time.monotonic() + 8  # the second server takes the batch over meanwhile
+        while time.monotonic() < until:
+            seen.append(second.client().batches.retrieve(batch.id).request_counts.completed)
+            time.sleep(0.05)
+        assert min(seen) >= counted, seen  # a takeover counts from the results stored, never from 0 again
         during = second.client().batches.retrieve(batch.id)
         assert during.status == "in_progress" and during.request_counts.completed < 160
         third = serve(redis_server.url, port=first.port)  # and a restart on the old port

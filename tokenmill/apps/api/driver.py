@@ -274,16 +274,19 @@ class Driver(threading.Thread):
             counts.add(job, outcome)
         cancelled = False
 
-        def tick() -> None:  # each interval: a cancel or the deadline, the lease, the counts
+        def tick(count: bool = True) -> None:  # each interval: a cancel or the deadline, the lease, the counts
             nonlocal cancelled
             if not cancelled and self._ending():
                 client.cancel([job for job in pending if job not in outcomes])
                 cancelled = True
             self.heartbeat(force=True)
-            self._count(counts)
+            if count:
+                self._count(counts)
 
         if pending:
-            tick()
+            # not counted yet: the results stored already (a server taking the batch over finds many) come first, and
+            # counts written before them went back to the refused lines' alone
+            tick(count=False)
             for result in client.as_completed(pending, tick=self.interval):  # one subscription for the whole wait
                 if result is None:
                     tick()
