@@ -696,3 +696,21 @@ def test_an_upload_is_refused_before_its_body_is_read(tmp_path, redis_server, se
     assert too_big.value.status_code == 413 and too_big.value.response.json()["error"]["code"] == "request_too_large"
     uploaded = upload(client, write_jsonl(tmp_path / "small.jsonl", [chat_line("a", "hi")]))  # under the limit: taken
     assert client.files.retrieve(uploaded).bytes > 0
+
+
+def test_a_batch_that_fails_on_the_server_cancels_the_jobs_it_queued(tmp_path, redis_server, serve) -> None:
+    """A batch ended `failed` by the server (here: its input file deleted while it ran, then read again by the
+    server taking it over) cancels the jobs it had queued: no worker runs them for a batch that has ended."""
+    first = serve(redis_server.url)
+    client = first.client()
+    file_id = upload(client, write_jsonl(tmp_path / "in.jsonl", [chat_line(f"r{i}", "hi") for i in range(5)]))
+    batch = client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
+    broker = redis_server.client()
+    wait_for(lambda: client.batches.retrieve(batch.id).status == "in_progress" and broker.llen("tokenmill"), 30,
+             "the jobs queued (no worker takes them)")
+    client.files.delete(file_id)
+    first.kill()
+    second = serve(redis_server.url)
+    done = wait_status(second.client(), batch.id, ("failed", "completed", "cancelled", "expired"), 60)
+    assert done.status == "failed" and done.errors.data[0].code == "server_error"
+    assert len(list(broker.scan_iter(CANCEL_KEY.format(job_id="*")))) == 5
