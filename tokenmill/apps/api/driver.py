@@ -119,11 +119,11 @@ class Driver(threading.Thread):
         except Exception as exc:  # a bug or a lost Redis must not leave the batch stuck in the active set
             log.exception("batch %s: failed", self.batch_id)
             try:
-                self._fail([{"code": "server_error", "message": f"{type(exc).__name__}: {exc}", "line": None, "param": None}])
-                self.records.redis.delete(refused_key(self.batch_id))
                 with Client(self.settings.broker_url, result_backend=self.settings.result_backend,
                             queue=self.settings.queue) as client:
-                    client.cancel_run(self.batch_id)  # the jobs it queued would run for a batch that has ended
+                    client.cancel_run(self.batch_id)  # first: once it reads `failed`, none of its jobs runs any more
+                self._fail([{"code": "server_error", "message": f"{type(exc).__name__}: {exc}", "line": None, "param": None}])
+                self.records.redis.delete(refused_key(self.batch_id))
             except Exception:
                 log.exception("batch %s: could not record the failure", self.batch_id)
         finally:
