@@ -33,6 +33,12 @@ def not_found(what: str, id: str) -> APIError:
     return APIError(404, f"No {what} found with id '{id}'.", param="id", code="not_found")
 
 
+def upload_too_large(limit: int) -> APIError:
+    """413 for an upload over `limit` bytes: refused as its body comes in (`guard`) or as it is saved (`files`)."""
+    return APIError(413, f"file: larger than the {limit}-byte upload limit (TOKENMILL_MAX_UPLOAD_BYTES)",
+                    param="file", code="file_too_large")
+
+
 def install(app: FastAPI) -> None:
     """Every error of the app, FastAPI's own validation and routing errors included, in OpenAI's shape."""
 

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol
 
-from tokenmill.apps.api.errors import APIError, not_found
+from tokenmill.apps.api.errors import not_found, upload_too_large
 from tokenmill.queue.schemas import S3Location
 
 _CHUNK = 1 << 20
@@ -38,8 +38,7 @@ def upload_size(source: BinaryIO, limit: int) -> int:
     size = source.seek(0, os.SEEK_END)
     source.seek(0)
     if size > limit:
-        raise APIError(413, f"file: larger than the {limit}-byte upload limit (TOKENMILL_MAX_UPLOAD_BYTES)",
-                       param="file", code="file_too_large")
+        raise upload_too_large(limit)
     return size
 
 

@@ -17,7 +17,7 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tokenmill.apps.api.auth import Keys
-from tokenmill.apps.api.errors import APIError
+from tokenmill.apps.api.errors import APIError, upload_too_large
 
 #: The multipart envelope around an uploaded file (its part headers and boundaries), on top of the file's limit.
 MULTIPART_SLACK = 64 * 1024
@@ -44,8 +44,7 @@ class RequestGuard:
             return
         upload = scope["method"] == "POST" and scope["path"] == UPLOAD_PATH
         limit = self.max_upload_bytes + MULTIPART_SLACK if upload else MAX_BODY_BYTES
-        too_large = APIError(413, f"file: larger than the {self.max_upload_bytes}-byte upload limit "
-                             "(TOKENMILL_MAX_UPLOAD_BYTES)", "file", "file_too_large") if upload else APIError(
+        too_large = upload_too_large(self.max_upload_bytes) if upload else APIError(
             413, f"request: the body is larger than {MAX_BODY_BYTES} bytes", None, "request_too_large")
         headers = Headers(scope=scope)
         try:
