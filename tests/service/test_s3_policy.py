@@ -5,6 +5,8 @@ by a real S3 server with access control on, under a real worker (results bucket,
 MinIO cannot run here (its image cannot be pulled and Debian does not package it), so the server is moto's,
 started with `INITIAL_NO_AUTH_ACTION_COUNT`: past that many set-up calls, every request must be signed by an
 IAM user it knows and is allowed only what that user's policies allow, in the same policy language MinIO uses.
+It runs through `moto_iam_server.py`, which authorizes each request by the IAM action AWS documents for it (moto
+5.2.6 asks for `s3:CreateMultipartUpload`, which is no IAM action: see that file).
 The policy documents are produced by running the compose file's own `printf` lines. What this does not run are
 the `mc admin` commands that load the policies into MinIO and attach them to the users.
 """
@@ -33,6 +35,7 @@ from tokenmill.client import Client
 RESULTS_BUCKET = "results"
 FILES_BUCKET = "files"
 OTHER_BUCKET = "prod-config"
+MOTO_IAM_SERVER = Path(__file__).with_name("moto_iam_server.py")
 #: The unauthenticated calls of `_set_up`: three buckets; three users, one inline policy and one access key each.
 SET_UP_CALLS = 12
 
@@ -95,7 +98,7 @@ def enforcing_s3(tmp_path: Path) -> Iterator[EnforcingS3]:
     port = free_port()
     env = dict(os.environ, INITIAL_NO_AUTH_ACTION_COUNT=str(SET_UP_CALLS))
     with open(tmp_path / "moto.log", "wb") as log:
-        server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        server = subprocess.Popen([sys.executable, str(MOTO_IAM_SERVER), "-H", "127.0.0.1", "-p", str(port)],
                                   env=env, stdout=log, stderr=subprocess.STDOUT)
     endpoint = f"http://127.0.0.1:{port}"
     try:
@@ -164,9 +167,17 @@ def test_the_compose_policy_lets_the_api_keep_files_and_nothing_else(enforcing_s
                  lambda: api_s3.list_objects_v2(Bucket=FILES_BUCKET)):
         with pytest.raises(ClientError, match="AccessDenied"):
             call()
-    # boto3 uploads a file over 8 MiB in parts, and aborts them when the upload fails: the policy allows both
-    upload = api_s3.create_multipart_upload(Bucket=FILES_BUCKET, Key="partial")
-    api_s3.abort_multipart_upload(Bucket=FILES_BUCKET, Key="partial", UploadId=upload["UploadId"])
+    # boto3 uploads a file over 8 MiB in parts, and aborts them when the upload fails. AWS authorizes creating,
+    # uploading and completing parts as `s3:PutObject` and the abort as `s3:AbortMultipartUpload`.
+    upload = api_s3.create_multipart_upload(Bucket=FILES_BUCKET, Key="whole")["UploadId"]
+    part = api_s3.upload_part(Bucket=FILES_BUCKET, Key="whole", UploadId=upload, PartNumber=1, Body=b"{}")
+    api_s3.complete_multipart_upload(Bucket=FILES_BUCKET, Key="whole", UploadId=upload,
+                                     MultipartUpload={"Parts": [{"ETag": part["ETag"], "PartNumber": 1}]})
+    api_s3.delete_object(Bucket=FILES_BUCKET, Key="whole")
+    upload = api_s3.create_multipart_upload(Bucket=FILES_BUCKET, Key="partial")["UploadId"]
+    api_s3.abort_multipart_upload(Bucket=FILES_BUCKET, Key="partial", UploadId=upload)
+    with pytest.raises(ClientError, match="AccessDenied"):  # and in no other bucket
+        api_s3.create_multipart_upload(Bucket=RESULTS_BUCKET, Key="partial")
     start_worker(redis_server.url, "api-policy", extra_env=_worker_env(s3.worker)).wait_ready()
     server = serve(redis_server.url, env={**_worker_env(s3.api), "AWS_DEFAULT_REGION": "us-east-1"},
                    **{"files-dir": f"s3://{FILES_BUCKET}/", "s3-endpoint-url": s3.endpoint})
