@@ -8,7 +8,7 @@
 # Base images are build arguments (defaults: the usual public images), so the file builds wherever they
 # are mirrored: --build-arg BASE_IMAGE=registry.example/python:3.11-slim-bookworm. A base without
 # Python (plain Debian bookworm) gets Debian's python3, which is 3.11 as well. Versions are pinned:
-# torch by TORCH_VERSION, everything else by docker/requirements.lock (scripts/lock_image_deps.sh).
+# torch by TORCH_VERSION, everything else by docker/requirements.lock (scripts/lock.sh).
 # PIP_FIND_LINKS (a build argument, e.g. http://127.0.0.1:8000/ serving a local CPU torch wheel; build
 # with --network host) is searched before any index; TORCH_CPU_INDEX= stops pip asking PyTorch's index.
 # Model weights are never baked in: they are downloaded at run time into $HF_HOME (a volume in
