@@ -280,6 +280,16 @@ def test_rewriting_is_sound_on_random_values(schema: Any, values: list[Any]) -> 
             assert original.is_valid(value), (schema, rewritten, value)
 
 
+@pytest.mark.parametrize("value", [{"b": None}, {"b": 1, "c": 2}])
+def test_a_dependency_holds_where_property_names_declare_the_keys(value: Any) -> None:
+    """propertyNames' closed set of names is declared before the dependencies' branches, so the branch without `b`
+    forbids it (found by the property test above: `{"b": null}` was admitted though `b` requires `a`)."""
+    schema = {"type": "object", "propertyNames": {"enum": ["a", "b"]}, "dependentRequired": {"b": ["a"]}}
+    rewritten = jsonschema.Draft202012Validator(prepare(schema))
+    assert not rewritten.is_valid(value)
+    assert rewritten.is_valid({"a": 1, "b": 2}) and rewritten.is_valid({"a": 1}) and rewritten.is_valid({})
+
+
 @pytest.mark.parametrize("patterns", [{"^a": False, "b$": {"type": "array"}}, {"^x": {}, "^xy": {"type": "string"}},
                                       {"^a": {}, "(?i)^b": {}}])
 def test_pattern_properties_a_key_may_match_twice_are_refused_at_the_client(patterns: dict) -> None:

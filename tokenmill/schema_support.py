@@ -757,19 +757,8 @@ class _Normaliser:
         return [d]
 
     def _final_object(self, d: Disj, ptr: str, check: bool) -> Disjs:
-        if d["dependencies"]:
-            key, how, dep = d["dependencies"][0]
-            rest = {**d, "dependencies": d["dependencies"][1:]}
-            present = {**rest, "required": rest["required"] | {key}}
-            if how == "required":
-                present["required"] = present["required"] | set(dep)
-                branches = [present]
-            else:
-                branches = self.meet(present, self._as_object(dep, ptr), ptr) if dep else []
-            if key not in rest["required"]:
-                branches.append(self._forbid(rest, key, ptr))
-            return [f for b in branches if b is not None for f in self.finalise(b, ptr, check)]
         if d["names"] is not None:
+            d = dict(d)
             names, where = d["names"]
             finite = None if d["patterns"] else self._finite_names(names, where)
             if finite is not None:  # a closed set of names (dict[Literal[...], V]): each one an optional property
@@ -783,6 +772,19 @@ class _Normaliser:
                     return []
                 d = self._forbid(d, key, ptr)
             d["names"] = None
+        # after propertyNames, which may declare the names a dependency's branch without its key must then forbid
+        if d["dependencies"]:
+            key, how, dep = d["dependencies"][0]
+            rest = {**d, "dependencies": d["dependencies"][1:]}
+            present = {**rest, "required": rest["required"] | {key}}
+            if how == "required":
+                present["required"] = present["required"] | set(dep)
+                branches = [present]
+            else:
+                branches = self.meet(present, self._as_object(dep, ptr), ptr) if dep else []
+            if key not in rest["required"]:
+                branches.append(self._forbid(rest, key, ptr))
+            return [f for b in branches if b is not None for f in self.finalise(b, ptr, check)]
         for key in sorted(d["required"] - set(d["props"])):
             rule = self._rule(d, key)
             d["props"] = {**d["props"], key: rule if rule is not None else _any()}
