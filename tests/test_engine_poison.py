@@ -196,7 +196,7 @@ def test_the_engine_loop_refuses_a_request_that_failed_while_running(llm: LLM, m
     import json
     import multiprocessing
 
-    from tokenmill.worker.engine_process import _Loop
+    from tokenmill.worker.engine_process import _Loop, _Outbox
 
     real_row_keys = sampler_module._row_keys
 
@@ -207,12 +207,14 @@ def test_the_engine_loop_refuses_a_request_that_failed_while_running(llm: LLM, m
 
     monkeypatch.setattr(sampler_module, "_row_keys", row_keys)
     worker_end, engine_end = multiprocessing.Pipe()
-    loop = _Loop(llm.engine, engine_end)
+    outbox = _Outbox(engine_end)
+    loop = _Loop(llm.engine, engine_end, outbox)
     for request_id, seed in (("good", 1), ("poison", 777), ("also-good", 2)):
         params = {"max_tokens": 4, "temperature": 1.0, "seed": seed, "ignore_eos": True}
         loop._handle({"op": "add", "id": request_id, "prompt": "hello", "messages": None, "params": params})
     while llm.engine.has_unfinished():
         loop._step()
+    outbox.close(timeout=30)  # every message written
     messages = []
     while worker_end.poll(0):
         messages.append(json.loads(worker_end.recv_bytes()))

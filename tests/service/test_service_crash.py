@@ -8,6 +8,7 @@ import os
 import signal
 import time
 import uuid
+from pathlib import Path
 
 import redis
 from service_fixtures import TEST_VISIBILITY_TIMEOUT, RedisServer, ResultLog, Worker, engine_pid, wait_for
@@ -16,6 +17,7 @@ from tokenmill.client import Client
 from tokenmill.queue.names import DELIVERIES_KEY
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.worker.engine_process import EngineFailure, EngineProcess
+from tokenmill.worker.health import engine_problem
 from tokenmill.worker.service import FATAL_EXIT_CODE
 
 
@@ -127,3 +129,42 @@ def test_engine_loss_reaches_on_fatal_before_any_request_fails() -> None:
 
     assert isinstance(future.exception(timeout=60), EngineFailure)
     assert [(type(exc), done) for exc, done in seen] == [(EngineFailure, False)]
+
+
+STALL_TIMEOUT = 6.0
+
+
+def test_a_worker_whose_engine_stalls_hands_its_jobs_back_and_exits(redis_server: RedisServer, start_worker) -> None:
+    """The engine frozen (SIGSTOP) while the worker holds 10 jobs: the metrics and `tokenmill health` report the
+    stall, then after --engine-stall-timeout the worker logs why, puts the 10 messages back on the queue and exits
+    with the code a supervisor restarts. Another worker runs each job once, on its second delivery, long before the
+    visibility timeout (10 minutes here) would have requeued them."""
+    client = Client(redis_server.url)
+    broker = redis_server.client()
+    stuck = start_worker(redis_server.url, "stuck", engine_stall_timeout=STALL_TIMEOUT, visibility_timeout=600).wait_ready()
+    engine = _freeze_engine(stuck)
+    handles = client.submit_many([{"prompt": f"engine stalls {i}", "max_tokens": 8, "ignore_eos": True}
+                                  for i in range(10)])
+    wait_for(lambda: _all_delivered(broker, handles), 60, "stuck holding the 10 jobs")
+    # before the watchdog's bound, the reports say why
+    wait_for(lambda: stuck.metrics()["tokenmill_engine_stalled_seconds"] > 1.0, STALL_TIMEOUT - 2, "the stall's metric")
+    assert engine_problem(f"http://127.0.0.1:{stuck.metrics_port}/metrics", max_age=1.0) is not None
+
+    assert stuck.process.wait(timeout=STALL_TIMEOUT + 30) == FATAL_EXIT_CODE
+    log = stuck.log_text()
+    assert "sent nothing for" in log and "handed back" in log, log[-2000:]
+    assert broker.llen("tokenmill") == 10, "the held messages are back on the queue, not waiting for their leases"
+    assert all(client.get(h.id) is None for h in handles), "a job ended on the stalled worker"
+    start_worker(redis_server.url, "next").wait_ready()
+    results = client.results(handles, timeout=120)
+    assert all(r.ok and r.usage.completion_tokens == 8 for r in results), [r.error for r in results if not r.ok]
+    assert [(r.attempt, r.worker.split("@")[0]) for r in results] == [(2, "next")] * len(handles)
+    wait_for(lambda: _gone(engine), 10, "the frozen engine process to be gone with its worker")
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+

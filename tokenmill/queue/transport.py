@@ -55,7 +55,7 @@ import uuid
 import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from time import monotonic, time
+from time import monotonic, sleep, time
 from typing import Any
 
 from kombu.exceptions import DecodeError
@@ -208,6 +208,8 @@ return moved
 _live_qos: weakref.WeakSet[QoS] = weakref.WeakSet()
 #: Per thread: the acks `acks_together` collects, or None outside it.
 _together = threading.local()
+#: Set by `hand_back_held`: this process takes no more messages.
+_handing_back = threading.Event()
 
 
 @contextmanager
@@ -261,17 +263,44 @@ def held_deliveries() -> dict[str, list[str]]:
     """Delivery tags held (delivered, not acked) by this process, by `unacked_index` key."""
     held: dict[str, list[str]] = {}
     for qos in list(_live_qos):
-        for _ in range(3):  # acks from pool threads may resize the dict while it is copied
-            try:
-                tags = [tag for tag in list(qos._delivered) if tag not in qos._dirty]
-                break
-            except RuntimeError:
-                continue
-        else:
-            tags = []
+        tags = _held_tags(qos)
         if tags:
             held.setdefault(qos.unacked_index_key, []).extend(tags)
     return held
+
+
+def hand_back_held(settle: float = 1.0) -> int:
+    """Stop taking messages and put every message this process holds back at the head of its queue, for another
+    worker to run now rather than after the visibility timeout: for a worker about to exit because it cannot run them.
+    Returns how many went back. A message whose result is stored meanwhile is run by nobody: its next delivery finds
+    the result. Any thread; the caller bounds the time it waits (Redis may be down).
+
+    A take already waiting on an empty queue (BLMOVE) is answered by the first message put back, and its reply may
+    never be read (no take is made once this is called): each round also returns what the takes moved into this
+    process's processing lists unrecorded, and the rounds go on until none has found a message for `settle` seconds."""
+    _handing_back.set()
+    returned, quiet_since = 0, monotonic()
+    while monotonic() - quiet_since < settle:
+        for qos in list(_live_qos):
+            moved = 0
+            for tag in _held_tags(qos):
+                kombu_redis.QoS.restore_by_tag(qos, tag)
+                virtual.QoS.ack(qos, tag)  # the local record only, as `reject` drops it
+                moved += 1
+            moved += qos.channel._return_unread()
+            if moved:
+                returned, quiet_since = returned + moved, monotonic()
+        sleep(settle / 4)
+    return returned
+
+
+def _held_tags(qos: QoS) -> list[str]:
+    for _ in range(3):  # acks from pool threads may resize the dict while it is copied
+        try:
+            return [tag for tag in list(qos._delivered) if tag not in qos._dirty]
+        except RuntimeError:
+            continue
+    return []
 
 
 def envelope_problem(payload: Any, decode_body: Any) -> str | None:
@@ -320,6 +349,8 @@ class QoS(kombu_redis.QoS):
     def can_consume(self) -> bool:
         """As kombu, but with `Channel.take_at_least` free prefetch slots (at most a take's `TAKE_MAX`), once the worker
         holds more than the rest: a full worker refills in batches, not a message or two per engine step."""
+        if _handing_back.is_set():
+            return False
         room = self.can_consume_max_estimate()
         return room is None or room >= min(self.channel.take_at_least, self.prefetch_count, TAKE_MAX)
 
@@ -502,18 +533,21 @@ class Channel(kombu_redis.Channel):
         self._unread = True
         self.client.connection.send_command("BLMOVE", source, self._processing_key(source), "RIGHT", "LEFT", timeout or 0)
 
-    def _return_unread(self) -> None:
+    def _return_unread(self) -> int:
         """Requeue what the last take or BLMOVE moved into this consumer's processing lists and never got recorded:
         its reply was lost with its connection (kombu drops a connection whose reply is overdue, or one the server
         closed, and sends the next take on a new one without reading the old). Those items are on no queue and in
         no `unacked`, and this consumer's heartbeat keeps every sweep from them. Between takes its lists are
-        otherwise empty: each take's items leave them in the script that records them."""
+        otherwise empty: each take's items leave them in the script that records them. Returns how many."""
         keys = list(self._sources)
+        if not keys:
+            return 0
         with self.conn_or_acquire() as client:
             moved = self._scripts["return"](keys=[*map(self._processing_key, keys), *keys], client=client)
         self._unread = False
         if moved:
-            log.warning("requeued %d message(s) taken by a take whose reply was lost with its connection", moved)
+            log.warning("requeued %d message(s) taken by a take whose reply was not read", moved)
+        return moved
 
     def _register_sources(self, keys: list[str]) -> None:
         """Register new processing lists (before anything is moved into them) and renew the heartbeat when due."""

@@ -25,6 +25,17 @@ At start-up the engine sends its tokenizer's `tokenizers` JSON ("tokenizer"), wh
 engine's tokenizer does; a tokenizer that is not a `tokenizers` one, or fails that check, is sent as null and
 prompts then come as text. Chat messages always come as messages (the chat template is transformers').
 
+Neither side blocks on a write while the other cannot read. Here, pipe writes take `_write_lock` only, which the
+reader thread never takes, and the reader hands each answer to its sink (which must not block): it drains the engine's
+answers whatever the writers wait for. In the engine process every write goes through one writer thread (`_Outbox`),
+so the loop keeps reading requests and cancels, and stepping, while the worker is slow to read. (A cancel listener
+once blocked on a full pipe holding the lock the reader needed, while the engine blocked writing its outputs: both
+pipes full, the worker wedged.)
+
+The reader also marks when it last heard from the engine, which reports between steps at least every
+`_STATS_INTERVAL`: an engine that holds requests and is silent for `stall_timeout` seconds (frozen, stuck in a step,
+deadlocked) is reported to `on_stall` once, from a watchdog thread.
+
 A failure that belongs to one request (refused at admission: bad prompt, tokenizer or chat-template
 error; failed while running: its sampling or decoding, see `LLMEngine.step`) comes back as "refused"
 and fails that job only. If the engine raises outside a single request (the model's forward pass, out
@@ -39,6 +50,7 @@ import gc
 import logging
 import multiprocessing
 import os
+import queue
 import select
 import signal
 import threading
@@ -112,8 +124,13 @@ class EngineProcess:
         on_fatal: Callable[[BaseException], None] | None = None,
         on_stats: Callable[[EngineStatus], None] | None = None,
         cpus: set[int] | None = None,
+        on_stall: Callable[[str], None] | None = None,
+        stall_timeout: float | None = None,
     ) -> None:
-        """`cpus`: the CPUs the engine process runs on (`tokenmill.worker.cpus`); None: wherever this process may."""
+        """`cpus`: the CPUs the engine process runs on (`tokenmill.worker.cpus`); None: wherever this process may.
+        `on_stall(why)`: called once, on the watchdog thread, when the engine held requests and sent nothing for
+        `stall_timeout` seconds (None: no watchdog); the engine process is killed first, and no request still pending
+        is answered (see `abandon`)."""
         # `tokenizers` batches on the calling thread (a thread pool would take cores from the engine, at more CPU)
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         context = multiprocessing.get_context("spawn")  # no fork of a process that runs threads
@@ -125,8 +142,12 @@ class EngineProcess:
         self._on_fatal = on_fatal
         self._on_stats = on_stats
         self._pending: dict[str, Sink] = {}  # request id -> where its answer goes
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards _pending and _stopping; never held across I/O
+        self._write_lock = threading.Lock()  # one pipe write at a time, in the order registered; never the reader's
         self._stopping = False
+        self._on_stall = on_stall
+        self._stall_timeout = stall_timeout
+        self._heard = time.monotonic()  # when the reader last got a message from the engine
         self._ready = threading.Event()
         self._tokenizer: Any = None  # a `tokenizers.Tokenizer`, once the engine has sent it
         self._prompt_limits: tuple[int | None, int] = (None, 0)  # (max_prompt_chars, max_model_len)
@@ -140,6 +161,8 @@ class EngineProcess:
         self._reader.start()
         if not self._ready.wait(timeout) or not self._process.is_alive():
             raise EngineFailure(f"the engine process did not start (exit code {self._process.exitcode})")
+        if self._stall_timeout is not None and self._on_stall is not None:
+            threading.Thread(target=self._watch, name="tokenmill-engine-watchdog", daemon=True).start()
 
     def submit(
         self,
@@ -166,7 +189,10 @@ class EngineProcess:
         prompts go as token ids when the engine sent its tokenizer; a prompt refused here is answered at once and not
         sent. A sink, not a future per request: the single-job intake hands every answer to its finisher's queue, and
         a future's lifecycle (its `Condition`, done callback, `set_result`, `result`) cost it 3 µs a job. If the write
-        raises, no request of the message is answered: the caller has the error, and nothing stays pending."""
+        raises, no request of the message is answered: the caller has the error, and nothing stays pending.
+
+        The requests are registered before the write, under `_write_lock`, so a cancel or abort of one of them is
+        written after it; the write itself holds no lock the reader needs."""
         prompts = self.tokenize([prompt for _, _, prompt, _ in requests])
         adds = []
         for (request_id, params, _, messages), prompt in zip(requests, prompts):
@@ -179,12 +205,18 @@ class EngineProcess:
             return
         message = adds[0] if len(adds) == 1 else {"op": "add_many", "requests": adds}
         payload = fastjson.dumps(message, *(add["params"].get("json_schema") for add in adds))
-        with self._lock:
-            if self._stopping:
-                raise EngineFailure("the engine is stopped")
-            self._conn.send_bytes(payload)
-            for add in adds:  # after the write, which may raise; no answer is read before the lock is released
-                self._pending[add["id"]] = sink
+        with self._write_lock:
+            with self._lock:
+                if self._stopping:
+                    raise EngineFailure("the engine is stopped")
+                self._pending.update((add["id"], sink) for add in adds)
+            try:
+                self._conn.send_bytes(payload)
+            except BaseException:
+                with self._lock:
+                    for add in adds:
+                        self._pending.pop(add["id"], None)
+                raise
 
     def tokenize(self, prompts: list[Any]) -> list[Any]:
         """Each text prompt as token ids, or the error refusing it; other prompts (token ids, None) as given."""
@@ -208,9 +240,11 @@ class EngineProcess:
     def abort(self, request_id: str) -> None:
         """Drop a request (e.g. its job is requeued at shutdown): it is answered with `CancelledError` (its future is
         cancelled) unless it was answered already."""
-        with self._lock:
-            sink = self._pending.pop(request_id, None)
-            if not self._stopping:
+        with self._write_lock:
+            with self._lock:
+                sink = self._pending.pop(request_id, None)
+                stopping = self._stopping
+            if not stopping:
                 self._conn.send_bytes(fastjson.dumps({"op": "abort", "id": request_id}))
         if sink is not None:
             sink(request_id, CancelledError())
@@ -218,23 +252,63 @@ class EngineProcess:
     def cancel(self, request_id: str, reason: str) -> None:
         """Stop a request at the next step boundary: it is answered with what it generated so far
         (`finish_reason=reason`), or with its normal output if it finished first."""
-        with self._lock:
-            if request_id in self._pending and not self._stopping:
+        with self._write_lock:
+            with self._lock:
+                live = request_id in self._pending and not self._stopping
+            if live:
                 self._conn.send_bytes(fastjson.dumps({"op": "cancel", "id": request_id, "reason": reason}))
 
     def stop(self, timeout: float = 10) -> None:
+        """Ask the engine process to exit; kill it if it has not within `timeout` (a frozen one cannot read the ask,
+        and the write may wait on a full pipe: it is made on a thread of its own)."""
         with self._lock:
             if self._stopping:
                 return
             self._stopping = True
-            try:
-                self._conn.send_bytes(b'{"op": "stop"}')
-            except OSError:
-                pass
+        threading.Thread(target=self._write_quietly, args=(b'{"op": "stop"}',), name="tokenmill-engine-stop",
+                         daemon=True).start()
         self._process.join(timeout)
         if self._process.is_alive():
             self._process.kill()
             self._process.join(5)
+
+    def abandon(self) -> None:
+        """Kill the engine process and answer no request still pending (the caller is exiting and hands their jobs
+        to other workers: an answer now could store a result for a job already handed back)."""
+        with self._lock:
+            self._stopping = True
+            self._pending.clear()
+        self._process.kill()
+        self._process.join(5)
+
+    def stalled_for(self) -> float:
+        """Seconds the engine has held requests without a message; 0 while it has none or keeps reporting."""
+        with self._lock:
+            held = bool(self._pending) and not self._stopping
+        return max(0.0, time.monotonic() - self._heard - _STATS_INTERVAL) if held else 0.0
+
+    def _write_quietly(self, payload: bytes) -> None:
+        try:
+            with self._write_lock:
+                self._conn.send_bytes(payload)
+        except OSError:
+            pass
+
+    def _watch(self) -> None:
+        """The watchdog: `on_stall` once the engine has held requests and been silent for `stall_timeout` seconds."""
+        assert self._stall_timeout is not None and self._on_stall is not None
+        while not self._stopping:
+            time.sleep(min(1.0, self._stall_timeout / 4))
+            with self._lock:
+                held, silent = len(self._pending), time.monotonic() - self._heard
+                stalled = held > 0 and silent > self._stall_timeout and not self._stopping
+            if stalled:
+                why = (f"the engine process (pid {self._process.pid}) sent nothing for {silent:.0f}s while holding "
+                       f"{held} request(s) (stall timeout {self._stall_timeout:g}s): it is frozen, stuck in a step or "
+                       "deadlocked")
+                self.abandon()
+                self._on_stall(why)
+                return
 
     # -- the reader thread ---------------------------------------------------------------------
 
@@ -245,6 +319,7 @@ class EngineProcess:
             except (EOFError, OSError):
                 self._lost(EngineFailure(f"the engine process exited (exit code {self._process.exitcode})"))
                 return
+            self._heard = time.monotonic()
             op = message["op"]
             if op == "done":
                 self._resolve({output["request_id"]: EngineOutput(**output) for output in message["outputs"]})
@@ -348,9 +423,10 @@ def serve(conn: Connection, model: str, options: dict[str, Any], cpus: set[int] 
     from tokenmill.engine.llm_engine import LLMEngine  # torch is imported here, in this process only
 
     engine = LLMEngine(model, **options)
-    loop = _Loop(engine, conn)
+    outbox = _Outbox(conn)
+    loop = _Loop(engine, conn, outbox)
     freeze_startup_objects()
-    _send(conn, {"op": "ready", "tokenizer": tokenizer_for_frontend(engine.tokenizer),
+    outbox.send({"op": "ready", "tokenizer": tokenizer_for_frontend(engine.tokenizer),
                  "max_prompt_chars": loop.max_prompt_chars, "max_model_len": engine.max_model_len})
     try:
         loop.run()
@@ -358,15 +434,46 @@ def serve(conn: Connection, model: str, options: dict[str, Any], cpus: set[int] 
         return
     except BaseException as exc:
         try:
-            _send(conn, {"op": "fatal", "error": repr(exc)})
+            outbox.send({"op": "fatal", "error": repr(exc)})
+            outbox.close(timeout=10)  # the worker learns why before this process exits
         finally:
             raise
 
 
+class _Outbox:
+    """The engine process's messages to the worker, written by a thread of their own in the order sent: the loop never
+    waits on a full pipe, so it goes on reading requests and cancels, and stepping, while the worker reads slowly.
+    Encoding stays on the caller's thread; a write that fails (the worker is gone) ends the writer, and the loop sees
+    the pipe closed on its next read."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+        self._queue: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._write, name="tokenmill-engine-writer", daemon=True)
+        self._thread.start()
+
+    def send(self, message: dict[str, Any], *free: Any) -> None:
+        """`free`: the parts of `message` that may hold any JSON value (see `fastjson.dumps`)."""
+        self._queue.put(fastjson.dumps(message, *free, default=_plain))
+
+    def close(self, timeout: float) -> None:
+        """Write what was sent, waiting at most `timeout` seconds."""
+        self._queue.put(None)
+        self._thread.join(timeout)
+
+    def _write(self) -> None:
+        while (payload := self._queue.get()) is not None:
+            try:
+                self._conn.send_bytes(payload)
+            except OSError:
+                return
+
+
 class _Loop:
-    def __init__(self, engine: Any, conn: Connection) -> None:
+    def __init__(self, engine: Any, conn: Connection, outbox: _Outbox) -> None:
         self.engine = engine
         self.conn = conn
+        self.outbox = outbox
         # asked before every step whether a message came: `Connection.poll` builds a selector for each call, 7.3 us
         # against 0.9 for one `poll` object kept (~0.3 ms of a lone 40-token job's decode steps)
         self._incoming = select.poll()
@@ -419,11 +526,11 @@ class _Loop:
             prompt = message["prompt"] if message["messages"] is None else self.engine.apply_chat_template(message["messages"])
             self.engine.add_request(request_id, prompt, params)
         except InvalidRequestError as exc:
-            _send(self.conn, {"op": "refused", "id": request_id, "field": exc.field, "message": exc.message})
+            self.outbox.send({"op": "refused", "id": request_id, "field": exc.field, "message": exc.message})
             return
         except Exception as exc:  # e.g. the chat template cannot render these messages: this request only
             field = "prompt" if message["messages"] is None else "messages"
-            _send(self.conn, {"op": "refused", "id": request_id, "field": field, "message": f"{type(exc).__name__}: {exc}"})
+            self.outbox.send({"op": "refused", "id": request_id, "field": field, "message": f"{type(exc).__name__}: {exc}"})
             return
         self.live.add(request_id)
 
@@ -436,7 +543,7 @@ class _Loop:
             self.live.discard(output.request_id)
             if output.finish_reason == "error":
                 field, _, text = (output.error or "request: failed").partition(": ")
-                _send(self.conn, {"op": "refused", "id": output.request_id, "field": field, "message": text})
+                self.outbox.send({"op": "refused", "id": output.request_id, "field": field, "message": text})
         done = [o for o in outputs if o.finish_reason != "error"]
         if done:
             self._send_done(done)
@@ -444,7 +551,7 @@ class _Loop:
     def _send_done(self, outputs: list[Any]) -> None:
         """Finished requests in one message; their logprobs and parsed output may hold any JSON value."""
         free = [part for output in outputs for part in (output.logprobs, output.parsed)]
-        _send(self.conn, {"op": "done", "outputs": [output_fields(output) for output in outputs]}, *free)
+        self.outbox.send({"op": "done", "outputs": [output_fields(output) for output in outputs]}, *free)
 
     def _maybe_stats(self) -> None:
         now = time.monotonic()
@@ -452,7 +559,7 @@ class _Loop:
             return
         self.next_stats = now + _STATS_INTERVAL
         stats = self.engine.stats()
-        _send(self.conn, {
+        self.outbox.send({
             "op": "stats",
             "num_running": stats.num_running,
             "num_waiting": stats.num_waiting,
@@ -525,11 +632,6 @@ def output_fields(output: Any) -> dict[str, Any]:
     if output.constraint_backend is not None:
         fields["constraint_backend"] = output.constraint_backend
     return fields
-
-
-def _send(conn: Connection, message: dict[str, Any], *free: Any) -> None:
-    """`free`: the parts of `message` that may hold any JSON value (see `fastjson.dumps`)."""
-    conn.send_bytes(fastjson.dumps(message, *free, default=_plain))
 
 
 def _plain(value: Any) -> Any:

@@ -57,6 +57,9 @@ class WorkerMetrics:
             "Unix time of the engine process's last status report (every 0.5 s while it serves; `tokenmill health`).",
             registry=registry,
         )
+        self.engine_stalled = Gauge(
+            "tokenmill_engine_stalled_seconds", "Seconds the engine has held jobs without a step or a message (0 while "
+            "it makes progress); the worker exits at --engine-stall-timeout.", registry=registry)
         self.output_retries = Counter(
             "tokenmill_output_write_retries", "Failed attempts to write a result to S3 (retried).", registry=registry
         )

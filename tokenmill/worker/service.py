@@ -64,6 +64,7 @@ from tokenmill.queue.names import CANCEL_KEY, DEAD_LETTER_KEY, DELIVERIES_KEY
 from tokenmill.queue.schemas import SCHEMA_VERSION, Job, JobResult, is_job_id
 from tokenmill.queue.served import Announcer
 from tokenmill.queue.tls import redis_client
+from tokenmill.queue.transport import hand_back_held
 from tokenmill.worker.cancel_listener import CancelListener
 from tokenmill.worker.cpus import format_cpu_list, pin_process, placement
 from tokenmill.worker.engine_process import EngineProcess, Sink
@@ -75,6 +76,7 @@ log = logging.getLogger("tokenmill.worker")
 
 FATAL_EXIT_CODE = 70  # EX_SOFTWARE: the engine failed; a supervisor restarts the worker
 SHUTDOWN_CHECK_INTERVAL = 2.0  # seconds
+HAND_BACK_TIMEOUT = 10.0  # seconds a stalled worker tries to requeue its held messages before it exits anyway
 CHECK_IN_LIMIT = 500  # single jobs per check-in script call (Redis runs a script alone) and per engine message
 STORE_LIMIT = 8  # groups' result stores per script call (each at most a group's jobs; Redis runs a script alone)
 
@@ -192,8 +194,9 @@ class WorkerService:
         cpus = placement(settings.engine_cpus)  # (the engine's, the worker's), or None
         engine = EngineProcess(
             settings.model, settings.engine_options(), on_fatal=_exit_on_engine_failure, on_stats=metrics.on_engine_status,
-            cpus=cpus[0] if cpus else None,
+            cpus=cpus[0] if cpus else None, on_stall=_exit_on_engine_stall, stall_timeout=settings.engine_stall_timeout,
         )
+        metrics.engine_stalled.set_function(engine.stalled_for)
         engine.start()
         log.info("engine process ready with model %s after %.1fs", settings.model, time.monotonic() - started)
         if cpus:
@@ -597,5 +600,24 @@ def _exit_on_engine_failure(exc: BaseException) -> None:
     a job that causes this every time reaches `max_deliveries` and is dead-lettered.
     """
     log.critical("engine failure, exiting with code %d so a supervisor restarts the worker: %r", FATAL_EXIT_CODE, exc)
+    logging.shutdown()
+    os._exit(FATAL_EXIT_CODE)
+
+
+def _exit_on_engine_stall(why: str) -> None:
+    """The engine holds jobs and makes no progress (`EngineProcess` killed it, answering none of them): stop taking
+    jobs, put the held messages back on their queues for other workers, and exit for a supervisor to restart this one.
+    A job whose result was stored meanwhile is not run again: its next delivery finds the result."""
+    log.critical("%s; handing back the jobs held here, then exiting with code %d so a supervisor restarts the worker",
+                 why, FATAL_EXIT_CODE)
+    returned: list[int] = []
+    hand_back = threading.Thread(target=lambda: returned.append(hand_back_held()), name="tokenmill-hand-back", daemon=True)
+    hand_back.start()
+    hand_back.join(HAND_BACK_TIMEOUT)
+    if returned:
+        log.critical("handed back %d message(s)", returned[0])
+    else:  # Redis down or slow: the visibility timeout requeues them once this worker's leases lapse
+        log.critical("could not hand back the held messages within %.0fs; they are requeued after the visibility "
+                     "timeout", HAND_BACK_TIMEOUT)
     logging.shutdown()
     os._exit(FATAL_EXIT_CODE)

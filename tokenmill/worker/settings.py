@@ -60,6 +60,12 @@ class WorkerSettings(QueueSettings):
     shutdown_grace: float = Field(
         60.0, ge=0, description="Seconds after SIGTERM that in-flight jobs may take to finish before they are requeued."
     )
+    engine_stall_timeout: float = Field(
+        300.0, gt=0, description="Seconds the engine may hold jobs without a step or a message before the worker "
+        "counts it stuck (frozen, deadlocked, a step that never ends): it logs why, stops taking jobs, hands the "
+        "messages it holds back to their queues and exits with code 70 for its supervisor to restart it. Keep it "
+        "above the longest step the engine takes (a step reports at least every 0.5 s).",
+    )
     metrics_port: int = Field(
         9400, ge=0, le=65535, description="First Prometheus metrics port tried; if it is taken (another worker on "
         "this host), the next ones up to --metrics-port-tries; the port used is logged. 0 disables the endpoint.",
