@@ -8,6 +8,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -109,3 +110,46 @@ def test_a_resume_skips_cancelled_rows_unless_told_to_retry_them(tmp_path: Path,
     again = tokenmill.annotate(str(source), str(output), TEMPLATE, broker=redis_server.url, quiet=True,
                                retry_failed=True, **options)
     assert (again.ok, again.reused, again.computed) == (5, 5, 0)
+
+
+def _annotate_cli(*args: str) -> subprocess.Popen:
+    """`tokenmill annotate ...` in its own process with SIGINT raising KeyboardInterrupt (see above), no terminal."""
+    code = ("import signal, sys\nsignal.signal(signal.SIGINT, signal.default_int_handler)\nfrom tokenmill.cli import main\n"
+            "sys.exit(main(sys.argv[1:]))\n")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-c", code, "annotate", *args], env=env, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def test_ctrl_c_of_a_big_run_exits_in_seconds_and_the_worker_goes_on(tmp_path: Path, redis_server: RedisServer,
+                                                                    start_worker: Any) -> None:
+    """The wedged worker's reproduction: 1,000 rows of 200 tokens in flight, Ctrl-C. The command exits within 10 s
+    (cancelling the rows, checkpointing what came back), a second command on the same output meanwhile is refused in
+    one line, and the same worker then completes a fresh run and the resume of the first."""
+    worker = start_worker(redis_server.url).wait_ready()
+    source = write_jsonl(tmp_path / "big.jsonl", [{"id": f"r{i}", "text": f"row {i}"} for i in range(1000)])
+    output = tmp_path / "out.jsonl"
+    command = [str(source), "-o", str(output), "--template", TEMPLATE, "--max-tokens", "200", "--id-column", "id",
+               "--broker", redis_server.url, "--quiet"]
+    run = _annotate_cli(*command)
+    run_id = _run_id(run)
+    _running(worker, 32)
+    second = _annotate_cli(*command)
+    _, refused = second.communicate(timeout=120)
+    assert second.returncode == 2 and f"another run (pid {run.pid}, run {run_id})" in refused, refused
+    assert "Traceback" not in refused
+
+    interrupted_at = time.monotonic()
+    run.send_signal(signal.SIGINT)
+    _, stderr = run.communicate(timeout=60)
+    assert run.returncode == 130, stderr
+    assert time.monotonic() - interrupted_at <= 10, f"exited {time.monotonic() - interrupted_at:.1f}s after Ctrl-C"
+    assert f"jobs of run {run_id}" in stderr
+
+    small = write_jsonl(tmp_path / "small.jsonl", [{"id": f"f{i}", "text": f"fresh {i}"} for i in range(50)])
+    fresh = cli("annotate", str(small), "-o", str(tmp_path / "fresh.jsonl"), "--template", TEMPLATE, "--max-tokens", "4",
+                "--id-column", "id", "--broker", redis_server.url, "--quiet")
+    assert fresh.returncode == 0, fresh.stderr
+    resumed = cli("annotate", *command)
+    assert resumed.returncode in (0, 1), resumed.stderr  # rows cancelled by the Ctrl-C are that row's error
+    assert len(read_jsonl(output)) == 1000

@@ -21,7 +21,7 @@ from tokenmill.apps.store import Outcome
 from tokenmill.errors import InvalidRequestError
 from tokenmill.sampling_params import SamplingParams
 
-_DRAIN_TIMEOUT = 30.0  # seconds to wait, after Ctrl-C, for the cancelled jobs' results
+_DRAIN_TIMEOUT = 5.0  # seconds to wait, after Ctrl-C, for the cancelled jobs' results (the rest are collected on resume)
 
 
 @dataclass

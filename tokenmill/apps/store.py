@@ -11,6 +11,7 @@ rerun recomputes exactly the rows whose key is not stored yet (new rows, rows wh
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -113,7 +114,12 @@ class Checkpoint:
         self.flush_interval = flush_interval
         self.run = uuid.uuid4().hex
         _private_database(path)
-        self.db = sqlite3.connect(path, isolation_level=None)
+        self._lock = _hold(path + ".lock", self.run)
+        try:
+            self.db = sqlite3.connect(path, isolation_level=None)
+        except BaseException:
+            os.close(self._lock)
+            raise
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=NORMAL")
         columns = ", ".join(f"{name} {'INTEGER' if name in ('prompt_tokens', 'completion_tokens', 'created') else 'TEXT'}"
@@ -142,8 +148,28 @@ class Checkpoint:
         self._last_flush = time.monotonic()
 
     def close(self) -> None:
-        self.db.execute("COMMIT")
-        self.db.close()
+        try:
+            self.db.execute("COMMIT")
+            self.db.close()
+        finally:
+            os.close(self._lock)  # the lock goes with its descriptor
+
+
+def _hold(path: str, run: str) -> int:
+    """One run per checkpoint (so per output): an exclusive `flock` on `path`, held until the descriptor is closed (or
+    the process ends, however it ends). The holder writes its pid and run id there for the one it refuses."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | _NO_FOLLOW, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 200, 0).decode(errors="replace").split()
+        os.close(fd)
+        who = f"pid {holder[0]}, run {holder[1][:12]}" if len(holder) == 2 else "another process"
+        raise DatasetError(f"another run ({who}) is writing this output's checkpoint {os.path.dirname(path)}: let it "
+                           "finish or stop it first (one run per output)") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()} {run}\n".encode(), 0)
+    return fd
 
 
 class SeenSet:
