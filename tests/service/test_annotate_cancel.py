@@ -6,13 +6,14 @@ from __future__ import annotations
 import os
 import re
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from service_fixtures import REPO, RedisServer, Worker, wait_for
+from service_fixtures import REPO, RedisServer, Worker, engine_pid, wait_for
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from annotate_helpers import cli, read_jsonl, write_jsonl  # noqa: E402
@@ -153,3 +154,27 @@ def test_ctrl_c_of_a_big_run_exits_in_seconds_and_the_worker_goes_on(tmp_path: P
     resumed = cli("annotate", *command)
     assert resumed.returncode in (0, 1), resumed.stderr  # rows cancelled by the Ctrl-C are that row's error
     assert len(read_jsonl(output)) == 1000
+
+
+def test_a_second_ctrl_c_exits_at_once_with_the_checkpoint_intact(tmp_path: Path, redis_server: RedisServer,
+                                                                  start_worker: Any) -> None:
+    """The first Ctrl-C waits for the cancelled rows' results, which a frozen engine never sends; the second one ends
+    that wait at once, and the checkpoint is a sound database."""
+    worker = start_worker(redis_server.url, max_num_seqs=4, num_kv_blocks=1024).wait_ready()
+    source = write_jsonl(tmp_path / "in.jsonl", [{"id": f"r{i}", "text": f"row {i}"} for i in range(4)])
+    os.kill(engine_pid(worker.process.pid), signal.SIGSTOP)  # no row can finish, nor answer its cancel
+    run = _annotate_cli(str(source), "-o", str(tmp_path / "out.jsonl"), "--template", TEMPLATE, "--id-column", "id",
+                        "--max-tokens", "3000", "--broker", redis_server.url, "--quiet")
+    _run_id(run)
+    wait_for(lambda: redis_server.client().llen("tokenmill") == 0 and redis_server.client().keys("tokenmill:deliveries:*"),
+             60, "the worker to take the rows")
+    run.send_signal(signal.SIGINT)
+    time.sleep(1.0)
+    assert run.poll() is None, "the first Ctrl-C should wait for the cancelled rows"
+    second_at = time.monotonic()
+    run.send_signal(signal.SIGINT)
+    _, stderr = run.communicate(timeout=30)
+    assert run.returncode == 130 and time.monotonic() - second_at < 2.0, (run.returncode, stderr)
+    assert "Traceback" not in stderr
+    with sqlite3.connect(tmp_path / "out.jsonl.tokenmill-state" / "checkpoint.sqlite") as db:
+        assert db.execute("PRAGMA integrity_check").fetchone() == ("ok",)
