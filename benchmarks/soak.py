@@ -1,12 +1,13 @@
 """Soak test of the queue's delivery guarantees: thousands of jobs through real workers while workers are
-killed with `kill -9` (each replaced) and redis-server is restarted (AOF, `appendfsync always`; half
-SIGTERM, half kill -9) at random points of the run.
+killed with `kill -9` (each replaced), redis-server is restarted (AOF, `appendfsync always`; half
+SIGTERM, half kill -9) and bursts of cancels hit the jobs, at random points of the run.
 
-    python benchmarks/soak.py --jobs 3000 --kills 8 --restarts 8
+    python benchmarks/soak.py --jobs 3000 --kills 8 --restarts 8 --cancels 4
 
-Prints one table row per run: jobs, faults, lost (must be 0), failed, reruns (job starts beyond the
-first: the jobs a killed worker held start again elsewhere), wall time, throughput and machine load.
-Exits 1 if any job was lost or failed. Uses the service tests' real components (tests/service).
+Prints one table row per run: jobs, faults, lost (must be 0), failed, cancelled (each by a burst), reruns (job
+starts beyond the first: the jobs a killed worker held start again elsewhere), wall time, throughput and machine
+load. Exits 1 if any job was lost or failed, one ended cancelled that no burst named, or a worker died unasked (a
+wedged worker exits: see --engine-stall-timeout). Uses the service tests' real components (tests/service).
 
     python benchmarks/soak.py --recovery 3 12
 
@@ -63,6 +64,8 @@ def main() -> int:
     parser.add_argument("--jobs", type=int, default=3000)
     parser.add_argument("--kills", type=int, default=8, help="kill -9 of a random worker, each replaced")
     parser.add_argument("--restarts", type=int, default=8, help="redis-server restarts")
+    parser.add_argument("--cancels", type=int, default=0, help="bursts of cancels of --cancel-burst random jobs")
+    parser.add_argument("--cancel-burst", type=int, default=200)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--runs", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
@@ -98,23 +101,25 @@ def main() -> int:
                      "ignore_eos": True, "temperature": 0.0} for i in range(args.jobs)]
             try:
                 run = run_with_faults(server, start_worker, jobs, workers=args.workers, kills=args.kills,
-                                      restarts=args.restarts, seed=args.seed + run_index, timeout=1800)
+                                      restarts=args.restarts, seed=args.seed + run_index, timeout=1800,
+                                      cancels=args.cancels, cancel_burst=args.cancel_burst)
             finally:
                 for worker in workers:
                     worker.close()
                 server.kill()
         load = os.getloadavg()[0]
-        failed |= bool(run.lost or run.failed or run.workers_died)
-        rows.append((run.jobs, run.kills, run.restarts, len(run.lost), len(run.failed), run.reruns,
-                     run.seconds, run.jobs_per_second, load, len(run.workers_died)))
+        failed |= bool(run.lost or run.failed or run.workers_died or run.cancelled_unasked)
+        rows.append((run.jobs, run.kills, run.restarts, run.cancels, len(run.lost), len(run.failed), run.cancelled,
+                     len(run.cancelled_unasked), run.reruns, run.seconds, run.jobs_per_second, load,
+                     len(run.workers_died)))
 
-    header = ("jobs", "kill -9", "redis restarts", "lost", "failed", "reruns", "seconds", "jobs/s", "load (1 min)",
-              "workers died")
+    header = ("jobs", "kill -9", "redis restarts", "cancel bursts", "lost", "failed", "cancelled", "cancelled unasked",
+              "reruns", "seconds", "jobs/s", "load (1 min)", "workers died")
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for row in rows:
-        jobs, kills, restarts, lost, bad, reruns, seconds, rate, load, died = row
-        print(f"| {jobs} | {kills} | {restarts} | {lost} | {bad} | {reruns} | {seconds:.0f} | {rate:.1f} | {load:.1f} | {died} |")
+        *counts, seconds, rate, load, died = row
+        print("| " + " | ".join(map(str, counts)) + f" | {seconds:.0f} | {rate:.1f} | {load:.1f} | {died} |")
     return 1 if failed else 0
 
 

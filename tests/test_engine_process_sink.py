@@ -65,5 +65,38 @@ def test_a_request_whose_write_fails_is_not_left_pending() -> None:
         pass
     else:
         raise AssertionError("send_many wrote to a closed pipe")
-    assert answers == []
-    engine.cancel("a", "cancelled")  # writes (and so raises, the pipe closed) only for a request still pending
+    assert answers == [] and not engine._pending
+
+
+def test_a_cancel_or_abort_on_a_broken_pipe_does_not_raise() -> None:
+    """The engine process gone (the reader's `_lost` deals with that): a cancel is dropped, an abort still answers its
+    request, and neither raises into the loops that cancel or requeue many jobs in a row."""
+    answers: list[tuple[str, Any]] = []
+    engine = EngineProcess("builtin:tiny", {"max_model_len": 64})
+    engine._pending["a"] = lambda request_id, answer: answers.append((request_id, answer))
+    engine._conn.close()
+    engine.cancel("a", "cancelled")
+    engine.abort("a")
+    assert [(request_id, type(answer)) for request_id, answer in answers] == [("a", CancelledError)]
+
+
+def test_a_request_sent_to_an_abandoned_engine_waits_for_the_exit() -> None:
+    """After `abandon` (the watchdog's, before the worker hands its jobs back and exits), a request sent is neither
+    answered nor refused: an `EngineFailure` would end its job with a failed result."""
+    engine = EngineProcess("builtin:tiny", {"max_model_len": 64})
+    engine.start(timeout=300)
+    engine.abandon()
+    outcome: list[Any] = []
+
+    def send() -> None:
+        try:
+            engine.send_many([("late", SamplingParams(max_tokens=2), [5, 6, 7], None)], lambda *answer: outcome.append(answer))
+            outcome.append("returned")
+        except Exception as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=send, daemon=True)
+    thread.start()
+    thread.join(1.0)
+    assert thread.is_alive() and outcome == []
+    assert not multiprocessing.active_children(), "the abandoned engine process is gone"

@@ -538,6 +538,9 @@ class FaultRun:
     reruns: int  # starts beyond the first, summed over jobs (a killed worker's jobs start again elsewhere)
     seconds: float
     workers_died: list[str]  # workers that exited without being killed by us
+    cancels: int = 0  # bursts of cancels
+    cancelled: int = 0  # jobs that ended cancelled (each was in a burst; not counted in `failed`)
+    cancelled_unasked: list[str] = field(default_factory=list)  # ended cancelled though no burst named it
 
     @property
     def jobs_per_second(self) -> float:
@@ -546,9 +549,10 @@ class FaultRun:
 
 def run_with_faults(server: RedisServer, start_worker: Callable[..., Worker], jobs: list[dict[str, Any]], *,
                     workers: int, kills: int, restarts: int, seed: int, timeout: float,
-                    worker_options: dict[str, Any] | None = None) -> FaultRun:
-    """Run `jobs` through `workers` workers while `kills` kill -9s (each with a replacement worker) and
-    `restarts` redis-server restarts (half SIGTERM, half kill -9; AOF with `appendfsync always`) happen
+                    worker_options: dict[str, Any] | None = None, cancels: int = 0, cancel_burst: int = 200) -> FaultRun:
+    """Run `jobs` through `workers` workers while `kills` kill -9s (each with a replacement worker),
+    `restarts` redis-server restarts (half SIGTERM, half kill -9; AOF with `appendfsync always`) and `cancels`
+    bursts of cancels (up to `cancel_burst` unfinished jobs each, at once, as a Ctrl-C of a run sends) happen
     at random points of the run (random fractions of the jobs finished).
     """
     import random
@@ -565,12 +569,18 @@ def run_with_faults(server: RedisServer, start_worker: Callable[..., Worker], jo
     started = time.monotonic()
     handles = client.submit_many(jobs)
     keys = [client.app.backend.get_key_for_task(h.id) for h in handles]
-    events = sorted((rng.uniform(0.05, 0.85), kind) for kind in ["kill"] * kills + ["restart"] * restarts)
+    events = sorted((rng.uniform(0.05, 0.85), kind) for kind in ["kill"] * kills + ["restart"] * restarts
+                    + ["cancel"] * cancels)
     killed: set[int] = set()
+    asked: set[str] = set()
     for fraction, kind in events:
         wait_for(lambda: _finished(server, keys) >= fraction * len(keys), timeout, f"{fraction:.0%} of the jobs done",
                  interval=0.02)
-        if kind == "kill":
+        if kind == "cancel":
+            burst = rng.sample([h.id for h in handles], min(cancel_burst, len(handles)))
+            client.cancel(burst)
+            asked.update(burst)
+        elif kind == "kill":
             victim = rng.choice([w for w in pool if w.process.poll() is None])
             victim.kill()
             killed.add(id(victim))
@@ -589,11 +599,13 @@ def run_with_faults(server: RedisServer, start_worker: Callable[..., Worker], jo
     seconds = time.monotonic() - started
     counts = server.client().mget([DELIVERIES_KEY.format(job_id=h.id) for h in handles])
     client.close()
+    cancelled = [r.id for r in results if r.status == "cancelled"]
     return FaultRun(
         jobs=len(jobs), kills=kills, restarts=restarts,
-        succeeded=sum(r.ok for r in results), failed=[r.id for r in results if not r.ok], lost=lost,
+        succeeded=sum(r.ok for r in results), failed=[r.id for r in results if r.status == "failed"], lost=lost,
         reruns=sum(max(0, int(c or 0) - 1) for c in counts), seconds=seconds,
         workers_died=[w.name for w in pool if id(w) not in killed and w.process.poll() is not None],
+        cancels=cancels, cancelled=len(cancelled), cancelled_unasked=[i for i in cancelled if i not in asked],
     )
 
 

@@ -142,9 +142,10 @@ class EngineProcess:
         self._on_fatal = on_fatal
         self._on_stats = on_stats
         self._pending: dict[str, Sink] = {}  # request id -> where its answer goes
-        self._lock = threading.Lock()  # guards _pending and _stopping; never held across I/O
+        self._lock = threading.Lock()  # guards _pending and _stopping; never held across a pipe write or read
         self._write_lock = threading.Lock()  # one pipe write at a time, in the order registered; never the reader's
         self._stopping = False
+        self._abandoned = False  # see `abandon`
         self._on_stall = on_stall
         self._stall_timeout = stall_timeout
         self._heard = time.monotonic()  # when the reader last got a message from the engine
@@ -207,9 +208,11 @@ class EngineProcess:
         payload = fastjson.dumps(message, *(add["params"].get("json_schema") for add in adds))
         with self._write_lock:
             with self._lock:
-                if self._stopping:
-                    raise EngineFailure("the engine is stopped")
-                self._pending.update((add["id"], sink) for add in adds)
+                stopping = self._stopping
+                if not stopping:
+                    self._pending.update((add["id"], sink) for add in adds)
+            if stopping:
+                self._refuse()
             try:
                 self._conn.send_bytes(payload)
             except BaseException:
@@ -245,7 +248,7 @@ class EngineProcess:
                 sink = self._pending.pop(request_id, None)
                 stopping = self._stopping
             if not stopping:
-                self._conn.send_bytes(fastjson.dumps({"op": "abort", "id": request_id}))
+                self._send_quietly(fastjson.dumps({"op": "abort", "id": request_id}))
         if sink is not None:
             sink(request_id, CancelledError())
 
@@ -256,7 +259,7 @@ class EngineProcess:
             with self._lock:
                 live = request_id in self._pending and not self._stopping
             if live:
-                self._conn.send_bytes(fastjson.dumps({"op": "cancel", "id": request_id, "reason": reason}))
+                self._send_quietly(fastjson.dumps({"op": "cancel", "id": request_id, "reason": reason}))
 
     def stop(self, timeout: float = 10) -> None:
         """Ask the engine process to exit; kill it if it has not within `timeout` (a frozen one cannot read the ask,
@@ -274,9 +277,10 @@ class EngineProcess:
 
     def abandon(self) -> None:
         """Kill the engine process and answer no request still pending (the caller is exiting and hands their jobs
-        to other workers: an answer now could store a result for a job already handed back)."""
+        to other workers: an answer now could store a result for a job already handed back). A request sent after
+        this waits for that exit (`_refuse`)."""
         with self._lock:
-            self._stopping = True
+            self._stopping = self._abandoned = True
             self._pending.clear()
         self._process.kill()
         self._process.join(5)
@@ -287,10 +291,23 @@ class EngineProcess:
             held = bool(self._pending) and not self._stopping
         return max(0.0, time.monotonic() - self._heard - _STATS_INTERVAL) if held else 0.0
 
+    def _refuse(self) -> None:
+        """A request sent to a stopped engine: `EngineFailure`. To an abandoned one, the calling thread waits for the
+        process to exit instead, which its abandoner does within a bound: an error here would end the job with a
+        failed result, and its message is handed back to run elsewhere."""
+        if self._abandoned:
+            threading.Event().wait()
+        raise EngineFailure("the engine is stopped")
+
     def _write_quietly(self, payload: bytes) -> None:
+        with self._write_lock:
+            self._send_quietly(payload)
+
+    def _send_quietly(self, payload: bytes) -> None:
+        """A write (under `_write_lock`) whose failure needs no answer: the pipe broke because the engine process is
+        gone, which the reader sees too (`_lost`)."""
         try:
-            with self._write_lock:
-                self._conn.send_bytes(payload)
+            self._conn.send_bytes(payload)
         except OSError:
             pass
 
