@@ -55,8 +55,8 @@ def log_steps(directory: str, floor_s: float = 0.0) -> None:
     fd = os.open(os.path.join(directory, f"{os.getpid()}.steps"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     start_loop = engine_process._Loop.__init__
 
-    def start_logged_loop(loop: Any, engine: Any, conn: Any) -> None:
-        start_loop(loop, engine, conn)
+    def start_logged_loop(loop: Any, engine: Any, *args: Any) -> None:  # (conn) or (conn, outbox), by checkout
+        start_loop(loop, engine, *args)
         engine.step = logging_step(engine, steps, floor_s)
 
     def write_out() -> None:
