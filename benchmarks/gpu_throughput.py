@@ -7,7 +7,8 @@ tokens and 256 output tokens each (greedy, EOS ignored), in one run:
   tokenmill   `LLM(..., load_format="dummy")`, KV pool from the memory profile (`gpu_memory_utilization`);
               its step time is split into schedule / host prep / model launch / sampler launch / wait for
               the device (host clocks around the real engine methods), plus GPU kernel time over a few
-              decode steps from torch.profiler;
+              decode steps from torch.profiler; the native model where one covers the shape;
+  tokenmill-hf  the same engine on transformers' modeling code (`model_impl="transformers"`): before/after;
   static      the same model object, `model.generate` over static batches (SDPA, no padding: equal prompts);
   hf-cb       the same model object, transformers continuous batching (the manager `generate_batch` runs,
               built once and warmed up outside the timed region, with its own defaults: CUDA graphs and
@@ -60,7 +61,7 @@ QUICK_SHAPES = {
     "llama-3-8b": dict(SHAPES["llama-3-8b"], hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, vocab_size=512, max_position_embeddings=1024),
 }
-SYSTEMS = ("tokenmill", "static", "hf-cb")
+SYSTEMS = ("tokenmill", "tokenmill-hf", "static", "hf-cb")
 
 
 @dataclass
@@ -194,14 +195,14 @@ def _gpu_busy(engine, steps: int) -> float:  # noqa: ANN001
 
 
 def run_tokenmill(name: str, model_dir: str, prompts: list[list[int]], max_tokens: int,
-                  args: argparse.Namespace) -> tuple[Row, list[list[int]], object]:
+                  args: argparse.Namespace, impl: str = "auto") -> tuple[Row, list[list[int]], object]:
     from tokenmill import LLM, SamplingParams
 
     reset_memory()
     dtype = "bfloat16" if on_cuda() else "float32"
     llm = LLM(model_dir, dtype=dtype, load_format="dummy", max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, gpu_memory_utilization=args.gpu_memory_utilization,
-              max_model_len=len(prompts[0]) + max_tokens + 16, seed=args.seed,
+              max_model_len=len(prompts[0]) + max_tokens + 16, seed=args.seed, model_impl=impl,
               **({} if on_cuda() else {"num_kv_blocks": 4096}))
     engine = llm.engine
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -224,7 +225,7 @@ def run_tokenmill(name: str, model_dir: str, prompts: list[list[int]], max_token
     clock.restore()
     steps = engine.stats().num_steps - steps_before
     ordered = [outputs[str(i)] for i in range(len(prompts))]
-    row = Row(name, "tokenmill", len(prompts), sum(map(len, ordered)), wall)
+    row = Row(name, "tokenmill" if impl == "auto" else "tokenmill-hf", len(prompts), sum(map(len, ordered)), wall)
     row.tokens_per_s = row.output_tokens / wall
     memory(row)
     row.detail = {
@@ -413,17 +414,24 @@ def main(argv: list[str] | None = None) -> int:
         reference, llm = None, None
         with tempfile.TemporaryDirectory() as model_dir:
             write_model_dir(model_dir, shape)
-            try:  # tokenmill builds the model (dummy weights); the baselines reuse the same object
-                row, reference, llm = run_tokenmill(name, model_dir, prompts, args.output_tokens, args)
-                if "tokenmill" in systems:
-                    emit(row, rows, args.json)
-            except Exception as error:  # noqa: BLE001
-                traceback.print_exc()
-                emit(Row(name, "tokenmill", error=repr(error)), rows, args.json)
-            model = llm.engine.runner.model if llm is not None else baseline_model(model_dir, args.seed)
-        if llm is not None:
-            llm.engine.runner.kv_caches = []  # give the baselines tokenmill's KV memory
-        for system in [s for s in systems if s != "tokenmill"]:
+            for impl, system in (("auto", "tokenmill"), ("transformers", "tokenmill-hf")):
+                if system not in systems and (system != "tokenmill" or reference is not None):
+                    continue  # tokenmill always runs: its tokens are the baselines' reference
+                try:  # tokenmill on transformers' modules builds the model the baselines reuse (dummy weights)
+                    llm = None
+                    reset_memory()
+                    row, tokens, llm = run_tokenmill(name, model_dir, prompts, args.output_tokens, args, impl)
+                    reference = reference or tokens
+                    if system in systems:
+                        emit(row, rows, args.json)
+                except Exception as error:  # noqa: BLE001
+                    traceback.print_exc()
+                    emit(Row(name, system, error=repr(error)), rows, args.json)
+            runner = getattr(llm, "engine", None) and llm.engine.runner
+            model = runner.model if runner is not None and not runner.native else baseline_model(model_dir, args.seed)
+        if runner is not None:
+            runner.kv_caches = []  # give the baselines tokenmill's KV memory
+        for system in [s for s in systems if not s.startswith("tokenmill")]:
             if time.perf_counter() - began > args.deadline:
                 emit(Row(name, system, error="skipped: deadline"), rows, args.json)
                 continue

@@ -54,9 +54,9 @@ import torch  # noqa: E402
 sys.path.append(_HERE)  # after the standard library: sibling scripts importable, none shadowing a standard module
 from gpu_throughput import collect_hf_cb  # noqa: E402
 
-SYSTEMS = ("static", "hf-cb", "tokenmill")
+SYSTEMS = ("static", "hf-cb", "tokenmill-hf", "tokenmill")
 LABELS = {"static": "(a) HF generate, static batches", "hf-cb": "(b) HF continuous batching",
-          "tokenmill": "(c) tokenmill"}
+          "tokenmill-hf": "(c') tokenmill on transformers' modules", "tokenmill": "(c) tokenmill"}
 
 FULL = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
             intermediate_size=1536, vocab_size=32000, max_position_embeddings=2048)
@@ -240,14 +240,15 @@ def save_model_dir(model, path: str, vocab_size: int) -> None:  # noqa: ANN001
                             eos_token="<t2>").save_pretrained(path)
 
 
-def run_tokenmill(model_dir: str, workload: Workload, args: argparse.Namespace) -> Result:
+def run_tokenmill(model_dir: str, workload: Workload, args: argparse.Namespace, impl: str = "auto") -> Result:
+    """`impl`: the engine's `model_impl` ("transformers": tokenmill running transformers' modeling code, (c'))."""
     from tokenmill import LLM, SamplingParams
 
     block = 16
     blocks = sum(-(-(len(p) + n) // block) for p, n in zip(workload.prompts, workload.max_tokens))
     llm = LLM(model_dir, dtype="float32", device="cpu", load_format="auto",
               max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-              num_kv_blocks=args.num_kv_blocks or blocks + 8, block_size=block)
+              num_kv_blocks=args.num_kv_blocks or blocks + 8, block_size=block, model_impl=impl)
     warm = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for _, n in WARMUP]
     llm.generate([p for p, _ in WARMUP], warm, use_tqdm=False)
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in workload.max_tokens]
@@ -266,7 +267,8 @@ def run_tokenmill(model_dir: str, workload: Workload, args: argparse.Namespace) 
         "max_num_seqs": args.max_num_seqs,
         "kv_blocks": llm.engine.runner.num_blocks,
     }
-    return Result("tokenmill", timer.wall, timer.cpu, [o.token_ids for o in outs], counter.forwards,
+    return Result("tokenmill" if impl == "auto" else "tokenmill-hf", timer.wall, timer.cpu, [o.token_ids for o in outs],
+                  counter.forwards,
                   counter.positions, extra)
 
 
@@ -329,7 +331,7 @@ def report(results: dict[str, Result], walls: dict[str, list[float]], workload: 
     if "tokenmill" in results:
         lines.append(f"tokenmill prefix-cache hit tokens: {results['tokenmill'].extra['prefix_hit_tokens']} "
                      "(random prompts share no prefix)")
-    for x, y in [("static", "tokenmill"), ("hf-cb", "tokenmill"), ("static", "hf-cb")]:
+    for x, y in [("static", "tokenmill"), ("hf-cb", "tokenmill"), ("static", "hf-cb"), ("tokenmill-hf", "tokenmill")]:
         if x in results and y in results:
             exact, count, share = agreement(results[x].outputs, results[y].outputs)
             line = f"greedy agreement {x} vs {y}: {exact}/{count} identical, mean matching prefix {share:.1%}"
@@ -400,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Result] = {}
     walls: dict[str, list[float]] = {name: [] for name in args.systems}
     with tempfile.TemporaryDirectory(prefix="tokenmill-bench-") as model_dir:
-        if "tokenmill" in args.systems:
+        if {"tokenmill", "tokenmill-hf"} & set(args.systems):
             save_model_dir(model, model_dir, shape["vocab_size"])
         for repeat in range(args.repeat):  # interleaved, so that a burst of load hits one round, not one system
             for name in SYSTEMS:
@@ -413,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
                 elif name == "hf-cb":
                     result = run_hf_cb(model, workload, args)
                 else:
-                    result = run_tokenmill(model_dir, workload, args)
+                    result = run_tokenmill(model_dir, workload, args, "transformers" if name == "tokenmill-hf" else "auto")
                 check_lengths(name, result.outputs, workload)
                 print(f"  {seconds(result.wall)} s wall, {seconds(result.cpu)} s cpu, "
                       f"{workload.useful_tokens / result.wall:.1f} useful tok/s", file=sys.stderr, flush=True)

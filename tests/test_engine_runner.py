@@ -13,12 +13,14 @@ from model_fixtures import random_prompts
 from tokenmill import LLM, SamplingParams
 
 
-def test_flat_batch_has_no_padding_and_logits_only_for_sampling_rows() -> None:
-    llm = LLM("builtin:tiny", max_num_batched_tokens=40)
+@pytest.mark.parametrize("impl", ["native", "transformers"])
+def test_flat_batch_has_no_padding_and_logits_only_for_sampling_rows(impl: str) -> None:
+    llm = LLM("builtin:tiny", max_num_batched_tokens=40, model_impl=impl)
     model = llm.engine.runner.model
     embedded, projected = [], []
-    model.get_input_embeddings().register_forward_hook(lambda m, args, out: embedded.append(tuple(args[0].shape)))
-    model.lm_head.register_forward_hook(lambda m, args, out: projected.append(args[0].shape[1]))
+    # the ids: [1, T] for transformers' model, [T] for the native one; the rows projected: [..., R, hidden]
+    model.get_input_embeddings().register_forward_hook(lambda m, args, out: embedded.append((1, *args[0].shape[-1:])))
+    model.lm_head.register_forward_hook(lambda m, args, out: projected.append(args[0].shape[-2]))
     prompts = random_prompts(6, 1, 70, seed=2)
     max_tokens = [3, 9, 1, 5, 7, 2]
     llm.generate(prompts, [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in max_tokens],

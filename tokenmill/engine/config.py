@@ -35,6 +35,9 @@ class EngineConfig:
     cpu_kv_cache_cap: int = 2 << 30
     enable_prefix_caching: bool = True
     attention_backend: str | None = None
+    # "auto": the native implementation where one covers the checkpoint (`engine/models`), else transformers' modeling
+    # code; "native" or "transformers" to force one (the choice is logged).
+    model_impl: str = "auto"
     seed: int = 0
     # Structured outputs: seconds a new grammar may take to compile (off the engine loop) before its request
     # fails naming the field, and the bytes of compiled grammars kept (LRU).
@@ -56,6 +59,8 @@ class EngineConfig:
                 raise ValueError(f"{name}: must be >= 1, got {value}")
         if not self.grammar_compile_timeout > 0 or self.grammar_cache_bytes < 1:
             raise ValueError("grammar_compile_timeout and grammar_cache_bytes: must be > 0")
+        if self.model_impl not in ("auto", "native", "transformers"):
+            raise ValueError(f"model_impl: must be auto, native or transformers, got {self.model_impl!r}")
         if self.constraint_backend not in CONSTRAINT_BACKENDS:
             raise ValueError(f"constraint_backend: must be one of {', '.join(CONSTRAINT_BACKENDS)}, "
                              f"got {self.constraint_backend!r}")

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
-from tokenmill.engine import attention
+from tokenmill.engine import attention, models
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.tiny import TINY_NAME, tiny_config, tiny_model, tiny_tokenizer
 
@@ -48,7 +48,7 @@ def load(config: EngineConfig) -> LoadedModel:
         hf_config = tiny_config()
         dtype = resolve_dtype(config.dtype, hf_config, device)
         model = tiny_model(dtype, device, config.seed)
-        return LoadedModel(model.eval(), tiny_tokenizer(), model.config, device, dtype)
+        return LoadedModel(models.choose(model.eval(), config.model_impl), tiny_tokenizer(), model.config, device, dtype)
     hf_config = AutoConfig.from_pretrained(config.model, trust_remote_code=config.trust_remote_code)
     dtype = resolve_dtype(config.dtype, hf_config, device)
     if config.load_format == "dummy":
@@ -66,4 +66,4 @@ def load(config: EngineConfig) -> LoadedModel:
     tokenizer = AutoTokenizer.from_pretrained(
         config.tokenizer or config.model, trust_remote_code=config.trust_remote_code
     )
-    return LoadedModel(model.eval(), tokenizer, model.config, device, dtype)
+    return LoadedModel(models.choose(model.eval(), config.model_impl), tokenizer, model.config, device, dtype)

@@ -15,6 +15,7 @@ import torch
 from tokenmill.engine.attention import AttentionMetadata
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.loader import LoadedModel
+from tokenmill.engine.models import is_native
 from tokenmill.engine.sampler import Sampler, SampleResult, SamplingRow
 from tokenmill.engine.step_inputs import StepInputBuilder, StepInputs
 from tokenmill.kernels import get_backend
@@ -28,6 +29,7 @@ log = logging.getLogger(__name__)
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
         self.model = loaded.model
+        self.native = is_native(self.model)
         self.device, self.dtype = loaded.device, loaded.dtype
         self.config = config
         hf = loaded.hf_config
@@ -137,6 +139,8 @@ class ModelRunner:
             kv_caches=self.kv_caches,
             backend=self.backend,
         )
+        if self.native:
+            return self.model(inputs.input_ids[0], inputs.positions[0], meta, inputs.sample_rows)
         output = self.model(input_ids=inputs.input_ids, position_ids=inputs.positions, use_cache=False,
                             logits_to_keep=inputs.sample_rows, tokenmill_meta=meta)
         return output.logits[0]

@@ -96,6 +96,9 @@ class WorkerSettings(QueueSettings):
     num_kv_blocks: int | None = Field(None, ge=1, description="KV cache blocks; default: sized by the engine.")
     block_size: int = Field(16, ge=1, description="Tokens per KV cache block.")
     attention_backend: str | None = Field(None, description="Attention backend name; default: the engine's choice.")
+    model_impl: Literal["auto", "native", "transformers"] = Field(
+        "auto", description="Model code: auto (tokenmill's native implementation where one covers the checkpoint: "
+        "Llama, Mistral, Qwen2, Qwen3; else transformers'), native, or transformers. The choice is logged.")
     seed: int = Field(0, description="Engine seed.")
     constraint_backend: Literal["auto", "xgrammar", "llguidance"] = Field(
         "auto", description="Structured-output grammar backend: auto (per request, the one that enforces the "
@@ -159,6 +162,7 @@ class WorkerSettings(QueueSettings):
             "num_kv_blocks": self.num_kv_blocks,
             "block_size": self.block_size,
             "attention_backend": self.attention_backend,
+            "model_impl": self.model_impl,
             "seed": self.seed,
             "constraint_backend": self.constraint_backend,
         }

@@ -1,0 +1,237 @@
+"""The Llama family, written for the ragged batch: Llama 2/3/3.x, Mistral, Qwen2/2.5 and Qwen3.
+
+One forward takes the step's flat tokens `[T]` and positions `[T]` and returns the logits of the sampled rows only.
+Per decoder layer: one matmul for Q, K and V together, one for gate and up together, the residual added inside the
+norm that follows it, rotary with the step's cos/sin (computed once per step, for every layer), and the paged
+attention of `tokenmill.kernels` called with device tensors. The weights come from the transformers model that
+loaded the checkpoint (safetensors, shards, tied embeddings, rope scaling as its config says), merged layer by layer
+while that model's copy of each layer is freed.
+
+Numerics follow transformers' modules: RMSNorm in float32 then cast back, cos/sin computed in float32 from
+`position * inv_freq` as transformers' rotary embedding does, so greedy tokens match `generate` in float32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.engine.attention import AttentionMetadata
+
+#: transformers architectures this module implements, and whether their attention has Q/K norms.
+ARCHITECTURES = {"LlamaForCausalLM": False, "MistralForCausalLM": False, "Qwen2ForCausalLM": False,
+                 "Qwen3ForCausalLM": True}
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the forward needs of a config."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    eps: float
+    qkv_bias: bool
+    o_bias: bool
+    qk_norm: bool
+    tied: bool
+
+    @property
+    def qkv_sizes(self) -> list[int]:
+        return [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim]
+
+
+def unsupported(config: Any, architecture: str) -> str | None:
+    """Why this module cannot run `config` of `architecture` as transformers would (None: it can)."""
+    if architecture not in ARCHITECTURES:
+        return f"architecture {architecture} is not implemented natively"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"hidden_act {config.hidden_act!r}"
+    if getattr(config, "mlp_bias", False):
+        return "mlp_bias"
+    if getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True):
+        return "sliding-window attention"
+    rope = getattr(config, "rope_parameters", None) or {}
+    if rope.get("rope_type", "default") in ("dynamic", "longrope"):
+        return f"rope_type {rope['rope_type']!r} (its frequencies depend on the sequence length)"
+    return None
+
+
+def shape_of(config: Any, architecture: str) -> Shape:
+    qk_norm = ARCHITECTURES[architecture]
+    qwen2 = architecture == "Qwen2ForCausalLM"
+    attention_bias = bool(getattr(config, "attention_bias", False))
+    return Shape(
+        vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+        num_layers=config.num_hidden_layers, num_heads=config.num_attention_heads,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+        eps=config.rms_norm_eps, qkv_bias=qwen2 or attention_bias, o_bias=attention_bias and not qwen2,
+        qk_norm=qk_norm, tied=bool(getattr(config, "tie_word_embeddings", False)),
+    )
+
+
+class RMSNorm(nn.Module):
+    """transformers' RMSNorm; with `residual`, the residual is added first and the sum is the new residual."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is not None:
+            x = x + residual
+        return self.norm(x), x
+
+    def norm(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
+
+
+class Rotary(nn.Module):
+    """The step's cos and sin, as transformers' rotary embedding computes them."""
+
+    def __init__(self, config: Any, head_dim: int) -> None:
+        super().__init__()
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        rope_type = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
+        if rope_type == "default":
+            base = config.rope_parameters["rope_theta"]
+            inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+            scaling = 1.0
+        else:
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config)
+        self.register_buffer("inv_freq", torch.cat((inv_freq, inv_freq)).float(), persistent=False)
+        self.scaling = scaling
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin `[T, 1, head_dim]` of the step's positions."""
+        angles = positions[:, None].float() * self.inv_freq
+        cos, sin = angles.cos(), angles.sin()
+        if self.scaling != 1.0:
+            cos, sin = cos * self.scaling, sin * self.scaling
+        return cos.to(dtype)[:, None], sin.to(dtype)[:, None]
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, shape: Shape, index: int) -> None:
+        super().__init__()
+        self.shape, self.index = shape, index
+        self.input_layernorm = RMSNorm(shape.hidden_size, shape.eps)
+        self.qkv_proj = nn.Linear(shape.hidden_size, sum(shape.qkv_sizes), bias=shape.qkv_bias)
+        # Qwen3's per-head norms of Q and K: their weights, one row per query head then per KV head
+        self.qk_weight = nn.Parameter(torch.ones(shape.num_heads + shape.num_kv_heads, shape.head_dim)) \
+            if shape.qk_norm else None
+        self.o_proj = nn.Linear(shape.num_heads * shape.head_dim, shape.hidden_size, bias=shape.o_bias)
+        self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.eps)
+        self.gate_up_proj = nn.Linear(shape.hidden_size, 2 * shape.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(shape.intermediate_size, shape.hidden_size, bias=False)
+        self.scale = shape.head_dim ** -0.5
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        shape, tokens = self.shape, hidden.shape[0]
+        hidden, residual = self.input_layernorm(hidden, residual)
+        qkv = self.qkv_proj(hidden)
+        q_size, kv_size, _ = shape.qkv_sizes
+        qk = qkv[:, :q_size + kv_size].view(tokens, shape.num_heads + shape.num_kv_heads, shape.head_dim)
+        if self.qk_weight is not None:  # Qwen3: each head normalised, Q's and K's weights side by side
+            qk = F.rms_norm(qk, qk.shape[-1:], None, shape.eps) * self.qk_weight if qk.dtype == torch.float32 else \
+                self.qk_weight * F.rms_norm(qk.float(), qk.shape[-1:], None, shape.eps).to(qk.dtype)
+        qk = rotate(qk, cos, sin)  # queries and keys in one pass
+        q, k = qk[:, :shape.num_heads], qk[:, shape.num_heads:]
+        v = qkv[:, q_size + kv_size:].view(tokens, shape.num_kv_heads, shape.head_dim)
+        k_cache, v_cache = meta.kv_caches[self.index]
+        meta.backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        attended = meta.backend.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.seq_lens,
+                                                self.scale, meta.max_seqlen_q, meta.max_seq_len)
+        hidden = self.o_proj(attended.reshape(tokens, shape.num_heads * shape.head_dim))
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        gate, up = self.gate_up_proj(hidden).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up), residual
+
+
+class LlamaFamily(nn.Module):
+    """`forward(input_ids [T], positions [T], meta, sample_rows [R]) -> logits [R, vocab]`."""
+
+    native = True
+
+    def __init__(self, config: Any, architecture: str) -> None:
+        super().__init__()
+        shape = self.shape = shape_of(config, architecture)
+        self.config = config
+        self.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(shape, i) for i in range(shape.num_layers))
+        self.norm = RMSNorm(shape.hidden_size, shape.eps)
+        self.lm_head = nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)
+        self.rotary = Rotary(config, shape.head_dim)
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embed_tokens
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                sample_rows: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        cos, sin = self.rotary(positions, hidden.dtype)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(hidden, residual, cos, sin, meta)
+        hidden, _ = self.norm(hidden[sample_rows], residual[sample_rows])
+        return self.lm_head(hidden)
+
+
+@torch.no_grad()
+def from_transformers(model: nn.Module, architecture: str) -> LlamaFamily:
+    """The native model holding `model`'s weights (merged per layer), on its device and dtype; `model`'s own layers
+    are freed as they are copied, so the peak is the weights plus one layer."""
+    config = model.config
+    weight = model.get_input_embeddings().weight
+    with torch.device("meta"):
+        native = LlamaFamily(config, architecture)
+    native.rotary = Rotary(config, native.shape.head_dim).to(weight.device)
+    body = model.model
+
+    def take(target: nn.Module, name: str, *sources: torch.Tensor) -> None:
+        value = sources[0] if len(sources) == 1 else torch.cat(sources)
+        setattr(target, name, nn.Parameter(value.detach().to(weight.dtype).clone(), requires_grad=False))
+
+    take(native.embed_tokens, "weight", body.embed_tokens.weight)
+    take(native.norm, "weight", body.norm.weight)
+    if native.shape.tied:
+        native.lm_head.weight = native.embed_tokens.weight
+    else:
+        take(native.lm_head, "weight", model.lm_head.weight)
+    for i, (mine, theirs) in enumerate(zip(native.layers, body.layers)):
+        attn, mlp = theirs.self_attn, theirs.mlp
+        take(mine.qkv_proj, "weight", attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight)
+        if native.shape.qkv_bias:
+            take(mine.qkv_proj, "bias", attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias)
+        take(mine.o_proj, "weight", attn.o_proj.weight)
+        if native.shape.o_bias:
+            take(mine.o_proj, "bias", attn.o_proj.bias)
+        if native.shape.qk_norm:
+            shape = native.shape
+            take(mine, "qk_weight", attn.q_norm.weight.expand(shape.num_heads, -1),
+                 attn.k_norm.weight.expand(shape.num_kv_heads, -1))
+        take(mine.input_layernorm, "weight", theirs.input_layernorm.weight)
+        take(mine.post_attention_layernorm, "weight", theirs.post_attention_layernorm.weight)
+        take(mine.gate_up_proj, "weight", mlp.gate_proj.weight, mlp.up_proj.weight)
+        take(mine.down_proj, "weight", mlp.down_proj.weight)
+        body.layers[i] = nn.Identity()  # its weights go with it
+    return native.eval()
