@@ -31,6 +31,10 @@ Every setting below is chosen for "a crash loses nothing, a slow job is not run 
 * `result_backend_always_retry`: a result write during a Redis outage waits (backoff capped at 1 s)
   until Redis is back instead of failing the job.
 * `broker_connection_max_retries=None`: a worker keeps reconnecting to a restarted Redis forever.
+* `socket_timeout` (broker, results and the worker's own client; `redis_socket_timeout`, 30 s), with keepalive and
+  kombu's `health_check_interval` at most that: a connection whose peer went silent without closing it (a paused
+  server, a dropped route) fails its call, which is retried on a new connection. Without it the worker's event loop
+  once waited for good on such a connection inside a sweep, and took no job again.
 * `broker_use_ssl`, `redis_backend_use_ssl`: for a `rediss://` URL, TLS with the server's certificate
   verified (`tokenmill.queue.tls`); without them kombu would connect to a `rediss://` URL in plaintext
   (its TLS switch is the transport's name, and ours is `BROKER_TRANSPORT`).
@@ -51,15 +55,24 @@ from tokenmill.queue.tls import redis_tls
 BROKER_TRANSPORT = "tokenmill.queue.transport:Transport"
 
 
-def transport_options(visibility_timeout: float) -> dict[str, Any]:
+def transport_options(visibility_timeout: float, socket_timeout: float = 30.0) -> dict[str, Any]:
     """kombu Redis transport options for a given visibility timeout (see the module docstring)."""
     return {
+        **socket_options(socket_timeout),
+        # kombu's checks of its long-lived connections (a BRPOP reply overdue by this much is dropped and retaken)
+        "health_check_interval": min(25.0, socket_timeout),
         "visibility_timeout": visibility_timeout,
         "consumer_ttl": max(1.0, visibility_timeout),
         "unacked_restore_interval": min(5.0, max(0.25, visibility_timeout / 8)),
         "unacked_restore_throttle": 1,
         "unacked_mutex_expire": int(max(5, min(300, visibility_timeout))),
     }
+
+
+def socket_options(timeout: float) -> dict[str, Any]:
+    """redis-py's socket options for a bound on every call (see `redis_socket_timeout`): a silent peer raises
+    `TimeoutError`, which the callers retry on a new connection, instead of holding the calling thread for good."""
+    return {"socket_timeout": timeout, "socket_connect_timeout": min(10.0, timeout), "socket_keepalive": True}
 
 
 def celery_config(settings: QueueSettings) -> dict[str, Any]:
@@ -80,7 +93,10 @@ def celery_config(settings: QueueSettings) -> dict[str, Any]:
         "result_expires": settings.result_expires,
         "result_backend_always_retry": True,
         "result_backend_max_sleep_between_retries_ms": 1000,
-        "broker_transport_options": transport_options(settings.visibility_timeout),
+        "broker_transport_options": transport_options(settings.visibility_timeout, settings.redis_socket_timeout),
+        "redis_socket_timeout": settings.redis_socket_timeout,
+        "redis_socket_connect_timeout": min(10.0, settings.redis_socket_timeout),
+        "redis_socket_keepalive": True,
         "broker_connection_retry_on_startup": True,
         "broker_connection_max_retries": None,
     }

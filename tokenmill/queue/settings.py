@@ -38,6 +38,11 @@ class QueueSettings(BaseSettings):
         "(crashed, killed) is delivered again. Live workers renew leases, so slow jobs are not rerun.",
     )
     result_expires: int = Field(86400, gt=0, description="Seconds a result stays in Redis.")
+    redis_socket_timeout: float = Field(
+        30.0, gt=0, description="Seconds any Redis call (the broker's, the results', the worker's own) waits for a "
+        "reply before its connection counts as dead (a paused server, a dropped route) and the call is retried on a "
+        "new one; keep it above the longest script a call runs.",
+    )
     max_job_bytes: int = Field(
         MAX_JOB_BYTES, ge=1024, description="Largest encoded job (JSON bytes): clients refuse to queue a larger "
         "one, workers fail it (invalid_job, naming the biggest field) before parsing or tokenizing it.",

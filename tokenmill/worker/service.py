@@ -63,6 +63,7 @@ from tokenmill.queue.cancels import encode_result, is_final
 from tokenmill.queue.names import CANCEL_KEY, DEAD_LETTER_KEY, DELIVERIES_KEY
 from tokenmill.queue.schemas import SCHEMA_VERSION, Job, JobResult, is_job_id
 from tokenmill.queue.served import Announcer
+from tokenmill.queue.app import socket_options
 from tokenmill.queue.tls import redis_client
 from tokenmill.queue.transport import hand_back_held
 from tokenmill.worker.cancel_listener import CancelListener
@@ -159,10 +160,13 @@ class WorkerService:
         self.metrics = metrics
         self.sink = sink
         self.hostname = host_format(default_nodename(settings.hostname))  # Celery's node name, "%h" expanded
+        # Every call has a bound: a connection whose peer went silent (a paused Redis, a dropped route) times out and is
+        # retried on a new one, instead of holding every job thread that waits on the shared call for good.
         self.redis = redis_client(
             settings.backend_url,
             retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=120),
             retry_on_error=[redis.ConnectionError, redis.TimeoutError],
+            **socket_options(settings.redis_socket_timeout),
         )
         self._check_in_script = HeldScript(self.redis, _CHECK_IN)
         self._store_script = HeldScript(self.redis, _STORE)
