@@ -124,6 +124,27 @@ class Rotary(nn.Module):
         return cos.to(dtype)[:, None], sin.to(dtype)[:, None]
 
 
+class PackedLinear(nn.Module):
+    """A CPU `nn.Linear` whose weight oneDNN reordered once for its own matmul kernels: what a plain `F.linear` (MKL)
+    repacks on every call. Float32 and, where the CPU has bf16 instructions, bfloat16."""
+
+    def __init__(self, linear: nn.Linear, batch_hint: int = 64) -> None:
+        super().__init__()
+        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), batch_hint),
+                             persistent=False)
+        self.bias = linear.bias
+        self.out_features = linear.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+def can_pack(weight: torch.Tensor) -> bool:
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    return weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
@@ -234,4 +255,9 @@ def from_transformers(model: nn.Module, architecture: str) -> LlamaFamily:
         take(mine.gate_up_proj, "weight", mlp.gate_proj.weight, mlp.up_proj.weight)
         take(mine.down_proj, "weight", mlp.down_proj.weight)
         body.layers[i] = nn.Identity()  # its weights go with it
+        if can_pack(weight):
+            for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+                setattr(mine, name, PackedLinear(getattr(mine, name)))
+    if can_pack(weight):
+        native.lm_head = PackedLinear(native.lm_head)  # a tied head keeps the embedding's plain copy too
     return native.eval()
