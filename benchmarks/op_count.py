@@ -31,6 +31,7 @@ class OpCounter(TorchDispatchMode):
         super().__init__()
         self.ops: Counter[str] = Counter()
         self.in_kernel = False
+        self.active = False  # inside the counted step: `kernel` launches outside it are not counted
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         if not func.is_view and not self.in_kernel:
@@ -40,7 +41,7 @@ class OpCounter(TorchDispatchMode):
     def kernel(self, name: str, call):  # noqa: ANN001, ANN201
         """`call` counted as one launch named `name`, the tensor calls inside it not at all."""
         def launch(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-            if self.in_kernel:  # a backend shared by both models' engines is wrapped twice
+            if self.in_kernel or not self.active:
                 return call(*args, **kwargs)
             self.ops[name] += 1
             self.in_kernel = True
@@ -80,8 +81,12 @@ def count_step(layers: int, impl: str, backend: str, seqs: int, context: int) ->
     def counted(inputs):  # noqa: ANN001, ANN202
         if inputs.max_seqlen_q == 1 and not steps:  # the first decode step
             steps.append(1)
-            with counter:
-                return forward(inputs)
+            counter.active = True
+            try:
+                with counter:
+                    return forward(inputs)
+            finally:
+                counter.active = False
         return forward(inputs)
 
     runner.forward = counted
