@@ -101,3 +101,33 @@ def test_the_implementation_is_chosen_and_logged(model_dirs: dict[str, Path], tm
                                                    use_tqdm=False)] == expected
     with pytest.raises(ValueError, match="model_impl='native': GPTNeoXForCausalLM cannot run natively"):
         LLM(str(other), dtype="float32", model_impl="native")
+
+
+def test_what_transformers_runs_differently_stays_with_transformers(tmp_path: Path) -> None:
+    """Found by a review: a checkpoint whose generation_config names more eos tokens stops at them natively too; a
+    config saying tied beside a separate head in the checkpoint runs the head (transformers does not tie them then);
+    Mistral with `attention_bias` (its modules have none) loads."""
+    eos = _save(VARIANTS["llama-bias"](), tmp_path / "eos")
+    (eos / "generation_config.json").write_text('{"eos_token_id": [257, 60, 61, 62, 63, 64, 65]}')
+    prompts = random_prompts(6, 4, 40, seed=21)
+    for model_dir in (eos,):
+        expected = [o.token_ids for o in LLM(str(model_dir), dtype="float32", model_impl="transformers").generate(
+            prompts, SamplingParams(max_tokens=24, temperature=0.0), use_tqdm=False)]
+        native = LLM(str(model_dir), dtype="float32", model_impl="native")
+        assert [o.token_ids for o in native.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0),
+                                                     use_tqdm=False)] == expected
+    assert any(len(tokens) < 24 for tokens in expected), "no prompt stopped at the generation config's eos tokens"
+
+    from transformers import MistralConfig
+    untied = tmp_path / "untied"
+    torch.manual_seed(3)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**COMMON), dtype=torch.float32)
+    model.save_pretrained(untied)
+    tiny_tokenizer().save_pretrained(untied)
+    config = (untied / "config.json")
+    config.write_text(config.read_text().replace('"tie_word_embeddings": false', '"tie_word_embeddings": true'))
+    mistral = _save(MistralConfig(**COMMON, sliding_window=None, head_dim=16, attention_bias=True), tmp_path / "mistral")
+    for model_dir in (untied, mistral):
+        expected = hf_greedy(model_dir, prompts, [12] * len(prompts))
+        actual, llm = tokenmill_greedy(model_dir, prompts, [12] * len(prompts), model_impl="native")
+        assert_same(actual, expected)

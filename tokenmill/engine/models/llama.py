@@ -49,10 +49,23 @@ class Shape:
         return [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim]
 
 
-def unsupported(config: Any, architecture: str) -> str | None:
-    """Why this module cannot run `config` of `architecture` as transformers would (None: it can)."""
+def unsupported(model: nn.Module) -> str | None:
+    """Why this module cannot run transformers' `model` exactly as it runs (None: it can)."""
+    config, architecture = model.config, type(model).__name__
     if architecture not in ARCHITECTURES:
         return f"architecture {architecture} is not implemented natively"
+    if not type(model).__module__.startswith("transformers.models."):
+        return f"{architecture} comes from {type(model).__module__}, not transformers (remote code)"
+    if getattr(config, "quantization_config", None) is not None:
+        return "a quantized checkpoint"
+    try:
+        projections = [getattr(part, name) for layer in model.model.layers
+                       for part, names in ((layer.self_attn, ("q_proj", "k_proj", "v_proj", "o_proj")),
+                                           (layer.mlp, ("gate_proj", "up_proj", "down_proj"))) for name in names]
+    except AttributeError as missing:
+        return f"a layer without the family's modules ({missing})"
+    if any(type(p) is not nn.Linear for p in projections):
+        return "projections that are not plain linear layers"
     if getattr(config, "hidden_act", "silu") != "silu":
         return f"hidden_act {config.hidden_act!r}"
     if getattr(config, "mlp_bias", False):
@@ -65,17 +78,16 @@ def unsupported(config: Any, architecture: str) -> str | None:
     return None
 
 
-def shape_of(config: Any, architecture: str) -> Shape:
-    qk_norm = ARCHITECTURES[architecture]
-    qwen2 = architecture == "Qwen2ForCausalLM"
-    attention_bias = bool(getattr(config, "attention_bias", False))
+def shape_of(model: nn.Module) -> Shape:
+    config, attention = model.config, model.model.layers[0].self_attn
     return Shape(
         vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
         num_layers=config.num_hidden_layers, num_heads=config.num_attention_heads,
         num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
         head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
-        eps=config.rms_norm_eps, qkv_bias=qwen2 or attention_bias, o_bias=attention_bias and not qwen2,
-        qk_norm=qk_norm, tied=bool(getattr(config, "tie_word_embeddings", False)),
+        eps=config.rms_norm_eps, qkv_bias=attention.q_proj.bias is not None, o_bias=attention.o_proj.bias is not None,
+        qk_norm=ARCHITECTURES[type(model).__name__],
+        tied=model.lm_head.weight is model.get_input_embeddings().weight,  # tied only where transformers tied them
     )
 
 
@@ -193,9 +205,9 @@ class LlamaFamily(nn.Module):
 
     native = True
 
-    def __init__(self, config: Any, architecture: str) -> None:
+    def __init__(self, config: Any, shape: Shape) -> None:
         super().__init__()
-        shape = self.shape = shape_of(config, architecture)
+        self.shape = shape
         self.config = config
         self.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(shape, i) for i in range(shape.num_layers))
@@ -218,19 +230,20 @@ class LlamaFamily(nn.Module):
 
 
 @torch.no_grad()
-def from_transformers(model: nn.Module, architecture: str) -> LlamaFamily:
-    """The native model holding `model`'s weights (merged per layer), on its device and dtype; `model`'s own layers
-    are freed as they are copied, so the peak is the weights plus one layer."""
+def from_transformers(model: nn.Module) -> LlamaFamily:
+    """The native model holding `model`'s weights, on its device and dtype: the embedding, final norm and head shared,
+    each layer's merged while `model`'s copy of that layer is freed, so the peak is the weights plus one layer."""
     config = model.config
     weight = model.get_input_embeddings().weight
     with torch.device("meta"):
-        native = LlamaFamily(config, architecture)
+        native = LlamaFamily(config, shape_of(model))
     native.rotary = Rotary(config, native.shape.head_dim).to(weight.device)
+    native.generation_config = getattr(model, "generation_config", None)  # its eos tokens end requests too
     body = model.model
 
     def take(target: nn.Module, name: str, *sources: torch.Tensor) -> None:
-        value = sources[0] if len(sources) == 1 else torch.cat(sources)
-        setattr(target, name, nn.Parameter(value.detach().to(weight.dtype).clone(), requires_grad=False))
+        value = sources[0].detach() if len(sources) == 1 else torch.cat(sources)
+        setattr(target, name, nn.Parameter(value.to(weight.dtype), requires_grad=False))
 
     take(native.embed_tokens, "weight", body.embed_tokens.weight)
     take(native.norm, "weight", body.norm.weight)
@@ -258,6 +271,6 @@ def from_transformers(model: nn.Module, architecture: str) -> LlamaFamily:
         if can_pack(weight):
             for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
                 setattr(mine, name, PackedLinear(getattr(mine, name)))
-    if can_pack(weight):
-        native.lm_head = PackedLinear(native.lm_head)  # a tied head keeps the embedding's plain copy too
+    if can_pack(weight) and not native.shape.tied:  # a packed tied head would be a second copy of the embedding
+        native.lm_head = PackedLinear(native.lm_head)
     return native.eval()
