@@ -281,6 +281,25 @@ def test_structured_output_options(llm, tmp_path: Path) -> None:
     assert set(table.column("annotation").to_pylist()) <= {"yes", "no"}
 
 
+def test_a_label_cut_by_max_tokens_is_a_failed_row_never_a_label(llm, tmp_path: Path) -> None:
+    """`--choice positive,negative --max-tokens 4` once wrote "nega" as a valid label: now each such row fails with
+    the reason, its label column empty, counted apart in the summary, and the run's exit status says so."""
+    src = write_jsonl(tmp_path / "in.jsonl", rows(3))
+    summary = run(llm, src, tmp_path / "out.jsonl", choice=["positive", "negative"], max_tokens=4)
+    assert (summary.ok, summary.failed, summary.incomplete) == (0, 3, 3)
+    for row in read_jsonl(tmp_path / "out.jsonl"):
+        assert row["annotation"] is None and row["finish_reason"] == "length"
+        assert row["error"] == "constraint_incomplete: max_tokens 4 reached inside the choice (field: max_tokens)"
+    schema = {"type": "object", "properties": {"label": {"type": "string"}}, "required": ["label"]}
+    cut = run(llm, src, tmp_path / "schema.jsonl", json_schema=schema, max_tokens=3)
+    assert (cut.failed, cut.incomplete) == (3, 3)
+    assert all(r["error"].startswith("constraint_incomplete: max_tokens 3 reached inside the JSON schema")
+               for r in read_jsonl(tmp_path / "schema.jsonl"))
+    done = cli("annotate", str(src), "-o", str(tmp_path / "cli.jsonl"), "--template", "Say: {{ text }}", "--choice",
+               "positive,negative", "--max-tokens", "4", "--num-kv-blocks", str(ENGINE["num_kv_blocks"]), "--quiet")
+    assert done.returncode == 1, done.stderr
+
+
 def test_kill_9_mid_run_then_rerun_gives_the_uninterrupted_output(llm, tmp_path: Path) -> None:
     src = write_jsonl(tmp_path / "in.jsonl", rows(400))
     out, state = tmp_path / "out.jsonl", tmp_path / "state"

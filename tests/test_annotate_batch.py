@@ -177,3 +177,18 @@ def test_a_line_of_any_values_is_a_request_or_a_line_error(raw: bytes) -> None:
         Parser("m", 16, logprobs_ok=True).parse(raw)
     except LineError as exc:
         assert exc.code in ("invalid_request", "invalid_json") and exc.custom_id == "a"
+
+
+def test_a_structured_output_cut_by_max_tokens_answers_as_openai_does(llm, tmp_path: Path) -> None:
+    """OpenAI answers a response_format request cut by max_tokens with its partial content and finish_reason "length":
+    a response line, not an error line (annotate fails such a row instead)."""
+    schema = {"type": "json_schema", "json_schema": {"name": "x", "strict": True, "schema": {
+        "type": "object", "properties": {"label": {"type": "string"}}, "required": ["label"],
+        "additionalProperties": False}}}
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps(chat("cut", "label it", max_tokens=3, response_format=schema)) + "\n")
+    summary = run(llm, src, tmp_path / "out.jsonl")
+    (line,) = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert summary.failed == 0 and line["error"] is None
+    choice = line["response"]["body"]["choices"][0]
+    assert choice["finish_reason"] == "length" and line["response"]["body"]["usage"]["completion_tokens"] == 3

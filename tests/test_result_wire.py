@@ -68,7 +68,9 @@ def test_result_wire_is_the_validated_results_dump(run: Attempt, output: EngineO
     dumped = JobResult.model_validate(wire).to_wire()
     assert wire == dumped
     assert list(wire) == list(dumped)  # the stored JSON is the same to the byte
-    assert wire["status"] == {"cancelled": "cancelled", "deadline": "failed"}.get(output.finish_reason, "succeeded")
+    # a constrained output cut inside its constraint, or failing its final check, fails (`constraint_problem`)
+    cut = "failed" if output.constraint_satisfied is False else "succeeded"
+    assert wire["status"] == {"cancelled": "cancelled", "deadline": "failed"}.get(output.finish_reason, cut)
     assert wire["job_hash"] == run.job_hash and is_content_hash(run.job_hash)
     if run.job.sampling.logprobs is None:
         assert wire["logprobs"] is None
@@ -100,3 +102,17 @@ def test_content_hash_form() -> None:
     assert is_content_hash(job.content_hash()) and job.content_hash() == content_hash(job.to_wire())
     for value in (None, 1, "", "A" * 64, "a" * 63, "a" * 65, "g" * 64, "a" * 64 + "\n", b"a" * 64):
         assert not is_content_hash(value), value
+
+
+def test_a_choice_cut_by_max_tokens_fails_its_job_with_the_text_kept() -> None:
+    job = Job.from_wire({"prompt": "hi", "max_tokens": 4, "choice": ["positive", "negative"]})
+    run = Attempt(job, 1.7e9, 1)
+    cut = EngineOutput(request_id="r1", num_prompt_tokens=2, token_ids=[110, 101, 103, 97], text="nega",
+                       finish_reason="length", first_token_time=None, finished_time=1.7e9, constraint_satisfied=False)
+    wire = result_wire(job, run, cut, "w1")
+    assert wire["status"] == "failed" and wire["text"] == "nega" and wire["token_ids"] == [110, 101, 103, 97]
+    assert wire["error"] == {"code": "constraint_incomplete", "message": "max_tokens 4 reached inside the choice",
+                             "field": "max_tokens"}
+    assert JobResult.model_validate(wire).to_wire() == wire
+    whole = dataclasses.replace(cut, text="negative", finish_reason="stop", constraint_satisfied=True)
+    assert result_wire(job, run, whole, "w1")["status"] == "succeeded"

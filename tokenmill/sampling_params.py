@@ -183,6 +183,25 @@ def _check_stop(stop: list[Any]) -> None:
 _FIELD_NAMES = tuple(f.name for f in fields(SamplingParams))
 _KNOWN_FIELDS = frozenset(_FIELD_NAMES)
 STRUCTURED_FIELDS = ("json_schema", "choice", "regex", "json_object")
+#: The error codes of a constrained completion that is not what its constraint asked for (`constraint_problem`).
+CONSTRAINT_CODES = ("constraint_incomplete", "constraint_failed")
+
+
+def constraint_problem(params: SamplingParams, finish_reason: str, satisfied: bool | None,
+                       check_error: str | None) -> tuple[str, str, str | None] | None:
+    """(code, message, field) of a constrained completion that is not what its constraint asked for, else None: one
+    that ended inside its grammar (`constraint_incomplete`: `max_tokens` or a stop came first) or failed the final
+    check against it (`constraint_failed`). The one rule for job results and annotate's rows: such an output is never
+    passed off as a valid one. A cancelled or stopped-by-deadline request is reported as that instead."""
+    if satisfied is not False or finish_reason not in ("length", "stop"):
+        return None
+    if check_error is not None:
+        return "constraint_failed", check_error, None
+    kind = next((label for name, label in (("choice", "choice"), ("json_schema", "JSON schema"), ("regex", "regex"))
+                 if getattr(params, name) is not None), "JSON object")
+    if finish_reason == "length":
+        return "constraint_incomplete", f"max_tokens {params.max_tokens} reached inside the {kind}", "max_tokens"
+    return "constraint_incomplete", f"a stop string or stop token ended the output inside the {kind}", "stop"
 #: Most sets of checked values `from_dict` remembers (`_CHECKED`): past it, it starts afresh. Values longer than
 #: `CHECKED_KEY_BYTES` as JSON (a job's are ~300 bytes; `choice` alone may hold a megabyte) are not remembered, so
 #: what is kept stays within a few megabytes whatever producers send.

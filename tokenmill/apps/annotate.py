@@ -262,7 +262,7 @@ def _write(dataset: Dataset, schema: pa.Schema, prompter: Prompter, id_column: s
 
 def _columns(outcome: Outcome, column: str) -> dict[str, Any]:
     return {
-        column: outcome.text,
+        column: outcome.text if outcome.ok else None,  # a failed row's partial text is no label
         "parsed": None if outcome.parsed is None else json.loads(outcome.parsed),
         "finish_reason": outcome.finish_reason,
         "prompt_tokens": outcome.prompt_tokens if outcome.ok else None,
@@ -273,7 +273,7 @@ def _columns(outcome: Outcome, column: str) -> dict[str, Any]:
 
 def _with_results(batch: pa.RecordBatch, results: list[Outcome], schema: pa.Schema) -> pa.RecordBatch:
     extra = [
-        [o.text for o in results],
+        [o.text if o.ok else None for o in results],
         [o.parsed for o in results],  # JSON text in Parquet: one stable string type whatever the values
         [o.finish_reason for o in results],
         [o.prompt_tokens if o.ok else None for o in results],

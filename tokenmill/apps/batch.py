@@ -23,6 +23,7 @@ from tokenmill.apps.pipeline import Progress, Summary, compute, stored
 from tokenmill.apps.runners import Unit, sampling_dict
 from tokenmill.apps.store import Checkpoint, Outcome, SeenSet, content_key
 from tokenmill.errors import InvalidRequestError
+from tokenmill.sampling_params import CONSTRAINT_CODES
 
 URLS = {"/v1/chat/completions": "chat.completion", "/v1/completions": "text_completion"}
 LINE_FIELDS = {"custom_id", "method", "url", "body"}
@@ -320,7 +321,8 @@ def request_line(number: int, request: Request | LineError, outcomes: list[Outco
     if isinstance(request, LineError):
         line = error_line(f"line{number:020d}", request.custom_id, request.code, f"line {number}: {request.message}")
         return line, request.message
-    failed = next((o for o in outcomes if not o.ok), None)
+    # as OpenAI answers a structured output cut by max_tokens or a stop: a response, its finish_reason saying so
+    failed = next((o for o in outcomes if not o.ok and not o.error.startswith(CONSTRAINT_CODES)), None)
     if failed is not None:
         code, _, message = failed.error.partition(": ")
         return error_line(request.key, request.custom_id, code if message else "server_error", message or code), failed.error

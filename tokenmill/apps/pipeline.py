@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 
 from tokenmill.apps.runners import Unit
 from tokenmill.apps.store import Checkpoint, Outcome
+from tokenmill.sampling_params import CONSTRAINT_CODES
 
 
 @dataclass
@@ -28,6 +29,7 @@ class Summary:
     rows: int = 0
     ok: int = 0
     failed: int = 0
+    incomplete: int = 0  # of the failed: constrained outputs cut inside their constraint (or failing its check)
     reused: int = 0
     deduplicated: int = 0
     computed: int = 0
@@ -45,6 +47,7 @@ class Summary:
             self.ok += 1
         else:
             self.failed += 1
+            self.incomplete += error.startswith(CONSTRAINT_CODES)
             if len(self.failed_ids) < 5:
                 self.failed_ids.append(f"{row_id}: {error[:120]}")
 
@@ -57,7 +60,9 @@ class Summary:
         table = Table(title=f"tokenmill: {escape(self.output)}", show_header=False)
         rate = "n/a (see the workers' metrics)" if self.prefix_hit_rate is None else f"{self.prefix_hit_rate:.1%}"
         for name, value in [
-            ("rows ok", self.ok), ("rows failed", self.failed), ("reused from checkpoint", self.reused),
+            ("rows ok", self.ok), ("rows failed", self.failed),
+            ("of them cut inside their constraint (raise --max-tokens)", self.incomplete),
+            ("reused from checkpoint", self.reused),
             ("deduplicated (computed once)", self.deduplicated), ("computed now", self.computed),
             ("prompt tokens (computed now)", self.prompt_tokens), ("completion tokens (computed now)", self.completion_tokens),
             ("prefix-cache hit rate", rate), ("wall time", f"{self.wall_s:.2f} s"),

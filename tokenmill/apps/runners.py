@@ -19,7 +19,7 @@ from typing import Any
 
 from tokenmill.apps.store import Outcome
 from tokenmill.errors import InvalidRequestError
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import CONSTRAINT_CODES, SamplingParams, constraint_problem
 
 _DRAIN_TIMEOUT = 5.0  # seconds to wait, after Ctrl-C, for the cancelled jobs' results (the rest are collected on resume)
 
@@ -70,7 +70,8 @@ class EmbeddedRunner:
                 if not inflight:
                     return
                 for output in self.engine.step():
-                    yield inflight.pop(output.request_id), outcome_from_output(output)
+                    unit = inflight.pop(output.request_id)
+                    yield unit, outcome_from_output(output, SamplingParams.from_dict(unit.sampling))
         finally:
             for request_id in inflight:  # a consumer that stops early must not leave requests running
                 self.engine.abort_request(request_id)
@@ -98,12 +99,15 @@ def error_text(code: str, message: str, field: str | None) -> str:
     return f"{code}: {message}" + (f" (field: {field})" if field else "")
 
 
-def outcome_from_output(output: Any) -> Outcome:
-    """An engine `RequestOutput` as an `Outcome`."""
+def outcome_from_output(output: Any, params: SamplingParams) -> Outcome:
+    """An engine `RequestOutput` of a request with `params` as an `Outcome`; a constrained completion that is not what
+    its constraint asked for keeps its text but carries the error a worker's result would (`constraint_problem`)."""
     if output.finish_reason == "error":
         return Outcome.failed(f"invalid_request: {output.error}")
     parsed = getattr(output, "parsed", None)  # set by structured outputs
+    problem = constraint_problem(params, output.finish_reason, output.constraint_satisfied, output.constraint_error)
     return Outcome(
+        error=None if problem is None else error_text(*problem),
         text=output.text,
         parsed=None if parsed is None else json.dumps(parsed, ensure_ascii=False),
         finish_reason=output.finish_reason,
@@ -115,13 +119,14 @@ def outcome_from_output(output: Any) -> Outcome:
 
 
 def outcome_from_result(result: Any) -> Outcome:
-    """A worker's `JobResult` as an `Outcome`."""
-    if not result.ok:
-        error = result.error
+    """A worker's `JobResult` as an `Outcome` (a constrained completion that failed its constraint keeps its text)."""
+    error = result.error
+    if not result.ok and (error is None or error.code not in CONSTRAINT_CODES):
         return Outcome.failed(error_text(error.code, error.message, error.field) if error else "failed")
     parsed = getattr(result, "parsed", None)
     usage = result.usage
     return Outcome(
+        error=None if result.ok else error_text(error.code, error.message, error.field),
         text=result.text,
         parsed=None if parsed is None else json.dumps(parsed, ensure_ascii=False),
         finish_reason=result.finish_reason,

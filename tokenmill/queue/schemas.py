@@ -308,7 +308,7 @@ class JobError(BaseModel):
     """Why a job failed. `code` is stable (match on it); `message` is for people; `field` names bad input."""
 
     code: Literal["invalid_job", "invalid_request", "dead_letter", "output_write_failed", "task_failure", "cancelled",
-                  "deadline_exceeded", "conflict"]
+                  "deadline_exceeded", "conflict", "constraint_incomplete", "constraint_failed"]
     message: str
     field: str | None = None
 

@@ -58,14 +58,15 @@ from redis.retry import Retry
 
 from tokenmill.errors import InvalidRequestError
 from tokenmill.queue import dead_letters
+from tokenmill.queue.app import socket_options
 from tokenmill.queue.batching import Coalescer, HeldScript
 from tokenmill.queue.cancels import encode_result, is_final
 from tokenmill.queue.names import CANCEL_KEY, DEAD_LETTER_KEY, DELIVERIES_KEY
 from tokenmill.queue.schemas import SCHEMA_VERSION, Job, JobResult, is_job_id
 from tokenmill.queue.served import Announcer
-from tokenmill.queue.app import socket_options
 from tokenmill.queue.tls import redis_client
 from tokenmill.queue.transport import hand_back_held
+from tokenmill.sampling_params import constraint_problem
 from tokenmill.worker.cancel_listener import CancelListener
 from tokenmill.worker.cpus import format_cpu_list, pin_process, placement
 from tokenmill.worker.engine_process import EngineProcess, Sink
@@ -541,7 +542,7 @@ class WorkerService:
 def result_wire(job: Job, run: Attempt, output: Any, worker: str) -> dict[str, Any]:
     """The job's `JobResult` from the engine's output, in its wire form (`JobResult.to_wire()`, the same keys in
     the same order): succeeded, or for a job the engine stopped early `cancelled` / failed `deadline_exceeded`,
-    with its text so far. Built as a dict, not validated by pydantic and dumped again (14 of a job's ~200 µs):
+    or failed `constraint_incomplete` / `constraint_failed` (`constraint_problem`), with its text so far. Built as a dict, not validated by pydantic and dumped again (14 of a job's ~200 µs):
     every value comes from the engine's output as decoded from its pipe (JSON), from the checked job, or from
     here, and tests/test_result_wire.py holds it equal to the validated model's dump."""
     prompt_tokens, completion_tokens = output.num_prompt_tokens, len(output.token_ids)
@@ -552,6 +553,9 @@ def result_wire(job: Job, run: Attempt, output: Any, worker: str) -> dict[str, A
         limit = job.deadline_s or run.time_limit
         status = "failed"
         error = {"code": "deadline_exceeded", "message": f"still running after its deadline of {limit:g}s", "field": None}
+    elif (problem := constraint_problem(job.sampling, output.finish_reason, output.constraint_satisfied,
+                                        output.constraint_error)) is not None:
+        status, error = "failed", dict(zip(("code", "message", "field"), problem))
     return {
         "version": SCHEMA_VERSION,
         "id": job.id,
