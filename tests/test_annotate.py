@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -298,6 +299,34 @@ def test_a_label_cut_by_max_tokens_is_a_failed_row_never_a_label(llm, tmp_path: 
     done = cli("annotate", str(src), "-o", str(tmp_path / "cli.jsonl"), "--template", "Say: {{ text }}", "--choice",
                "positive,negative", "--max-tokens", "4", "--num-kv-blocks", str(ENGINE["num_kv_blocks"]), "--quiet")
     assert done.returncode == 1, done.stderr
+
+
+def test_ctrl_c_then_the_same_command_finishes_every_row(llm, tmp_path: Path) -> None:
+    """Embedded: the rows in flight at Ctrl-C are marked interrupted and computed by the next run of the same command,
+    which writes what an uninterrupted run writes."""
+    src = write_jsonl(tmp_path / "in.jsonl", rows(120))
+    out, state = tmp_path / "out.jsonl", tmp_path / "state"
+    args = ["annotate", str(src), "-o", str(out), "--template", "Say: {{ text }}", "--max-tokens", "24", "--window", "8",
+            "--state-dir", str(state), "--checkpoint-interval", "0", "--num-kv-blocks", str(ENGINE["num_kv_blocks"]),
+            "--quiet"]
+    code = ("import signal, sys\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n"
+            "from tokenmill.cli import main\nsys.exit(main(sys.argv[1:]))\n")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen([sys.executable, "-c", code, *args], env=env, stdin=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until(lambda: checkpointed(state) >= 8 or process.poll() is not None, 300, "some results checkpointed")
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 130, stderr
+    assert "rows in flight: the same command computes them again" in stderr
+    done = cli(*args)
+    assert done.returncode == 0, done.stderr
+    whole = run(llm, src, tmp_path / "whole.jsonl", max_tokens=24)
+    assert whole.ok == 120 and read_jsonl(out) == read_jsonl(tmp_path / "whole.jsonl")
 
 
 def test_kill_9_mid_run_then_rerun_gives_the_uninterrupted_output(llm, tmp_path: Path) -> None:

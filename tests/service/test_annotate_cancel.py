@@ -87,9 +87,10 @@ def test_detach_leaves_the_run_going_until_cancel_run_stops_it(tmp_path: Path, r
     assert cli("cancel", "--broker", redis_server.url, "--run", "no-such-run").returncode == 1
 
 
-def test_a_resume_skips_cancelled_rows_unless_told_to_retry_them(tmp_path: Path, redis_server: RedisServer,
-                                                                 start_worker: Any) -> None:
-    """Cancelled before any worker took them (none runs yet), the rows are checkpointed as cancelled."""
+def test_a_resume_finishes_the_rows_its_ctrl_c_cancelled(tmp_path: Path, redis_server: RedisServer,
+                                                          start_worker: Any) -> None:
+    """Cancelled by the run's own Ctrl-C before any worker took them, the rows are computed by the next run of the same
+    command, under new job ids (their old ones hold `cancelled` results)."""
     source = write_jsonl(tmp_path / "in.jsonl", [{"text": f"row {i}"} for i in range(5)])
     output, options = tmp_path / "out.jsonl", {"max_tokens": 4}
     run = _annotate_in_background(source, output, redis_server.url, **options)
@@ -97,20 +98,37 @@ def test_a_resume_skips_cancelled_rows_unless_told_to_retry_them(tmp_path: Path,
     wait_for(lambda: redis_server.client().llen("tokenmill") >= 3, 60, "the rows to be queued")
     run.send_signal(signal.SIGINT)
     _, stderr = run.communicate(timeout=90)
-    assert "cancelled 5 jobs" in stderr
+    assert "cancelled 5 jobs" in stderr and "the same command computes them again" in stderr
 
     worker = start_worker(redis_server.url).wait_ready()
-    skipped = tokenmill.annotate(str(source), str(output), TEMPLATE, broker=redis_server.url, quiet=True, **options)
-    assert (skipped.rows, skipped.failed, skipped.reused) == (5, 5, 5)
-    assert all(row["error"].startswith("cancelled:") for row in read_jsonl(output))
-    retried = tokenmill.annotate(str(source), str(output), TEMPLATE, broker=redis_server.url, quiet=True,
-                                 retry_cancelled=True, **options)
-    assert (retried.rows, retried.ok, retried.computed) == (5, 5, 5)
+    resumed = tokenmill.annotate(str(source), str(output), TEMPLATE, broker=redis_server.url, quiet=True, **options)
+    assert (resumed.rows, resumed.ok, resumed.computed) == (5, 5, 5)
     assert all(row["error"] is None and row["annotation"] for row in read_jsonl(output))
     assert worker.metrics()["tokenmill_jobs_succeeded_total"] == 5  # the cancelled jobs themselves never ran
-    again = tokenmill.annotate(str(source), str(output), TEMPLATE, broker=redis_server.url, quiet=True,
-                               retry_failed=True, **options)
+    again = tokenmill.annotate(str(source), str(output), TEMPLATE, broker=redis_server.url, quiet=True, **options)
     assert (again.ok, again.reused, again.computed) == (5, 5, 0)
+
+
+def test_rows_cancelled_on_purpose_stay_cancelled_unless_told_to_retry_them(tmp_path: Path, redis_server: RedisServer,
+                                                                           start_worker: Any) -> None:
+    """`tokenmill cancel --run` from elsewhere: the run ends with those rows cancelled, and a resume keeps them so
+    unless `retry_cancelled`."""
+    source = write_jsonl(tmp_path / "in.jsonl", [{"text": f"row {i}"} for i in range(3)])
+    output, options = tmp_path / "out.jsonl", {"max_tokens": 4}
+    run = _annotate_in_background(source, output, redis_server.url, **options)
+    run_id = _run_id(run)
+    wait_for(lambda: redis_server.client().llen("tokenmill") >= 2, 60, "the rows to be queued")
+    assert cli("cancel", "--broker", redis_server.url, "--run", run_id).returncode == 0
+    _, stderr = run.communicate(timeout=90)
+    assert run.returncode == 0, stderr  # annotate() returns its summary; the rows carry their errors
+    assert all(row["error"].startswith("cancelled:") for row in read_jsonl(output))
+    worker = start_worker(redis_server.url).wait_ready()
+    kept = tokenmill.annotate(str(source), str(output), TEMPLATE, broker=redis_server.url, quiet=True, **options)
+    assert (kept.failed, kept.reused) == (3, 3)
+    retried = tokenmill.annotate(str(source), str(output), TEMPLATE, broker=redis_server.url, quiet=True,
+                                 retry_cancelled=True, **options)
+    assert (retried.ok, retried.computed) == (3, 3)
+    assert worker.metrics()["tokenmill_jobs_succeeded_total"] == 3
 
 
 def _annotate_cli(*args: str) -> subprocess.Popen:

@@ -125,8 +125,8 @@ def annotate(
     Embedded (default): the engine runs here (`model`, default builtin:tiny, with `engine_options`; or pass
     a loaded `tokenmill.LLM` as `llm`). Distributed: `broker="redis://..."` sends rows to queue workers, as
     the run printed at the start (`tokenmill cancel --run RUN` stops it); Ctrl-C cancels the rows in flight
-    (after asking, at a terminal) unless `detach`, and a resume skips rows that ended cancelled unless
-    `retry_cancelled` (`retry_failed`: the same for rows that failed).
+    (after asking, at a terminal) unless `detach`, and the same call again computes them; a resume skips rows
+    cancelled with `tokenmill cancel` unless `retry_cancelled` (`retry_failed`: the same for rows that failed).
     `**sampling` are `SamplingParams` fields (`max_tokens`, `temperature` (default 0), `seed`, ...). A row (a
     JSONL/CSV line, decompressed, or a Parquet row's decoded values) over `max_row_bytes` is not read: it fails
     with its error, the run goes on. JSONL/CSV is decompressed by its suffix (`.gz`, ...) or `input_compression`.

@@ -57,7 +57,8 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint-interval", type=float, default=2.0, metavar="SECONDS",
                         help="commit finished rows to the checkpoint at least this often (0: after every row)")
     parser.add_argument("--retry-failed", action="store_true", help="recompute rows that ended in error")
-    parser.add_argument("--retry-cancelled", action="store_true", help="recompute rows that ended cancelled")
+    parser.add_argument("--retry-cancelled", action="store_true",
+                        help="recompute rows cancelled with `tokenmill cancel` (a Ctrl-C's rows are recomputed anyway)")
     parser.add_argument("--detach", action="store_true",
                         help="distributed: on Ctrl-C leave the queued rows running (default: cancel them)")
     parser.add_argument("--s3-endpoint-url", default=None, help="S3-compatible endpoint (MinIO...) [env TOKENMILL_S3_ENDPOINT_URL]")
@@ -83,8 +84,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"tokenmill {args.command}: {exc}", file=sys.stderr)
         return EXIT_UNUSABLE
     except KeyboardInterrupt:
-        print(f"tokenmill {args.command}: interrupted; the checkpoint keeps every finished row (run the same command "
-              "to resume)", file=sys.stderr)
+        print(f"tokenmill {args.command}: interrupted; the checkpoint keeps every finished row: run the same command "
+              "to finish", file=sys.stderr)
         return EXIT_INTERRUPTED
     return EXIT_ROWS_FAILED if summary.failed else 0
 

@@ -18,7 +18,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from tokenmill.apps.runners import Unit
-from tokenmill.apps.store import Checkpoint, Outcome
+from tokenmill.apps.store import INTERRUPTED, Checkpoint, Outcome
 from tokenmill.sampling_params import CONSTRAINT_CODES
 
 
@@ -103,8 +103,9 @@ def compute(rows: Iterable[list[Unit]], checkpoint: Checkpoint, runner: Any, pro
     """Pass 1. Each item of `rows` is one row's units (empty when the row failed before any unit, e.g. its
     template did not render); `Unit.weight` is the share of a row a unit stands for.
 
-    On Ctrl-C the runner is asked what became of the rows it had in flight (`interrupted`: a queue run cancels
-    them, unless detached) and those outcomes are checkpointed too, before the interrupt goes on."""
+    On Ctrl-C every unit in flight is marked interrupted in the checkpoint (the same command computes it again, under
+    a new job id), then the runner is asked what became of them (`interrupted`: a queue run cancels them, unless
+    detached): those that finished meanwhile are checkpointed as finished, before the interrupt goes on."""
     inflight: set[str] = set()
 
     def record(unit: Unit, outcome: Outcome) -> None:
@@ -120,8 +121,14 @@ def compute(rows: Iterable[list[Unit]], checkpoint: Checkpoint, runner: Any, pro
         for unit, outcome in runner.run(fresh):
             record(unit, outcome)
     except KeyboardInterrupt:
+        if not getattr(runner, "detach", False):  # detached, they go on running: the next run collects them
+            for key in inflight:
+                checkpoint.put(key, Outcome.failed(INTERRUPTED))
+            print(f"tokenmill: interrupted with {len(inflight)} rows in flight: the same command computes them again "
+                  "and the rows not reached, and reuses every finished one", file=sys.stderr)
         for unit, outcome in getattr(runner, "interrupted", tuple)():
-            record(unit, outcome)
+            if not outcome.cancelled:  # finished before the cancel reached it
+                record(unit, outcome)
         raise
     finally:
         checkpoint.flush()
@@ -130,6 +137,8 @@ def compute(rows: Iterable[list[Unit]], checkpoint: Checkpoint, runner: Any, pro
 def _retried(outcome: Outcome, retry_failed: bool, retry_cancelled: bool) -> bool:
     if outcome.ok:
         return False
+    if outcome.interrupted:
+        return True
     return retry_cancelled if outcome.cancelled else retry_failed
 
 

@@ -43,13 +43,21 @@ class Outcome:
 
     @property
     def cancelled(self) -> bool:
-        """Ended by a cancel (`tokenmill cancel`, Ctrl-C): `--retry-cancelled` runs it again."""
+        """Ended by a cancel (`tokenmill cancel`): `--retry-cancelled` runs it again."""
         return self.error is not None and self.error.startswith("cancelled:")
+
+    @property
+    def interrupted(self) -> bool:
+        """In flight when its run was interrupted (Ctrl-C): the next run computes it again, whatever its flags."""
+        return self.error == INTERRUPTED
 
     @classmethod
     def failed(cls, message: str) -> Outcome:
         return cls(error=message, created=int(time.time()))
 
+
+#: The checkpoint's mark of a unit in flight when its run was interrupted (`Outcome.interrupted`).
+INTERRUPTED = "interrupted: in flight when the run was interrupted; the same command computes it again"
 
 _COLUMNS = [f.name for f in fields(Outcome)]
 
