@@ -40,6 +40,8 @@ DEMO_PROMPTS = [
 
 #: Short flag spellings the issue promises, besides the ones generated from field names.
 _ALIASES = {"broker_url": ["--broker"]}
+#: sysexits' EX_CONFIG: the worker's model cannot be loaded as configured; restarting it would fail the same way.
+EXIT_CONFIG = 78
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -156,9 +158,15 @@ def _worker(args: argparse.Namespace) -> int:
     except ValidationError as exc:
         print(f"tokenmill worker: invalid settings:\n{exc}", file=sys.stderr)
         return 2
+    from tokenmill.errors import ModelLoadError
     from tokenmill.worker.main import run_worker
 
-    return run_worker(settings)
+    try:
+        return run_worker(settings)
+    except ModelLoadError as exc:
+        print(f"tokenmill worker: {exc} (exit {EXIT_CONFIG}: a configuration error, not restarted by a supervisor "
+              "that honours EX_CONFIG)", file=sys.stderr)
+        return EXIT_CONFIG
 
 
 def _dead_letters(args: argparse.Namespace) -> int:
@@ -220,7 +228,7 @@ def _health(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from tokenmill.errors import InvalidRequestError
+    from tokenmill.errors import InvalidRequestError, ModelLoadError
     from tokenmill.sampling_params import SamplingParams
 
     try:  # checked before the model loads, so a typo fails at once
@@ -233,7 +241,11 @@ def _generate(args: argparse.Namespace) -> int:
     prompts = prompts or DEMO_PROMPTS
     from tokenmill.engine.llm import LLM
 
-    llm = LLM(args.model, dtype=args.dtype)
+    try:
+        llm = LLM(args.model, dtype=args.dtype)
+    except ModelLoadError as exc:
+        print(f"tokenmill generate: {exc}", file=sys.stderr)
+        return 2
     for index, (prompt, out) in enumerate(zip(prompts, llm.generate(prompts, params))):
         line = {"index": index, "prompt": prompt, "text": out.text, "token_ids": list(out.token_ids), "finish_reason": out.finish_reason}
         if getattr(out, "error", None):

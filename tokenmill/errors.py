@@ -8,3 +8,8 @@ class InvalidRequestError(ValueError):
         super().__init__(f"{field}: {message}")
         self.field = field
         self.message = message
+
+
+class ModelLoadError(ValueError):
+    """The model or its tokenizer cannot be loaded as configured (no such directory, no such hub id offline, a
+    checkpoint transformers cannot read): a configuration error, never fixed by trying again."""

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from service_fixtures import REPO
+from service_fixtures import REPO, RedisServer
 
 from tokenmill.cli import DEMO_PROMPTS, build_parser, worker_settings
 from tokenmill.worker.main import gc_thresholds
@@ -88,3 +88,24 @@ def test_generate_structured_outputs(tmp_path: Path) -> None:
         done = subprocess.run([sys.executable, "-m", "tokenmill.cli", "generate", *flags], cwd=REPO,
                               capture_output=True, text=True, timeout=120)
         assert done.returncode == 2 and named in done.stderr, done.stderr
+
+
+def test_a_model_that_cannot_load_is_one_line_and_a_configuration_exit(tmp_path: Path, redis_server: RedisServer) -> None:
+    """A typo in --model is not a crash to restart (the worker exited 70 with a 14-frame traceback): the worker exits
+    78 (EX_CONFIG), `generate` and `annotate` 2, each with one line naming the model and the fix."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    missing = str(tmp_path / "no-such-model")
+    worker = subprocess.run([sys.executable, "-m", "tokenmill.cli", "worker", "--model", missing, "--broker",
+                             redis_server.url, "--metrics-port", "0"], env=env, capture_output=True, text=True, timeout=300)
+    assert worker.returncode == 78, worker.stderr[-2000:]
+    assert f"tokenmill worker: model: no directory {missing!r}" in worker.stderr and "Traceback" not in worker.stderr
+    source = tmp_path / "in.jsonl"
+    source.write_text('{"text": "x"}\n')
+    for command in (["generate", "--model", missing], ["annotate", str(source), "-o", str(tmp_path / "out.jsonl"),
+                                                       "--template", "{{ text }}", "--model", missing, "--quiet"]):
+        done = subprocess.run([sys.executable, "-m", "tokenmill.cli", *command], env=env, capture_output=True, text=True,
+                              timeout=300)
+        assert done.returncode == 2, done.stderr[-2000:]
+        lines = done.stderr.strip().splitlines()
+        assert lines == [f"tokenmill {command[0]}: model: no directory {missing!r}: give a local directory written by "
+                         "save_pretrained, a Hugging Face hub id, or builtin:tiny"], done.stderr[-2000:]

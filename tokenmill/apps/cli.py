@@ -76,11 +76,11 @@ def _common(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from tokenmill.apps.datasets import DatasetError
-    from tokenmill.errors import InvalidRequestError
+    from tokenmill.errors import InvalidRequestError, ModelLoadError
 
     try:
         summary = _annotate(args) if args.command == "annotate" else _batch(args)
-    except (InvalidRequestError, DatasetError) as exc:
+    except (InvalidRequestError, DatasetError, ModelLoadError) as exc:
         print(f"tokenmill {args.command}: {exc}", file=sys.stderr)
         return EXIT_UNUSABLE
     except KeyboardInterrupt:

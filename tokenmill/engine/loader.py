@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -10,6 +11,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Pretra
 from tokenmill.engine import attention, models
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.tiny import TINY_NAME, tiny_config, tiny_model, tiny_tokenizer
+from tokenmill.errors import ModelLoadError
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -21,6 +23,11 @@ class LoadedModel:
     hf_config: PretrainedConfig
     device: torch.device
     dtype: torch.dtype
+
+
+def _names_a_path(model: str) -> bool:
+    """A hub id is `name` or `namespace/name`; anything else (absolute, relative, home, deeper) is a path."""
+    return model.startswith(("/", ".", "~")) or model.count("/") > 1 or os.sep != "/" and os.sep in model
 
 
 def resolve_device(name: str) -> torch.device:
@@ -42,6 +49,21 @@ def resolve_dtype(name: str, hf_config: PretrainedConfig, device: torch.device) 
 
 
 def load(config: EngineConfig) -> LoadedModel:
+    """The model and tokenizer `config` names; `ModelLoadError` (one line: what and how to fix it) if they cannot be
+    loaded as configured."""
+    try:
+        return _load(config)
+    except ModelLoadError:
+        raise
+    except (OSError, ValueError) as exc:  # transformers' errors for a missing or unreadable checkpoint
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelLoadError(f"model {config.model!r} cannot be loaded: {first}") from exc
+
+
+def _load(config: EngineConfig) -> LoadedModel:
+    if config.model != TINY_NAME and _names_a_path(config.model) and not os.path.isdir(config.model):
+        raise ModelLoadError(f"model: no directory {config.model!r}: give a local directory written by save_pretrained, "
+                             f"a Hugging Face hub id, or {TINY_NAME}")
     attention.register()
     device = resolve_device(config.device)
     if config.model == TINY_NAME:

@@ -17,6 +17,7 @@ Messages are JSON (`send_bytes`/`recv_bytes` of `multiprocessing.connection`), n
                        | {"op": "abort", "id"} | {"op": "cancel", "id", "reason"} | {"op": "stop"}
     engine -> worker   {"op": "ready", "tokenizer", "max_prompt_chars", "max_model_len"} | {"op": "done", "outputs": [...]}
                        | {"op": "refused", "id", "field", "message"} | {"op": "stats", ...} | {"op": "fatal", "error"}
+                       | {"op": "unusable", "error"} (the model cannot be loaded as configured; instead of "ready")
 
 Text prompts are tokenized in the worker process, not here: the engine process is the one every request in the
 batch waits on, and tokenizing is per-request work that can run beside it (as vLLM's front-end process does).
@@ -62,7 +63,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from tokenmill.engine.prompt_limits import check_prompt_chars
-from tokenmill.errors import InvalidRequestError
+from tokenmill.errors import InvalidRequestError, ModelLoadError
 from tokenmill.queue import fastjson
 from tokenmill.sampling_params import SamplingParams, without_defaults
 
@@ -149,6 +150,7 @@ class EngineProcess:
         self._on_stall = on_stall
         self._stall_timeout = stall_timeout
         self._heard = time.monotonic()  # when the reader last got a message from the engine
+        self._unusable: str | None = None  # why the engine could not load its model, if it could not
         self._ready = threading.Event()
         self._tokenizer: Any = None  # a `tokenizers.Tokenizer`, once the engine has sent it
         self._prompt_limits: tuple[int | None, int] = (None, 0)  # (max_prompt_chars, max_model_len)
@@ -160,7 +162,10 @@ class EngineProcess:
         self._process.start()
         self._child_conn.close()
         self._reader.start()
-        if not self._ready.wait(timeout) or not self._process.is_alive():
+        ready = self._ready.wait(timeout)
+        if self._unusable is not None:
+            raise ModelLoadError(self._unusable)
+        if not ready or not self._process.is_alive():
             raise EngineFailure(f"the engine process did not start (exit code {self._process.exitcode})")
         if self._stall_timeout is not None and self._on_stall is not None:
             threading.Thread(target=self._watch, name="tokenmill-engine-watchdog", daemon=True).start()
@@ -351,6 +356,11 @@ class EngineProcess:
             elif op == "fatal":
                 self._lost(EngineFailure(f"the engine failed: {message['error']}"))
                 return
+            elif op == "unusable":  # before "ready": `start` raises it
+                with self._lock:
+                    self._stopping, self._unusable = True, message["error"]
+                self._ready.set()
+                return
 
     def _resolve(self, answers: dict[str, Answer]) -> None:
         """Hand each request's answer to its sink, the sinks taken from the pending ones under one lock for all (a
@@ -439,8 +449,13 @@ def serve(conn: Connection, model: str, options: dict[str, Any], cpus: set[int] 
         os.sched_setaffinity(0, cpus)
     from tokenmill.engine.llm_engine import LLMEngine  # torch is imported here, in this process only
 
-    engine = LLMEngine(model, **options)
     outbox = _Outbox(conn)
+    try:
+        engine = LLMEngine(model, **options)
+    except ModelLoadError as exc:  # a configuration error: the worker reports it and does not ask for a restart
+        outbox.send({"op": "unusable", "error": str(exc)})
+        outbox.close(timeout=10)
+        return
     loop = _Loop(engine, conn, outbox)
     freeze_startup_objects()
     outbox.send({"op": "ready", "tokenizer": tokenizer_for_frontend(engine.tokenizer),
