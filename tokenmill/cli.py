@@ -44,9 +44,29 @@ _ALIASES = {"broker_url": ["--broker"]}
 EXIT_CONFIG = 78
 
 
+#: The extra that installs each optional top-level module (pyproject.toml's optional dependencies).
+EXTRAS = {"torch": "worker", "transformers": "worker", "triton": "worker", "xgrammar": "worker", "llguidance": "worker",
+          "boto3": "worker", "prometheus_client": "worker", "tqdm": "worker", "tokenizers": "worker",
+          "pyarrow": "annotate", "jinja2": "annotate", "rich": "annotate",
+          "fastapi": "serve", "uvicorn": "serve", "multipart": "serve", "python_multipart": "serve",
+          "standardwebhooks": "serve"}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    try:
+        return _run(args)
+    except ModuleNotFoundError as exc:
+        extra = EXTRAS.get((exc.name or "").split(".")[0])
+        if extra is None:
+            raise
+        print(f"tokenmill {args.command}: needs the {extra!r} extra ({exc.name} is not installed): "
+              f"pip install 'tokenmill[{extra}]'", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.command == "worker":
         return _worker(args)
     if args.command == "dead-letters":

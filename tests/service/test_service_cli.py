@@ -109,3 +109,23 @@ def test_a_model_that_cannot_load_is_one_line_and_a_configuration_exit(tmp_path:
         lines = done.stderr.strip().splitlines()
         assert lines == [f"tokenmill {command[0]}: model: no directory {missing!r}: give a local directory written by "
                          "save_pretrained, a Hugging Face hub id, or builtin:tiny"], done.stderr[-2000:]
+
+
+@pytest.mark.parametrize(("command", "module", "extra"), [
+    (["annotate", "in.jsonl", "-o", "out.jsonl", "--template", "{{ text }}"], "pyarrow", "annotate"),
+    (["serve"], "fastapi", "serve"),
+    (["generate"], "torch", "worker"),
+])
+def test_a_missing_extra_is_one_line_naming_the_install(tmp_path: Path, command: list[str], module: str,
+                                                        extra: str) -> None:
+    """The README's annotate and serve examples failed with a bare ModuleNotFoundError where the quick start had
+    installed only the worker extra; here the module is made unimportable in the command's process."""
+    (tmp_path / "in.jsonl").write_text('{"text": "x"}\n')
+    code = (f"import sys\nsys.modules[{module!r}] = None\nfrom tokenmill.cli import main\n"
+            "sys.exit(main(sys.argv[1:]))\n")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-c", code, *command], env=env, cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines() == [
+        f"tokenmill {command[0]}: needs the {extra!r} extra ({module} is not installed): pip install 'tokenmill[{extra}]'"]
