@@ -129,3 +129,17 @@ def test_a_missing_extra_is_one_line_naming_the_install(tmp_path: Path, command:
     assert done.returncode == 2, done.stderr[-2000:]
     assert done.stderr.strip().splitlines() == [
         f"tokenmill {command[0]}: needs the {extra!r} extra ({module} is not installed): pip install 'tokenmill[{extra}]'"]
+
+
+def test_annotate_with_the_broker_down_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    from service_fixtures import free_port
+
+    (tmp_path / "in.jsonl").write_text('{"text": "x"}\n')
+    broker = f"redis://:secret@127.0.0.1:{free_port()}/0"  # nothing listens there
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-m", "tokenmill.cli", "annotate", "in.jsonl", "-o", "out.jsonl", "--template",
+                           "{{ text }}", "--broker", broker, "--quiet"], env=env, cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr and "secret" not in done.stderr
+    assert done.stderr.strip().splitlines()[-1].startswith("tokenmill annotate: cannot use the broker redis://:**@127.0.0.1:")

@@ -78,10 +78,19 @@ def run(args: argparse.Namespace) -> int:
     from tokenmill.apps.datasets import DatasetError
     from tokenmill.errors import InvalidRequestError, ModelLoadError
 
+    import redis
+    from kombu.exceptions import OperationalError
+    from kombu.utils.url import maybe_sanitize_url
+
     try:
         summary = _annotate(args) if args.command == "annotate" else _batch(args)
     except (InvalidRequestError, DatasetError, ModelLoadError) as exc:
         print(f"tokenmill {args.command}: {exc}", file=sys.stderr)
+        return EXIT_UNUSABLE
+    except (redis.ConnectionError, redis.AuthenticationError, OperationalError) as exc:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(f"tokenmill {args.command}: cannot use the broker {maybe_sanitize_url(args.broker)}: {reason} (start "
+              "Redis there, or fix --broker and its password)", file=sys.stderr)
         return EXIT_UNUSABLE
     except KeyboardInterrupt:
         print(f"tokenmill {args.command}: interrupted; the checkpoint keeps every finished row: run the same command "
