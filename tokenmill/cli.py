@@ -42,6 +42,8 @@ DEMO_PROMPTS = [
 _ALIASES = {"broker_url": ["--broker"]}
 #: sysexits' EX_CONFIG: the worker's model cannot be loaded as configured; restarting it would fail the same way.
 EXIT_CONFIG = 78
+#: sysexits' EX_UNAVAILABLE: the worker's broker did not answer at its start (`--broker-wait`).
+EXIT_UNAVAILABLE = 69
 
 
 #: The extra that installs each optional top-level module (pyproject.toml's optional dependencies).
@@ -179,10 +181,14 @@ def _worker(args: argparse.Namespace) -> int:
         print(f"tokenmill worker: invalid settings:\n{exc}", file=sys.stderr)
         return 2
     from tokenmill.errors import ModelLoadError
-    from tokenmill.worker.main import run_worker
+    from tokenmill.worker.main import BrokerUnavailable, run_worker
 
     try:
         return run_worker(settings)
+    except BrokerUnavailable as exc:
+        print(f"tokenmill worker: the broker {exc}: start Redis there, or fix --broker / --result-backend "
+              f"(exit {EXIT_UNAVAILABLE})", file=sys.stderr)
+        return EXIT_UNAVAILABLE
     except ModelLoadError as exc:
         print(f"tokenmill worker: {exc} (exit {EXIT_CONFIG}: a configuration error, not restarted by a supervisor "
               "that honours EX_CONFIG)", file=sys.stderr)

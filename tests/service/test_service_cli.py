@@ -143,3 +143,17 @@ def test_annotate_with_the_broker_down_is_one_line_and_exit_2(tmp_path: Path) ->
     assert done.returncode == 2, done.stderr[-2000:]
     assert "Traceback" not in done.stderr and "secret" not in done.stderr
     assert done.stderr.strip().splitlines()[-1].startswith("tokenmill annotate: cannot use the broker redis://:**@127.0.0.1:")
+
+
+def test_a_worker_whose_broker_does_not_answer_at_start_exits_69_in_one_line(tmp_path: Path) -> None:
+    """It logged "worker ready" and retried for ever; now it waits --broker-wait seconds, before loading the model."""
+    from service_fixtures import free_port
+
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("TOKENMILL_")}, "PYTHONPATH": str(REPO)}
+    broker = f"redis://:secret@127.0.0.1:{free_port()}/0"
+    done = subprocess.run([sys.executable, "-m", "tokenmill.cli", "worker", "--broker", broker, "--broker-wait", "1",
+                           "--metrics-port", "0"], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 69, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr and "secret" not in done.stderr
+    assert done.stderr.strip().splitlines()[-1].startswith("tokenmill worker: the broker redis://:**@127.0.0.1:")
+    assert "engine process ready" not in done.stderr  # the model was never loaded

@@ -14,6 +14,9 @@ import gc
 import logging
 import os
 import sys
+import time
+
+import redis
 
 from tokenmill.worker import control, runtime
 from tokenmill.worker.app import app, configure
@@ -72,9 +75,37 @@ def lower_priority(increment: int) -> None:
         os.nice(increment)
 
 
+class BrokerUnavailable(RuntimeError):
+    """The broker or result backend did not answer within `broker_wait` seconds of the start."""
+
+
+def wait_for_redis(settings: WorkerSettings) -> None:
+    """Before the model loads: the broker and the result backend answer a PING within `broker_wait` seconds, or
+    `BrokerUnavailable` names them (without passwords) and the last error."""
+    from kombu.utils.url import maybe_sanitize_url
+
+    from tokenmill.queue.app import socket_options
+    from tokenmill.queue.tls import redis_client
+
+    deadline = time.monotonic() + settings.broker_wait
+    for url in dict.fromkeys((settings.broker_url, settings.backend_url)):
+        client = redis_client(url, **socket_options(min(settings.redis_socket_timeout, 5.0)))
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.RedisError as exc:
+                if time.monotonic() >= deadline:
+                    raise BrokerUnavailable(f"{maybe_sanitize_url(url)} did not answer within {settings.broker_wait:g}s "
+                                            f"({exc})") from exc
+                time.sleep(0.5)
+        client.close()
+
+
 def run_worker(settings: WorkerSettings) -> int:
     """Run until SIGTERM/SIGINT; returns the process exit code."""
     setup_logging(settings)
+    wait_for_redis(settings)
     configure(app, settings)
     app.conf.broker_transport_options = {**app.conf.broker_transport_options, "take_at_least": settings.take_at_least}
     control.allow_state_changes(settings.remote_control_writes)

@@ -60,6 +60,10 @@ class WorkerSettings(QueueSettings):
     shutdown_grace: float = Field(
         60.0, ge=0, description="Seconds after SIGTERM that in-flight jobs may take to finish before they are requeued."
     )
+    broker_wait: float = Field(
+        60.0, ge=0, description="Seconds a starting worker waits for its broker and result backend to answer before it "
+        "exits with code 69 (EX_UNAVAILABLE) naming them; once started, it reconnects for as long as it takes.",
+    )
     engine_stall_timeout: float = Field(
         300.0, gt=0, description="Seconds the engine may hold jobs without a step or a message before the worker "
         "counts it stuck (frozen, deadlocked, a step that never ends): it logs why, stops taking jobs, hands the "
