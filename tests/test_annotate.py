@@ -415,3 +415,14 @@ def test_the_cli_takes_the_template_from_a_file(tmp_path: Path) -> None:
     assert from_file.returncode == inline.returncode == 0, from_file.stderr + inline.stderr
     by_file, by_text = read_jsonl(tmp_path / "file.jsonl"), read_jsonl(tmp_path / "inline.jsonl")
     assert by_file == by_text and len({r["prompt_tokens"] for r in by_file}) > 1
+
+
+def test_the_progress_bar_counts_whole_rows() -> None:
+    """It showed `1.0/200` (a unit may be a share of a row); now whole rows, however the shares add up."""
+    from tokenmill.apps.pipeline import Progress
+
+    progress = Progress(3, "rows", quiet=False)
+    for share in (0.5, 0.5, 1.0, 1 / 3, 1 / 3, 1 / 3):
+        progress.advance(share)
+    assert progress.bar.n == 3 and isinstance(progress.bar.n, int)
+    progress.close()

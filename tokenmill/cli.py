@@ -89,7 +89,13 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from importlib.metadata import PackageNotFoundError, version
+
     parser = argparse.ArgumentParser(prog="tokenmill", description="Queue-driven LLM batch jobs.")
+    try:
+        parser.add_argument("--version", action="version", version=f"tokenmill {version('tokenmill')}")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        parser.add_argument("--version", action="version", version="tokenmill (not installed)")
     commands = parser.add_subparsers(dest="command", required=True)
     gen = commands.add_parser("generate", help="complete prompts offline and print JSON lines")
     gen.add_argument("--model", default="builtin:tiny", help="model (default: builtin:tiny)")

@@ -157,3 +157,11 @@ def test_a_worker_whose_broker_does_not_answer_at_start_exits_69_in_one_line(tmp
     assert "Traceback" not in done.stderr and "secret" not in done.stderr
     assert done.stderr.strip().splitlines()[-1].startswith("tokenmill worker: the broker redis://:**@127.0.0.1:")
     assert "engine process ready" not in done.stderr  # the model was never loaded
+
+
+def test_version() -> None:
+    from importlib.metadata import version
+
+    done = subprocess.run([sys.executable, "-m", "tokenmill.cli", "--version"], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == f"tokenmill {version('tokenmill')}"

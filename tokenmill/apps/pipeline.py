@@ -87,10 +87,14 @@ class Progress:
         self.bar = tqdm(total=total, desc=what, unit="row", disable=quiet, dynamic_ncols=True, file=sys.stderr)
         self.start = time.perf_counter()
         self.tokens = 0
+        self.rows = 0.0  # a unit may be a share of a row (an OpenAI request with n > 1): the bar moves by whole rows
 
     def advance(self, rows: float, tokens: int = 0) -> None:
         self.tokens += tokens
-        self.bar.update(rows)
+        whole = int(self.rows + rows + 1e-9) - int(self.rows + 1e-9)
+        self.rows += rows
+        if whole:
+            self.bar.update(whole)
         if tokens:
             self.bar.set_postfix_str(f"{self.tokens / (time.perf_counter() - self.start):.1f} gen tok/s", refresh=False)
 
