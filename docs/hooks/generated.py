@@ -186,6 +186,7 @@ Every `tokenmill` command and flag, generated from the argument parsers (`tokenm
 fails when this page differs from them. `tokenmill worker`'s flags are its settings: each also reads the
 `TOKENMILL_*` variable in brackets (see the [configuration reference](configuration.md)), and a flag wins
 over the variable. "–" in the default column: none (the flag is off, or the setting's own default applies).
+`--version` (`tokenmill --version`) prints the installed version.
 
 """
 
