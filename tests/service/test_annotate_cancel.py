@@ -192,7 +192,8 @@ def test_a_second_ctrl_c_exits_at_once_with_the_checkpoint_intact(tmp_path: Path
     second_at = time.monotonic()
     run.send_signal(signal.SIGINT)
     _, stderr = run.communicate(timeout=30)
-    assert run.returncode == 130 and time.monotonic() - second_at < 2.0, (run.returncode, stderr)
+    # within 3 s: the wait it ends would have run 4 s more
+    assert run.returncode == 130 and time.monotonic() - second_at < 3.0, (run.returncode, stderr)
     assert "Traceback" not in stderr
     with sqlite3.connect(tmp_path / "out.jsonl.tokenmill-state" / "checkpoint.sqlite") as db:
         assert db.execute("PRAGMA integrity_check").fetchone() == ("ok",)
