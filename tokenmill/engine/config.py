@@ -6,6 +6,8 @@ from dataclasses import dataclass, fields
 
 #: The grammar backends, and "auto" (the default): per request, the first of `structured.AUTO_ORDER` that enforces it.
 CONSTRAINT_BACKENDS = ("auto", "xgrammar", "llguidance")
+#: The model code (`engine/models`): "auto" (native where it covers the checkpoint, else transformers'), or either one.
+MODEL_IMPLS = ("auto", "native", "transformers")
 
 
 @dataclass
@@ -59,8 +61,8 @@ class EngineConfig:
                 raise ValueError(f"{name}: must be >= 1, got {value}")
         if not self.grammar_compile_timeout > 0 or self.grammar_cache_bytes < 1:
             raise ValueError("grammar_compile_timeout and grammar_cache_bytes: must be > 0")
-        if self.model_impl not in ("auto", "native", "transformers"):
-            raise ValueError(f"model_impl: must be auto, native or transformers, got {self.model_impl!r}")
+        if self.model_impl not in MODEL_IMPLS:
+            raise ValueError(f"model_impl: must be one of {', '.join(MODEL_IMPLS)}, got {self.model_impl!r}")
         if self.constraint_backend not in CONSTRAINT_BACKENDS:
             raise ValueError(f"constraint_backend: must be one of {', '.join(CONSTRAINT_BACKENDS)}, "
                              f"got {self.constraint_backend!r}")

@@ -94,9 +94,7 @@ def celery_config(settings: QueueSettings) -> dict[str, Any]:
         "result_backend_always_retry": True,
         "result_backend_max_sleep_between_retries_ms": 1000,
         "broker_transport_options": transport_options(settings.visibility_timeout, settings.redis_socket_timeout),
-        "redis_socket_timeout": settings.redis_socket_timeout,
-        "redis_socket_connect_timeout": min(10.0, settings.redis_socket_timeout),
-        "redis_socket_keepalive": True,
+        **{f"redis_{name}": value for name, value in socket_options(settings.redis_socket_timeout).items()},
         "broker_connection_retry_on_startup": True,
         "broker_connection_max_retries": None,
     }

@@ -9,9 +9,6 @@ from tokenmill.engine.models import llama
 
 log = logging.getLogger(__name__)
 
-#: `EngineConfig.model_impl`: "auto" (native where implemented, else transformers), or either one.
-MODEL_IMPLS = ("auto", "native", "transformers")
-
 
 def choose(model: torch.nn.Module, impl: str) -> torch.nn.Module:
     """`model` (transformers') or the native model holding its weights, as `impl` asks; the choice is logged."""
