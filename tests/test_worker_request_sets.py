@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import sys
 import threading
 from collections.abc import Iterator
@@ -48,6 +49,39 @@ def test_the_request_sets_can_be_iterated_while_other_threads_change_them(freque
         finally:
             stop.set()
             thread.join()
+
+
+def test_a_garbage_collection_inside_the_copy_cannot_break_the_iteration() -> None:
+    """A collection may start at any allocation, and its finalizers run Python code (here: one that changes the set,
+    as another thread could once the collection lets it in). Whichever allocation it lands on, iterating still works."""
+    snapshot_request_sets()
+    members = [_Request() for _ in range(50)]
+    for request in members:
+        state.reserved_requests.add(request)
+    added: list[_Request] = []
+
+    class Garbage:
+        def __del__(self) -> None:
+            added.append(_Request())
+            state.reserved_requests.add(added[-1])
+
+    threshold = gc.get_threshold()
+    try:
+        for collect_after in range(1, 8):  # lands the collection on each allocation of the iteration in turn
+            for _ in range(20):
+                gc.collect()
+                garbage = Garbage()
+                garbage.cycle = garbage  # type: ignore[attr-defined]
+                del garbage
+                gc.set_threshold(collect_after, 1, 1)
+                try:
+                    assert len(tuple(state.reserved_requests)) >= len(members)
+                finally:
+                    gc.set_threshold(*threshold)
+    finally:
+        for request in members + added:
+            state.reserved_requests.discard(request)
+    assert added, "no collection ran a finalizer: the test did not exercise what it is about"
 
 
 def test_the_sets_still_hold_add_discard_and_clear_as_celery_uses_them() -> None:

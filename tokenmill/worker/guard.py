@@ -52,10 +52,14 @@ MAX_RESULT_ID_CHARS = 1024
 
 
 class _SnapshotWeakSet(weakref.WeakSet):
-    """A WeakSet iterated over a copy of its members, taken in one step: other threads may add and discard meanwhile."""
+    """A WeakSet iterated over a copy of its members, taken in one step: other threads may add and discard meanwhile.
+
+    The copy is `set.copy()`, which allocates before it reads and then runs no Python code: `tuple(set)` allocates
+    after its iterator starts, and a garbage collection there runs finalizers (and lets other threads in) that may
+    change the set under the iterator."""
 
     def __iter__(self) -> Iterator[Any]:
-        for ref in tuple(self.data):  # one C call under the GIL: no other thread changes the set halfway
+        for ref in self.data.copy():
             item = ref()
             if item is not None:
                 yield item
