@@ -29,6 +29,7 @@ from pydantic import (
 
 from tokenmill.errors import InvalidRequestError
 from tokenmill.queue import fastjson
+from tokenmill.queue.result_objects import ResultReadError, read_object
 from tokenmill.sampling_params import MAX_NESTING, SamplingParams, check_nesting, without_defaults
 
 #: Bumped on any incompatible change of `Job` or `JobResult`. A worker refuses versions it does not know.
@@ -317,8 +318,8 @@ class JobResult(BaseModel):
     """The final outcome of one job.
 
     When the job named an S3 destination, the full result is the JSON object at `output_uri` and the
-    copy in Redis is a stub without `text`, `token_ids` and `logprobs`, so Redis does not hold large
-    payloads twice.
+    copy in Redis is a stub without `text`, `token_ids`, `logprobs` and `parsed`, so Redis does not hold
+    large payloads twice; `read()` fetches the full result.
     """
 
     model_config = ConfigDict(extra="ignore")
@@ -372,6 +373,31 @@ class JobResult(BaseModel):
 
     def to_wire(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
+
+    def read(self, endpoint_url: str | None = None) -> JobResult:
+        """The full result: this one when its text is here (no `output_uri`, or read already), else the
+        JSON object the worker wrote at `output_uri`, with that `output_uri`.
+
+        Args:
+            endpoint_url: the S3 endpoint (MinIO, ...); default `TOKENMILL_S3_ENDPOINT_URL`, else boto3's own.
+
+        Raises:
+            ResultReadError: the object could not be read (no such key, access denied, ...) or holds another
+                job's result; its message names the s3:// URI and the cause.
+            ImportError: boto3 is not installed (`pip install boto3`, or the `worker` extra).
+        """
+        if self.output_uri is None or self.text is not None:
+            return self
+        body = read_object(self.output_uri, endpoint_url)
+        try:
+            full = JobResult.model_validate_json(body)
+        except ValidationError as exc:
+            first = exc.errors(include_url=False)[0]["msg"]
+            raise ResultReadError(self.output_uri, f"not a job result: {first}") from None
+        if full.id != self.id or (None not in (full.job_hash, self.job_hash) and full.job_hash != self.job_hash):
+            raise ResultReadError(self.output_uri, f"holds the result of another job ({full.id}, content "
+                                                   f"{(full.job_hash or '?')[:12]}), not of job {self.id}")
+        return full.model_copy(update={"output_uri": self.output_uri})
 
     def conflict_with(self, job_hash: str | None) -> JobResult | None:
         """A failed `conflict` result when this stored result belongs to other content under the same id, else None.
