@@ -83,5 +83,5 @@ def test_a_request_cancelled_while_its_grammar_compiles_never_runs() -> None:
     cancelled = engine.cancel_request("big", "deadline")
     assert cancelled is not None and cancelled.finish_reason == "deadline" and cancelled.token_ids == []
     assert cancelled.constraint_satisfied is False and not engine.has_unfinished()
-    engine.add_request("after", [4, 5], SamplingParams(max_tokens=4, choice=words(3000, seed=3)))  # the same grammar
+    engine.add_request("after", [4, 5], SamplingParams(max_tokens=16, choice=words(3000, seed=3)))  # the same grammar
     assert finish_order(engine) == ["after"]  # "big" never comes back

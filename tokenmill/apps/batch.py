@@ -55,7 +55,7 @@ class Request:
 class Parser:
     """Turns one input line into a `Request` (or raises `LineError`)."""
 
-    def __init__(self, model: str, default_max_tokens: int, logprobs_ok: bool) -> None:
+    def __init__(self, model: str, default_max_tokens: int | None, logprobs_ok: bool) -> None:
         self.model = model
         self.default_max_tokens = default_max_tokens
         self.logprobs_ok = logprobs_ok
@@ -140,7 +140,7 @@ class Parser:
 
     def _sampling(self, url: str, body: dict[str, Any]) -> tuple[dict[str, Any], int | None]:
         limit = next((body[k] for k in ("max_completion_tokens", "max_tokens") if body.get(k) is not None), self.default_max_tokens)
-        params: dict[str, Any] = {"max_tokens": limit}
+        params: dict[str, Any] = {} if limit is None else {"max_tokens": limit}
         for name in ("temperature", "top_p", "seed"):
             if body.get(name) is not None:
                 params[name] = body[name]
@@ -196,7 +196,7 @@ def batch(
     queue: str | None = None,
     llm: Any = None,
     engine_options: dict[str, Any] | None = None,
-    default_max_tokens: int = 256,
+    default_max_tokens: int | None = None,
     state_dir: str | None = None,
     checkpoint_interval: float = 2.0,
     retry_failed: bool = False,

@@ -132,6 +132,7 @@ class LLMEngine:
         self._totals = {"prompt": 0, "generated": 0, "preempted": 0, "steps": 0}
         self._grammars: GrammarCache | None = None  # built on the first structured request
         self._pending: dict[str, _Pending] = {}  # requests whose grammar is compiling
+        self._choice_tokens: dict[tuple[str, ...], tuple[int, str]] = {}  # choices -> (longest in tokens, that choice)
 
     def _max_model_len(self) -> int:
         """The configured length, capped by the model's positions and any sliding window (beyond which our
@@ -179,6 +180,7 @@ class LLMEngine:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
         token_ids = self.tokenize(prompt)
         self._check_prompt(token_ids)
+        self.check_choice_budget(params)
         spec = GrammarSpec.from_params(params)
         if spec is not None and not self._grammar_cache(spec).is_ready(spec):
             future = self._grammar_cache(spec).compile_async(spec)
@@ -208,6 +210,23 @@ class LLMEngine:
         if arrival is not None:
             request.arrival_time = arrival
         self._totals["prompt"] += len(token_ids)
+
+    def check_choice_budget(self, params: SamplingParams) -> None:
+        """A `choice` request whose `max_tokens` cannot hold its longest choice as this tokenizer writes it is refused
+        (`InvalidRequestError` on max_tokens, naming that count), rather than failed as incomplete after the work."""
+        if not params.choice:
+            return
+        key = tuple(params.choice)
+        needed = self._choice_tokens.get(key)
+        if needed is None:
+            needed = max((len(self.tokenizer.encode(c, add_special_tokens=False)), c) for c in params.choice)
+            if len(self._choice_tokens) >= 256:
+                self._choice_tokens.clear()
+            self._choice_tokens[key] = needed
+        if params.max_tokens < needed[0]:
+            raise InvalidRequestError("max_tokens", f"{params.max_tokens} is fewer than the {needed[0]} tokens of the "
+                                      f"longest choice {needed[1]!r}: raise it, or leave it unset to size it from the "
+                                      "choices")
 
     def _check_prompt(self, token_ids: list[int]) -> None:
         if not token_ids:

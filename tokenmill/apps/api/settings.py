@@ -29,8 +29,9 @@ class ServeSettings(QueueSettings):
                                  "after this.")
     batch_rows_per_message: int = Field(32, ge=1, description="Requests per `tokenmill.generate_batch` message "
                                         "when `tokenmill serve` queues a batch.")
-    default_max_tokens: int = Field(256, ge=1, description="max_tokens of a batch request that sets neither "
-                                    "max_tokens nor max_completion_tokens (as `tokenmill batch --max-tokens`).")
+    default_max_tokens: int | None = Field(None, ge=1, description="max_tokens of a batch request that sets neither "
+                                           "max_tokens nor max_completion_tokens (as `tokenmill batch --max-tokens`); "
+                                           "unset: the rule of every door, 256 tokens.")
     webhook_url: str | None = Field(None, description="URL `tokenmill serve` POSTs batch.completed / batch.failed / "
                                     "batch.cancelled / batch.expired events to, signed as Standard Webhooks says; "
                                     "unset: no webhooks.")
