@@ -84,7 +84,7 @@ def test_parquet_schema_is_the_same_whether_rows_fail_or_not(llm, tmp_path: Path
     pq.write_table(pa.Table.from_pylist(data[:1]), tmp_path / "ok.parquet")
     mixed = run(llm, src, tmp_path / "mixed.parquet")
     run(llm, tmp_path / "ok.parquet", tmp_path / "allok.parquet")
-    run(llm, tmp_path / "ok.parquet", tmp_path / "allbad.parquet", template="{{ missing }}")
+    run(llm, tmp_path / "ok.parquet", tmp_path / "allbad.parquet", template="{{ text.nope }}")  # every row fails
     schemas = [pq.read_schema(tmp_path / f"{name}.parquet") for name in ("mixed", "allok", "allbad")]
     assert schemas[0] == schemas[1] == schemas[2]
     assert schemas[0].field("error").type == pa.string() and schemas[0].field("error").nullable
@@ -101,14 +101,15 @@ def test_missing_column_fails_only_that_row_and_sets_the_exit_status(tmp_path: P
 
     src = write_jsonl(tmp_path / "in.jsonl", [{"text": "a"}, {"other": "b"}, {"text": "c"}])
     status = main(["annotate", str(src), "-o", str(tmp_path / "out.jsonl"), "--template", "T: {{ text }}", "--max-tokens", "3",
-                   "--num-kv-blocks", "64"])
+                   "--model", "builtin:tiny", "--num-kv-blocks", "64"])
     stderr = capfd.readouterr().err
     assert status == 1, stderr
     out = read_jsonl(tmp_path / "out.jsonl")
     assert [r["error"] is None for r in out] == [True, False, True]
     assert "column 'text' is undefined" in out[1]["error"] and out[1]["other"] == "b"
     assert "rows failed" in stderr and "rows ok" in stderr  # the summary table
-    assert main(["annotate", str(tmp_path / "none.csv"), "-o", str(tmp_path / "x.jsonl"), "--template", "{{ a }}"]) == 2
+    assert main(["annotate", str(tmp_path / "none.csv"), "-o", str(tmp_path / "x.jsonl"), "--template", "{{ a }}",
+                 "--model", "builtin:tiny"]) == 2
     assert "no such file" in capfd.readouterr().err
 
 
@@ -282,23 +283,39 @@ def test_structured_output_options(llm, tmp_path: Path) -> None:
     assert set(table.column("annotation").to_pylist()) <= {"yes", "no"}
 
 
-def test_a_label_cut_by_max_tokens_is_a_failed_row_never_a_label(llm, tmp_path: Path) -> None:
-    """`--choice positive,negative --max-tokens 4` once wrote "nega" as a valid label: now each such row fails with
-    the reason, its label column empty, counted apart in the summary, and the run's exit status says so."""
+def test_a_label_cut_short_is_a_failed_row_never_a_label(llm, tmp_path: Path) -> None:
+    """`--choice positive,negative --max-tokens 4` once wrote "nega" as a valid label. Now a `max_tokens` that cannot
+    hold the longest choice is refused before any row runs, naming its token count; left unset it is sized from the
+    choices; and a label cut short anyway (here by a stop string) fails its row with the reason, its label column
+    empty, counted apart in the summary, and the run's exit status says so."""
     src = write_jsonl(tmp_path / "in.jsonl", rows(3))
-    summary = run(llm, src, tmp_path / "out.jsonl", choice=["positive", "negative"], max_tokens=4)
+    needed = len(llm.engine.tokenizer.encode("positive", add_special_tokens=False))
+    with pytest.raises(InvalidRequestError, match=f"4 is fewer than the {needed} tokens of the longest choice 'positive'"):
+        run(llm, src, tmp_path / "refused.jsonl", choice=["positive", "negative"], max_tokens=4)
+    assert not (tmp_path / "refused.jsonl").exists()
+    sized = run(llm, src, tmp_path / "sized.jsonl", choice=["positive", "negative"], max_tokens=None)
+    assert (sized.ok, sized.failed) == (3, 0)
+    assert {r["annotation"] for r in read_jsonl(tmp_path / "sized.jsonl")} <= {"positive", "negative"}
+    summary = run(llm, src, tmp_path / "out.jsonl", choice=["positive", "negative"], max_tokens=None, stop=["t"])
     assert (summary.ok, summary.failed, summary.incomplete) == (0, 3, 3)
     for row in read_jsonl(tmp_path / "out.jsonl"):
-        assert row["annotation"] is None and row["finish_reason"] == "length"
-        assert row["error"] == "constraint_incomplete: max_tokens 4 reached inside the choice (field: max_tokens)"
+        assert row["annotation"] is None and row["finish_reason"] == "stop"
+        assert row["error"] == ("constraint_incomplete: a stop string or stop token ended the output inside the choice "
+                                "(field: stop)")
     schema = {"type": "object", "properties": {"label": {"type": "string"}}, "required": ["label"]}
     cut = run(llm, src, tmp_path / "schema.jsonl", json_schema=schema, max_tokens=3)
     assert (cut.failed, cut.incomplete) == (3, 3)
     assert all(r["error"].startswith("constraint_incomplete: max_tokens 3 reached inside the JSON schema")
                for r in read_jsonl(tmp_path / "schema.jsonl"))
     done = cli("annotate", str(src), "-o", str(tmp_path / "cli.jsonl"), "--template", "Say: {{ text }}", "--choice",
-               "positive,negative", "--max-tokens", "4", "--num-kv-blocks", str(ENGINE["num_kv_blocks"]), "--quiet")
-    assert done.returncode == 1, done.stderr
+               "positive,negative", "--max-tokens", "4", "--num-kv-blocks", str(ENGINE["num_kv_blocks"]),
+               "--model", "builtin:tiny", "--quiet")
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert f"--max-tokens: 4 is fewer than the {needed} tokens of the longest choice 'positive'" in done.stderr
+    cut_cli = cli("annotate", str(src), "-o", str(tmp_path / "cli.jsonl"), "--template", "Say: {{ text }}", "--choice",
+                  "positive,negative", "--stop", "t", "--num-kv-blocks", str(ENGINE["num_kv_blocks"]),
+                  "--model", "builtin:tiny", "--quiet")
+    assert cut_cli.returncode == 1, cut_cli.stderr
 
 
 def test_ctrl_c_then_the_same_command_finishes_every_row(llm, tmp_path: Path) -> None:
@@ -308,7 +325,7 @@ def test_ctrl_c_then_the_same_command_finishes_every_row(llm, tmp_path: Path) ->
     out, state = tmp_path / "out.jsonl", tmp_path / "state"
     args = ["annotate", str(src), "-o", str(out), "--template", "Say: {{ text }}", "--max-tokens", "24", "--window", "8",
             "--state-dir", str(state), "--checkpoint-interval", "0", "--num-kv-blocks", str(ENGINE["num_kv_blocks"]),
-            "--quiet"]
+            "--model", "builtin:tiny", "--quiet"]
     code = ("import signal, sys\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n"
             "from tokenmill.cli import main\nsys.exit(main(sys.argv[1:]))\n")
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
@@ -334,7 +351,7 @@ def test_kill_9_mid_run_then_rerun_gives_the_uninterrupted_output(llm, tmp_path:
     out, state = tmp_path / "out.jsonl", tmp_path / "state"
     args = ["annotate", str(src), "-o", str(out), "--template", "Say: {{ text }}", "--max-tokens", "24", "--window", "8",
             "--state-dir", str(state), "--checkpoint-interval", "0", "--num-kv-blocks", str(ENGINE["num_kv_blocks"]),
-            "--quiet"]
+            "--model", "builtin:tiny", "--quiet"]
     process = cli(*args, wait=False)
     try:
         wait_until(lambda: checkpointed(state) >= 16 or process.poll() is not None, 300, "some results checkpointed")
@@ -409,7 +426,7 @@ def test_the_cli_takes_the_template_from_a_file(tmp_path: Path) -> None:
     src = write_jsonl(tmp_path / "in.jsonl", rows(12))  # texts of two lengths
     template = "Review: {{ text }}\nSentiment:"
     (tmp_path / "t.jinja").write_text(template)
-    common = ["--max-tokens", "4", "--num-kv-blocks", str(ENGINE["num_kv_blocks"]), "--quiet"]
+    common = ["--max-tokens", "4", "--num-kv-blocks", str(ENGINE["num_kv_blocks"]), "--model", "builtin:tiny", "--quiet"]
     from_file = cli("annotate", str(src), "-o", str(tmp_path / "file.jsonl"), "--template", str(tmp_path / "t.jinja"), *common)
     inline = cli("annotate", str(src), "-o", str(tmp_path / "inline.jsonl"), "--template", template, *common)
     assert from_file.returncode == inline.returncode == 0, from_file.stderr + inline.stderr
@@ -426,3 +443,48 @@ def test_the_progress_bar_counts_whole_rows() -> None:
         progress.advance(share)
     assert progress.bar.n == 3 and isinstance(progress.bar.n, int)
     progress.close()
+
+
+def test_dry_run_shows_prompts_and_plan_without_loading_a_model(tmp_path: Path) -> None:
+    """`--dry-run` renders the first prompts and the plan and stops: the model named does not even exist, nothing is
+    written, and the same command without it would run those rows."""
+    src = write_jsonl(tmp_path / "in.jsonl", rows(5))
+    out = tmp_path / "out.jsonl"
+    done = cli("annotate", str(src), "-o", str(out), "--template", "Say: {{ text }}", "--model",
+               str(tmp_path / "no-such-model"), "--max-tokens", "7", "--dry-run")
+    assert done.returncode == 0, done.stderr
+    assert "--- row 0:\nSay: item number 0" in done.stdout and "Say: item number 2" in done.stdout
+    assert "item number 3" not in done.stdout  # the first three prompts only
+    assert "rows: 5 to run, 0 failing" in done.stdout and "at most 35 completion (max_tokens 7 x 5 rows)" in done.stdout
+    assert not out.exists() and not (tmp_path / "out.jsonl.tokenmill-state").exists()
+
+
+def test_a_template_naming_a_column_the_input_lacks_is_refused_before_the_model_loads(tmp_path: Path) -> None:
+    src = write_jsonl(tmp_path / "in.jsonl", rows(2))
+    done = cli("annotate", str(src), "-o", str(tmp_path / "out.jsonl"), "--template", "Say: {{ txt }} {{ range(2) }}",
+               "--model", str(tmp_path / "no-such-model"))  # loading it would fail with another message
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert "--template: names column(s) 'txt' that the input does not have (columns: id, text, n)" in done.stderr
+
+
+def test_limit_runs_and_writes_the_first_rows_only(llm, tmp_path: Path) -> None:
+    src = write_jsonl(tmp_path / "in.jsonl", rows(10))
+    summary = run(llm, src, tmp_path / "out.jsonl", limit=4, id_column="id")
+    assert (summary.rows, summary.ok) == (4, 4)
+    assert [r["id"] for r in read_jsonl(tmp_path / "out.jsonl")] == ["r0", "r1", "r2", "r3"]
+    with pytest.raises(InvalidRequestError, match="limit"):
+        run(llm, src, tmp_path / "none.jsonl", limit=0)
+
+
+def test_annotate_and_batch_need_a_model_without_a_broker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A forgotten --model once labelled a whole dataset with builtin:tiny's gibberish."""
+    src = write_jsonl(tmp_path / "in.jsonl", rows(2))
+    monkeypatch.delenv("TOKENMILL_MODEL", raising=False)
+    for args in (["annotate", str(src), "-o", str(tmp_path / "out.jsonl"), "--template", "{{ text }}"],
+                 ["batch", "-i", str(src), "-o", str(tmp_path / "out.jsonl")]):
+        done = cli(*args)
+        assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+        assert f"tokenmill {args[0]}: --model: required without --broker" in done.stderr
+    assert not (tmp_path / "out.jsonl").exists()
+    with pytest.raises(InvalidRequestError, match="model"):
+        annotate(str(src), str(tmp_path / "api.jsonl"), "{{ text }}", quiet=True)

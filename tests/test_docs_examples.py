@@ -185,3 +185,11 @@ def test_serve_example_runs(block: Block, serve: str, tmp_path: Path) -> None:
     wanted = [json.loads(line)["custom_id"] for line in lines.splitlines()]
     assert [line["custom_id"] for line in output] == wanted, output
     assert all(line["response"]["status_code"] == 200 for line in output), output
+
+
+def test_the_readme_is_a_short_front_door() -> None:
+    """The README opens the project in a few screens (issue 55: at most 200 lines); histories and per-commit
+    comparisons live in docs/benchmarks."""
+    lines = (REPO / "README.md").read_text().splitlines()
+    assert len(lines) <= 200, f"README.md has {len(lines)} lines"
+    assert '.[all]"' in "\n".join(lines), "the quick start installs every extra the examples need"

@@ -23,11 +23,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import types
-import typing
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from tokenmill.apps.cli import MAX_TOKENS_HELP
 
 if TYPE_CHECKING:
     from tokenmill.worker.settings import WorkerSettings
@@ -101,11 +101,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--model", default="builtin:tiny", help="model (default: builtin:tiny)")
     gen.add_argument("--prompt", action="append", default=[], help="a prompt; repeat for more")
     gen.add_argument("--input", type=Path, help="JSONL file: one string or {\"prompt\": ...} per line")
-    gen.add_argument("--max-tokens", type=int, default=32)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--dtype", default="auto")
+    gen.add_argument("--max-tokens", type=int, default=None, help=MAX_TOKENS_HELP)
+    gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the top tokens of this "
+                     "probability mass")
+    gen.add_argument("--seed", type=int, default=None, help="sampling seed (default: the engine's)")
+    gen.add_argument("--dtype", default="auto", help="weights and activations dtype (auto, float32, bfloat16, "
+                     "float16)")
     structured = gen.add_mutually_exclusive_group()
     structured.add_argument("--json-schema", metavar="FILE|JSON", help="force a JSON value matching this schema (a file or inline JSON)")
     structured.add_argument("--choice", metavar="A,B,C", help="force the completion to be exactly one of these comma-separated strings")
@@ -127,7 +129,28 @@ def build_parser() -> argparse.ArgumentParser:
     health = commands.add_parser("health", help="exit 0 only while a worker's engine is serving (container healthcheck)")
     health.add_argument("--url", default=None, help="metrics URL (default: http://127.0.0.1:$TOKENMILL_METRICS_PORT/metrics)")
     health.add_argument("--max-age", type=float, default=60.0, help="seconds without an engine status report that count as down")
+    _show_defaults(parser)
     return parser
+
+
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Every option's help ends with its default, unless it has none to show (None, False) or says it already."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        shown = not (action.default is None or action.default is False or action.default == []
+                     or action.default is argparse.SUPPRESS)
+        if shown and "default" not in text and action.option_strings:
+            text += " (default: %(default)s)"
+        return text
+
+
+def _show_defaults(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = DefaultsHelpFormatter
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                _show_defaults(sub)
 
 
 def _add_queue_flags(parser: argparse.ArgumentParser) -> None:
@@ -150,25 +173,18 @@ def _add_dead_letter_commands(commands: Any) -> None:
 
 def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per `WorkerSettings` field; default None so an unset flag leaves env/default alone."""
+    from tokenmill.queue.settings import flag_type
     from tokenmill.worker.settings import WorkerSettings
 
     for name, info in WorkerSettings.model_fields.items():
         flags = [f"--{name.replace('_', '-')}", *_ALIASES.get(name, [])]
-        kind = _scalar_type(info.annotation)
-        help_text = f"{info.description} [env TOKENMILL_{name.upper()}]".replace("%", "%%")
+        kind, choices = flag_type(info.annotation)
+        default = f" (default: {info.default})" if info.default not in (None, "") else ""
+        help_text = f"{info.description}{default} [env TOKENMILL_{name.upper()}]".replace("%", "%%")
         if kind is bool:
             parser.add_argument(*flags, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
         else:
-            parser.add_argument(*flags, dest=name, type=kind, default=None, help=help_text)
-
-
-def _scalar_type(annotation: Any) -> type:
-    """The type argparse should convert to: `int | None` -> int; lists are given comma-separated."""
-    if typing.get_origin(annotation) is typing.Annotated:
-        annotation = typing.get_args(annotation)[0]
-    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
-        annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
-    return annotation if annotation in (bool, int, float) else str
+            parser.add_argument(*flags, dest=name, type=kind, choices=choices, default=None, help=help_text)
 
 
 def worker_settings(args: argparse.Namespace) -> WorkerSettings:
@@ -184,7 +200,11 @@ def _worker(args: argparse.Namespace) -> int:
     try:
         settings = worker_settings(args)
     except ValidationError as exc:
-        print(f"tokenmill worker: invalid settings:\n{exc}", file=sys.stderr)
+        for error in exc.errors():
+            message = error["msg"].removeprefix("Value error, ")
+            if error["loc"]:
+                message = f"--{str(error['loc'][0]).replace('_', '-')}: {message} (got {error.get('input')!r})"
+            print(f"tokenmill worker: {message}", file=sys.stderr)
         return 2
     from tokenmill.errors import ModelLoadError
     from tokenmill.worker.main import BrokerUnavailable, run_worker
@@ -230,14 +250,26 @@ def _cancel(args: argparse.Namespace) -> int:
     if bool(args.ids) == bool(args.run):
         print("tokenmill cancel: give job ids or --run RUN (not both)", file=sys.stderr)
         return 2
+    missing: list[str] | None = []
     with Client(args.broker_url, result_backend=args.result_backend, queue=args.queue) as client:
-        outcomes = client.cancel_run(args.run) if args.run else client.cancel(args.ids)
+        if args.run:
+            outcomes = client.cancel_run(args.run)
+        else:
+            missing = client.unknown(args.ids)
+            outcomes = client.cancel([job_id for job_id in args.ids if job_id not in (missing or [])])
+        queue = client.queue
     if args.run and not outcomes:
         print(f"tokenmill cancel: no jobs recorded for run {args.run}", file=sys.stderr)
         return 1
     for job_id, outcome in outcomes.items():
         print(f"{job_id}\t{outcome}", flush=True)
-    return 0
+    if missing is None:
+        print(f"tokenmill cancel: queue {queue!r} is too long to read whole: ids not found elsewhere were recorded as "
+              "cancelled, as for a job not sent yet", file=sys.stderr)
+    for job_id in missing or []:
+        print(f"tokenmill cancel: no job {job_id}: no result, never delivered, not on queue {queue!r} (nothing "
+              "cancelled; check the id, or --queue)", file=sys.stderr)
+    return 1 if missing else 0
 
 
 def _health(args: argparse.Namespace) -> int:

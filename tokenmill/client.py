@@ -231,6 +231,19 @@ class Client:
         return cancels.cancel(self.app.backend, [h.id if isinstance(h, JobHandle) else h for h in ids],
                               self.settings.result_expires)
 
+    def unknown(self, job_ids: Iterable[str], queues: Iterable[str] | None = None) -> list[str] | None:
+        """Of `job_ids`, those no job is known by: no result, never delivered, not on `queues` (default: this
+        client's queue). None when a queue is too long to read whole (`cancels.SCAN_LIMIT` messages), so that
+        nothing can be told. `tokenmill cancel` asks this first, so that a typo is said, not recorded."""
+        from tokenmill.queue.app import socket_options
+        from tokenmill.queue.tls import redis_client
+
+        broker = redis_client(self.settings.broker_url, **socket_options(self.settings.redis_socket_timeout))
+        try:
+            return cancels.unknown(self.app.backend, broker, job_ids, queues or [self.queue])
+        finally:
+            broker.close()
+
     def cancel_run(self, run_id: str) -> dict[str, Outcome]:
         """Cancel every job a `tokenmill annotate --broker` / `batch --broker` run queued (see `Client.cancel`)."""
         members = self.app.backend.client.smembers(RUN_JOBS_KEY.format(run_id=run_id))

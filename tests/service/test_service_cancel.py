@@ -207,14 +207,23 @@ def test_remote_control_writes_turns_the_state_changing_commands_back_on(
 
 
 def test_the_cancel_command(redis_server: RedisServer) -> None:
+    """Queued jobs, alone or in a group message, are cancelled; an id no job has (a typo) is said, exit 1, and not
+    recorded."""
     with Client(redis_server.url, queue="nobody") as client:
         job = client.submit(prompt="x", **SHORT)
-    command = [sys.executable, "-m", "tokenmill.cli", "cancel", "--broker", redis_server.url]
-    done = subprocess.run([*command, job.id, "missing-id"], cwd=REPO, capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.splitlines() == [f"{job.id}\tcancelled", "missing-id\tcancelled"]
+        grouped = [client.prepare({"id": f"grouped-{i}", "prompt": "y", **SHORT}) for i in range(2)]
+        client.app.send_task(BATCH_TASK_NAME, args=[{"jobs": grouped}], queue="nobody", ignore_result=True)
+    command = [sys.executable, "-m", "tokenmill.cli", "cancel", "--broker", redis_server.url, "--queue", "nobody"]
+    done = subprocess.run([*command, job.id, "grouped-1", "missing-id"], cwd=REPO, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 1, done.stderr
+    assert done.stdout.splitlines() == [f"{job.id}\tcancelled", "grouped-1\tcancelled"]
+    assert done.stderr.splitlines() == ["tokenmill cancel: no job missing-id: no result, never delivered, not on queue "
+                                        "'nobody' (nothing cancelled; check the id, or --queue)"]
+    with Client(redis_server.url) as client:
+        assert client.get("missing-id") is None and client.get("grouped-0") is None
     again = subprocess.run([*command, job.id], cwd=REPO, capture_output=True, text=True, timeout=60)
-    assert again.stdout.splitlines() == [f"{job.id}\tfinished"]
+    assert again.returncode == 0 and again.stdout.splitlines() == [f"{job.id}\tfinished"]
     usage = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=60)
     assert usage.returncode == 2 and "give job ids or --run" in usage.stderr
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -12,6 +13,8 @@ import pytest
 from service_fixtures import REPO, RedisServer
 
 from tokenmill.cli import DEMO_PROMPTS, build_parser, worker_settings
+from tokenmill.engine.config import ENGINE_OPTIONS, EngineConfig
+from tokenmill.sampling_params import DEFAULT_MAX_TOKENS
 from tokenmill.worker.main import gc_thresholds
 
 
@@ -28,7 +31,8 @@ def test_generate_with_no_arguments_completes_the_demo_prompts() -> None:
     assert [line["prompt"] for line in lines] == DEMO_PROMPTS
     for line in lines:
         assert line["finish_reason"] in ("stop", "length")
-        assert len(line["token_ids"]) == 32 if line["finish_reason"] == "length" else len(line["token_ids"]) <= 32
+        limit = DEFAULT_MAX_TOKENS  # the one max_tokens rule of every command
+        assert len(line["token_ids"]) == limit if line["finish_reason"] == "length" else len(line["token_ids"]) <= limit
 
 
 def test_generate_reads_prompts_from_flags_and_jsonl(tmp_path: Path) -> None:
@@ -73,6 +77,73 @@ def test_the_garbage_collector_does_not_walk_a_full_worker_s_jobs_as_it_fills_up
     settings = worker_settings(build_parser().parse_args(["worker", "--broker", "redis://x:6379/0", *flags]))
     assert gc_thresholds(settings.in_flight_capacity) == (threshold, 50, 100)
     assert threshold >= 2 * 48 * settings.in_flight_capacity or threshold in (20_000, 1_000_000)
+
+
+def test_every_engine_option_is_a_worker_flag_and_variable_with_the_engine_s_default(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Derived from `EngineConfig`, not copied: each field has a `tokenmill worker` flag and a `TOKENMILL_<NAME>`
+    variable, with the engine's default, its help text in `--help`, and reaches the engine's options."""
+    assert {o.name for o in ENGINE_OPTIONS} == {f for f in EngineConfig.__dataclass_fields__} - {"model"}
+    defaults = worker_settings(build_parser().parse_args(["worker"]))
+    assert defaults.engine_options() == {o.name: o.default for o in ENGINE_OPTIONS}
+    worker = next(a for a in build_parser()._actions if a.dest == "command").choices["worker"]
+    flags = {flag: action for action in worker._actions for flag in action.option_strings}
+    given = {"device": ("cuda:1", "cuda:1"), "gpu_memory_utilization": ("0.5", 0.5), "tokenizer": ("tok", "tok"),
+             "load_format": ("dummy", "dummy"), "kv_cache_memory": ("1000000", 1000000),
+             "grammar_compile_timeout": ("5", 5.0)}
+    for option in ENGINE_OPTIONS:
+        flag = f"--{option.name.replace('_', '-')}"
+        assert flag in flags and option.help[:30] in flags[flag].help, option.name
+    args = [part for name, (text, _) in given.items() for part in (f"--{name.replace('_', '-')}", text)]
+    settings = worker_settings(build_parser().parse_args(["worker", *args, "--trust-remote-code",
+                                                          "--no-enable-prefix-caching"]))
+    options = settings.engine_options()
+    assert {name: options[name] for name in given} == {name: value for name, (_, value) in given.items()}
+    assert options["trust_remote_code"] is True and options["enable_prefix_caching"] is False
+    monkeypatch.setenv("TOKENMILL_GPU_MEMORY_UTILIZATION", "0.25")
+    monkeypatch.setenv("TOKENMILL_DEVICE", "cpu")
+    from_env = worker_settings(build_parser().parse_args(["worker"])).engine_options()
+    assert (from_env["gpu_memory_utilization"], from_env["device"]) == (0.25, "cpu")
+
+
+def test_a_bad_engine_option_is_one_line_per_problem_before_anything_starts() -> None:
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("TOKENMILL_")}, "PYTHONPATH": str(REPO)}
+    for flags, expected in ((["--gpu-memory-utilization", "1.5"], "gpu_memory_utilization: must be in (0, 1], got 1.5"),
+                            (["--max-num-seqs", "0"], "max_num_seqs: must be >= 1, got 0"),
+                            (["--model-impl", "jax"], "argument --model-impl: invalid choice: 'jax'")):
+        done = subprocess.run([sys.executable, "-m", "tokenmill.cli", "worker", "--model", "builtin:tiny", *flags],
+                              env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2 and expected in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+def test_a_worker_without_a_model_is_a_configuration_error_in_one_line() -> None:
+    """There is no default model: a forgotten --model once served random-weight gibberish from builtin:tiny."""
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("TOKENMILL_")}, "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-m", "tokenmill.cli", "worker", "--broker", "redis://127.0.0.1:1/0"],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 78, done.stderr
+    assert done.stderr.count("\n") == 1 and "no model given: pass --model (or set TOKENMILL_MODEL)" in done.stderr
+
+
+def test_every_option_of_every_command_has_help_and_shows_its_default() -> None:
+    from tokenmill.cli import DefaultsHelpFormatter
+
+    def parsers(parser):
+        yield parser
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    yield from parsers(sub)
+
+    for parser in parsers(build_parser()):
+        assert parser.formatter_class is DefaultsHelpFormatter, parser.prog
+        formatter = DefaultsHelpFormatter(parser.prog)
+        for action in parser._actions:
+            if not action.option_strings or action.dest == "help":
+                continue
+            assert action.help, f"{parser.prog} {action.option_strings[0]} has no help"
+            if action.default not in (None, False, [], argparse.SUPPRESS) and action.default is not True:
+                assert "default" in formatter._get_help_string(action), (parser.prog, action.option_strings[0])
 
 
 def test_generate_structured_outputs(tmp_path: Path) -> None:
@@ -152,7 +223,8 @@ def test_a_worker_whose_broker_does_not_answer_at_start_exits_69_in_one_line(tmp
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("TOKENMILL_")}, "PYTHONPATH": str(REPO)}
     broker = f"redis://:secret@127.0.0.1:{free_port()}/0"
     done = subprocess.run([sys.executable, "-m", "tokenmill.cli", "worker", "--broker", broker, "--broker-wait", "1",
-                           "--metrics-port", "0"], env=env, capture_output=True, text=True, timeout=120)
+                           "--model", "builtin:tiny", "--metrics-port", "0"], env=env, capture_output=True, text=True,
+                          timeout=120)
     assert done.returncode == 69, done.stderr[-2000:]
     assert "Traceback" not in done.stderr and "secret" not in done.stderr
     assert done.stderr.strip().splitlines()[-1].startswith("tokenmill worker: the broker redis://:**@127.0.0.1:")

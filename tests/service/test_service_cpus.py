@@ -54,4 +54,4 @@ def test_engine_cpus_that_cannot_be_had_stop_the_worker_with_the_reason(redis_se
                           (f"{AVAILABLE[0]}-{AVAILABLE[-1]}", "leaves no CPU for the worker itself")):
         worker = start_worker(redis_server.url, "refused", engine_cpus=value)
         assert worker.process.wait(timeout=60) != 0
-        assert "engine_cpus" in worker.log_text() and reason in worker.log_text(), worker.log_text()[-2000:]
+        assert "engine-cpus" in worker.log_text() and reason in worker.log_text(), worker.log_text()[-2000:]

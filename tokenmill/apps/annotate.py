@@ -22,6 +22,7 @@ import jinja2.meta
 import jinja2.sandbox
 import pyarrow as pa
 
+from tokenmill.apps.arrow_schema import Column, parsed_column
 from tokenmill.apps.datasets import MAX_ROW_BYTES, Dataset, DatasetError, Writer, format_of, open_dataset
 from tokenmill.apps.pipeline import Progress, Summary, compute, stored
 from tokenmill.apps.runners import EmbeddedRunner, QueueRunner, Unit, sampling_dict
@@ -51,6 +52,14 @@ class Prompter:
         self.chat = chat
         self.sampling = sampling
         self._key = KeyHasher(model=model, sampling=sampling)
+
+    def check_columns(self, columns: list[str]) -> None:
+        """The columns the templates name all exist in the input (`InvalidRequestError` on template otherwise): checked
+        once, before any model loads, instead of failing every row alike."""
+        missing = [name for name in self.names if name not in columns and name not in self.env.globals]
+        if missing:
+            raise InvalidRequestError("template", f"names column(s) {', '.join(map(repr, missing))} that the input "
+                                                  f"does not have (columns: {', '.join(columns)})")
 
     def _compile(self, source: str, what: str) -> jinja2.Template:
         try:
@@ -118,30 +127,44 @@ def annotate(
     max_row_bytes: int = MAX_ROW_BYTES,
     input_compression: str | None = None,
     quiet: bool = False,
+    limit: int | None = None,
+    dry_run: bool = False,
     **sampling: Any,
 ) -> Summary:
     """Annotate every row of `input` into `output`; returns the run's `Summary` (also printed unless `quiet`).
 
-    Embedded (default): the engine runs here (`model`, default builtin:tiny, with `engine_options`; or pass
-    a loaded `tokenmill.LLM` as `llm`). Distributed: `broker="redis://..."` sends rows to queue workers, as
+    Embedded (default): the engine runs here (`model`, required, with `engine_options`; or pass a loaded
+    `tokenmill.LLM` as `llm`). Distributed: `broker="redis://..."` sends rows to queue workers, as
     the run printed at the start (`tokenmill cancel --run RUN` stops it); Ctrl-C cancels the rows in flight
     (after asking, at a terminal) unless `detach`, and the same call again computes them; a resume skips rows
     cancelled with `tokenmill cancel` unless `retry_cancelled` (`retry_failed`: the same for rows that failed).
     `**sampling` are `SamplingParams` fields (`max_tokens`, `temperature` (default 0), `seed`, ...). A row (a
     JSONL/CSV line, decompressed, or a Parquet row's decoded values) over `max_row_bytes` is not read: it fails
     with its error, the run goes on. JSONL/CSV is decompressed by its suffix (`.gz`, ...) or `input_compression`.
-    Raises `InvalidRequestError` (bad option or template) or `DatasetError` (unusable input/output) before
-    any work; a row that fails gets its error in the output instead.
+    `limit`: only the first rows. `dry_run`: print the first rendered prompts and the run's plan, load no model,
+    write nothing. Raises `InvalidRequestError` (bad option or template) or `DatasetError` (unusable input/output)
+    before any work; a row that fails gets its error in the output instead.
     """
     started = time.perf_counter()
     structured = {"json_schema": json_schema, "choice": choice, "regex": regex}
     params = sampling_dict({"temperature": 0.0, **sampling, **{k: v for k, v in structured.items() if v is not None}})
     mode = "queue" if broker else "embedded"
+    if mode == "embedded" and not model and llm is None:
+        raise InvalidRequestError("model", "required without a broker: a local directory, a Hugging Face hub id, or "
+                                           "builtin:tiny (random weights, for tests)")
+    if limit is not None and limit < 1:
+        raise InvalidRequestError("limit", f"must be >= 1, got {limit}")
     prompter = Prompter(template, system, chat, model_label(model, llm, broker, queue), params)
     dataset = open_dataset(input, input_format, s3_endpoint_url, max_row_bytes, input_compression)
+    if limit is not None:
+        dataset = LimitedDataset(dataset, limit)
     schema = dataset.schema
     out_format = format_of(output, output_format, "output")
     _check_columns(schema, id_column, column, out_format)
+    prompter.check_columns(schema.names)
+    if dry_run:
+        print_plan(dataset, prompter, id_column, input, output, model_label(model, llm, broker, queue), broker)
+        return Summary(output=output)
     total = dataset.count_rows()
     checkpoint = Checkpoint(os.path.join(state_dir or default_state_dir(output), "checkpoint.sqlite"),
                             checkpoint_interval)
@@ -149,6 +172,7 @@ def annotate(
     try:
         runner = make_runner(mode, model, llm, engine_options, broker, queue, window, rows_per_message, checkpoint.run,
                              detach)
+        runner.check(params)
         progress = Progress(total, "annotate", quiet)
         try:
             compute(_units(dataset, prompter, id_column), checkpoint, runner, progress, summary, retry_failed,
@@ -163,6 +187,65 @@ def annotate(
     if not quiet:
         summary.print()
     return summary
+
+
+class LimitedDataset:
+    """The first `limit` rows of a dataset, read as the dataset reads them."""
+
+    def __init__(self, dataset: Dataset, limit: int) -> None:
+        self.dataset = dataset
+        self.limit = limit
+        self.schema = dataset.schema
+
+    def count_rows(self) -> int:
+        return min(self.limit, self.dataset.count_rows())
+
+    def batches(self) -> Iterator[tuple[pa.RecordBatch, dict[int, str]]]:
+        left = self.limit
+        for batch, errors in self.dataset.batches():
+            if left <= 0:
+                return
+            if batch.num_rows > left:
+                batch, errors = batch.slice(0, left), {i: e for i, e in errors.items() if i < left}
+            left -= batch.num_rows
+            yield batch, errors
+
+
+#: Prompts `print_plan` shows, and characters a token for its estimate (the model's tokenizer is not loaded).
+PLAN_PROMPTS = 3
+CHARS_PER_TOKEN = 4
+
+
+def print_plan(dataset: Dataset | LimitedDataset, prompter: Prompter, id_column: str | None, input: str, output: str,
+               model: str, broker: str | None) -> None:
+    """What a run would do, on stdout: where, the first rendered prompts, rows and estimated tokens. Reads the input
+    once; no model, no checkpoint, no output."""
+    rows = failing = chars = 0
+    shown: list[str] = []
+    for _, batch_rows in _rows(dataset, id_column):
+        for row in batch_rows:
+            rows += 1
+            unit = _unit(prompter, row)
+            if not isinstance(unit, Unit):
+                failing += 1
+                continue
+            text = unit.prompt if unit.prompt is not None else json.dumps(unit.messages, ensure_ascii=False)
+            chars += len(text)
+            if len(shown) < PLAN_PROMPTS:
+                shown.append(f"--- row {row[0]}:\n{text}")
+    max_tokens = prompter.sampling["max_tokens"]
+    where = f"queue workers at {_sanitized(broker)}" if broker else "the embedded engine"
+    print(f"plan: {rows} rows of {input} -> {output}, model {model} on {where}")
+    print("\n".join(shown) if shown else "(no row renders)")
+    print(f"rows: {rows - failing} to run, {failing} failing before the model (their error goes in the output)")
+    print(f"tokens: ~{chars // CHARS_PER_TOKEN:,} prompt (at ~{CHARS_PER_TOKEN} characters a token) + at most "
+          f"{max_tokens * (rows - failing):,} completion (max_tokens {max_tokens} x {rows - failing} rows)")
+
+
+def _sanitized(url: str) -> str:
+    from kombu.utils.url import maybe_sanitize_url
+
+    return maybe_sanitize_url(url)
 
 
 def model_label(model: str | None, llm: Any, broker: str | None, queue: str | None) -> str:
@@ -206,7 +289,9 @@ def make_runner(mode: str, model: str | None, llm: Any, engine_options: dict[str
     if llm is None:
         from tokenmill.engine.llm import LLM
 
-        llm = LLM(model or "builtin:tiny", **(engine_options or {}))
+        if not model:
+            raise InvalidRequestError("model", "required for the embedded engine")
+        llm = LLM(model, **(engine_options or {}))
     return EmbeddedRunner(llm, window)
 
 
@@ -239,7 +324,9 @@ def _units(dataset: Dataset, prompter: Prompter, id_column: str | None) -> Itera
 def _write(dataset: Dataset, schema: pa.Schema, prompter: Prompter, id_column: str | None, column: str,
            checkpoint: Checkpoint, writer: Writer, summary: Summary) -> None:
     """Pass 2: the input again, each row with its result from the checkpoint, in input order."""
-    out_schema = pa.schema([*schema, pa.field(column, pa.string()), *(pa.field(n, t) for n, t in RESULT_COLUMNS.items())])
+    parsed = parsed_column(prompter.sampling.get("json_schema"))  # a struct column where the schema allows
+    types = {**RESULT_COLUMNS, "parsed": parsed.type}
+    out_schema = pa.schema([*schema, pa.field(column, pa.string()), *(pa.field(n, t) for n, t in types.items())])
     try:
         if writer.format == "parquet":
             writer.start_parquet(out_schema)
@@ -251,7 +338,7 @@ def _write(dataset: Dataset, schema: pa.Schema, prompter: Prompter, id_column: s
                 summary.count_row(row[0], outcome.error)
                 results.append(outcome)
             if writer.format == "parquet":
-                writer.write_batch(_with_results(batch, results, out_schema))
+                writer.write_batch(_with_results(batch, results, out_schema, parsed))
             else:
                 writer.write_rows([{**values, **_columns(o, column)} for (_, values, _), o in zip(rows, results)])
         writer.close()
@@ -271,10 +358,10 @@ def _columns(outcome: Outcome, column: str) -> dict[str, Any]:
     }
 
 
-def _with_results(batch: pa.RecordBatch, results: list[Outcome], schema: pa.Schema) -> pa.RecordBatch:
+def _with_results(batch: pa.RecordBatch, results: list[Outcome], schema: pa.Schema, parsed: Column) -> pa.RecordBatch:
     extra = [
         [o.text if o.ok else None for o in results],
-        [o.parsed for o in results],  # JSON text in Parquet: one stable string type whatever the values
+        parsed.values([o.parsed for o in results]),  # the schema's column type (JSON text without a schema)
         [o.finish_reason for o in results],
         [o.prompt_tokens if o.ok else None for o in results],
         [o.completion_tokens if o.ok else None for o in results],

@@ -15,8 +15,9 @@ from typing import Any
 EXIT_ROWS_FAILED = 1
 EXIT_UNUSABLE = 2
 EXIT_INTERRUPTED = 130  # as a shell reports SIGINT
-_ENGINE_FLAGS = {"dtype": str, "max_num_seqs": int, "max_num_batched_tokens": int, "max_model_len": int,
-                 "num_kv_blocks": int, "block_size": int, "attention_backend": str}
+#: What --max-tokens says when it is left unset: the one rule of `SamplingParams` (`DEFAULT_MAX_TOKENS`).
+MAX_TOKENS_HELP = ("most tokens per completion (default: 256; with --choice, enough for the longest choice; "
+                   "the same rule in every command)")
 
 
 def add_parsers(commands: Any) -> None:
@@ -34,25 +35,34 @@ def add_parsers(commands: Any) -> None:
     ann.add_argument("--column", default="annotation", help="name of the completion text column (default: annotation)")
     ann.add_argument("--input-format", choices=["jsonl", "csv", "parquet"], help="override the input extension")
     ann.add_argument("--output-format", choices=["jsonl", "parquet"], help="override the output extension")
-    ann.add_argument("--max-tokens", type=int, default=64)
-    ann.add_argument("--temperature", type=float, default=0.0)
-    ann.add_argument("--top-p", type=float, default=None)
-    ann.add_argument("--top-k", type=int, default=None)
-    ann.add_argument("--seed", type=int, default=None)
+    ann.add_argument("--max-tokens", type=int, default=None, help=MAX_TOKENS_HELP)
+    ann.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy")
+    ann.add_argument("--top-p", type=float, default=None, help="nucleus sampling: keep the top tokens of this "
+                     "probability mass (default: all)")
+    ann.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (default: all)")
+    ann.add_argument("--seed", type=int, default=None, help="sampling seed of every row (default: the engine's)")
     ann.add_argument("--stop", action="append", default=None, help="stop string; repeat for more")
+    ann.add_argument("--limit", type=int, default=None, metavar="N", help="only the first N rows (the output holds "
+                     "those)")
+    ann.add_argument("--dry-run", action="store_true", help="print the first rendered prompts and the run's plan "
+                     "(rows, estimated tokens), then stop: no model is loaded, nothing is written")
     _common(ann)
     bat = commands.add_parser("batch", help="run an OpenAI Batch API input file")
     bat.add_argument("-i", "--input", required=True, help="requests JSONL (local or s3://)")
     bat.add_argument("-o", "--output", required=True, help="results JSONL (local or s3://)")
     bat.add_argument("--errors", help="failed requests JSONL (default: <output>.errors.jsonl)")
-    bat.add_argument("--max-tokens", type=int, default=256, help="for requests that set neither max_tokens nor max_completion_tokens")
+    bat.add_argument("--max-tokens", type=int, default=None, help="for requests that set neither max_tokens nor "
+                     "max_completion_tokens: " + MAX_TOKENS_HELP)
     _common(bat)
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", help="model for the embedded engine (default builtin:tiny)")
+    parser.add_argument("--model", default=os.environ.get("TOKENMILL_MODEL") or None,
+                        help="model of the embedded engine, required without --broker: a local directory, a Hugging "
+                        "Face hub id, or builtin:tiny (random weights, for tests); with --broker the workers' model "
+                        "runs and this only names it [env TOKENMILL_MODEL]")
     parser.add_argument("--broker", help="redis://... : distributed mode, rows go to queue workers")
-    parser.add_argument("--queue", help="queue name (default tokenmill)")
+    parser.add_argument("--queue", help="queue name (default: tokenmill)")
     parser.add_argument("--state-dir", help="checkpoint directory (default: <output>.tokenmill-state)")
     parser.add_argument("--checkpoint-interval", type=float, default=2.0, metavar="SECONDS",
                         help="commit finished rows to the checkpoint at least this often (0: after every row)")
@@ -69,9 +79,26 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--input-compression", choices=["none", "gzip", "bz2", "zstd", "lz4"],
                         help="decompress the JSONL/CSV input with this codec (default: by suffix, .gz .bz2 .zst .lz4)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar, no summary table")
-    for name, kind in _ENGINE_FLAGS.items():
-        parser.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None, help="engine option (embedded)")
-    parser.add_argument("--no-prefix-caching", action="store_true", help="engine option (embedded)")
+    _engine_flags(parser)
+
+
+def _engine_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per engine option (`EngineConfig`), for the embedded engine; unset, the engine's default holds. A
+    name the command uses already (`--seed`, the rows' sampling seed) is `--engine-<name>`."""
+    from tokenmill.engine.config import ENGINE_OPTIONS
+
+    taken = set(parser._option_string_actions)
+    for option in ENGINE_OPTIONS:
+        flag = f"--{option.name.replace('_', '-')}"
+        flag = f"--engine-{flag[2:]}" if flag in taken else flag
+        default = f" (default: {option.default})" if option.default is not None else ""
+        help_text = f"embedded engine: {option.help[0].lower()}{option.help[1:]}{default}".replace("%", "%%")
+        if option.kind is bool:
+            parser.add_argument(flag, dest=f"engine_{option.name}", action=argparse.BooleanOptionalAction, default=None,
+                                help=help_text)
+        else:
+            parser.add_argument(flag, dest=f"engine_{option.name}", type=option.kind, choices=option.choices,
+                                default=None, metavar=option.name.upper(), help=help_text)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -84,7 +111,11 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         summary = _annotate(args) if args.command == "annotate" else _batch(args)
-    except (InvalidRequestError, DatasetError, ModelLoadError) as exc:
+    except InvalidRequestError as exc:  # named by its flag where an option is at fault
+        where = f"--{exc.field.replace('_', '-')}" if hasattr(args, exc.field) else exc.field
+        print(f"tokenmill {args.command}: {where}: {exc.message}", file=sys.stderr)
+        return EXIT_UNUSABLE
+    except (DatasetError, ModelLoadError) as exc:
         print(f"tokenmill {args.command}: {exc}", file=sys.stderr)
         return EXIT_UNUSABLE
     except (redis.ConnectionError, redis.AuthenticationError, OperationalError) as exc:
@@ -100,9 +131,16 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _shared(args: argparse.Namespace) -> dict[str, Any]:
-    options = {name: getattr(args, name) for name in _ENGINE_FLAGS if getattr(args, name) is not None}
-    if args.no_prefix_caching:
-        options["enable_prefix_caching"] = False
+    from tokenmill.errors import InvalidRequestError
+
+    from tokenmill.engine.config import ENGINE_OPTIONS
+
+    options = {o.name: getattr(args, f"engine_{o.name}") for o in ENGINE_OPTIONS
+               if getattr(args, f"engine_{o.name}") is not None}
+    if not args.model and not args.broker:
+        raise InvalidRequestError("model", "required without --broker: pass --model (or set TOKENMILL_MODEL) to a "
+                                  "local directory or a Hugging Face hub id (builtin:tiny names the random-weight test "
+                                  "model)")
     return {"model": args.model, "broker": args.broker, "queue": args.queue, "engine_options": options,
             "state_dir": args.state_dir, "checkpoint_interval": args.checkpoint_interval,
             "retry_failed": args.retry_failed, "retry_cancelled": args.retry_cancelled, "detach": args.detach,
@@ -129,7 +167,8 @@ def _annotate(args: argparse.Namespace) -> Any:
         args.input, args.output, text_or_file(args.template), system=args.system, chat=args.chat, json_schema=schema,
         choice=[c.strip() for c in args.choice.split(",")] if args.choice else None, regex=args.regex,
         id_column=args.id_column, column=args.column, input_format=args.input_format, output_format=args.output_format,
-        max_tokens=args.max_tokens, temperature=args.temperature, **sampling, **_shared(args),
+        max_tokens=args.max_tokens, temperature=args.temperature, limit=args.limit, dry_run=args.dry_run, **sampling,
+        **_shared(args),
     )
 
 

@@ -48,6 +48,10 @@ class EmbeddedRunner:
         stats = self.engine.stats()
         self._before = (stats.num_prefix_hit_tokens, stats.num_prompt_tokens)  # the engine may have served before
 
+    def check(self, sampling: dict[str, Any]) -> None:
+        """Refuse, before any row runs, sampling the engine would refuse for every row (`InvalidRequestError`)."""
+        self.engine.check_choice_budget(SamplingParams.from_dict(sampling))
+
     def run(self, units: Iterable[Unit]) -> Iterator[tuple[Unit, Outcome]]:
         pending = iter(units)
         inflight: dict[str, Unit] = {}
@@ -157,6 +161,9 @@ class QueueRunner:
         self.detach = detach
         self.waves: deque[dict[str, Unit]] = deque()  # submitted, results not yet collected
 
+
+    def check(self, sampling: dict[str, Any]) -> None:
+        """Nothing to check here: the workers' engine, whose tokenizer this side lacks, refuses per row."""
     def run(self, units: Iterable[Unit]) -> Iterator[tuple[Unit, Outcome]]:
         pending = iter(units)
         while True:

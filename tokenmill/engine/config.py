@@ -1,13 +1,25 @@
-"""The engine's one config dataclass: every knob in one place, checked once."""
+"""The engine's one config dataclass: every knob in one place, checked once.
+
+Each field's `metadata["help"]` is its description wherever a user meets it: `tokenmill worker` builds one flag and
+one `TOKENMILL_<NAME>` variable per field from `ENGINE_OPTIONS`, and `annotate`/`batch` one flag each for their
+embedded engine, so an option added here reaches every door with its help and default.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+import typing
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any, NamedTuple
 
 #: The grammar backends, and "auto" (the default): per request, the first of `structured.AUTO_ORDER` that enforces it.
 CONSTRAINT_BACKENDS = ("auto", "xgrammar", "llguidance")
 #: The model code (`engine/models`): "auto" (native where it covers the checkpoint, else transformers'), or either one.
 MODEL_IMPLS = ("auto", "native", "transformers")
+LOAD_FORMATS = ("auto", "dummy")
+
+
+def _option(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
+    return field(default=default, metadata={"help": help, "choices": choices})
 
 
 @dataclass
@@ -21,38 +33,46 @@ class EngineConfig:
     `cpu_kv_cache_cap` bytes.
     """
 
-    model: str = "builtin:tiny"
-    tokenizer: str | None = None
-    dtype: str = "auto"
-    device: str = "auto"
-    load_format: str = "auto"
-    trust_remote_code: bool = False
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    kv_cache_memory: int | None = None
-    gpu_memory_utilization: float = 0.9
-    cpu_kv_cache_cap: int = 2 << 30
-    enable_prefix_caching: bool = True
-    attention_backend: str | None = None
-    # "auto": the native implementation where one covers the checkpoint (`engine/models`), else transformers' modeling
-    # code; "native" or "transformers" to force one (the choice is logged).
-    model_impl: str = "auto"
-    seed: int = 0
-    # Structured outputs: seconds a new grammar may take to compile (off the engine loop) before its request
-    # fails naming the field, and the bytes of compiled grammars kept (LRU).
-    grammar_compile_timeout: float = 60.0
-    grammar_cache_bytes: int = 512 << 20
-    # The grammar backend: "auto" (per request, the one that enforces it in full; see engine/structured.py),
-    # "xgrammar" or "llguidance" to force one (what it cannot enforce is refused naming the field).
-    constraint_backend: str = "auto"
+    model: str = _option("builtin:tiny", "Model: a local directory, a Hugging Face hub id, or builtin:tiny (random "
+                         "weights, for tests).")
+    tokenizer: str | None = _option(None, "Tokenizer directory or hub id; default: the model's.")
+    dtype: str = _option("auto", "Weights and activations dtype: auto (float32 on CPU; on a GPU the checkpoint's half "
+                         "dtype, else bfloat16), float32, bfloat16 or float16.")
+    device: str = _option("auto", "Device: auto (cuda if available, else cpu), cpu, cuda or cuda:N.")
+    load_format: str = _option("auto", "auto: read the checkpoint's weights; dummy: random weights of its shape "
+                               "(benchmarks without a download).", LOAD_FORMATS)
+    trust_remote_code: bool = _option(False, "Run the checkpoint's own Python code (configs, tokenizers): only for "
+                                      "checkpoints you trust.")
+    max_num_seqs: int = _option(256, "Most sequences the engine runs at once.")
+    max_num_batched_tokens: int = _option(2048, "Token budget of one engine step (decode tokens plus prefill chunks).")
+    max_model_len: int | None = _option(None, "Longest prompt + completion in tokens; default: the model's.")
+    block_size: int = _option(16, "Tokens per KV cache block.")
+    num_kv_blocks: int | None = _option(None, "KV cache blocks; default: sized from --kv-cache-memory, else from "
+                                        "--gpu-memory-utilization (CUDA) or --cpu-kv-cache-cap (CPU).")
+    kv_cache_memory: int | None = _option(None, "Bytes of KV cache; default: sized from the device's memory.")
+    gpu_memory_utilization: float = _option(0.9, "Share of the GPU's memory the engine may use in all (weights, "
+                                            "activations, KV cache); lower it to share the GPU.")
+    cpu_kv_cache_cap: int = _option(2 << 30, "Most bytes of KV cache on CPU.")
+    enable_prefix_caching: bool = _option(True, "Reuse the KV cache of prompt prefixes shared between requests.")
+    attention_backend: str | None = _option(None, "Attention backend (torch or triton); default: "
+                                            "$TOKENMILL_ATTENTION_BACKEND, else triton on CUDA and torch on CPU.")
+    model_impl: str = _option("auto", "Model code: auto (tokenmill's native implementation where one covers the "
+                              "checkpoint: Llama, Mistral, Qwen2, Qwen3; else transformers'), native, or transformers. "
+                              "The choice is logged.", MODEL_IMPLS)
+    seed: int = _option(0, "Engine seed (sampling of requests without a seed of their own).")
+    grammar_compile_timeout: float = _option(60.0, "Seconds a new grammar may take to compile (off the engine loop) "
+                                             "before its request fails naming the field.")
+    grammar_cache_bytes: int = _option(512 << 20, "Bytes of compiled grammars kept (least recently used dropped).")
+    constraint_backend: str = _option("auto", "Structured-output grammar backend: auto (per request, the one that "
+                                      "enforces the constraint in full, recorded in each result's constraint_backend), "
+                                      "or xgrammar / llguidance to force one.", CONSTRAINT_BACKENDS)
 
     def __post_init__(self) -> None:
-        if self.load_format not in ("auto", "dummy"):
-            raise ValueError(f"load_format: must be 'auto' or 'dummy', got {self.load_format!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+        for option in ENGINE_OPTIONS:
+            if option.choices and getattr(self, option.name) not in option.choices:
+                raise ValueError(f"{option.name}: must be one of {', '.join(option.choices)}, "
+                                 f"got {getattr(self, option.name)!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "cpu_kv_cache_cap"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         for name in ("max_model_len", "num_kv_blocks", "kv_cache_memory"):
@@ -61,11 +81,6 @@ class EngineConfig:
                 raise ValueError(f"{name}: must be >= 1, got {value}")
         if not self.grammar_compile_timeout > 0 or self.grammar_cache_bytes < 1:
             raise ValueError("grammar_compile_timeout and grammar_cache_bytes: must be > 0")
-        if self.model_impl not in MODEL_IMPLS:
-            raise ValueError(f"model_impl: must be one of {', '.join(MODEL_IMPLS)}, got {self.model_impl!r}")
-        if self.constraint_backend not in CONSTRAINT_BACKENDS:
-            raise ValueError(f"constraint_backend: must be one of {', '.join(CONSTRAINT_BACKENDS)}, "
-                             f"got {self.constraint_backend!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
 
@@ -76,3 +91,31 @@ class EngineConfig:
         if unknown:
             raise TypeError(f"unknown engine option(s): {', '.join(unknown)} (known: {', '.join(sorted(known))})")
         return cls(model=model, **kwargs)  # type: ignore[arg-type]
+
+
+class EngineOption(NamedTuple):
+    """One `EngineConfig` field as a command line shows it: `kind` is bool, int, float or str; `optional` when None
+    is a value (left to the engine to derive)."""
+
+    name: str
+    kind: type
+    optional: bool
+    default: Any
+    help: str
+    choices: tuple[str, ...] | None
+
+
+def _engine_options() -> tuple[EngineOption, ...]:
+    hints = typing.get_type_hints(EngineConfig)
+    options = []
+    for spec in fields(EngineConfig):
+        args = typing.get_args(hints[spec.name])
+        kind = next((a for a in args if a is not type(None)), hints[spec.name])
+        assert spec.default is not MISSING and kind in (bool, int, float, str), spec.name
+        options.append(EngineOption(spec.name, kind, type(None) in args, spec.default, spec.metadata["help"],
+                                    spec.metadata["choices"]))
+    return tuple(options)
+
+
+#: Every `EngineConfig` field but `model` (which each command takes in its own way), in declaration order.
+ENGINE_OPTIONS: tuple[EngineOption, ...] = tuple(o for o in _engine_options() if o.name != "model")

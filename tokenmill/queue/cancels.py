@@ -19,6 +19,8 @@ raises `TaskRevokedError`, and `Client` reads the `JobResult` with its partial t
 
 from __future__ import annotations
 
+import base64
+
 import json
 from collections.abc import Iterable
 from datetime import datetime
@@ -123,3 +125,44 @@ def cancel(backend: Any, job_ids: Iterable[str], expires: int) -> dict[str, Outc
         outcomes = script(keys=keys, args=[int(expires), CANCEL_CHANNEL, *chunk, *unstarted])
         found.update((job_id, outcome.decode()) for job_id, outcome in zip(chunk, outcomes))
     return found
+
+
+#: Messages of each queue `unknown` reads at most: past it, it cannot tell a queued job from no job.
+SCAN_LIMIT = 200_000
+
+
+def unknown(backend: Any, broker: Any, job_ids: Iterable[str], queues: Iterable[str],
+            scan_limit: int = SCAN_LIMIT) -> list[str] | None:
+    """Of `job_ids`, those no job is known by: no result, never delivered, and on none of `queues` (a single job's
+    message names it in its headers, a group's in its body). None when a queue holds more than `scan_limit`
+    messages, so its tail was not read. A job taken by a worker this instant and not yet recorded counts as
+    unknown: the window is one Redis round trip. `backend`: a Celery Redis backend; `broker`: the broker's client."""
+    ids = list(dict.fromkeys(job_ids))
+    with backend.client.pipeline(transaction=False) as pipe:
+        for job_id in ids:
+            pipe.exists(backend.get_key_for_task(job_id), DELIVERIES_KEY.format(job_id=job_id))
+        candidates = [job_id for job_id, known in zip(ids, pipe.execute()) if not known]
+    for queue in queues:
+        if not candidates:
+            break
+        if broker.llen(queue) > scan_limit:
+            return None
+        for start in range(0, scan_limit, _CHUNK):
+            items = broker.lrange(queue, start, start + _CHUNK - 1)
+            texts = [_searchable(item) for item in items]
+            candidates = [job_id for job_id in candidates if not any(f'"{job_id}"'.encode() in t for t in texts)]
+            if len(items) < _CHUNK or not candidates:
+                break
+    return candidates
+
+
+def _searchable(item: bytes) -> bytes:
+    """A queued kombu envelope with its body decoded: a single job's id is in its headers, a group's jobs' ids in its
+    body (job ids are plain ASCII, so a quoted id found here is that id)."""
+    try:
+        envelope = json.loads(item)
+        body = envelope["body"]
+        decoded = base64.b64decode(body) if envelope["properties"]["body_encoding"] == "base64" else body.encode()
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return item
+    return item + b"\n" + decoded

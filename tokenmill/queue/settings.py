@@ -6,6 +6,10 @@ a pydantic-settings model read from `TOKENMILL_*` environment variables. Torch-f
 
 from __future__ import annotations
 
+import types
+import typing
+from typing import Any
+
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -56,3 +60,15 @@ class QueueSettings(BaseSettings):
     @property
     def backend_url(self) -> str:
         return self.result_backend or self.broker_url
+
+
+def flag_type(annotation: Any) -> tuple[type, tuple[Any, ...] | None]:
+    """What a settings field is on the command line: the type argparse converts to and the allowed values.
+    `int | None` -> int; `Literal["a", "b"]` -> str, ("a", "b"); lists are given comma-separated (str)."""
+    if typing.get_origin(annotation) is typing.Annotated:
+        annotation = typing.get_args(annotation)[0]
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
+    if typing.get_origin(annotation) is typing.Literal:
+        return str, typing.get_args(annotation)
+    return (annotation if annotation in (bool, int, float) else str), None

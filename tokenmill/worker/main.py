@@ -105,6 +105,7 @@ def wait_for_redis(settings: WorkerSettings) -> None:
 def run_worker(settings: WorkerSettings) -> int:
     """Run until SIGTERM/SIGINT; returns the process exit code."""
     setup_logging(settings)
+    settings.engine_model()  # ModelLoadError before waiting on a broker
     wait_for_redis(settings)
     configure(app, settings)
     app.conf.broker_transport_options = {**app.conf.broker_transport_options, "take_at_least": settings.take_at_least}

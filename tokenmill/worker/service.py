@@ -194,11 +194,12 @@ class WorkerService:
         The endpoint first: a port problem then fails the start before an engine process exists.
         """
         started = time.monotonic()
+        model = settings.engine_model()
         metrics = WorkerMetrics()
         metrics.serve(settings.metrics_port, settings.metrics_addr, tries=settings.metrics_port_tries)
         cpus = placement(settings.engine_cpus)  # (the engine's, the worker's), or None
         engine = EngineProcess(
-            settings.model, settings.engine_options(), on_fatal=_exit_on_engine_failure, on_stats=metrics.on_engine_status,
+            model, settings.engine_options(), on_fatal=_exit_on_engine_failure, on_stats=metrics.on_engine_status,
             cpus=cpus[0] if cpus else None, on_stall=_exit_on_engine_stall, stall_timeout=settings.engine_stall_timeout,
         )
         metrics.engine_stalled.set_function(engine.stalled_for)

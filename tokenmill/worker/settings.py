@@ -1,7 +1,7 @@
 """Worker configuration: a pydantic-settings model read from `TOKENMILL_*` environment variables.
 
 `WorkerSettings` adds to the queue's `QueueSettings` (`tokenmill.queue.settings`) what only a worker needs
-(model, engine sizes, S3, metrics). CLI flags of `tokenmill worker` are generated from its fields, so a
+(model, every engine option, S3, metrics). CLI flags of `tokenmill worker` are generated from its fields, so a
 setting has one name, one default and one description, whichever way it is given. Torch-free.
 """
 
@@ -9,18 +9,35 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, create_model, field_validator, model_validator
 from pydantic_settings import NoDecode
+
+from tokenmill.engine.config import ENGINE_OPTIONS, EngineConfig, EngineOption
+from tokenmill.errors import ModelLoadError
 
 from tokenmill.queue.schemas import S3Location
 from tokenmill.queue.settings import QueueSettings
 from tokenmill.worker.cpus import placement
 
 
-class WorkerSettings(QueueSettings):
-    """Everything `tokenmill worker` can be told, by flag or by `TOKENMILL_<NAME>` variable."""
+def _engine_field(option: EngineOption) -> tuple[Any, Any]:
+    kind: Any = Literal[option.choices] if option.choices else option.kind
+    return (kind | None if option.optional else kind), Field(option.default, description=option.help)
 
-    model: str = Field("builtin:tiny", description="Model: builtin:tiny, a local directory or a hub id.")
+
+#: The model (required: there is no default model), then one setting per `EngineConfig` option, named, typed,
+#: described and defaulted as the engine declares it.
+_EngineSettings: Any = create_model(
+    "_EngineSettings", __base__=QueueSettings,
+    model=(str | None, Field(None, description="Model (required): a local directory, a Hugging Face hub id, or "
+                                               "builtin:tiny (random weights, for tests).")),
+    **{option.name: _engine_field(option) for option in ENGINE_OPTIONS})
+
+
+class WorkerSettings(_EngineSettings):  # type: ignore[misc]
+    """Everything `tokenmill worker` can be told, by flag or by `TOKENMILL_<NAME>` variable: the queue's settings,
+    every engine option (`ENGINE_OPTIONS`, checked by `EngineConfig` itself) and the worker's own."""
+
     queues: Annotated[list[str] | None, NoDecode] = Field(
         None, description="Comma-separated queues to consume; defaults to --queue."
     )
@@ -92,22 +109,6 @@ class WorkerSettings(QueueSettings):
     s3_retry_max_delay: float = Field(30.0, gt=0, description="Longest pause between S3 write attempts (seconds).")
     log_prompts: bool = Field(False, description="Log prompt and completion text (off: logs carry ids and counts only).")
     log_level: str = Field("INFO", description="Log level.")
-    # Engine options, passed to LLMEngine unchanged.
-    dtype: str = Field("auto", description="Model dtype.")
-    max_num_seqs: int = Field(256, ge=1, description="Most sequences the engine runs at once.")
-    max_num_batched_tokens: int = Field(2048, ge=1, description="Token budget of one engine step.")
-    max_model_len: int | None = Field(None, ge=1, description="Longest prompt + completion; default: the model's.")
-    num_kv_blocks: int | None = Field(None, ge=1, description="KV cache blocks; default: sized by the engine.")
-    block_size: int = Field(16, ge=1, description="Tokens per KV cache block.")
-    attention_backend: str | None = Field(None, description="Attention backend name; default: the engine's choice.")
-    model_impl: Literal["auto", "native", "transformers"] = Field(
-        "auto", description="Model code: auto (tokenmill's native implementation where one covers the checkpoint: "
-        "Llama, Mistral, Qwen2, Qwen3; else transformers'), native, or transformers. The choice is logged.")
-    seed: int = Field(0, description="Engine seed.")
-    constraint_backend: Literal["auto", "xgrammar", "llguidance"] = Field(
-        "auto", description="Structured-output grammar backend: auto (per request, the one that enforces the "
-        "constraint in full, recorded in each result's constraint_backend), or xgrammar / llguidance to force one.")
-
     @field_validator("queues", mode="before")
     @classmethod
     def _split_queues(cls, value: Any) -> Any:
@@ -138,6 +139,18 @@ class WorkerSettings(QueueSettings):
             self.queues = [self.queue]
         return self
 
+    @model_validator(mode="after")
+    def _check_engine_options(self) -> WorkerSettings:
+        EngineConfig.from_kwargs(self.model or "builtin:tiny", **self.engine_options())  # ValueError naming the option
+        return self
+
+    def engine_model(self) -> str:
+        """The model the engine loads; `ModelLoadError` when none was given (there is no default model)."""
+        if not self.model:
+            raise ModelLoadError("no model given: pass --model (or set TOKENMILL_MODEL) to a local directory or a "
+                                 "Hugging Face hub id (builtin:tiny names the random-weight test model)")
+        return self.model
+
     @property
     def in_flight_capacity(self) -> int:
         """Jobs a worker takes from the queue at once.
@@ -157,16 +170,5 @@ class WorkerSettings(QueueSettings):
         return max(1, (self.in_flight_capacity - self.max_num_seqs) // 2)
 
     def engine_options(self) -> dict[str, Any]:
-        """Keyword options of `LLMEngine` (its `EngineConfig`)."""
-        return {
-            "dtype": self.dtype,
-            "max_num_seqs": self.max_num_seqs,
-            "max_num_batched_tokens": self.max_num_batched_tokens,
-            "max_model_len": self.max_model_len,
-            "num_kv_blocks": self.num_kv_blocks,
-            "block_size": self.block_size,
-            "attention_backend": self.attention_backend,
-            "model_impl": self.model_impl,
-            "seed": self.seed,
-            "constraint_backend": self.constraint_backend,
-        }
+        """Keyword options of `LLMEngine` (its `EngineConfig`, less the model)."""
+        return {option.name: getattr(self, option.name) for option in ENGINE_OPTIONS}

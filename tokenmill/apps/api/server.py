@@ -15,28 +15,28 @@ from typing import Any
 EXIT_UNUSABLE = 2
 
 
+#: The settings `tokenmill serve` takes as flags too (the others, the webhook secret among them, as variables only).
+FLAGS = ("broker_url", "result_backend", "queue", "files_dir", "s3_endpoint_url", "api_keys", "api_keys_file",
+         "max_upload_bytes", "max_batch_lines", "lease_seconds", "default_max_tokens", "webhook_url", "webhook_timeout")
+
+
 def add_parser(commands: Any) -> None:
+    """`serve`'s flags: each setting of `FLAGS` with the description and default `ServeSettings` gives it."""
+    from tokenmill.apps.api.settings import ServeSettings
+    from tokenmill.queue.settings import flag_type
+
     serve = commands.add_parser("serve", help="the OpenAI Files and Batches API on the queue (HTTP)")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this host only)")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--broker", dest="broker_url", help="Redis URL [env TOKENMILL_BROKER_URL]")
-    serve.add_argument("--result-backend", help="Redis URL of results, if not the broker [env TOKENMILL_RESULT_BACKEND]")
-    serve.add_argument("--queue", help="queue the jobs go to [env TOKENMILL_QUEUE]")
-    serve.add_argument("--files-dir", help="where files are kept: a directory or s3://bucket/prefix "
-                       "[env TOKENMILL_FILES_DIR]")
-    serve.add_argument("--s3-endpoint-url", help="S3 endpoint of an s3:// files store, e.g. MinIO's "
-                       "[env TOKENMILL_S3_ENDPOINT_URL]")
-    serve.add_argument("--api-keys", help="comma-separated tenant=key or keys [env TOKENMILL_API_KEYS]")
-    serve.add_argument("--api-keys-file", help="file of 'tenant sha256:<hex>' lines [env TOKENMILL_API_KEYS_FILE]")
-    serve.add_argument("--max-upload-bytes", type=int, help="[env TOKENMILL_MAX_UPLOAD_BYTES]")
-    serve.add_argument("--max-batch-lines", type=int, help="[env TOKENMILL_MAX_BATCH_LINES]")
-    serve.add_argument("--lease-seconds", type=float, help="[env TOKENMILL_LEASE_SECONDS]")
-    serve.add_argument("--webhook-url", help="where batch events are POSTed [env TOKENMILL_WEBHOOK_URL; the secret: "
-                       "env TOKENMILL_WEBHOOK_SECRET]")
-    serve.add_argument("--webhook-timeout", type=float, help="[env TOKENMILL_WEBHOOK_TIMEOUT]")
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on")
+    for name in FLAGS:
+        info = ServeSettings.model_fields[name]
+        flags = [f"--{name.replace('_', '-')}", *(["--broker"] if name == "broker_url" else [])]
+        default = f" (default: {info.default})" if info.default is not None else ""
+        serve.add_argument(*flags, dest=name, type=flag_type(info.annotation)[0], default=None,
+                           help=f"{info.description}{default} [env TOKENMILL_{name.upper()}]".replace("%", "%%"))
     serve.add_argument("--insecure-no-auth", action="store_true",
                        help="serve without API keys (anyone who reaches the port is one tenant)")
-    serve.add_argument("--log-level", default="info")
+    serve.add_argument("--log-level", default="info", help="uvicorn's and tokenmill's log level")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -45,10 +45,8 @@ def run(args: argparse.Namespace) -> int:
     from tokenmill.apps.api.auth import Keys
     from tokenmill.apps.api.settings import ServeSettings
 
-    names = ("broker_url", "result_backend", "queue", "files_dir", "s3_endpoint_url", "api_keys", "api_keys_file",
-             "max_upload_bytes", "max_batch_lines", "lease_seconds", "webhook_url", "webhook_timeout")
     try:
-        settings = ServeSettings(**{n: getattr(args, n) for n in names if getattr(args, n) is not None})
+        settings = ServeSettings(**{n: getattr(args, n) for n in FLAGS if getattr(args, n) is not None})
         keys = Keys(settings, insecure=args.insecure_no_auth)
     except (ValidationError, ValueError, OSError) as exc:
         print(f"tokenmill serve: {exc}", file=sys.stderr)
