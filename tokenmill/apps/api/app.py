@@ -73,7 +73,8 @@ def create_app(settings: ServeSettings, keys: Keys) -> FastAPI:
         yield
         services.supervisor.stop()
 
-    app = FastAPI(title="tokenmill", lifespan=lifespan)
+    app = FastAPI(title="tokenmill", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url="/openapi.json" if settings.openapi_schema else None)
     errors.install(app)
     app.add_middleware(RequestGuard, keys=keys, max_upload_bytes=settings.max_upload_bytes)
 
@@ -153,7 +154,7 @@ def _batch_routes(app: FastAPI, services: Services, Tenant: Any) -> None:
 
     @app.post("/v1/batches")
     def create(body: CreateBatch, tenant: Tenant) -> dict[str, Any]:
-        window = _window_seconds(body.completion_window)
+        window = _window_seconds(body.completion_window, services.settings.max_completion_window)
         if body.endpoint not in URLS:
             raise APIError(400, f"endpoint: unsupported {body.endpoint!r} (supported: {', '.join(URLS)})",
                            "endpoint", "invalid_value")
@@ -208,12 +209,17 @@ def new_batch(body: CreateBatch, window: int) -> dict[str, Any]:
             "model": None, "usage": None}
 
 
-def _window_seconds(window: str) -> int:
-    match = _WINDOW.match(window)
+def _window_seconds(window: str, longest: int) -> int:
+    """`completion_window` in seconds: '24h' as OpenAI takes it, or another number of h, m or s up to `longest`."""
+    match = _WINDOW.match(window[:32])
     if match is None:
-        raise APIError(400, f"completion_window: must look like '24h' (or a number of m or s), got {window!r}",
+        raise APIError(400, f"completion_window: must look like '24h' (or a number of m or s), got {window[:32]!r}",
                        "completion_window", "invalid_value")
-    return int(match[1]) * _SECONDS[match[2]]
+    seconds = int(match[1]) * _SECONDS[match[2]]
+    if seconds > longest:
+        raise APIError(400, f"completion_window: at most {longest // 3600}h here (TOKENMILL_MAX_COMPLETION_WINDOW), got "
+                            f"{window!r}", "completion_window", "invalid_value")
+    return seconds
 
 
 def _check_metadata(metadata: dict[str, str] | None) -> None:

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import logging
+import uuid
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
+
+log = logging.getLogger(__name__)
 
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
           413: "invalid_request_error"}
@@ -52,6 +56,15 @@ def install(app: FastAPI) -> None:
         param = ".".join(str(part) for part in first["loc"][1:]) or None
         return JSONResponse(APIError(400, f"{param or 'request'}: {first['msg']}", param, "invalid_request").body(),
                             status_code=400)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        """A bug or an outage: the client gets a reference, the log the details (never the other way round)."""
+        reference = uuid.uuid4().hex[:16]
+        log.error("internal error %s on %s %s", reference, request.method, request.url.path, exc_info=exc)
+        body = APIError(500, f"The server had an error processing your request (reference {reference}).", None,
+                        "server_error").body()
+        return JSONResponse(body, status_code=500)
 
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, exc: HTTPException) -> JSONResponse:

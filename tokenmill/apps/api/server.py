@@ -8,6 +8,7 @@ into OpenAI's shape; uvicorn is the standard ASGI server for it. Both are widely
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 import sys
 from typing import Any
@@ -17,7 +18,8 @@ EXIT_UNUSABLE = 2
 
 #: The settings `tokenmill serve` takes as flags too (the others, the webhook secret among them, as variables only).
 FLAGS = ("broker_url", "result_backend", "queue", "files_dir", "s3_endpoint_url", "api_keys", "api_keys_file",
-         "max_upload_bytes", "max_batch_lines", "lease_seconds", "default_max_tokens", "webhook_url", "webhook_timeout")
+         "max_upload_bytes", "max_batch_lines", "lease_seconds", "default_max_tokens", "max_completion_window",
+         "openapi_schema", "webhook_url", "webhook_timeout")
 
 
 def add_parser(commands: Any) -> None:
@@ -32,11 +34,24 @@ def add_parser(commands: Any) -> None:
         info = ServeSettings.model_fields[name]
         flags = [f"--{name.replace('_', '-')}", *(["--broker"] if name == "broker_url" else [])]
         default = f" (default: {info.default})" if info.default is not None else ""
-        serve.add_argument(*flags, dest=name, type=flag_type(info.annotation)[0], default=None,
-                           help=f"{info.description}{default} [env TOKENMILL_{name.upper()}]".replace("%", "%%"))
+        help_text = f"{info.description}{default} [env TOKENMILL_{name.upper()}]".replace("%", "%%")
+        kind = flag_type(info.annotation)[0]
+        if kind is bool:
+            serve.add_argument(*flags, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        else:
+            serve.add_argument(*flags, dest=name, type=kind, default=None, help=help_text)
     serve.add_argument("--insecure-no-auth", action="store_true",
-                       help="serve without API keys (anyone who reaches the port is one tenant)")
+                       help="serve without API keys (anyone who reaches the port is one tenant); loopback hosts only")
     serve.add_argument("--log-level", default="info", help="uvicorn's and tokenmill's log level")
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name other than localhost: it may resolve anywhere
+        return False
 
 
 def run(args: argparse.Namespace) -> int:
@@ -51,6 +66,13 @@ def run(args: argparse.Namespace) -> int:
     except (ValidationError, ValueError, OSError) as exc:
         print(f"tokenmill serve: {exc}", file=sys.stderr)
         return EXIT_UNUSABLE
+    if args.insecure_no_auth and not _loopback(args.host):
+        print(f"tokenmill serve: --insecure-no-auth serves only this host: --host {args.host} would let anyone who "
+              "reaches it in; give keys (TOKENMILL_API_KEYS_FILE), or --host 127.0.0.1", file=sys.stderr)
+        return EXIT_UNUSABLE
+    if args.api_keys:
+        print("tokenmill serve: warning: keys given with --api-keys are visible to every user of this host in `ps`; "
+              "prefer TOKENMILL_API_KEYS_FILE or TOKENMILL_API_KEYS", file=sys.stderr)
     if not keys and not args.insecure_no_auth:
         print("tokenmill serve: no API key configured (TOKENMILL_API_KEYS, TOKENMILL_API_KEYS_FILE or --api-keys); "
               "refusing to serve without auth unless --insecure-no-auth", file=sys.stderr)

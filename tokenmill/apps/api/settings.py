@@ -32,6 +32,10 @@ class ServeSettings(QueueSettings):
     default_max_tokens: int | None = Field(None, ge=1, description="max_tokens of a batch request that sets neither "
                                            "max_tokens nor max_completion_tokens (as `tokenmill batch --max-tokens`); "
                                            "unset: the rule of every door, 256 tokens.")
+    max_completion_window: int = Field(7 * 86400, ge=3600, description="Longest `completion_window` a batch may ask "
+                                       "for, in seconds (OpenAI's is 24h); a longer one is refused with a 400.")
+    openapi_schema: bool = Field(False, description="Serve the API's OpenAPI schema at /openapi.json (the "
+                                 "interactive docs pages are never served: they load scripts from a CDN).")
     webhook_url: str | None = Field(None, description="URL `tokenmill serve` POSTs batch.completed / batch.failed / "
                                     "batch.cancelled / batch.expired events to, signed as Standard Webhooks says; "
                                     "unset: no webhooks.")

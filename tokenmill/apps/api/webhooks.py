@@ -23,6 +23,17 @@ from standardwebhooks.webhooks import Webhook
 
 from tokenmill.apps.api.records import ATTEMPTS, EVENTS, OUTBOX, Records
 
+
+class _RefuseRedirects(urllib.request.HTTPRedirectHandler):
+    """A 3xx answer is a failed delivery (`HTTPError` with its code), never followed: a redirect would carry the
+    signed event, and the server's own request, wherever the receiver points it."""
+
+    def redirect_request(self, *args: object, **kwargs: object) -> None:
+        return None
+
+
+_NO_REDIRECTS = urllib.request.build_opener(_RefuseRedirects)
+
 _MAX_DELAY = 3600.0
 
 log = logging.getLogger(__name__)
@@ -98,7 +109,7 @@ class Deliverer(threading.Thread):
                    "webhook-signature": self.signer.sign(event_id, stamp, body.decode())}
         request = urllib.request.Request(self.url, data=body, headers=headers, method="POST")
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout) as response:
+            with _NO_REDIRECTS.open(request, timeout=self.timeout) as response:
                 return None if 200 <= response.status < 300 else f"HTTP {response.status}"
         except urllib.error.HTTPError as exc:
             return f"HTTP {exc.code}"

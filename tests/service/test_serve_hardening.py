@@ -1,0 +1,105 @@
+"""`tokenmill serve`'s small guards (issue 57): what it refuses, what it never tells a client, where it never goes."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import subprocess
+import sys
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+from service_fixtures import KEYS, REPO, RedisServer, Server
+
+from tokenmill.apps.api.records import Records
+from tokenmill.apps.api.webhooks import Deliverer
+
+
+@pytest.fixture
+def server(tmp_path: Path, redis_server: RedisServer) -> Iterator[Server]:
+    started = Server(redis_server.url, tmp_path / "files", tmp_path / "serve.log")
+    yield started
+    started.close()
+
+
+def _get(server: Server, path: str) -> int:
+    request = urllib.request.Request(f"http://127.0.0.1:{server.port}{path}",
+                                     headers={"Authorization": f"Bearer {KEYS['alice']}"})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def test_a_completion_window_past_the_maximum_is_a_400(server: Server, tmp_path: Path) -> None:
+    client = server.client()
+    path = tmp_path / "in.jsonl"
+    path.write_text(json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/completions",
+                                "body": {"model": "m", "prompt": "x", "max_tokens": 1}}) + "\n")
+    file_id = client.files.create(file=path.open("rb"), purpose="batch").id
+    for window, expected in (("100000h", "at most 168h here"), ("1d", "must look like '24h'")):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.batches.create(input_file_id=file_id, endpoint="/v1/completions", completion_window=window)
+        assert expected in refused.value.message and refused.value.body["param"] == "completion_window"
+    assert client.batches.create(input_file_id=file_id, endpoint="/v1/completions", completion_window="24h").id
+
+
+def test_no_docs_pages_and_no_schema_unless_asked(server: Server) -> None:
+    """The docs pages load their scripts from a CDN: never served. The schema only with --openapi-schema."""
+    assert [_get(server, path) for path in ("/docs", "/redoc", "/openapi.json")] == [404, 404, 404]
+
+
+def test_an_internal_error_tells_the_client_a_reference_and_the_log_the_details(
+        server: Server, redis_server: RedisServer) -> None:
+    redis_server.stop()  # every route now fails inside (the records live in Redis)
+    with pytest.raises(openai.InternalServerError) as failed:
+        server.client().files.list()
+    message = failed.value.message
+    assert "The server had an error processing your request (reference " in message
+    assert "Connection" not in message and "redis" not in message.lower()  # no details for the client
+    reference = message.rsplit("reference ", 1)[1].rstrip(").")
+    assert f"internal error {reference} on GET /v1/files" in server.log_path.read_text()
+
+
+def test_no_auth_is_refused_beyond_this_host_and_keys_on_the_command_line_are_warned_of() -> None:
+    done = subprocess.run([sys.executable, "-m", "tokenmill.cli", "serve", "--insecure-no-auth", "--host", "0.0.0.0"],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert "--insecure-no-auth serves only this host" in done.stderr
+
+
+class _Redirecting(http.server.BaseHTTPRequestHandler):
+    hits: list[str] = []
+
+    def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+        self.hits.append(self.path)
+        self.rfile.read(int(self.headers["Content-Length"]))
+        if self.path == "/hook":
+            self.send_response(302)
+            self.send_header("Location", "/elsewhere")
+        else:
+            self.send_response(204)  # reached only by a redirect followed
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_a_webhook_is_never_redirected(redis_server: RedisServer) -> None:
+    """A 3xx is a failed delivery: the signed event never goes where the receiver points it."""
+    receiver = http.server.HTTPServer(("127.0.0.1", 0), _Redirecting)
+    threading.Thread(target=receiver.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{receiver.server_port}/hook"
+        deliverer = Deliverer(Records(redis_server.url), url, "whsec_" + "MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw",
+                              5.0, 3, threading.Event())
+        assert deliverer.post("evt_1", b'{"type": "batch.completed"}') == "HTTP 302"
+        assert _Redirecting.hits == ["/hook"]
+    finally:
+        receiver.shutdown()
