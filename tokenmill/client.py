@@ -231,6 +231,19 @@ class Client:
         return cancels.cancel(self.app.backend, [h.id if isinstance(h, JobHandle) else h for h in ids],
                               self.settings.result_expires)
 
+    def ping(self) -> None:
+        """Returns once the broker and the result backend answer; raises redis-py's `ConnectionError` or
+        `AuthenticationError` naming the first that does not."""
+        from tokenmill.queue.app import socket_options
+        from tokenmill.queue.tls import redis_client
+
+        broker = redis_client(self.settings.broker_url, **socket_options(self.settings.redis_socket_timeout))
+        try:
+            broker.ping()
+        finally:
+            broker.close()
+        self.app.backend.client.ping()
+
     def unknown(self, job_ids: Iterable[str], queues: Iterable[str] | None = None) -> list[str] | None:
         """Of `job_ids`, those no job is known by: no result, never delivered, not on `queues` (default: this
         client's queue). None when a queue is too long to read whole (`cancels.SCAN_LIMIT` messages), so that

@@ -283,7 +283,9 @@ def make_runner(mode: str, model: str | None, llm: Any, engine_options: dict[str
     if mode == "queue":
         from tokenmill.client import Client
 
-        runner = QueueRunner(Client(broker, queue=queue), window, rows_per_message, run[:12], detach)
+        client = Client(broker, queue=queue)
+        client.ping()  # an unreachable broker is one line before the run is announced
+        runner = QueueRunner(client, window, rows_per_message, run[:12], detach)
         print(f"tokenmill: run {runner.run_id} (tokenmill cancel --run {runner.run_id} stops it)", file=sys.stderr)
         return runner
     if llm is None:

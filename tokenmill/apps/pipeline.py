@@ -58,7 +58,8 @@ class Summary:
         from rich.table import Table
 
         table = Table(title=f"tokenmill: {escape(self.output)}", show_header=False)
-        rate = "n/a (see the workers' metrics)" if self.prefix_hit_rate is None else f"{self.prefix_hit_rate:.1%}"
+        rate = (f"{self.prefix_hit_rate:.1%}" if self.prefix_hit_rate is not None else "n/a (nothing computed)"
+                if not self.computed else "n/a (see the workers' metrics)")
         for name, value in [
             ("rows ok", self.ok), ("rows failed", self.failed),
             ("of them cut inside their constraint (raise --max-tokens)", self.incomplete),
