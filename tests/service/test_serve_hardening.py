@@ -103,3 +103,18 @@ def test_a_webhook_is_never_redirected(redis_server: RedisServer) -> None:
         assert _Redirecting.hits == ["/hook"]
     finally:
         receiver.shutdown()
+
+
+def test_a_key_past_its_rate_gets_429_with_retry_after_and_the_others_go_on(redis_server: RedisServer,
+                                                                            tmp_path: Path) -> None:
+    server = Server(redis_server.url, tmp_path / "files", tmp_path / "serve.log", **{"rate-limit": 6, "rate-burst": 3})
+    try:
+        codes = [_get(server, "/v1/files") for _ in range(5)]
+        assert codes[:3] == [200, 200, 200] and codes[3:] == [429, 429]  # a burst of 3, then one every 10 s
+        with pytest.raises(openai.RateLimitError) as limited:
+            server.client().with_options(max_retries=0).files.list()
+        assert limited.value.response.headers["Retry-After"] in {"9", "10"}
+        assert limited.value.body["code"] == "rate_limit_exceeded"
+        assert server.client("bob").files.list().data == []  # another key's bucket is its own
+    finally:
+        server.close()

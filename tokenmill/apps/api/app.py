@@ -76,7 +76,8 @@ def create_app(settings: ServeSettings, keys: Keys) -> FastAPI:
     app = FastAPI(title="tokenmill", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url="/openapi.json" if settings.openapi_schema else None)
     errors.install(app)
-    app.add_middleware(RequestGuard, keys=keys, max_upload_bytes=settings.max_upload_bytes)
+    app.add_middleware(RequestGuard, keys=keys, max_upload_bytes=settings.max_upload_bytes,
+                       rate_limit=settings.rate_limit, rate_burst=settings.rate_burst)
 
     def tenant(authorization: Annotated[str | None, Header()] = None) -> str:
         return keys.tenant(authorization)

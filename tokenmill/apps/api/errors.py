@@ -14,7 +14,7 @@ from starlette.exceptions import HTTPException
 log = logging.getLogger(__name__)
 
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-          413: "invalid_request_error"}
+          413: "invalid_request_error", 429: "requests"}
 
 
 class APIError(Exception):

@@ -32,6 +32,9 @@ class ServeSettings(QueueSettings):
     default_max_tokens: int | None = Field(None, ge=1, description="max_tokens of a batch request that sets neither "
                                            "max_tokens nor max_completion_tokens (as `tokenmill batch --max-tokens`); "
                                            "unset: the rule of every door, 256 tokens.")
+    rate_limit: float = Field(1200.0, gt=0, description="Requests a minute one API key may make (per `tokenmill serve` "
+                              "process); past it a 429 with Retry-After.")
+    rate_burst: int = Field(120, ge=1, description="Requests a key may make at once before `rate_limit` paces it.")
     max_completion_window: int = Field(7 * 86400, ge=3600, description="Longest `completion_window` a batch may ask "
                                        "for, in seconds (OpenAI's is 24h); a longer one is refused with a 400.")
     openapi_schema: bool = Field(False, description="Serve the API's OpenAPI schema at /openapi.json (the "
