@@ -145,8 +145,8 @@ class Client:
 
         Validation happens before anything is sent, so one bad job means none is queued. The batches then grow
         from `_FIRST_PUBLISH` jobs, doubling up to `_PUBLISH_BATCH`: the first jobs are on the queue, and running,
-        while the rest are still being encoded (with one batch of 1,000, a worker's engine idled for the ~60 ms it
-        took to encode them). If the broker connection fails mid-way, `kombu.exceptions.BatchPublishError` is raised
+        while the rest are still being encoded (a worker's engine need not idle while a large batch is encoded). If
+        the broker connection fails mid-way, `kombu.exceptions.BatchPublishError` is raised
         and some jobs may have been queued: resubmit the same jobs (same ids); a job whose result exists is not rerun.
         """
         wires = []
@@ -159,7 +159,7 @@ class Client:
         with self.publisher.batch(max_size=_PUBLISH_BATCH) as batch:
             flush_at = _FIRST_PUBLISH
             for count, wire in enumerate(wires, 1):
-                # hashed here, not before the first write: 1,000 jobs' hashes held it back ~10 ms
+                # hashed here, not before the first write, which all the hashes would hold back
                 handle = JobHandle(wire["id"], self, content_hash(wire))
                 handles.append(handle)
                 batch.publish(*self._task(wire, handle.job_hash))
@@ -174,7 +174,7 @@ class Client:
         if job.submitted_at is None:
             job.submitted_at = time.time()
         wire = job.to_wire()
-        # orjson's text of it bounds the stdlib's (`check_size`): 1.6 us a typical job instead of 10 for encoding it
+        # orjson's text of it bounds the stdlib's (`check_size`), at a fraction of the cost of encoding it twice
         check_size(wire, self.max_payload_bytes, fastjson.dumps(wire))
         return wire
 
@@ -317,8 +317,8 @@ class _Subscriptions:
     """A client's idle pub/sub connections, each kept for the next wait once its channels are unsubscribed.
 
     Why: a wait that opened its own connection paid a connect, redis-py's handshake (`CLIENT SETINFO` twice) and
-    a close for each `JobHandle.result()`: 1.57 ms of the client's CPU per lone job's `result()`, 1.00 with the
-    connection kept, while the worker ran that very job on the same cores. Any thread may take one; a taken one is
+    a close for each `JobHandle.result()`, on the client's CPU while the worker runs that very job, maybe on the same
+    cores (figures: docs/benchmarks/queue.md). Any thread may take one; a taken one is
     that wait's alone.
     """
 
@@ -343,10 +343,9 @@ class _Subscriptions:
 
     def give_back(self, pubsub: Any, channels: int) -> None:
         """Keep `pubsub` for the next wait, which unsubscribes it from these channels first, or close it (broken, too
-        many channels to unsubscribe cheaply, enough kept already). Unsubscribing here, before a lone job's `result()`
-        returned, cost 0.35 ms p50 after 10 ms idle (16 us in a tight loop); a lone one-token job through a worker,
-        submit to result, came back 0.11 and 0.21 ms sooner without it (p50, 600 alternating). A finished wait's
-        channels get no more messages (a result is announced once, when it is stored)."""
+        many channels to unsubscribe cheaply, enough kept already). Not unsubscribed here, which would hold up a lone
+        job's `result()`: a finished wait's channels get no more messages (a result is announced once, when it is
+        stored)."""
         if pubsub.connection is not None and channels <= _REUSED_MAX_CHANNELS:
             with self._lock:
                 if len(self._idle) < _IDLE_SUBSCRIPTIONS:

@@ -21,11 +21,9 @@ Every setting below is chosen for "a crash loses nothing, a slow job is not run 
 * `unacked_restore_interval` = visibility_timeout / 8 (at most 5 s) and `unacked_restore_throttle`
   = 1: how often each worker sweeps for expired messages and dead consumers' processing lists (a
   worker also sweeps once when it starts). Kombu's defaults (every 10 s, but scanning only every
-  10th time) add up to 100 s to a recovery: measured with a 3 s visibility timeout, a kill -9'd
-  worker's jobs restarted elsewhere after 99.5 s with kombu's defaults and after 3.1 s with a
-  timeout / 4 sweep. Since the last lease renewal happened at most visibility_timeout / 8 before a
-  crash, the jobs of a crashed worker run again between 0.875 x and 1 x visibility_timeout + one
-  sweep interval after it died (52-65 s for the default 60 s; measured in README).
+  10th time) add up to 100 s to a recovery. Since the last lease renewal happened at most
+  visibility_timeout / 8 before a crash, the jobs of a crashed worker run again between 0.875 x and
+  1 x visibility_timeout + one sweep interval after it died (docs/guides/delivery-guarantees.md).
 * `unacked_mutex_expire`: the lock a sweep holds; a worker killed during a sweep would block all
   sweeps for kombu's default 300 s, so it is bounded by the visibility timeout (at least 5 s).
 * `result_backend_always_retry`: a result write during a Redis outage waits (backoff capped at 1 s)

@@ -1,8 +1,8 @@
 """Group commit: many threads' single calls answered by one call for all of them. Torch-free.
 
 A worker runs each job in its own Celery pool thread, and each thread needs Redis (its check-in, its
-result, its ack) and the engine process (its request) once per job. One round trip each cost ~0.1-0.3 ms of
-worker CPU per job and per call (measured: ~7 Redis calls per job, most of the worker's 2 ms per job). With
+result, its ack) and the engine process (its request) once per job: several round trips per job, each a cost of
+its own (figures: docs/benchmarks/queue.md). With
 `Coalescer`, a thread that finds no call in progress makes one for every item waiting (its own included);
 threads arriving meanwhile queue their items for the next call and wait. Under load one call serves
 dozens of jobs; alone, a thread calls at once, so a single job waits for nobody (no timer, no added
@@ -91,11 +91,8 @@ class HeldScript:
     the connection in use by another thread takes redis-py's own path instead.
 
     Why: through redis-py's client each call takes a connection from the pool (with a readiness poll, a system call),
-    records its timing for redis-py's observability hooks, dispatches a release event and returns the connection.
-    Sampled in the worker's finisher thread (py-spy `--gil`, 1,000 jobs of 16-64 tokens), that path held the GIL in
-    ~15% of the finisher's samples; held, the finisher's CPU per job went 0.175 -> 0.155 ms (median of 6 rounds each,
-    side by side). A lone job's scripts (its take's record, its check-in) find the process cold: one call after 20 ms
-    asleep took 480 µs through redis-py and 305 held (p50 of 200, a local redis-server).
+    records its timing for redis-py's observability hooks, dispatches a release event and returns the connection,
+    all under the GIL the finisher's other work waits for (figures: docs/benchmarks/queue.md).
 
     The connection's retry policy applies as on redis-py's path (`Retry.call_with_retry`, the connection dropped after
     each failed try), and any call that raises drops it too; a Redis that has lost its scripts (restarted) gets this

@@ -89,7 +89,7 @@ _FREE_FORM = ("metadata", "logprobs", "parsed", "queued_at", "started_at", "firs
 def result_meta(backend: Any, state: str) -> dict[str, Any]:
     """Celery's meta for a result in `state` stored without a task request, as every job's is (`result` still None):
     what `Backend._get_result_meta` gives then, built here because Celery's looks the `result_extended` setting up
-    and converts the time twice, ~22 µs a call, once per finished job or group of jobs finished together."""
+    and converts the time twice, once per finished job or group of jobs finished together."""
     date_done = datetime.now(backend.app.timezone).isoformat() if state in backend.READY_STATES else None  # app.now()
     return {"status": state, "result": None, "traceback": None, "children": backend.current_task_children(None),
             "date_done": date_done}

@@ -1,9 +1,8 @@
 """JSON on the worker's per-job path: orjson wherever it reads or writes what the stdlib would, the stdlib elsewhere.
 
 Why: a single job's JSON passes the worker six times (its kombu envelope, its Celery body, the engine-process
-message both ways, its stored result, its check), and the stdlib's encoder and decoder were ~25% of the worker's
-CPU per job (py-spy of `benchmarks/job_queue.py --intake`, GIL samples); orjson does the same work in about a
-fifth of the time. Torch-free.
+message both ways, its stored result, its check), where the stdlib's encoder and decoder were a large share of the
+worker's CPU per job; orjson does the same work several times faster (docs/benchmarks/queue.md). Torch-free.
 
 orjson is not the stdlib in a few places, each kept out here so that nothing decodes or stores differently:
 
@@ -29,9 +28,9 @@ from kombu.utils.json import dumps as kombu_dumps
 from kombu.utils.json import loads as kombu_loads
 
 #: Every digit as "0", every other byte as a space: a run of `_BIG_INT` in the translation is a run of digits
-#: in the text (a bytes scan, ~1 us a kilobyte; the equivalent regular expression took 12). The scans here use
-#: `bytes.find`, not `in`: `in` first tries its operand as an integer (`65 in b"A"`) and formats the TypeError that
-#: a bytes operand raises, ~0.2 µs a test; the six tests of a job's two decodes were 1% of the worker's instructions.
+#: in the text (a bytes scan, far cheaper than the equivalent regular expression). The scans here use `bytes.find`,
+#: not `in`: `in` first tries its operand as an integer (`65 in b"A"`) and formats the TypeError that a bytes operand
+#: raises.
 _DIGITS = bytes(0x30 if 0x30 <= byte <= 0x39 else 0x20 for byte in range(256))
 _BIG_INT = b"0" * 19
 #: As `_DIGITS`, with "e" and "E" as "e": "0e" in the translation is a digit followed by an exponent mark.
@@ -44,7 +43,7 @@ def loads(data: str | bytes, slow: Callable[[Any], Any] = kombu_loads) -> Any:
     """`slow(data)`'s value (kombu's `loads` by default: the codec of every Celery message), through orjson
     when that reads the same."""
     raw = _orjson_input(data)
-    # a backslash first: one `memchr` (0.08 µs a 1.3 KB envelope, which has none) before the 4-byte search (0.8)
+    # a backslash first: one `memchr` (an envelope has none) before the slower 4-byte search
     if raw is not None and raw.find(b"__type__") < 0 and (raw.find(b"\\") < 0 or raw.find(b"\\u00") < 0):
         try:
             return orjson.loads(raw)
@@ -94,8 +93,8 @@ def canonical(value: Any, *free: Any) -> bytes:
     parts pass the check of `dumps`, and the output is printable ASCII (the stdlib escapes DEL and every non-ASCII
     character) without a number in exponent form (the stdlib writes `1e-05` and `1e+16`, orjson `1e-5`, `1e16`) and
     without `0.0000` (below 1e-4 orjson may write a number out where the stdlib uses an exponent: `0.00006103515625`
-    against `6.103515625e-05`; hypothesis found it; a text holding `0.0000` only takes the stdlib's way). Over
-    ~1.2 M floats of every magnitude, these checks let through no output that differs from the stdlib's."""
+    against `6.103515625e-05`; hypothesis found it; a text holding `0.0000` only takes the stdlib's way). These
+    checks let through no output that differs from the stdlib's (tests/service/test_fastjson.py)."""
     if _orjson_writes_as_stdlib(free):
         try:
             raw = orjson.dumps(value, option=orjson.OPT_SORT_KEYS)

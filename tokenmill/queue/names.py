@@ -27,8 +27,8 @@ CANCEL_CHANNEL = "tokenmill:cancels"
 #: The ids of the jobs one `annotate --broker` / `batch --broker` run queued (a set), for `tokenmill cancel --run`.
 RUN_JOBS_KEY = "tokenmill:run:{run_id}"
 #: A message header: the content hash (`Job.content_hash`) of the job a `tokenmill.generate` message carries, as the
-#: client that sent it computed it. The worker stores it in the job's result instead of hashing the job again (16 µs
-#: of a job's ~200 µs); a message without it (a plain `send_task`), or with a value that is no SHA-256 hex digest, is
+#: client that sent it computed it. The worker stores it in the job's result instead of hashing the job again; a
+#: message without it (a plain `send_task`), or with a value that is no SHA-256 hex digest, is
 #: hashed by the worker. It is the sender's claim, as the job id is: it only tells that sender's own resubmissions
 #: of the id apart from other content.
 JOB_HASH_HEADER = "tokenmill_job_hash"

@@ -5,11 +5,9 @@ A producer reads results through Celery's own Redis backend, as it was: its comm
 Why: redis-py's hiredis packer runs each argument through its Python `Encoder.encode` (four type checks, then
 `str.encode`) and two generator expressions before hiredis packs them in C. The worker's scripts take several
 arguments per job (the check-in's three keys, the store's key, result and delivery tag, the record's tag and
-tail), and a profile of `benchmarks/job_queue.py --intake` put ~9% of the worker's time in `pack` (yappi, 9,600
-one-token jobs). hiredis's `pack_command` does the same encoding itself: str as UTF-8, bytes as they are, int and
+tail), so that packing was a visible share of the worker's time (docs/benchmarks/queue.md). hiredis's `pack_command` does the same encoding itself: str as UTF-8, bytes as they are, int and
 float as their `repr`, and it refuses anything else (bool and None included) as redis-py's encoder does, so the
-bytes on the wire are the same (`tests/service/test_queue_packing.py`). A 200-argument script call: 167 -> 33 µs;
-the worker's instructions per one-token job (`job_queue.py --instructions --against`): 0.914 M -> 0.853 M.
+bytes on the wire are the same (`tests/service/test_queue_packing.py`).
 
 It is given to redis-py through its `command_packer` connection option; `PACKER_OPTIONS` is what a connection
 pool's keyword arguments gain. Torch-free.

@@ -2,9 +2,8 @@
 
 Why not Celery's `send_task_message` through a pooled producer, as a Celery app publishes: for one job, after a
 pause (the lone job a client submits now and then), its way from the producer pool through kombu's retry wrapper,
-`Producer.publish` and the queue's declaration to the LPUSH took 1.17-1.20 ms of the client's time against 0.80-0.82
-here (p50 of 400, 10 ms apart, alternating, the same message to a local redis-server), and the worker waits for
-that LPUSH.
+`Producer.publish` and the queue's declaration to the LPUSH costs the client more than this path does, and the
+worker waits for that LPUSH (docs/benchmarks/queue.md: `benchmarks/client_publish.py`).
 
 The message is the one Celery sends: `app.amqp.as_task_v2` makes its headers, properties and body, kombu's
 serializer its bytes (a job's by orjson, to the same values: `Publisher.send`) and kombu's Redis channel its envelope
@@ -89,8 +88,8 @@ class Publisher:
 
         `free_form`: the parts of `args` that may hold any JSON value, the rest holding only strings, integers and
         finite numbers (`tokenmill.queue.schemas.free_form` of each job). Given, the body is written by orjson where
-        it writes the values the stdlib writes (`fastjson.dumps`: compact, UTF-8), 1.5 µs a job's body instead of 9.5
-        through kombu's serializer; not given (any other task's arguments), kombu's serializer writes it."""
+        it writes the values the stdlib writes (`fastjson.dumps`: compact, UTF-8), faster than kombu's serializer;
+        not given (any other task's arguments), kombu's serializer writes it."""
         message_headers, properties, body, _ = self.app.amqp.as_task_v2(
             task_id, name, args=args, kwargs={}, argsrepr=argsrepr, kwargsrepr="{}", **options)
         message_headers.update(headers or {})

@@ -87,7 +87,7 @@ MALFORMED_BYTES = 64 * 1024
 # per item, in the order taken: its delivery tag and the end of its unacked record (exchange and routing key as
 # JSON: kombu's record `[item, exchange, routing key]` is built here). The take pushed each item at its list's head,
 # and nothing else pushes there, so the n items are the list's first n, the last taken first: the items never cross
-# the socket again (~1.7 KB a job: packing them was 2.4% of the worker's instructions).
+# the socket again (a job's envelope is kilobytes, and packing it again would cost the worker per job).
 # Returns per item 1 when recorded; -1 when its tag is already in flight (a producer reused it: the item is set
 # aside in malformed); 2 for every item of a list whose head is not those items (each holds its tag; a sweep
 # requeued the list because this consumer's heartbeat lapsed): nothing of that list is touched, and the caller
@@ -240,7 +240,7 @@ def acks_together() -> Iterator[None]:
 def ack_records(messages: list[Any]) -> list[tuple[str, str, str] | None]:
     """Per message, (unacked hash, unacked index, delivery tag): what acking it removes from Redis (`QoS._ack_many`),
     for a script that acks it together with other writes; None for a message of another transport or acked already.
-    The keys are looked up once per channel (kombu's cached properties, ~1 µs a job when read per message)."""
+    The keys are looked up once per channel, not per message (kombu's cached properties)."""
     keys: dict[int, tuple[str, str] | None] = {}
     records: list[tuple[str, str, str] | None] = []
     for message in messages:
@@ -396,8 +396,8 @@ class QoS(kombu_redis.QoS):
 
 class Message(kombu_redis.Channel.Message):
     """kombu's message, its JSON body read by `fastjson.loads` directly (the same values as kombu's JSON codec):
-    kombu's registry wraps each decode in a generator context manager, which cost as much as the decode itself
-    (~2% of the worker's CPU per job). Other content types, and a consumer without an accept list, are kombu's."""
+    kombu's registry wraps each decode in a generator context manager, which costs as much as the decode itself.
+    Other content types, and a consumer without an accept list, are kombu's."""
 
     def _decode(self) -> Any:
         if self.content_type != "application/json" or not self.body or self.accept is None or (
@@ -455,8 +455,8 @@ class Channel(kombu_redis.Channel):
 
     @contextmanager
     def conn_or_acquire(self, client: Any = None) -> Iterator[Any]:
-        """As kombu, but one client per pool instead of a new `redis.Redis` per call (~50 µs each with redis-py
-        8, several per message: take, record, ack). A client only borrows pooled connections per command and is
+        """As kombu, but one client per pool instead of a new `redis.Redis` per call (costly with redis-py 8, and
+        several per message: take, record, ack). A client only borrows pooled connections per command and is
         thread-safe; a new one is made when kombu replaces the pool (after a connection error)."""
         if client:
             yield client
@@ -703,7 +703,7 @@ class Channel(kombu_redis.Channel):
 
     def _decode_body_once(self, body: str, encoding: str | None) -> Any:
         """`decode_body`, its result kept for kombu's `Message`, which decodes the same body again as it delivers
-        it (base64: ~19,000 instructions a job, 1.4% of the worker's)."""
+        it (base64 of the whole body)."""
         decoded = self.decode_body(body, encoding)
         if encoding:
             self._decoded_bodies[id(body)] = (body, encoding, decoded)

@@ -47,8 +47,8 @@ from tokenmill.worker.leases import LeaseRenewal
 from tokenmill.worker.results import BACKEND_OVERRIDES
 
 #: Celery renders each task's return value with `saferepr` for logs and task events (Flower). Cut at
-#: 64 characters it shows the job's id and status but no completion text, and is cheap to compute
-#: (the full repr of a result costs ~0.13 ms per job, on the worker's critical path).
+#: 64 characters it shows the job's id and status but no completion text, and is cheap to compute (the full repr
+#: of a result is on the worker's critical path).
 RESULT_REPR_MAXSIZE = 64
 #: What only a consuming app needs, beside the queue's `celery_config` (see the module docstring).
 WORKER_CONFIG: dict[str, Any] = {

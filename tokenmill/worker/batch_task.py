@@ -1,8 +1,7 @@
 """The `tokenmill.generate_batch` task: several jobs in one queue message, each with its own id and result.
 
 Why: on short completions a worker spends more time on Celery, kombu and Redis per message than the engine
-spends per job (measured: ~2 ms of worker CPU per message, so 1000 8-token jobs reached 0.64x the in-process
-throughput). `tokenmill annotate --broker` therefore sends rows in groups. Inside a group every job keeps the
+spends per job (figures: docs/benchmarks/annotate.md). `tokenmill annotate --broker` therefore sends rows in groups. Inside a group every job keeps the
 guarantees of a single `tokenmill.generate` job:
 
 * its id is its idempotency key: a job whose final result is already stored is not run again (a redelivered

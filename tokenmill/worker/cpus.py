@@ -1,13 +1,10 @@
 """CPUs of the engine process and of the worker around it (`WorkerSettings.engine_cpus`). Linux only; torch-free.
 
 Why: a worker wakes its engine process through a pipe, and Linux wakes a process on the waker's CPU when it can; the
-engine's steps then shared a CPU with the worker's own work while another idled, and moved between CPUs. On the
-2-core machine (`benchmarks/job_queue.py --against-flags='--engine-cpus auto'`, 4 alternating rounds), with the
-engine process on a CPU of its own: 1000 jobs of 16-64 tokens 0.93 -> 1.06x the in-process engine's throughput
-(better in each round), the engine's CPU per job 4.44 -> 3.72 ms, a lone job's added latency p50 9.1 -> 7.9 ms (the
-same outside its decode steps). But 3,000 one-token jobs (`--intake`, two runs of 3 rounds) 0.90 -> 0.54x, lower in 4
-of the 6 rounds: there the worker, confined to the other CPU with Redis and the client, is what every job waits for. Off by
-default for that, and because each worker placed this way claims its CPUs: two workers on one machine must each be
+engine's steps then shared a CPU with the worker's own work while another idled, and moved between CPUs. A CPU of
+its own helps jobs of many tokens, where the engine is what every job waits for, and hurts one-token jobs, where the
+worker confined to the other CPUs is (figures: docs/benchmarks/queue.md, `--against-flags='--engine-cpus auto'`). Off
+by default for that, and because each worker placed this way claims its CPUs: two workers on one machine must each be
 given their own list.
 """
 

@@ -2,9 +2,7 @@
 
 Why: each group of single jobs (`tokenmill.worker.intake`) used to keep a thread waiting for its own jobs. Jobs of
 different lengths end a few per engine step, spread over many groups, so every step woke a thread per group, and
-each completed, stored and acked its one or two jobs on its own: on 1,500 jobs of 16-64 tokens a worker spent 0.6-1.0
-ms of CPU per job and ~8 context switches, against 0.35 ms and 0.7 when every job had 40 tokens (same hour).
-Here the jobs that ended since the last turn, in every group, are completed together, and stored and their messages
+each completed, stored and acked its one or two jobs on its own (figures: docs/benchmarks/queue.md). Here the jobs that ended since the last turn, in every group, are completed together, and stored and their messages
 acked in one script call; group threads only admit.
 
 The engine hands each answer straight to this thread's queue (a sink per run, `EngineProcess.send_many`), not through

@@ -1,9 +1,8 @@
 """Single `tokenmill.generate` jobs without a pool thread each: they are admitted in groups and finished together.
 
-Why: with results, check-ins and acks already shared (`tokenmill.queue.batching`), a single job still cost the
-worker ~1.2 ms of CPU (`benchmarks/job_queue.py --intake`), most of it Celery's pool path and its threads: the
-hand-off to a pool thread, `trace_task` (signals, `saferepr` of the result, the store and ack calls one by one)
-and ~6 thread wake-ups per job among up to 1,280 threads (~20% of the worker's CPU in the kernel).
+Why: Celery's pool path costs a single job more than its share of a step: a hand-off to a pool thread,
+`trace_task` (signals, `saferepr` of the result, the store and ack calls one by one) and several thread wake-ups
+per job (figures: docs/benchmarks/queue.md).
 
 This module is the task's Celery `Strategy`: Celery's own (`celery.worker.strategy.default`), so every
 message still becomes Celery's `Request` (revoked and expired checks, `reserved`, the `task-received` event while
@@ -74,12 +73,12 @@ REQUEUE_TRIES = 30
 def strategy(task: Any, app: Any, consumer: Any, **options: Any) -> Any:
     """Celery's default strategy for the task, whose requests go to `INTAKE` (or to the pool when they need it)."""
     INTAKE.attach(consumer.on_task_request, getattr(consumer, "hub", None))
-    # Celery's handler asks the app, per message, whether it uses UTC: 2.8 µs each time (`timezone.utc` is looked up
-    # and compared anew), for an answer fixed once the app's `timezone`, a cached property, has been read
+    # Celery's handler asks the app, per message, whether it uses UTC, looking `timezone.utc` up anew each time, for
+    # an answer fixed once the app's `timezone`, a cached property, has been read
     uses_utc = app.uses_utc_timezone()
     app.uses_utc_timezone = lambda: uses_utc
     # Celery's strategy builds each message's `task-received` event and sends it to the dispatcher, which drops it
-    # while task events are off (the default): given no dispatcher then, it builds none (1.1 µs a job), nor do its
+    # while task events are off (the default): given no dispatcher then, it builds none, nor do its
     # requests. `enable_events` and `disable_events` rebuild the strategies (`tokenmill.worker.control`).
     dispatcher = consumer.event_dispatcher
     return default(task, app, _Routed(consumer, INTAKE.offer, dispatcher if sends_task_events(dispatcher) else None),
@@ -196,9 +195,8 @@ class Intake:
     def _wake_for_acks(self) -> None:
         """Ask the loop for a turn to ack what waits, unless that is only slots of messages the store script acked
         while the consumer has room to take meanwhile: the loop frees those at its next turn anyway (`_ack_at_turn`;
-        a BLMOVE returns within its 1 s timeout). A lone job's store then wakes no loop, at the moment the client
-        reads the result: the worker's CPU per lone one-token job 3.40 -> 3.08 ms (its consumer thread 2.23 -> 2.03).
-        A consumer without room is woken: the slot lets it take again."""
+        a BLMOVE returns within its 1 s timeout), so a lone job's store wakes no loop at the moment the client reads
+        the result. A consumer without room is woken: the slot lets it take again."""
         with self._cond:
             if self._ack_scheduled or not (self._to_ack or self._acked):
                 return
@@ -215,8 +213,7 @@ class Intake:
     @contextlib.contextmanager
     def holding_acks(self) -> Iterator[None]:
         """Acks this thread queues inside go to the loop together, at the end. The finisher settles every run whose
-        jobs ended in its turn: scheduled per run, the loop woke for acks 0.336 times per job of 16-64 tokens against
-        0.200 finisher turns; held per turn, 0.177."""
+        jobs ended in its turn, so the loop wakes once per turn, not once per run."""
         self._holding.acks = True
         try:
             yield
@@ -236,10 +233,9 @@ class Intake:
         """Start a group of everything waiting, or note that no admission is in progress.
 
         A lone small job on an idle intake (no group running, the service up, a body of at most
-        `LOOP_ADMISSION_MAX_BYTES`) is admitted right here, on the consumer's loop: from this call to the admission's
-        start, the hand-off to a group thread took 0.46 ms (p50, lone one-token jobs, timed hop by hop) of the ~6 ms
-        such a job spent outside the engine's step; here 0.05. The loop has nothing else to do meanwhile, and under
-        load groups are running, so this never holds up a take."""
+        `LOOP_ADMISSION_MAX_BYTES`) is admitted right here, on the consumer's loop, without the hand-off to a group
+        thread. The loop has nothing else to do meanwhile, and under load groups are running, so this never holds up
+        a take."""
         with self._cond:
             taken, self._waiting = self._waiting[:GROUP_LIMIT], self._waiting[GROUP_LIMIT:]
             if not taken:
@@ -320,9 +316,9 @@ class Intake:
 
 
 class _Threads:
-    """Daemon threads, each running one call at a time and kept, once idle, for the next: a thread started per group
-    cost ~90 us of latency and CPU before its first line ran, 28 us for a kept one woken (one job alone, a group
-    per few jobs under a trickle). Daemons: an admission stuck on a dead engine must not hold the process at exit."""
+    """Daemon threads, each running one call at a time and kept, once idle, for the next (waking a kept thread costs
+    less than starting one per group). Daemons: an admission stuck on a dead engine must not hold the process at
+    exit."""
 
     def __init__(self, name: str) -> None:
         self._name = name
@@ -412,8 +408,7 @@ class IntakeRun(BatchRun):
                ) -> tuple[dict[bytes, bytes], list[tuple[str, str, str]]]:
         """`Finishing.finish`: each answered job's result; every result of the run not stored yet, encoded, and
         the records of their jobs' messages, acked by the same script. Celery's meta of the results is made once per
-        turn and result backend (`result_meta`, 6 µs, once per run before: 1.5 jobs a run; the finisher's CPU per
-        16-64-token job 0.153 -> 0.143 ms in 5 rounds of 3,000 jobs, 0.140 both in 8 of 1,000)."""
+        turn and result backend (`result_meta`), not once per run."""
         left_engine = 0
         try:
             for request_id, answer in answers:
@@ -503,10 +498,10 @@ class IntakeRun(BatchRun):
         requests = [(self.requests.pop(job_id), results.get(job_id)) for job_id in settled]
         now = time.time()
         for request, result in requests:
-            # Not `successful=True`: that adds the id to Celery's `successful_requests`, a bounded set (2 µs an add
-            # once full) read only for requests still active (at shutdown), and this one stops being active here
+            # Not `successful=True`: that adds the id to Celery's `successful_requests`, a bounded set read only for
+            # requests still active (at shutdown), and this one stops being active here
             task_ready(request)
-            if _sends_task_events(request):  # the result's repr costs ~15 µs: only for an event that is sent
+            if _sends_task_events(request):  # the result's repr is costly: only for an event that is sent
                 request.send_event("task-succeeded", result=saferepr(result, request.task.resultrepr_maxsize),
                                    runtime=now - (request.time_start or now))
 
@@ -530,7 +525,7 @@ FINISHER = Finisher(settling=INTAKE.holding_acks)
 
 def _sends_task_events(request: Any) -> bool:
     """Whether `Request.send_event` would send a task event (`sends_task_events`; a request made while they were off
-    has no dispatcher): 0.2 µs, where `send_event` builds the event's fields and the dispatcher drops it in 1.5."""
+    has no dispatcher), asked before `send_event` builds the event's fields for a dispatcher that would drop it."""
     return request.task.send_events and sends_task_events(request.eventer)
 
 
@@ -562,7 +557,7 @@ def _acknowledge(request: Any, by_script: bool = False) -> None:
 def _accept(requests: Iterable[Any]) -> None:
     """What Celery's pool does as a job starts: `active` in `celery inspect`, the `task-started` event. The count per
     task name (`celery inspect stats`' `total`) is added once per group: `task_accepted` adds each job's `{name: 1}`
-    through `Counter.update`, a Python call that checks its argument's type (0.7 of its 1.2 µs)."""
+    through `Counter.update`, a Python call that checks its argument's type each time."""
     now, pid, accepted = time.time(), os.getpid(), Counter()
     for request in requests:
         request.time_start = now

@@ -31,11 +31,11 @@ log = logging.getLogger("tokenmill.worker")
 _PER_TASK_LOGGERS = ("celery.app.trace", "celery.worker.strategy")
 
 
-#: Objects the garbage collector tracks per job the worker holds, with room to spare (measured ~48: 81,000 tracked
-#: with 1,280 jobs in flight, 19,000 idle). See `gc_thresholds`.
+#: Objects the garbage collector tracks per job the worker holds, about twice what a job was found to hold
+#: (docs/benchmarks/queue.md). See `gc_thresholds`.
 GC_OBJECTS_PER_JOB = 100
-#: Most new objects between collections, whatever the capacity: what cyclic garbage may pile up to (a few hundred MB
-#: at most) and what one collection walks (~0.5 s here).
+#: Most new objects between collections, whatever the capacity: what cyclic garbage may pile up to and what one
+#: collection walks.
 GC_MAX_THRESHOLD = 1_000_000
 
 
@@ -44,10 +44,8 @@ def gc_thresholds(in_flight_capacity: int) -> tuple[int, int, int]:
 
     A job's objects (its message, request, result) die with it, by reference count: no cycles (none found in
     `gc.garbage` under `DEBUG_SAVEALL` after thousands of jobs). But a collection comes every `threshold` net
-    allocations and walks every young object, so while a worker fills up to its capacity each collection walked the
-    jobs in flight for nothing. At Python's 700 that was ~4% of the worker's instructions per job; at a fixed 20,000,
-    a full worker of 1,280 jobs (`benchmarks/job_queue.py --intake`) still collected every ~800 jobs, 8.8 ms each,
-    ~11 us per job; at twice what a full worker holds none comes from filling up."""
+    allocations and walks every young object, so while a worker fills up to its capacity each collection would walk
+    the jobs in flight for nothing. At twice the objects a full worker holds, none comes from filling up."""
     return min(GC_MAX_THRESHOLD, max(20_000, GC_OBJECTS_PER_JOB * in_flight_capacity)), 50, 100
 
 
@@ -65,11 +63,9 @@ def setup_logging(settings: WorkerSettings) -> None:
 
 def lower_priority(increment: int) -> None:
     """Lower this thread's CPU priority, and so that of every thread it starts from now on: the Celery
-    consumer and pool threads. The engine process (started already) keeps its priority.
-
-    Measured on 2 cores, `benchmarks/annotate_queue.py` (the engine on one core, the worker and the client
-    competing for the other): median distributed wall over 8 alternating rounds 1.47 s at the same priority,
-    1.39 s at +10. Where cores are free (a GPU host) it changes nothing. (Linux applies nice per thread.)
+    consumer and pool threads. The engine process (started already) keeps its priority, so when cores are short the
+    engine, which every job in the batch waits on, runs first (docs/benchmarks/annotate.md); where cores are free (a
+    GPU host) it changes nothing. (Linux applies nice per thread.)
     """
     if increment:
         os.nice(increment)
