@@ -36,7 +36,7 @@ from celery import states
 from celery.exceptions import Reject
 
 from tokenmill.errors import InvalidRequestError
-from tokenmill.queue.cancels import encode_result, is_final, result_meta
+from tokenmill.queue.cancels import encode_result, result_meta
 from tokenmill.queue.names import BATCH_TASK_NAME
 
 if TYPE_CHECKING:
@@ -134,20 +134,20 @@ class BatchRun:
     def _check_in(self, jobs: list[Job], done: dict[str, dict[str, Any]]) -> list[Any]:
         """Count a delivery of each job; returns the `Attempt`s to run. Jobs found stored are settled; cancelled and
         dead-lettered ones get their results in `done`."""
-        from tokenmill.worker.service import Attempt, stored_job_hash
+        from tokenmill.worker.service import Admission, Attempt, admission, stored_job_hash
 
         key = self.backend.get_key_for_task
         checked = self.service.check_in([job.id for job in jobs], [key(job.id) for job in jobs])
         todo, stored = [], []
         for job, check in zip(jobs, checked):
             run = Attempt(job, self.started_at, check.attempt, job_hash=self.sent_hash(job.id))
-            if is_final(check.stored):  # this job's result (idempotent) or, under a reused id, another's (a conflict)
+            decision = admission(check, run.job_hash, self.service.settings.max_deliveries)
+            if decision in (Admission.STORED, Admission.CONFLICT):
                 self.service.skip_stored(job, stored_job_hash(check.stored), run.job_hash)
                 stored.append(job.id)
-                continue
-            if check.cancelled:
+            elif decision is Admission.CANCELLED:
                 done[job.id] = self.service.cancelled_before_start(run)
-            elif check.attempt > self.service.settings.max_deliveries:
+            elif decision is Admission.DEAD_LETTER:
                 done[job.id] = self.service.dead_letter(job, check.attempt, self.started_at)
             else:
                 todo.append(run)

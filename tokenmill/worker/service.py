@@ -38,6 +38,7 @@ worker always exits and nothing is lost.
 
 from __future__ import annotations
 
+import enum
 import json
 import logging
 import os
@@ -150,6 +151,34 @@ class CheckIn:
     stored: bytes | None
     attempt: int
     cancelled: bool
+
+
+class Admission(enum.Enum):
+    """What becomes of a job its check-in counted a delivery of (`admission`)."""
+
+    STORED = "stored"  # its own final result is stored (a repeated delivery or submission): acknowledged, not run
+    CONFLICT = "conflict"  # another content's final result holds its id: that one is kept, this job acknowledged
+    CANCELLED = "cancelled"  # cancelled before it started: its `cancelled` result is stored, nothing runs
+    DEAD_LETTER = "dead_letter"  # delivered more than `max_deliveries` times: set aside, its failure stored
+    RUN = "run"
+
+
+def admission(check: CheckIn, job_hash: str | None, max_deliveries: int) -> Admission:
+    """The one decision every path (single jobs, the intake, groups) takes from a check-in, in this order: a final
+    result stored under the id settles the job; else a cancel; else a delivery past `max_deliveries`; else it runs."""
+    if is_final(check.stored):
+        return Admission.CONFLICT if is_conflict(stored_job_hash(check.stored), job_hash) else Admission.STORED
+    if check.cancelled:
+        return Admission.CANCELLED
+    if check.attempt > max_deliveries:
+        return Admission.DEAD_LETTER
+    return Admission.RUN
+
+
+def is_conflict(stored_hash: str | None, job_hash: str | None) -> bool:
+    """Whether a result carrying `stored_hash` belongs to other content than the job hashed `job_hash` (a reused id).
+    A result without a hash (an older worker's) is taken as the job's own."""
+    return stored_hash is not None and stored_hash != job_hash
 
 
 class WorkerService:
@@ -342,12 +371,13 @@ class WorkerService:
         """Steps 3-7 for a job that is not already running in this process."""
         job = run.job
         check, submitted = self._admits.call((run, result_key))
-        if is_final(check.stored):
+        decision = admission(check, run.job_hash, self.settings.max_deliveries)
+        if decision in (Admission.STORED, Admission.CONFLICT):
             self.skip_stored(job, stored_job_hash(check.stored), run.job_hash)
             raise Ignore()
-        if check.cancelled:
+        if decision is Admission.CANCELLED:
             return self.cancelled_before_start(run)
-        if run.attempt > self.settings.max_deliveries:
+        if decision is Admission.DEAD_LETTER:
             return self.dead_letter(job, run.attempt, run.started_at)
         assert submitted is not None  # `_admit_many` submitted every job that gets here
         self.metrics.jobs_in_flight.inc()
@@ -362,8 +392,8 @@ class WorkerService:
         checks = self.check_in([run.job.id for run, _ in items], [key for _, key in items])
         runnable = []
         for (run, _), check in zip(items, checks):
-            run.attempt = check.attempt  # the caller's checks below, in the same order
-            if not is_final(check.stored) and not check.cancelled and check.attempt <= self.settings.max_deliveries:
+            run.attempt = check.attempt
+            if admission(check, run.job_hash, self.settings.max_deliveries) is Admission.RUN:
                 runnable.append(run)
         submitted = dict(zip((id(run) for run in runnable), self.submit_many(runnable))) if runnable else {}
         return [(check, submitted.get(id(run))) for (run, _), check in zip(items, checks)]
@@ -409,7 +439,7 @@ class WorkerService:
         """Whether the run `job` joined (the result it gave) was another job under this id: a conflict, logged
         and counted as `skip_stored` does."""
         job_hash = job.content_hash()
-        if result.get("job_hash") in (None, job_hash):
+        if not is_conflict(result.get("job_hash"), job_hash):
             return False
         self.skip_stored(job, result.get("job_hash"), job_hash)
         return True
@@ -418,7 +448,7 @@ class WorkerService:
         """A final result is stored under `job.id` (or another run of it finishes here): say whether it is this
         job's (`job_hash`: a repeated delivery or submission, idempotent) or another content's (the id was reused: a
         conflict)."""
-        if stored_hash is not None and stored_hash != job_hash:
+        if is_conflict(stored_hash, job_hash):
             self.metrics.jobs_failed.labels(code="conflict").inc()
             log.warning("job %s not run: its id holds the result of a job with different content (%s, this job %s); "
                         "that result is kept", job.id, stored_hash[:12], job_hash[:12])
