@@ -306,7 +306,8 @@ def step_api(stack: Stack) -> None:
     texts = [line["response"]["body"]["choices"][0]["message"]["content"] for line in output]
     assert all(texts[i] == texts[i % 3] for i in range(12)), "equal greedy prompts gave different completions"
     [error] = [json.loads(line) for line in client.files.content(done.error_file_id).text.splitlines()]
-    assert error["custom_id"] == "unserved" and error["error"]["code"] == "model_not_found", error
+    assert error["custom_id"] == "unserved" and (error["response"] or {}).get("status_code") == 404, error
+    assert error["response"]["body"]["error"]["code"] == "model_not_found", error
     try:
         OpenAI(base_url=stack.args.api, api_key="sk-wrong", max_retries=0).files.list()
         raise AssertionError("a wrong API key was accepted")

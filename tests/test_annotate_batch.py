@@ -7,13 +7,14 @@ import json
 from pathlib import Path
 
 import pytest
-from annotate_helpers import ENGINE, read_jsonl, write_jsonl
+from annotate_helpers import ENGINE, cli, read_jsonl, write_jsonl
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from openai.types import Completion
 from openai.types.chat import ChatCompletion
+from openai.types.shared import ErrorObject
 
-from tokenmill.apps.batch import BODY_FIELDS, URLS, LineError, Parser, batch
+from tokenmill.apps.batch import BODY_FIELDS, URLS, FileProblem, Parser, Refused, Request, batch
 from tokenmill.errors import InvalidRequestError
 from tokenmill.sampling_params import SamplingParams
 
@@ -77,53 +78,118 @@ def test_results_load_with_the_openai_sdk_types(llm, tmp_path: Path) -> None:
     assert summary.deduplicated == 1  # c3 asks exactly what c1 asks
 
 
-def test_malformed_lines_and_unsupported_fields_are_error_lines(llm, tmp_path: Path) -> None:
-    lines = [
-        json.dumps(chat("ok", "fine")),
-        "{not json",
-        json.dumps({**chat("u", "x"), "url": "/v1/embeddings"}),
-        json.dumps(chat("f", "x", frequency_penalty=0.5)),
-        json.dumps({"method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}),
-        json.dumps({**completion("m", "x"), "method": "GET"}),
-        json.dumps(completion("long", "z" * 5000)),
-        json.dumps(chat("bad", "x", temperature=-1)),
-    ]
+def refused(line: dict, message: str, param: str, status: int = 400, code: str = "invalid_request") -> dict:
+    """The errors-file line of a request refused as given, as OpenAI's batch writes it (but its ids)."""
+    return {"custom_id": line["custom_id"], "error": None, "response": {"status_code": status, "body": {"error": {
+        "message": message, "type": "invalid_request_error", "param": param, "code": code}}}}
+
+
+def without_ids(line: dict) -> dict:
+    """An errors-file line without its `id` and `request_id` (checked apart: derived from the line)."""
+    assert line["id"].startswith("batch_req_") and line["response"]["request_id"].startswith("req_")
+    return {**{k: v for k, v in line.items() if k != "id"},
+            "response": {k: v for k, v in line["response"].items() if k != "request_id"}}
+
+
+def test_a_refused_body_is_its_request_s_400_line_and_the_other_requests_run(llm, tmp_path: Path) -> None:
+    """As OpenAI's Batch API: a bad parameter value or an unknown parameter fails that request only, with the
+    API's 400 error response in the errors file; the 28 other requests run, and their usage adds up."""
+    lines = [chat(f"r{i}", f"question {i}", temperature=0) for i in range(30)]
+    lines[7]["body"]["max_tokens"] = -1  # line 8
+    lines[19]["body"]["tempreature"] = 0.5  # line 20: no such parameter
     src = write_jsonl(tmp_path / "in.jsonl", lines)
-    summary = run(llm, src, tmp_path / "out.jsonl", errors=str(tmp_path / "errors.jsonl"))
-    assert (summary.ok, summary.failed) == (1, 7)
-    assert [line["custom_id"] for line in read_jsonl(tmp_path / "out.jsonl")] == ["ok"]
-    errors = read_jsonl(tmp_path / "errors.jsonl")
-    assert [e["custom_id"] for e in errors] == [None, "u", "f", None, "m", "long", "bad"]
-    assert all(e["response"] is None and set(e["error"]) == {"code", "message"} for e in errors)
-    messages = [e["error"]["message"] for e in errors]
-    assert errors[0]["error"]["code"] == "invalid_json" and messages[0].startswith("line 2:")
-    assert "url: unsupported '/v1/embeddings'" in messages[1]
-    assert "body.frequency_penalty: unsupported field" in messages[2]
-    assert "custom_id" in messages[3] and "method" in messages[4]
-    assert errors[5]["error"]["code"] == "invalid_request" and "prompt" in messages[5]
-    assert "body.temperature" in messages[6]
+    summary = run(llm, src, tmp_path / "out.jsonl")
+    assert (summary.rows, summary.ok, summary.failed) == (30, 28, 2)
+    errors = read_jsonl(tmp_path / "out.errors.jsonl")
+    assert [without_ids(e) for e in errors] == [
+        refused(lines[7], "max_tokens: must be >= 1, got -1", "max_tokens"),
+        refused(lines[19], "tempreature: unsupported field (supported: " + ", ".join(sorted(BODY_FIELDS)) + ")",
+                "tempreature")]
+    assert [ErrorObject.model_validate(e["response"]["body"]["error"]).param for e in errors] == ["max_tokens", "tempreature"]
+    output = read_jsonl(tmp_path / "out.jsonl")
+    ran = [line for i, line in enumerate(lines) if i not in (7, 19)]
+    assert [line["custom_id"] for line in output] == [line["custom_id"] for line in ran]
+    expected = llm.chat([line["body"]["messages"] for line in ran], SamplingParams(max_tokens=5, temperature=0.0),
+                        use_tqdm=False)
+    for line, want in zip(output, expected):
+        assert line["error"] is None and line["response"]["status_code"] == 200
+        usage = ChatCompletion.model_validate(line["response"]["body"]).usage
+        assert (usage.prompt_tokens, usage.completion_tokens) == (len(want.prompt_token_ids), len(want.token_ids))
+        assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
 
 
-def test_deeply_nested_lines_and_schemas_fail_their_request_only(llm, tmp_path: Path) -> None:
-    """A line nested past Python's recursion limit, or a response_format schema nested deeper than MAX_NESTING,
-    used to raise RecursionError out of the whole run."""
+def test_what_the_engine_refuses_is_a_400_line_with_the_engine_s_message(llm, tmp_path: Path) -> None:
+    lines = [chat("ok", "fine"), completion("long", "z" * 5000), chat("long-chat", "z" * 5000), chat("bad", "x", temperature=-1),
+             chat("f", "x", frequency_penalty=0.5), chat("two", "x", max_completion_tokens=0, max_tokens=None)]
+    summary = run(llm, write_jsonl(tmp_path / "in.jsonl", lines), tmp_path / "out.jsonl")
+    assert (summary.ok, summary.failed) == (1, 5)
+    errors = read_jsonl(tmp_path / "out.errors.jsonl")
+    assert [(e["custom_id"], e["response"]["status_code"], e["error"]) for e in errors] == [
+        (c, 400, None) for c in ("long", "long-chat", "bad", "f", "two")]
+    bodies = [ErrorObject.model_validate(e["response"]["body"]["error"]) for e in errors]
+    assert [b.param for b in bodies] == ["prompt", "messages", "temperature", "frequency_penalty", "max_completion_tokens"]
+    assert {b.type for b in bodies} == {"invalid_request_error"} and {b.code for b in bodies} == {"invalid_request"}
+    assert "exceeds max_model_len (4096)" in bodies[0].message and "exceeds max_model_len (4096)" in bodies[1].message
+    assert bodies[4].message == "max_completion_tokens: must be >= 1, got 0"
+
+
+def test_an_unusable_file_is_refused_whole_before_any_request_runs(tmp_path: Path) -> None:
+    """What OpenAI fails a batch for at validation refuses the file up front, every such line named: not JSON, a
+    line without its four fields or with another method or url, a repeated custom_id, a line over the size limit."""
+    good = chat("ok", "fine")
+    lines = [json.dumps(good), "{not json", json.dumps({k: v for k, v in chat("m", "x").items() if k != "method"}),
+             json.dumps({**chat("g", "x"), "method": "GET"}), json.dumps({**chat("u", "x"), "url": "/v1/embeddings"}),
+             json.dumps({"method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}), json.dumps(good),
+             json.dumps(chat("big", "x" * 5000))]
+    src = write_jsonl(tmp_path / "in.jsonl", lines)
+    with pytest.raises(InvalidRequestError) as refused_file:
+        batch(str(src), str(tmp_path / "out.jsonl"), model="builtin:never-loaded", quiet=True, max_row_bytes=4096)
+    message = refused_file.value.message
+    assert message.startswith(f"{src} is not a usable batch input file: line 2: the line is not valid JSON")
+    for expected in ("line 3: method: missing", "line 4: method: must be POST, got 'GET'",
+                     "line 5: url: unsupported '/v1/embeddings'", "line 6: custom_id: missing",
+                     "line 7: custom_id 'ok' already on line 1", "line 8: row: 5", "over the max_row_bytes limit (4096)"):
+        assert expected in message
+    assert not (tmp_path / "out.jsonl").exists() and not (tmp_path / "out.errors.jsonl").exists()
+
+
+def test_cli_exit_status_1_with_refused_requests_2_for_an_unusable_file(tmp_path: Path) -> None:
+    src = write_jsonl(tmp_path / "in.jsonl", [chat("a", "fine"), chat("b", "x", max_tokens=-1)])
+    done = cli("batch", "-i", str(src), "-o", str(tmp_path / "out.jsonl"), "--model", "builtin:tiny",
+               "--num-kv-blocks", str(ENGINE["num_kv_blocks"]), "--quiet")
+    assert done.returncode == 1, done.stderr
+    assert [line["custom_id"] for line in read_jsonl(tmp_path / "out.jsonl")] == ["a"]
+    [error] = read_jsonl(tmp_path / "out.errors.jsonl")
+    assert error["response"]["status_code"] == 400 and error["response"]["body"]["error"]["param"] == "max_tokens"
+    unusable = write_jsonl(tmp_path / "dup.jsonl", [chat("a", "1"), chat("a", "2")])
+    done = cli("batch", "-i", str(unusable), "-o", str(tmp_path / "dup-out.jsonl"), "--model", "builtin:tiny")
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert "line 2: custom_id 'a' already on line 1" in done.stderr and not (tmp_path / "dup-out.jsonl").exists()
+
+
+def test_deeply_nested_lines_and_schemas_are_refused_not_raised(llm, tmp_path: Path) -> None:
+    """A line nested past Python's recursion limit makes the file unusable; a response_format schema nested deeper
+    than MAX_NESTING is its request's 400. Both used to raise RecursionError out of the whole run."""
     deep_schema: dict = {"type": "string"}
     for _ in range(300):
         deep_schema = {"type": "object", "properties": {"a": deep_schema}}
     response_format = {"type": "json_schema", "json_schema": {"name": "deep", "schema": deep_schema}}
-    lines = [json.dumps(chat("ok", "fine")), '{"custom_id": "deep", "body": ' + "[" * 100_000 + "]" * 100_000 + "}",
-             json.dumps(chat("schema", "x", response_format=response_format))]
+    lines = [json.dumps(chat("ok", "fine")), json.dumps(chat("schema", "x", response_format=response_format))]
     summary = run(llm, write_jsonl(tmp_path / "in.jsonl", lines), tmp_path / "out.jsonl")
-    assert (summary.ok, summary.failed) == (1, 2)
-    errors = read_jsonl(tmp_path / "out.errors.jsonl")
-    assert [(e["custom_id"], e["error"]["code"]) for e in errors] == [(None, "invalid_json"), ("schema", "invalid_request")]
-    assert "nests too deeply" in errors[0]["error"]["message"]
-    assert "body.json_schema: nests deeper than 64" in errors[1]["error"]["message"]
+    assert (summary.ok, summary.failed) == (1, 1)
+    [error] = read_jsonl(tmp_path / "out.errors.jsonl")
+    body = error["response"]["body"]["error"]
+    assert error["custom_id"] == "schema" and body["param"] == "response_format.json_schema.schema"
+    assert body["message"].startswith("response_format.json_schema.schema: nests deeper than 64")
+    deep_line = '{"custom_id": "deep", "body": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    with pytest.raises(InvalidRequestError, match="line 2: the line nests too deeply to parse"):
+        run(llm, write_jsonl(tmp_path / "deep.jsonl", [lines[0], deep_line]), tmp_path / "deep-out.jsonl")
 
 
 def test_duplicate_custom_ids_refuse_the_file_with_line_numbers(llm, tmp_path: Path) -> None:
     src = write_jsonl(tmp_path / "in.jsonl", [chat("a", "1"), chat("b", "2"), chat("a", "3"), "", chat("b", "4")])
-    with pytest.raises(InvalidRequestError, match=r"'a' on lines 1 and 3; 'b' on lines 2 and 5"):
+    with pytest.raises(InvalidRequestError, match=r"line 3: custom_id 'a' already on line 1; "
+                                                  r"line 5: custom_id 'b' already on line 2$"):
         run(llm, src, tmp_path / "out.jsonl")
     assert not (tmp_path / "out.jsonl").exists()
 
@@ -145,7 +211,7 @@ def test_response_format_json_schema(llm, tmp_path: Path) -> None:
     run(llm, src, tmp_path / "out.jsonl")
     if not STRUCTURED:
         [error] = read_jsonl(tmp_path / "out.errors.jsonl")
-        assert "json_schema" in error["error"]["message"]
+        assert "json_schema" in error["response"]["body"]["error"]["message"]
         return
     [line] = read_jsonl(tmp_path / "out.jsonl")
     body = ChatCompletion.model_validate(line["response"]["body"])
@@ -170,13 +236,18 @@ def _request_lines(draw: st.DrawFn) -> bytes:
 
 @settings(max_examples=1000, deadline=None)
 @given(_request_lines())
-def test_a_line_of_any_values_is_a_request_or_a_line_error(raw: bytes) -> None:
-    """Whatever values a line's fields hold, parsing it gives a request or that line's error, never an exception that
-    would stop the whole batch (`"seed": "7"`, `"stop": 5` and `"url": ["x"]` did)."""
+def test_a_line_of_any_values_is_a_request_a_refused_one_or_a_file_problem(raw: bytes) -> None:
+    """Whatever values a line's fields hold, parsing it gives a request, a refused request (its body) or a problem of
+    the file (its url), never another exception (`"seed": "7"`, `"stop": 5` and `"url": ["x"]` raised one)."""
+    url = json.loads(raw)["url"]
+    supported = isinstance(url, str) and url in URLS
     try:
-        Parser("m", 16, logprobs_ok=True).parse(raw)
-    except LineError as exc:
-        assert exc.code in ("invalid_request", "invalid_json") and exc.custom_id == "a"
+        request = Parser("m", 16, logprobs_ok=True).parse(raw)
+    except FileProblem as problem:
+        assert not supported and (problem.code, problem.param) == ("invalid_request", "url")
+    else:
+        assert supported and isinstance(request, (Request, Refused)) and request.custom_id == "a"
+        assert isinstance(request, Request) or request.param and request.message.startswith(request.param.split(".")[0])
 
 
 def test_a_structured_output_cut_by_max_tokens_answers_as_openai_does(llm, tmp_path: Path) -> None:

@@ -21,6 +21,7 @@ from annotate_helpers import ENGINE, REPO, read_jsonl, write_jsonl
 from tokenmill.apps.annotate import annotate
 from tokenmill.apps.batch import batch
 from tokenmill.apps.datasets import DatasetError, open_dataset
+from tokenmill.errors import InvalidRequestError
 
 
 @pytest.fixture(scope="module")
@@ -92,18 +93,16 @@ def test_a_parquet_row_over_the_limit_fails_alone(tmp_path: Path) -> None:
     assert rows[1][1] == "row: 20008 bytes, over the max_row_bytes limit (8192); not read"
 
 
-def test_batch_lines_over_the_limit_are_their_requests_errors_also_gzipped(llm, tmp_path: Path) -> None:
+def test_a_batch_line_over_the_limit_makes_the_file_unusable_also_gzipped(llm, tmp_path: Path) -> None:
     def request(custom_id: str, content: str) -> str:
         return json.dumps({"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
                            "body": {"messages": [{"role": "user", "content": content}], "max_tokens": 2}})
 
     text = "\n".join([request("a", "hi"), request("big", "x" * 10_000), request("c", "ho")]) + "\n"
     (tmp_path / "in.jsonl.gz").write_bytes(gzip.compress(text.encode()))
-    summary = batch(str(tmp_path / "in.jsonl.gz"), str(tmp_path / "out.jsonl"), llm=llm, quiet=True, max_row_bytes=4096)
-    assert (summary.ok, summary.failed) == (2, 1)
-    assert [line["custom_id"] for line in read_jsonl(tmp_path / "out.jsonl")] == ["a", "c"]
-    [error] = read_jsonl(tmp_path / "out.errors.jsonl")
-    assert error["error"]["code"] == "invalid_request" and "over the max_row_bytes limit (4096)" in error["error"]["message"]
+    with pytest.raises(InvalidRequestError, match=r"line 2: row: 10\d+ bytes, over the max_row_bytes limit \(4096\)"):
+        batch(str(tmp_path / "in.jsonl.gz"), str(tmp_path / "out.jsonl"), llm=llm, quiet=True, max_row_bytes=4096)
+    assert not (tmp_path / "out.jsonl").exists()
 
 
 #: Reads an input the way annotate's passes and `tokenmill batch` do, and prints the peak RSS (KiB). The peak is

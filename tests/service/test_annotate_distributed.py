@@ -85,7 +85,7 @@ def test_rows_become_grouped_jobs_with_one_result_each_and_match_embedded(llm, t
     assert [ChatCompletion.model_validate(line["response"]["body"]).choices[0].message.content for line in lines] == \
         [o.text for o in expected]
     [error] = read_jsonl(tmp_path / "res.errors.jsonl")
-    assert error["custom_id"] == "lp" and "logprobs" in error["error"]["message"]
+    assert error["custom_id"] == "lp" and error["response"]["body"]["error"]["param"] == "logprobs"
 
 
 def test_kill_9_mid_run_then_rerun_gives_the_uninterrupted_output(llm, tmp_path, redis_server, start_worker) -> None:

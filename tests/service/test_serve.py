@@ -22,6 +22,8 @@ from typing import Any
 import openai
 import pytest
 from openai import OpenAI
+from openai.types.chat import ChatCompletion
+from openai.types.shared import ErrorObject
 from service_fixtures import KEYS, REPO, S3_BUCKET, Server, engine_pid, free_port, stopped, wait_for
 
 from tokenmill.apps.api.records import refused_key
@@ -114,8 +116,11 @@ def test_upload_create_poll_download_matches_tokenmill_batch(tmp_path, redis_ser
     assert len(texts["two"]) == 2 and texts["two"][0] != texts["two"][1]
     assert done.usage.output_tokens == sum(line["response"]["body"]["usage"]["completion_tokens"] for line in output)
     assert done.usage.input_tokens == sum(line["response"]["body"]["usage"]["prompt_tokens"] for line in output)
-    [error] = errors
-    assert error["custom_id"] == "too-long" and error["error"]["code"] == "invalid_request"
+    [error] = errors  # refused by the worker's engine: the API's 400, with the engine's message
+    assert (error["custom_id"], error["response"]["status_code"], error["error"]) == ("too-long", 400, None)
+    refusal = ErrorObject.model_validate(error["response"]["body"]["error"])
+    assert (refusal.type, refusal.code, refusal.param) == ("invalid_request_error", "invalid_request", "messages")
+    assert "exceeds max_model_len (4096)" in refusal.message
 
     # `tokenmill batch --broker` on the same file and workers writes the same lines (but the time they finished)
     run_batch(str(source), str(tmp_path / "cli.jsonl"), broker=redis_server.url, quiet=True)
@@ -129,6 +134,54 @@ def test_upload_create_poll_download_matches_tokenmill_batch(tmp_path, redis_ser
     client.files.delete(file_id)
     with pytest.raises(openai.NotFoundError):
         client.files.retrieve(file_id)
+
+
+def test_a_refused_body_fails_its_request_only_and_an_unusable_file_fails_the_batch(tmp_path, redis_server, start_worker,
+                                                                                   serve) -> None:
+    """As OpenAI's Batch API: a bad parameter value or an unknown parameter is that request's 400 line in the error
+    file and the batch completes; a repeated custom_id or another url fails the whole batch at validation."""
+    start_worker(redis_server.url).wait_ready()
+    client = serve(redis_server.url).client()
+    lines = [chat_line(f"r{i}", f"question {i}") for i in range(30)]
+    lines[7]["body"]["max_tokens"] = -1  # line 8
+    lines[19]["body"]["tempreature"] = 0.5  # line 20: no such parameter
+    source = write_jsonl(tmp_path / "requests.jsonl", lines)
+    batch = client.batches.create(input_file_id=upload(client, source), endpoint="/v1/chat/completions",
+                                  completion_window="24h")
+    done = wait_status(client, batch.id, ("completed", "failed", "cancelled", "expired"), 120)
+    assert done.status == "completed" and done.errors is None
+    assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (30, 28, 2)
+    errors, output = lines_of(client, done.error_file_id), lines_of(client, done.output_file_id)
+    for error, (line, message) in zip(errors, [(lines[7], "max_tokens: must be >= 1, got -1"),
+                                               (lines[19], "tempreature: unsupported field (supported: ")], strict=True):
+        assert set(error) == {"id", "custom_id", "response", "error"} and error["id"].startswith("batch_req_")
+        assert (error["custom_id"], error["error"], error["response"]["status_code"]) == (line["custom_id"], None, 400)
+        assert set(error["response"]) == {"status_code", "request_id", "body"}
+        assert error["response"]["request_id"].startswith("req_") and set(error["response"]["body"]) == {"error"}
+        refusal = error["response"]["body"]["error"]
+        assert set(refusal) == {"message", "type", "param", "code"} and refusal["message"].startswith(message)
+        assert (refusal["type"], refusal["code"]) == ("invalid_request_error", "invalid_request")
+    assert [e["response"]["body"]["error"]["param"] for e in errors] == ["max_tokens", "tempreature"]
+    assert [line["custom_id"] for line in output] == [f"r{i}" for i in range(30) if i not in (7, 19)]
+    usages = [ChatCompletion.model_validate(line["response"]["body"]).usage for line in output]
+    assert all(u.prompt_tokens > 0 and 0 < u.completion_tokens <= 6 for u in usages)
+    assert all(u.total_tokens == u.prompt_tokens + u.completion_tokens for u in usages)
+    assert (done.usage.input_tokens, done.usage.output_tokens, done.usage.total_tokens) == (
+        sum(u.prompt_tokens for u in usages), sum(u.completion_tokens for u in usages), sum(u.total_tokens for u in usages))
+    # `tokenmill batch --broker` on the same file: the same refusals (one rule for both)
+    summary = run_batch(str(source), str(tmp_path / "cli.jsonl"), broker=redis_server.url, quiet=True)
+    assert (summary.ok, summary.failed) == (28, 2)
+    assert [json.loads(line) for line in (tmp_path / "cli.errors.jsonl").read_text().splitlines()] == errors
+
+    unusable = [chat_line("a", "hi"), chat_line("b", "hi"), chat_line("a", "again"),
+                {**chat_line("c", "hi"), "url": "/v1/completions", "body": {"model": "builtin:tiny", "prompt": "hi"}}]
+    batch = client.batches.create(input_file_id=upload(client, write_jsonl(tmp_path / "unusable.jsonl", unusable)),
+                                  endpoint="/v1/chat/completions", completion_window="24h")
+    failed = wait_status(client, batch.id, ("failed", "completed", "in_progress"), 30)
+    assert failed.status == "failed" and failed.output_file_id is None and failed.error_file_id is None
+    assert [(e.line, e.code, e.param) for e in failed.errors.data] == [
+        (3, "duplicate_custom_id", "custom_id"), (4, "mismatched_endpoint", "url")]
+    assert failed.request_counts.total == 0
 
 
 def test_a_second_tenant_gets_404_and_no_key_gets_401(tmp_path, redis_server, serve) -> None:
@@ -235,7 +288,7 @@ def test_malformed_uploads_fail_validation_naming_the_lines(tmp_path, redis_serv
 
 
 def test_pagination_over_150_batches(tmp_path, redis_server, serve) -> None:
-    server = serve(redis_server.url)
+    server = serve(redis_server.url, **{"rate-burst": 1000})  # 150 creates at once: past the default burst
     client = server.client()
     file_id = upload(client, write_jsonl(tmp_path / "empty.jsonl", ["{not json"]))  # each batch fails at once
     ids = [client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions",
@@ -423,9 +476,10 @@ def test_lines_naming_a_model_no_worker_serves_error_and_the_batch_completes(tmp
     assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (5, 3, 2)
     finished, errors = outcome_ids(client, done)
     assert finished == ["a", "c", "e"]
-    assert [(e["custom_id"], e["error"]["code"], e["response"]) for e in errors] == [
-        ("b", "model_not_found", None), ("d", "model_not_found", None)]
-    assert "'gpt-4o'" in errors[0]["error"]["message"] and "builtin:tiny" in errors[0]["error"]["message"]
+    refusals = [ErrorObject.model_validate(e["response"]["body"]["error"]) for e in errors]  # OpenAI's 404 for it
+    assert [(e["custom_id"], e["response"]["status_code"], e["error"]) for e in errors] == [("b", 404, None), ("d", 404, None)]
+    assert {(r.code, r.param, r.type) for r in refusals} == {("model_not_found", "model", "invalid_request_error")}
+    assert "'gpt-4o'" in refusals[0].message and "builtin:tiny" in refusals[0].message
     refused = refused_key(batch.id)  # the lines never queued, kept while the batch ran: gone once it ended
     wait_for(lambda: not redis_server.client().exists(refused), 10, f"{refused} deleted")
     assert worker.terminate() == 0  # a worker that stops withdraws its model
@@ -713,4 +767,7 @@ def test_a_batch_that_fails_on_the_server_cancels_the_jobs_it_queued(tmp_path, r
     second = serve(redis_server.url)
     done = wait_status(second.client(), batch.id, ("failed", "completed", "cancelled", "expired"), 60)
     assert done.status == "failed" and done.errors.data[0].code == "server_error"
+    message = done.errors.data[0].message  # a reference for the tenant, the details in the server's log only
+    assert message.startswith("The server had an error processing this batch (reference ") and "Error" not in message
+    assert f"(reference {message.rsplit(' ', 1)[1].rstrip(').')})" in second.log_path.read_text()
     assert len(list(broker.scan_iter(CANCEL_KEY.format(job_id="*")))) == 5

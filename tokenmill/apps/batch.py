@@ -2,14 +2,22 @@
 
 Input lines are `{"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions", "body"}`;
 output lines `{"id", "custom_id", "response": {"status_code": 200, "request_id", "body"}, "error": null}` whose
-body is a `chat.completion` or `text_completion` object; failed requests go to the errors file with `response`
-null and `error` = `{"code", "message"}`. A malformed line or an unsupported field fails that request only;
-duplicate `custom_id`s refuse the whole file up front (with their line numbers), since results could not be
-matched to requests. The pipeline (checkpoint, dedup, windows, progress, two streaming passes) is annotate's.
+body is a `chat.completion` or `text_completion` object with its `usage`. As OpenAI's Batch API does:
+
+* a file unusable as a whole (`check_lines`, the one rule `tokenmill serve` applies too) is refused up front,
+  naming its lines, before any request runs;
+* a request refused as given (its body, by the parser here or by the engine) is its line in the errors file with
+  the API's error response: `{"id", "custom_id", "response": {"status_code": 400, "request_id", "body": {"error":
+  {"message", "type": "invalid_request_error", "param", "code"}}}, "error": null}` (`refused_line`);
+* a request that could not run to its end (cancelled, expired, a worker's failure) has `response` null and
+  `error` `{"code", "message"}` (`error_line`).
+
+The pipeline (checkpoint, dedup, windows, progress, two streaming passes) is annotate's.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -20,26 +28,45 @@ from typing import Any
 from tokenmill.apps.annotate import default_state_dir, make_runner, model_label
 from tokenmill.apps.datasets import MAX_ROW_BYTES, TooLong, Writer, read_lines, too_long
 from tokenmill.apps.pipeline import Progress, Summary, compute, stored
-from tokenmill.apps.runners import Unit, sampling_dict
+from tokenmill.apps.runners import Unit, error_parts, sampling_dict
 from tokenmill.apps.store import Checkpoint, Outcome, SeenSet, content_key
 from tokenmill.errors import InvalidRequestError
 from tokenmill.sampling_params import CONSTRAINT_CODES
 
 URLS = {"/v1/chat/completions": "chat.completion", "/v1/completions": "text_completion"}
-LINE_FIELDS = {"custom_id", "method", "url", "body"}
+LINE_FIELDS = ("custom_id", "method", "url", "body")
 BODY_FIELDS = {"model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "stop",
                "seed", "n", "logprobs", "top_logprobs", "response_format", "user", "stream"}
-_MAX_DUPLICATES_SHOWN = 10
+#: Problems of an unusable file listed; reading it stops at this many.
+MAX_PROBLEMS = 100
+#: The HTTP status of a request refused as given, by its error code; a failure with any other code has no response.
+REFUSED_STATUS = {"invalid_request": 400, "invalid_job": 400, "model_not_found": 404}
+_PROBLEMS_SHOWN = 10
 
 
-class LineError(Exception):
-    """Why one request line cannot be served: becomes its line in the errors file."""
+class FileProblem(Exception):
+    """What makes a batch input file unusable as a whole: OpenAI fails such a batch at validation."""
 
-    def __init__(self, code: str, message: str, custom_id: str | None = None) -> None:
+    def __init__(self, code: str, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
-        self.custom_id = custom_id
+        self.param = param
+
+    def at(self, line: int | None) -> dict[str, Any]:
+        """The problem as a failed batch's `errors` lists it (the SDK's `BatchError`)."""
+        where = "" if line is None else f"line {line}: "
+        return {"code": self.code, "message": where + self.message, "line": line, "param": self.param}
+
+
+@dataclass
+class Envelope:
+    """A line's four fields, checked (`envelope`); `key` is the line's digest."""
+
+    custom_id: str
+    url: str
+    body: dict[str, Any]
+    key: str
 
 
 @dataclass
@@ -52,48 +79,62 @@ class Request:
     key: str
 
 
+@dataclass
+class Refused:
+    """A request whose body was refused as given: nothing runs, its line is a 400 response (`refused_line`)."""
+
+    custom_id: str
+    key: str
+    message: str
+    param: str | None
+    units: tuple[()] = ()
+
+
+def envelope(raw: bytes) -> Envelope:
+    """A line's `custom_id`, `url` and `body`; raises the `FileProblem` of a line no usable file holds: not a JSON
+    object, a field other than the four or one missing, a method other than POST, an unsupported url."""
+    try:
+        line = json.loads(raw)
+    except RecursionError:
+        raise FileProblem("invalid_json", "the line nests too deeply to parse") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise FileProblem("invalid_json", f"the line is not valid JSON: {exc}") from None
+    if not isinstance(line, dict):
+        raise FileProblem("invalid_request", "the line must be a JSON object")
+    unknown = sorted(set(line) - set(LINE_FIELDS))
+    missing = [name for name in LINE_FIELDS if name not in line]
+    if unknown or missing:
+        name, why = (unknown[0], "unsupported field") if unknown else (missing[0], "missing")
+        raise FileProblem("invalid_request", f"{name}: {why} (a line has {', '.join(LINE_FIELDS)})", name)
+    custom_id, method, url, body = (line[name] for name in LINE_FIELDS)
+    if not isinstance(custom_id, str) or not custom_id:
+        raise FileProblem("invalid_request", "custom_id: must be a non-empty string", "custom_id")
+    if method != "POST":
+        raise FileProblem("invalid_request", f"method: must be POST, got {method!r}", "method")
+    if not isinstance(url, str) or url not in URLS:
+        raise FileProblem("invalid_request", f"url: unsupported {url!r} (supported: {', '.join(URLS)})", "url")
+    if not isinstance(body, dict):
+        raise FileProblem("invalid_request", "body: must be a JSON object", "body")
+    return Envelope(custom_id, url, body, hashlib.sha256(raw).hexdigest()[:32])
+
+
 class Parser:
-    """Turns one input line into a `Request` (or raises `LineError`)."""
+    """Turns one line into a `Request`, or the `Refused` request of a body refused as given."""
 
     def __init__(self, model: str, default_max_tokens: int | None, logprobs_ok: bool) -> None:
         self.model = model
         self.default_max_tokens = default_max_tokens
         self.logprobs_ok = logprobs_ok
 
-    def parse(self, raw: bytes) -> Request:
-        try:
-            line = json.loads(raw)
-        except RecursionError:
-            raise LineError("invalid_json", "the line nests too deeply to parse") from None
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise LineError("invalid_json", f"the line is not valid JSON: {exc}") from None
-        if not isinstance(line, dict):
-            raise LineError("invalid_request", "the line must be a JSON object")
-        custom_id = line.get("custom_id")
-        if not isinstance(custom_id, str) or not custom_id:
-            raise LineError("invalid_request", "custom_id: must be a non-empty string")
-        try:
-            return self._line(custom_id, line)
-        except LineError as exc:
-            exc.custom_id = custom_id
-            raise
+    def parse(self, raw: bytes) -> Request | Refused:
+        """Raises `FileProblem` for a line no usable file holds (`envelope`)."""
+        return self.request(envelope(raw))
 
-    def _line(self, custom_id: str, line: dict[str, Any]) -> Request:
-        unknown = sorted(set(line) - LINE_FIELDS)
-        if unknown:
-            raise LineError("invalid_request", f"{unknown[0]}: unsupported field (supported: {', '.join(sorted(LINE_FIELDS))})")
-        if line.get("method", "POST") != "POST":
-            raise LineError("invalid_request", f"method: must be POST, got {line.get('method')!r}")
-        url = line.get("url")
-        if not isinstance(url, str) or url not in URLS:
-            raise LineError("invalid_request", f"url: unsupported {url!r} (supported: {', '.join(URLS)})")
-        body = line.get("body")
-        if not isinstance(body, dict):
-            raise LineError("invalid_request", "body: must be a JSON object")
+    def request(self, line: Envelope) -> Request | Refused:
         try:
-            return self._request(custom_id, url, body)
+            return self._request(line.custom_id, line.url, line.body)
         except InvalidRequestError as exc:
-            raise LineError("invalid_request", f"body.{exc.field}: {exc.message}") from None
+            return Refused(line.custom_id, line.key, str(exc), exc.field)
 
     def _request(self, custom_id: str, url: str, body: dict[str, Any]) -> Request:
         unknown = sorted(set(body) - BODY_FIELDS)
@@ -106,7 +147,10 @@ class Parser:
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 128:
             raise InvalidRequestError("n", f"must be an integer in [1, 128], got {n!r}")
         params, logprobs = self._sampling(url, body)
-        base = sampling_dict(params)  # checked before the seed is offset per choice
+        try:
+            base = sampling_dict(params)  # checked before the seed is offset per choice
+        except InvalidRequestError as exc:
+            raise InvalidRequestError(_body_param(exc.field, body), exc.message) from None
         model = body.get("model") if isinstance(body.get("model"), str) else self.model
         units = []
         for index in range(n):
@@ -170,6 +214,15 @@ class Parser:
         return count
 
 
+def _body_param(field: str, body: dict[str, Any]) -> str:
+    """The body field that set sampling field `field`."""
+    if field in ("json_schema", "json_object"):
+        return "response_format.json_schema.schema" if field == "json_schema" else "response_format"
+    if field == "max_tokens" and body.get("max_completion_tokens") is not None:
+        return "max_completion_tokens"
+    return field
+
+
 def _response_format(value: Any) -> dict[str, Any]:
     """OpenAI's response_format as tokenmill's structured-output sampling fields."""
     if value is None:
@@ -209,16 +262,16 @@ def batch(
     input_compression: str | None = None,
     quiet: bool = False,
 ) -> Summary:
-    """Run an OpenAI Batch API input file; returns the `Summary`. `errors` defaults to `<output>` with
-    `.errors.jsonl` in place of its extension. Raises `InvalidRequestError` on duplicate custom_ids. A line
-    over `max_row_bytes` (decompressed, for a compressed file) is not read: it is that request's error. Run ids,
-    Ctrl-C, `detach` and `retry_cancelled` as in `annotate`."""
+    """Run an OpenAI Batch API input file; returns the `Summary` (`failed`: the lines of the errors file).
+    `errors` defaults to `<output>` with `.errors.jsonl` in place of its extension. Raises `InvalidRequestError`,
+    before the model loads, for a file unusable as a whole (`check_lines`; a line over `max_row_bytes`,
+    decompressed, is one). Run ids, Ctrl-C, `detach` and `retry_cancelled` as in `annotate`."""
     started = time.perf_counter()
     errors = errors or os.path.splitext(output)[0] + ".errors.jsonl"
     mode = "queue" if broker else "embedded"
     label = model_label(model, llm, broker, queue)
     source = Source(input, s3_endpoint_url, max_row_bytes, input_compression)
-    total = check_custom_ids(source)
+    total = check_file(source)
     checkpoint = Checkpoint(os.path.join(state_dir or default_state_dir(output), "checkpoint.sqlite"),
                             checkpoint_interval)
     summary = Summary(output=output, errors_output=errors)
@@ -228,7 +281,7 @@ def batch(
         parser = Parser(label, default_max_tokens, logprobs_ok=mode == "embedded")
         progress = Progress(total, "batch", quiet)
         try:
-            compute((r.units if isinstance(r, Request) else [] for _, r in parse_requests(source, parser)),
+            compute((r.units for _, r in parse_requests(source, parser)),
                     checkpoint, runner, progress, summary, retry_failed, retry_cancelled)
         finally:
             progress.close()
@@ -254,56 +307,90 @@ class Source:
     compression: str | None = None
 
 
-def check_custom_ids(source: Source) -> int:
-    """Refuse duplicate custom_ids up front, naming them and their lines; returns the number of requests.
-    The ids seen are kept on disk (`SeenSet`), not in memory."""
-    seen, duplicates, total = SeenSet(), [], 0
+def check_lines(source: Source, problems: list[dict[str, Any]], endpoint: str | None = None,
+                max_lines: int | None = None) -> Iterator[tuple[int, Envelope]]:
+    """The one rule of what makes a batch input file unusable as a whole (OpenAI fails such a batch at validation;
+    `tokenmill batch` and `tokenmill serve` both ask this): a line `envelope` refuses, a line over the size limit,
+    a `url` other than the batch's `endpoint`, a repeated custom_id, more than `max_lines` requests, none at all.
+    Yields each other line's envelope with its number; each problem goes into `problems` (`FileProblem.at`), and
+    reading stops at `MAX_PROBLEMS` of them or past `max_lines`. Anything else is its own request's error."""
+    seen, total = SeenSet(), 0  # custom_ids kept on disk, not in memory
     try:
-        for number, raw in _lines(source):
+        for number, raw in numbered_lines(source):
             total += 1
-            if isinstance(raw, TooLong):
-                continue  # reported as that line's error later
+            if max_lines is not None and total > max_lines:
+                problems.append(FileProblem("too_many_lines", f"the file has more than {max_lines} requests "
+                                            "(TOKENMILL_MAX_BATCH_LINES)").at(number))
+                return
             try:
-                custom_id = json.loads(raw).get("custom_id")
-            except (ValueError, AttributeError, UnicodeDecodeError, RecursionError):
-                continue  # reported as that line's error later
-            if isinstance(custom_id, str) and (first := seen.add(custom_id, number)) is not None:
-                duplicates.append(f"{custom_id!r} on lines {first} and {number}")
+                yield number, _usable(number, raw, source.max_row_bytes, endpoint, seen)
+            except FileProblem as problem:
+                problems.append(problem.at(number))
+                if len(problems) >= MAX_PROBLEMS:
+                    return
     finally:
         seen.close()
-    if duplicates:
-        shown = "; ".join(duplicates[:_MAX_DUPLICATES_SHOWN])
-        more = f" and {len(duplicates) - _MAX_DUPLICATES_SHOWN} more" if len(duplicates) > _MAX_DUPLICATES_SHOWN else ""
-        raise InvalidRequestError("custom_id", f"duplicate custom_id values in {source.uri}: {shown}{more}")
+    if total == 0:
+        problems.append(FileProblem("empty_file", "the input file holds no requests").at(None))
+
+
+def _usable(number: int, raw: bytes | TooLong, max_row_bytes: int, endpoint: str | None, seen: SeenSet) -> Envelope:
+    if isinstance(raw, TooLong):
+        raise FileProblem("line_too_long", too_long(raw.size, max_row_bytes))
+    line = envelope(raw)
+    if endpoint is not None and line.url != endpoint:
+        raise FileProblem("mismatched_endpoint", f"url {line.url!r} is not the batch's endpoint {endpoint!r}", "url")
+    first = seen.add(line.custom_id, number)
+    if first is not None:
+        raise FileProblem("duplicate_custom_id", f"custom_id {line.custom_id!r} already on line {first}", "custom_id")
+    return line
+
+
+def check_file(source: Source) -> int:
+    """The number of requests of a usable file (`check_lines`); raises `InvalidRequestError` naming the lines of an
+    unusable one."""
+    problems: list[dict[str, Any]] = []
+    total = sum(1 for _ in check_lines(source, problems))
+    if problems:
+        raise InvalidRequestError("input", unusable(source.uri, problems))
     return total
 
 
-def _lines(source: Source) -> Iterator[tuple[int, bytes | TooLong]]:
+def unusable(uri: str, problems: list[dict[str, Any]]) -> str:
+    """Why a file is unusable, in one line: its first problems, and how many more were found."""
+    shown = "; ".join(problem["message"] for problem in problems[:_PROBLEMS_SHOWN])
+    more = f"; and {len(problems) - _PROBLEMS_SHOWN} more" if len(problems) > _PROBLEMS_SHOWN else ""
+    return f"{uri} is not a usable batch input file: {shown}{more}"
+
+
+def numbered_lines(source: Source) -> Iterator[tuple[int, bytes | TooLong]]:
+    """The file's non-empty lines with their numbers (blank lines count, as an editor numbers them)."""
     for number, raw in enumerate(read_lines(source.uri, source.endpoint, source.max_row_bytes, source.compression), start=1):
         if isinstance(raw, TooLong) or raw.strip():
             yield number, raw
 
 
-def parse_requests(source: Source, parser: Parser) -> Iterator[tuple[int, Request | LineError]]:
-    """Each non-empty line's request, or why it is none, with its line number (pass 1, pass 2, `tokenmill serve`)."""
-    for number, raw in _lines(source):
-        if isinstance(raw, TooLong):
-            yield number, LineError("invalid_request", too_long(raw.size, source.max_row_bytes))
-            continue
+def parse_requests(source: Source, parser: Parser) -> Iterator[tuple[int, Request | Refused]]:
+    """Each request of a file `check_lines` found usable, with its line number (pass 1, pass 2, `tokenmill serve`
+    taking a batch over); raises `InvalidRequestError` if the file has become unusable since."""
+    for number, raw in numbered_lines(source):
         try:
-            yield number, parser.parse(raw)
-        except LineError as exc:
-            yield number, exc
+            if isinstance(raw, TooLong):
+                raise FileProblem("line_too_long", too_long(raw.size, source.max_row_bytes))
+            request = parser.parse(raw)
+        except FileProblem as problem:
+            raise InvalidRequestError("input", unusable(source.uri, [problem.at(number)])) from None
+        yield number, request
 
 
 def _write(source: Source, parser: Parser, checkpoint: Checkpoint, out: Writer, err: Writer, summary: Summary,
            tokenizer: Any) -> None:
     """Pass 2: one line per request, in input order, into the output or the errors file."""
     try:
-        for number, request in parse_requests(source, parser):
-            outcomes = [] if isinstance(request, LineError) else [stored(checkpoint, u.key) for u in request.units]
-            line, error = request_line(number, request, outcomes, tokenizer)
-            summary.count_row(getattr(request, "custom_id", None) or f"line {number}", error)
+        for _, request in parse_requests(source, parser):
+            outcomes = [stored(checkpoint, u.key) for u in request.units]
+            line, error = request_line(request, outcomes, tokenizer)
+            summary.count_row(request.custom_id, error)
             (out if error is None else err).write_rows([line])
         out.close()
         err.close()
@@ -313,23 +400,41 @@ def _write(source: Source, parser: Parser, checkpoint: Checkpoint, out: Writer, 
         raise
 
 
-def request_line(number: int, request: Request | LineError, outcomes: list[Outcome], tokenizer: Any
-                 ) -> tuple[dict[str, Any], str | None]:
+def request_line(request: Request | Refused, outcomes: list[Outcome], tokenizer: Any) -> tuple[dict[str, Any], str | None]:
     """One request's line of the output file, or of the errors file with the error: the same lines whoever
     computed the outcomes (`tokenmill batch` from its checkpoint, `tokenmill serve` from the job results).
-    `outcomes`: one per unit of the request (none for a line that did not parse)."""
-    if isinstance(request, LineError):
-        line = error_line(f"line{number:020d}", request.custom_id, request.code, f"line {number}: {request.message}")
-        return line, request.message
+    `outcomes`: one per unit of the request (none for a refused one)."""
+    if isinstance(request, Refused):
+        return refused_line(request.key, request.custom_id, 400, "invalid_request", request.message, request.param), \
+            request.message
     # as OpenAI answers a structured output cut by max_tokens or a stop: a response, its finish_reason saying so
     failed = next((o for o in outcomes if not o.ok and not o.error.startswith(CONSTRAINT_CODES)), None)
     if failed is not None:
-        code, _, message = failed.error.partition(": ")
-        return error_line(request.key, request.custom_id, code if message else "server_error", message or code), failed.error
+        return failure_line(request, failed.error), failed.error
     return result_line(request, outcomes, tokenizer), None
 
 
-def error_line(key: str, custom_id: str | None, code: str, message: str) -> dict[str, Any]:
+def failure_line(request: Request, error: str) -> dict[str, Any]:
+    """The line of a request that failed: refused as given by whoever ran it (`REFUSED_STATUS`: the API's error
+    response, as for a refused body), else not run to its end (`error_line`)."""
+    code, message, param = error_parts(error)
+    status = REFUSED_STATUS.get(code)
+    if status is None:
+        return error_line(request.key, request.custom_id, code, error.partition(": ")[2] or error)
+    if param == "prompt" and request.url == "/v1/chat/completions":
+        param = "messages"  # the engine refuses the prompt the messages became
+    return refused_line(request.key, request.custom_id, status, code, message, param)
+
+
+def refused_line(key: str, custom_id: str, status: int, code: str, message: str, param: str | None) -> dict[str, Any]:
+    """A request refused as given, as OpenAI's batch writes it: the API's error response, `error` null."""
+    body = {"error": {"message": message, "type": "invalid_request_error", "param": param, "code": code}}
+    response = {"status_code": status, "request_id": f"req_{key[:24]}", "body": body}
+    return {"id": f"batch_req_{key[:24]}", "custom_id": custom_id, "response": response, "error": None}
+
+
+def error_line(key: str, custom_id: str, code: str, message: str) -> dict[str, Any]:
+    """A request not run to its end (cancelled, expired, a worker's failure): no response, OpenAI's `error`."""
     return {"id": f"batch_req_{key[:24]}", "custom_id": custom_id, "response": None, "error": {"code": code, "message": message}}
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import sys
 import time
 import uuid
@@ -21,6 +22,7 @@ from tokenmill.apps.store import Outcome
 from tokenmill.errors import InvalidRequestError
 from tokenmill.sampling_params import CONSTRAINT_CODES, SamplingParams, constraint_problem
 
+_FIELD = re.compile(r" \(field: ([^()]*)\)\Z")  # the end of an `error_text`
 _DRAIN_TIMEOUT = 5.0  # seconds to wait, after Ctrl-C, for the cancelled jobs' results (the rest are collected on resume)
 
 
@@ -101,6 +103,15 @@ class EmbeddedRunner:
 def error_text(code: str, message: str, field: str | None) -> str:
     """A row's error column: the same text whichever mode computed it (a rerun in the other mode matches)."""
     return f"{code}: {message}" + (f" (field: {field})" if field else "")
+
+
+def error_parts(text: str) -> tuple[str, str, str | None]:
+    """`error_text`'s (code, message, field) again; a text without a code is a `server_error`."""
+    code, colon, message = text.partition(": ")
+    if not colon:
+        return "server_error", text, None
+    field = _FIELD.search(message)
+    return (code, message[: field.start()], field[1]) if field else (code, message, None)
 
 
 def outcome_from_output(output: Any, params: SamplingParams) -> Outcome:

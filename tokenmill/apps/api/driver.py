@@ -1,9 +1,10 @@
 """Driving batches: one thread per batch that is not final, in whichever server process holds its lease.
 
-A driver validates the input file (as `tokenmill batch` parses it; any bad line fails the batch, naming the
-lines), queues its requests as jobs in `tokenmill.generate_batch` group messages (`QueueRunner.submit`) with
-ids derived from (batch id, custom_id, choice), collects their results, and writes the output and error
-files in input order with `tokenmill batch`'s own line code (`request_line`).
+A driver validates the input file by `tokenmill batch`'s own rule (`check_lines`: a file unusable as a whole
+fails the batch, naming the lines; a request whose body is refused is only that request's 400 line in the error
+file, as OpenAI does), queues its requests as jobs in `tokenmill.generate_batch` group messages
+(`QueueRunner.submit`) with ids derived from (batch id, custom_id, choice), collects their results, and writes the
+output and error files in input order with `tokenmill batch`'s own line code (`request_line`).
 
 Nothing lives only in memory: the batch object, how many jobs were queued and a cancel request are in Redis
 (`records`), results are the queue's. A server killed mid-batch loses its lease; the next server that scans
@@ -26,17 +27,16 @@ from typing import Any, TypeVar
 from tokenmill.apps.api.files import FileStore
 from tokenmill.apps.api.records import FINAL, Records, now, refused_key
 from tokenmill.apps.api.settings import ServeSettings
-from tokenmill.apps.batch import LineError, Parser, Request, Source, parse_requests, request_line
-from tokenmill.apps.datasets import MAX_ROW_BYTES, DatasetError, TooLong, read_lines, too_long
-from tokenmill.apps.runners import QueueRunner, Unit, outcome_from_result
-from tokenmill.apps.store import Outcome, SeenSet
+from tokenmill.apps.batch import (FileProblem, Parser, Refused, Request, Source, check_lines, parse_requests,
+                                  request_line)
+from tokenmill.apps.datasets import MAX_ROW_BYTES, DatasetError
+from tokenmill.apps.runners import QueueRunner, Unit, error_text, outcome_from_result
+from tokenmill.apps.store import Outcome
 from tokenmill.client import Client
 from tokenmill.queue.served import served_models
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-_MAX_ERRORS = 100  # validation errors listed in a failed batch
 
 
 class Stopped(Exception):
@@ -57,9 +57,9 @@ def model_label(settings: ServeSettings) -> str:
 
 @dataclass
 class Plan:
-    """A validated batch: its requests in input order and each job's unit."""
+    """A validated batch: its requests in input order (the refused ones too) and each job's unit."""
 
-    requests: list[tuple[int, Request]]
+    requests: list[tuple[int, Request | Refused]]
     units: list[Unit] = field(default_factory=list)
     models: dict[str, str] = field(default_factory=dict)  # job id -> the model its request names
 
@@ -75,11 +75,12 @@ class RequestCounts:
         self._request_of: dict[str, int] = {}  # job id -> its request's index in `plan.requests`
         self._left: list[int] = []  # per request: its jobs without an outcome yet
         self._ok: list[bool] = []  # per request: every outcome so far succeeded
+        self.completed = 0
+        self.failed = sum(isinstance(request, Refused) for _, request in plan.requests)  # refused: no job
         for index, (_, request) in enumerate(plan.requests):
             self._left.append(len(request.units))
             self._ok.append(True)
             self._request_of.update((unit.job_id, index) for unit in request.units)
-        self.completed = self.failed = 0
 
     def add(self, job_id: str, outcome: Outcome) -> None:
         """Count `job_id`'s outcome (once per job: the caller adds each job's first outcome only; an id that is no
@@ -116,13 +117,15 @@ class Driver(threading.Thread):
             self.records.redis.delete(refused_key(self.batch_id))  # ended: its outcomes are in its files now
         except Stopped:
             log.info("batch %s: handed over", self.batch_id)
-        except Exception as exc:  # a bug or a lost Redis must not leave the batch stuck in the active set
-            log.exception("batch %s: failed", self.batch_id)
+        except Exception:  # a bug or a lost Redis must not leave the batch stuck in the active set
+            reference = uuid.uuid4().hex[:16]  # the tenant sees the reference; the log has the details under it
+            log.exception("batch %s: failed (reference %s)", self.batch_id, reference)
             try:
                 with Client(self.settings.broker_url, result_backend=self.settings.result_backend,
                             queue=self.settings.queue) as client:
                     client.cancel_run(self.batch_id)  # first: once it reads `failed`, none of its jobs runs any more
-                self._fail([{"code": "server_error", "message": f"{type(exc).__name__}: {exc}", "line": None, "param": None}])
+                self._fail([{"code": "server_error", "message": f"The server had an error processing this batch "
+                             f"(reference {reference}).", "line": None, "param": None}])
                 self.records.redis.delete(refused_key(self.batch_id))
             except Exception:
                 log.exception("batch %s: could not record the failure", self.batch_id)
@@ -132,7 +135,7 @@ class Driver(threading.Thread):
     def drive(self) -> None:
         batch = self.records.batch(self.batch_id)
         unvalidated = batch["status"] == "cancelling" and not batch["request_counts"]["total"]
-        requests: Iterable[tuple[int, Request | LineError]] | None = None
+        requests: Iterable[tuple[int, Request | Refused]] | None = None
         if batch["status"] == "validating" or unvalidated:
             # validated even when a cancel came first: then every request is counted and in the error file, and a
             # bad line is reported (the batch ends cancelled with `errors`) instead of dropping out unseen
@@ -142,7 +145,7 @@ class Driver(threading.Thread):
         if requests is None:  # validated by an earlier run (this server's before a restart, or another's)
             source = Source(self.store.uri(batch["input_file_id"]), self.store.endpoint, MAX_ROW_BYTES)
             requests = self.beating(parse_requests(source, self.parser))  # a big file takes a while to read again
-        plan = Plan([(n, r) for n, r in requests if isinstance(r, Request)])
+        plan = Plan(list(requests))
         for _, request in plan.requests:
             for choice, unit in enumerate(request.units):
                 unit.job_id = job_id(self.batch_id, request.custom_id, choice)
@@ -156,9 +159,9 @@ class Driver(threading.Thread):
 
     # -- validating -----------------------------------------------------------------------------
 
-    def validate(self, batch: dict[str, Any]) -> tuple[dict[str, Any], list[tuple[int, Request]]]:
-        """Parse every line; any bad one (or too many lines) fails the batch with `errors` naming the lines.
-        Returns the batch record and the requests with their line numbers, so that they are not parsed again."""
+    def validate(self, batch: dict[str, Any]) -> tuple[dict[str, Any], list[tuple[int, Request | Refused]]]:
+        """Check the file (`check_lines`): an unusable one fails the batch with `errors` naming the lines. Returns
+        the batch record and the requests with their line numbers, so that they are not parsed again."""
         errors, requests = self._check_lines(batch)
         if errors:
             return self._fail(errors), requests
@@ -171,52 +174,19 @@ class Driver(threading.Thread):
 
         return self.records.update(self.batch_id, start), requests
 
-    def _check_lines(self, batch: dict[str, Any]) -> tuple[list[dict[str, Any]], list[tuple[int, Request]]]:
-        errors: list[dict[str, Any]] = []
-        requests: list[tuple[int, Request]] = []
-        seen, total = SeenSet(), 0
+    def _check_lines(self, batch: dict[str, Any]) -> tuple[list[dict[str, Any]], list[tuple[int, Request | Refused]]]:
+        """What makes the file unusable, as `errors` lists it, and, while nothing does, each line's request."""
+        problems: list[dict[str, Any]] = []
+        requests: list[tuple[int, Request | Refused]] = []
+        source = Source(self.store.uri(batch["input_file_id"]), self.store.endpoint, MAX_ROW_BYTES)
+        lines = check_lines(source, problems, batch["endpoint"], self.settings.max_batch_lines)
         try:
-            for number, raw in enumerate(read_lines(self.store.uri(batch["input_file_id"]), self.store.endpoint), start=1):
-                self.heartbeat()
-                if not isinstance(raw, TooLong) and not raw.strip():
-                    continue
-                total += 1
-                if total > self.settings.max_batch_lines:
-                    errors.append(_error("too_many_lines", f"the file has more than {self.settings.max_batch_lines} "
-                                         "requests (TOKENMILL_MAX_BATCH_LINES)", number))
-                    break
-                if isinstance(raw, TooLong):
-                    problem = _error("line_too_long", f"line {number}: {too_long(raw.size, MAX_ROW_BYTES)}", number)
-                else:
-                    problem = self._line_problem(raw, number, batch["endpoint"], seen, requests)
-                if problem is not None:
-                    errors.append(problem)
-                    if len(errors) >= _MAX_ERRORS:
-                        break
+            for number, line in self.beating(lines):
+                if not problems:
+                    requests.append((number, self.parser.request(line)))
         except DatasetError as exc:
-            errors.append(_error("invalid_file", str(exc), None))
-        finally:
-            seen.close()
-        if total == 0 and not errors:
-            errors.append(_error("empty_file", "the input file holds no requests", None))
-        return errors, requests
-
-    def _line_problem(self, raw: bytes, number: int, endpoint: str, seen: SeenSet,
-                      requests: list[tuple[int, Request]]) -> dict[str, Any] | None:
-        """Why line `number` is no request of this batch, or None (and the request is appended to `requests`)."""
-        try:
-            request = self.parser.parse(raw)
-        except LineError as exc:
-            return _error(exc.code, f"line {number}: {exc.message}", number)
-        if request.url != endpoint:
-            return _error("mismatched_endpoint", f"line {number}: url {request.url!r} is not the batch's endpoint "
-                          f"{endpoint!r}", number, "url")
-        first = seen.add(request.custom_id, number)
-        if first is not None:
-            return _error("duplicate_custom_id", f"line {number}: custom_id {request.custom_id!r} already on line "
-                          f"{first}", number, "custom_id")
-        requests.append((number, request))
-        return None
+            problems.append(FileProblem("invalid_file", str(exc)).at(None))
+        return problems, requests
 
     def _fail(self, errors: list[dict[str, Any]]) -> dict[str, Any]:
         """Failed with `errors`; a batch asked to cancel meanwhile ends cancelled, with the same `errors`."""
@@ -261,8 +231,8 @@ class Driver(threading.Thread):
                     if plan.models[u.job_id] not in served and plan.models[u.job_id] != self.parser.model}
         known = ", ".join(sorted(served))
         return [u for u in units if u.job_id not in unserved], {
-            job: f"model_not_found: the model {model!r} is not served by any worker on queue {self.settings.queue!r} "
-                 f"(served: {known})" for job, model in unserved.items()}
+            job: error_text("model_not_found", f"the model {model!r} is not served by any worker on queue "
+                            f"{self.settings.queue!r} (served: {known})", "model") for job, model in unserved.items()}
 
     def collect(self, client: Client, plan: Plan) -> dict[str, Outcome]:
         """Every job's outcome, counting requests as they finish; a cancel or the deadline cancels the rest."""
@@ -331,9 +301,9 @@ class Driver(threading.Thread):
                             if b["status"] == "in_progress" else None)
         lines: dict[bool, list[bytes]] = {True: [], False: []}
         completed = failed = prompt_tokens = completion_tokens = 0
-        for number, request in self.beating(plan.requests):
+        for _, request in self.beating(plan.requests):
             got = [_unfinished(outcomes[u.job_id], reason) for u in request.units]
-            line, error = request_line(number, request, got, None)
+            line, error = request_line(request, got, None)
             lines[error is None].append(json.dumps(line, ensure_ascii=False).encode() + b"\n")
             completed += error is None
             failed += error is not None
@@ -391,10 +361,6 @@ def _unfinished(outcome: Outcome, reason: str | None) -> Outcome:
     if reason == "expire":
         return Outcome.failed("batch_expired: this request could not be executed before the completion window expired")
     return Outcome.failed("batch_cancelled: this request was not finished before the batch was cancelled")
-
-
-def _error(code: str, message: str, line: int | None, param: str | None = None) -> dict[str, Any]:
-    return {"code": code, "message": message, "line": line, "param": param}
 
 
 def file_object(file_id: str, filename: str, size: int, purpose: str, created: int | None = None) -> dict[str, Any]:
