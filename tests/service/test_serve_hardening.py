@@ -118,3 +118,72 @@ def test_a_key_past_its_rate_gets_429_with_retry_after_and_the_others_go_on(redi
         assert server.client("bob").files.list().data == []  # another key's bucket is its own
     finally:
         server.close()
+
+
+def _lines(path: Path, lines: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+def _chat(custom_id: str, **body: object) -> dict:
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, **body}}
+
+
+def _ended(client: openai.OpenAI, batch_id: str) -> object:
+    from service_fixtures import wait_for
+
+    return wait_for(lambda: (b := client.batches.retrieve(batch_id)).status in ("failed", "completed") and b, 60,
+                    f"batch {batch_id} to end")
+
+
+def test_user_strings_are_never_copied_whole_into_errors_or_jobs(redis_server: RedisServer, tmp_path: Path) -> None:
+    """A 500-character custom_id repeated on 101 lines once made a 50 MB batch object (its errors quoted the id each
+    time) and its jobs each carried it: errors quote at most a few dozen characters, jobs a 64-character label, and an
+    id past 512 characters is refused."""
+    server = Server(redis_server.url, tmp_path / "files", tmp_path / "serve.log")
+    try:
+        client = server.client()
+        long_id = "x" * 500
+        upload = _lines(tmp_path / "dup.jsonl", [_chat(long_id) for _ in range(101)])
+        file_id = client.files.create(file=upload.open("rb"), purpose="batch").id
+        failed = _ended(client, client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions",
+                                                      completion_window="24h").id)
+        assert failed.status == "failed" and len(failed.errors.data) == 100
+        assert len(json.dumps(failed.model_dump())) < 30_000 and long_id not in json.dumps(failed.model_dump())
+        too_long = _lines(tmp_path / "long.jsonl", [_chat("y" * 513)])
+        file_id = client.files.create(file=too_long.open("rb"), purpose="batch").id
+        refused = _ended(client, client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions",
+                                                       completion_window="24h").id)
+        assert refused.errors.data[0].message == "line 1: custom_id: at most 512 characters, got 513"
+        queued = _lines(tmp_path / "ok.jsonl", [_chat(long_id + str(i)) for i in range(3)])
+        file_id = client.files.create(file=queued.open("rb"), purpose="batch").id
+        client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
+        broker = redis_server.client()
+        from service_fixtures import wait_for
+
+        wait_for(lambda: broker.llen("tokenmill"), 30, "the jobs queued (no worker takes them)")
+        messages = b"".join(broker.lrange("tokenmill", 0, -1))
+        assert long_id.encode() not in messages and b'"row":"' + b"x" * 64 + b'"' in _bodies(messages)
+    finally:
+        server.close()
+
+
+def _bodies(items: bytes) -> bytes:
+    import base64
+
+    return b"".join(base64.b64decode(json.loads(line)["body"]) for line in items.replace(b"}{", b"}\n{").splitlines())
+
+
+def test_n_counts_against_the_line_limit(redis_server: RedisServer, tmp_path: Path) -> None:
+    server = Server(redis_server.url, tmp_path / "files", tmp_path / "serve.log", **{"max-batch-lines": 10})
+    try:
+        client = server.client()
+        upload = _lines(tmp_path / "n.jsonl", [_chat(f"r{i}", n=4) for i in range(4)])  # 4 lines, 16 completions
+        file_id = client.files.create(file=upload.open("rb"), purpose="batch").id
+        failed = _ended(client, client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions",
+                                                      completion_window="24h").id)
+        assert failed.status == "failed" and failed.errors.data[0].code == "too_many_lines"
+        assert "asks for 16 completions" in failed.errors.data[0].message
+    finally:
+        server.close()

@@ -39,6 +39,16 @@ BODY_FIELDS = {"model", "messages", "prompt", "max_tokens", "max_completion_toke
                "seed", "n", "logprobs", "top_logprobs", "response_format", "user", "stream"}
 #: Problems of an unusable file listed; reading it stops at this many.
 MAX_PROBLEMS = 100
+#: Longest custom_id a line may have (OpenAI's limit is of this order): ids are kept per request until the batch ends.
+MAX_CUSTOM_ID_CHARS = 512
+#: Characters of a user's value an error message quotes, at most: the batch's `errors` stay small whatever the file.
+QUOTED_CHARS = 64
+
+
+def quoted(value: Any) -> str:
+    """`repr(value)`, cut to `QUOTED_CHARS` characters (with "...") so that an error never copies a user's value whole."""
+    text = repr(value)
+    return text if len(text) <= QUOTED_CHARS else text[: QUOTED_CHARS - 3] + "..."
 #: The HTTP status of a request refused as given, by its error code; a failure with any other code has no response.
 REFUSED_STATUS = {"invalid_request": 400, "invalid_job": 400, "model_not_found": 404}
 _PROBLEMS_SHOWN = 10
@@ -109,10 +119,13 @@ def envelope(raw: bytes) -> Envelope:
     custom_id, method, url, body = (line[name] for name in LINE_FIELDS)
     if not isinstance(custom_id, str) or not custom_id:
         raise FileProblem("invalid_request", "custom_id: must be a non-empty string", "custom_id")
+    if len(custom_id) > MAX_CUSTOM_ID_CHARS:
+        raise FileProblem("invalid_request", f"custom_id: at most {MAX_CUSTOM_ID_CHARS} characters, got "
+                                             f"{len(custom_id)}", "custom_id")
     if method != "POST":
-        raise FileProblem("invalid_request", f"method: must be POST, got {method!r}", "method")
+        raise FileProblem("invalid_request", f"method: must be POST, got {quoted(method)}", "method")
     if not isinstance(url, str) or url not in URLS:
-        raise FileProblem("invalid_request", f"url: unsupported {url!r} (supported: {', '.join(URLS)})", "url")
+        raise FileProblem("invalid_request", f"url: unsupported {quoted(url)} (supported: {', '.join(URLS)})", "url")
     if not isinstance(body, dict):
         raise FileProblem("invalid_request", "body: must be a JSON object", "body")
     return Envelope(custom_id, url, body, hashlib.sha256(raw).hexdigest()[:32])
@@ -339,10 +352,12 @@ def _usable(number: int, raw: bytes | TooLong, max_row_bytes: int, endpoint: str
         raise FileProblem("line_too_long", too_long(raw.size, max_row_bytes))
     line = envelope(raw)
     if endpoint is not None and line.url != endpoint:
-        raise FileProblem("mismatched_endpoint", f"url {line.url!r} is not the batch's endpoint {endpoint!r}", "url")
+        raise FileProblem("mismatched_endpoint", f"url {quoted(line.url)} is not the batch's endpoint {endpoint!r}",
+                          "url")
     first = seen.add(line.custom_id, number)
     if first is not None:
-        raise FileProblem("duplicate_custom_id", f"custom_id {line.custom_id!r} already on line {first}", "custom_id")
+        raise FileProblem("duplicate_custom_id", f"custom_id {quoted(line.custom_id)} already on line {first}",
+                          "custom_id")
     return line
 
 

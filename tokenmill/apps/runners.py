@@ -23,6 +23,8 @@ from tokenmill.errors import InvalidRequestError
 from tokenmill.sampling_params import CONSTRAINT_CODES, SamplingParams, constraint_problem
 
 _FIELD = re.compile(r" \(field: ([^()]*)\)\Z")  # the end of an `error_text`
+#: Characters of a unit's label (its row id or custom_id) a job carries in its metadata, for the workers' logs.
+LABEL_CHARS = 64
 _DRAIN_TIMEOUT = 5.0  # seconds to wait, after Ctrl-C, for the cancelled jobs' results (the rest are collected on resume)
 
 
@@ -218,7 +220,8 @@ class QueueRunner:
         taken = 0
         for unit in units:
             taken += 1
-            fields = {"id": unit.job_id, "sampling": unit.sampling, "metadata": {"row": unit.label}}
+            # the label names the row in the workers' logs: cut, so that no user string is copied whole into every job
+            fields = {"id": unit.job_id, "sampling": unit.sampling, "metadata": {"row": unit.label[:LABEL_CHARS]}}
             fields.update({"messages": unit.messages} if unit.messages is not None else {"prompt": unit.prompt})
             try:
                 group.append(self.client.prepare(fields))

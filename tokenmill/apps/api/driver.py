@@ -186,6 +186,11 @@ class Driver(threading.Thread):
                     requests.append((number, self.parser.request(line)))
         except DatasetError as exc:
             problems.append(FileProblem("invalid_file", str(exc)).at(None))
+        jobs = sum(len(request.units) for _, request in requests)
+        if not problems and jobs > self.settings.max_batch_lines:  # `n` choices are jobs too
+            problems.append(FileProblem("too_many_lines", f"the file asks for {jobs} completions (its lines' n "
+                                        f"added up), more than {self.settings.max_batch_lines} (TOKENMILL_MAX_BATCH_LINES)"
+                                        ).at(None))
         return problems, requests
 
     def _fail(self, errors: list[dict[str, Any]]) -> dict[str, Any]:
