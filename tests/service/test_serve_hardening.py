@@ -16,7 +16,7 @@ import openai
 import pytest
 from service_fixtures import KEYS, REPO, RedisServer, Server
 
-from tokenmill.apps.api.records import Records
+from tokenmill.apps.api.records import Records, lease_key
 from tokenmill.apps.api.webhooks import Deliverer
 
 
@@ -187,3 +187,50 @@ def test_n_counts_against_the_line_limit(redis_server: RedisServer, tmp_path: Pa
         assert "asks for 16 completions" in failed.errors.data[0].message
     finally:
         server.close()
+
+
+def test_drivers_are_bounded_and_shared_by_the_tenants_in_turn(redis_server: RedisServer, tmp_path: Path) -> None:
+    """With two drivers, alice's seven batches and bob's one (no worker: none ends): alice's first two get them,
+    then bob's takes one back from alice's second (which goes on later from its record), the rest wait without a
+    thread each; an eighth active batch of alice's is a 429."""
+    import time
+
+    from service_fixtures import wait_for
+
+    server = Server(redis_server.url, tmp_path / "files", tmp_path / "serve.log",
+                    **{"max-drivers": 2, "max-active-batches": 7})
+    try:
+        alice, bob = server.client(), server.client("bob")
+
+        def create(client: openai.OpenAI, name: str) -> str:
+            path = _lines(tmp_path / f"{name}.jsonl", [_chat(f"{name}-{i}") for i in range(2)])
+            file_id = client.files.create(file=path.open("rb"), purpose="batch").id
+            return client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions",
+                                         completion_window="24h").id
+
+        def threads() -> int:
+            return len(list(Path(f"/proc/{server.process.pid}/task").iterdir()))
+
+        mine = [create(alice, "a0")]
+        wait_for(lambda: alice.batches.retrieve(mine[0]).status == "in_progress", 30, "alice's first batch driven")
+        one_driver = threads()
+        mine += [create(alice, f"a{i}") for i in range(1, 7)]
+        with pytest.raises(openai.RateLimitError) as refused:
+            create(alice, "a7")
+        assert refused.value.body["code"] == "too_many_active_batches"
+        wait_for(lambda: alice.batches.retrieve(mine[1]).status == "in_progress", 30, "alice's second batch driven")
+        theirs = create(bob, "b0")
+        wait_for(lambda: bob.batches.retrieve(theirs).status == "in_progress", 30, "bob's batch driven")
+        time.sleep(2)  # a few supervisor scans: alice's waiting batches get no driver meanwhile
+        assert [alice.batches.retrieve(b).status for b in mine[2:]] == ["validating"] * 5
+        leased = [bool(redis_server.client().exists(lease_key(b))) for b in (*mine, theirs)]
+        assert leased == [True] + [False] * 6 + [True]  # alice's second handed its driver to bob's batch
+        assert threads() <= one_driver + 2  # the second driver (and room for one more request thread), not 7 more
+    finally:
+        server.close()
+
+
+def test_in_turns_takes_each_tenant_s_oldest_first() -> None:
+    from tokenmill.apps.api.driver import in_turns
+
+    assert list(in_turns({"b": ["b1"], "a": ["a1", "a2", "a3"], "c": []})) == ["a1", "b1", "a2", "a3"]

@@ -166,6 +166,11 @@ def _batch_routes(app: FastAPI, services: Services, Tenant: Any) -> None:
         if source["purpose"] != "batch":
             raise APIError(400, f"input_file_id: file {body.input_file_id} has purpose {source['purpose']!r}, "
                            "not 'batch'", "input_file_id", "invalid_value")
+        active = len(records.active_by_tenant().get(tenant, []))
+        if active >= services.settings.max_active_batches:
+            raise APIError(429, f"This key has {active} batches not finished yet, the most allowed "
+                                f"(TOKENMILL_MAX_ACTIVE_BATCHES); create more once some end.", None,
+                           "too_many_active_batches")
         batch = new_batch(body, window)
         records.add_batch(tenant, batch)
         services.supervisor.poked.set()

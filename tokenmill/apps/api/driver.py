@@ -107,6 +107,7 @@ class Driver(threading.Thread):
         self.records = records
         self.store = store
         self.stopping = stopping
+        self.handing_over = threading.Event()  # set by the supervisor: give the lease back at the next heartbeat
         self.interval = min(1.0, settings.lease_seconds / 3)
         self._renewed = time.monotonic()
         self.parser = Parser(model_label(settings), settings.default_max_tokens, logprobs_ok=False)
@@ -350,8 +351,9 @@ class Driver(threading.Thread):
             yield item
 
     def heartbeat(self, force: bool = False) -> None:
-        """Renew the lease (every third of it, or now); raise `Stopped` if it is lost or the server stops."""
-        if self.stopping.is_set():
+        """Renew the lease (every third of it, or now); raise `Stopped` if it is lost, the server stops or the
+        supervisor asks for the driver back (the batch goes on from its record, under the next lease)."""
+        if self.stopping.is_set() or self.handing_over.is_set():
             raise Stopped()
         if force or time.monotonic() - self._renewed >= self.interval:
             if not self.records.renew_lease(self.batch_id, self.token, self.settings.lease_seconds):
@@ -375,8 +377,11 @@ def file_object(file_id: str, filename: str, size: int, purpose: str, created: i
 
 
 class Supervisor(threading.Thread):
-    """Scans the active batches (at start-up, every third of a lease, and when poked) and drives each one whose
-    lease it can take."""
+    """Scans the active batches (at start-up, every third of a lease, and when poked) and drives those whose lease it
+    can take, at most `max_drivers` at once (a thread and a queue client each): past that, the others wait in the
+    active set for a free driver here or on another server. Drivers go to the tenants in turn, each tenant's oldest
+    batch first, and a tenant with batches waiting and no driver here gets one back from the tenant holding the most
+    (that batch goes on later from its record), so that one tenant's many batches cannot keep another's waiting."""
 
     def __init__(self, settings: ServeSettings, records: Records, store: FileStore) -> None:
         super().__init__(name="batch-supervisor", daemon=True)
@@ -399,8 +404,13 @@ class Supervisor(threading.Thread):
 
     def adopt(self) -> None:
         self.drivers = {k: d for k, d in self.drivers.items() if d.is_alive()}
-        for batch_id in self.records.active():
-            if batch_id in self.drivers or self.stopping.is_set():
+        by_tenant = self.records.active_by_tenant()
+        if len(self.drivers) >= self.settings.max_drivers:
+            self._hand_one_back(by_tenant)
+        for batch_id in in_turns(by_tenant):
+            if len(self.drivers) >= self.settings.max_drivers or self.stopping.is_set():
+                return
+            if batch_id in self.drivers:
                 continue
             token = f"{self.token}:{uuid.uuid4().hex[:8]}"
             if self.records.take_lease(batch_id, token, self.settings.lease_seconds):
@@ -408,9 +418,26 @@ class Supervisor(threading.Thread):
                 self.drivers[batch_id] = driver
                 driver.start()
 
+    def _hand_one_back(self, by_tenant: dict[str, list[str]]) -> None:
+        """All drivers busy: if a tenant has batches waiting and none driven here, ask the newest driver of the tenant
+        holding the most (more than one) to hand its batch back; the next scans give the freed driver to the waiting
+        tenant (`in_turns`)."""
+        held = {tenant: [b for b in batches if b in self.drivers] for tenant, batches in by_tenant.items()}
+        if not any(batches and not held[tenant] for tenant, batches in by_tenant.items()):
+            return
+        tenant = max(held, key=lambda t: len(held[t]))
+        if len(held[tenant]) > 1 and not any(self.drivers[b].handing_over.is_set() for b in held[tenant]):
+            self.drivers[held[tenant][-1]].handing_over.set()
+
     def stop(self, timeout: float = 10.0) -> None:
         self.stopping.set()
         self.poked.set()
         for driver in list(self.drivers.values()):
             driver.join(timeout)
 
+
+def in_turns(by_tenant: dict[str, list[str]]) -> Iterator[str]:
+    """Every tenant's first batch, then every tenant's second, and so on (tenants in name order)."""
+    queues = [batches for _, batches in sorted(by_tenant.items())]
+    for depth in range(max(map(len, queues), default=0)):
+        yield from (batches[depth] for batches in queues if depth < len(batches))

@@ -152,6 +152,20 @@ class Records:
     def active(self) -> list[str]:
         return sorted(member.decode() for member in self.redis.smembers(ACTIVE))
 
+    def active_by_tenant(self) -> dict[str, list[str]]:
+        """The active batches of each tenant, oldest first (by their place in the tenant's index)."""
+        ids = self.active()
+        pipe = self.redis.pipeline(transaction=False)
+        for batch_id in ids:
+            pipe.hget(batch_key(batch_id), "tenant")
+        owned = [(batch_id, tenant.decode()) for batch_id, tenant in zip(ids, pipe.execute()) if tenant is not None]
+        for batch_id, tenant in owned:
+            pipe.zscore(_index("batches", tenant), batch_id)
+        found: dict[str, list[tuple[float, str]]] = {}
+        for (batch_id, tenant), order in zip(owned, pipe.execute()):
+            found.setdefault(tenant, []).append((order or 0.0, batch_id))
+        return {tenant: [batch_id for _, batch_id in sorted(batches)] for tenant, batches in found.items()}
+
     # -- leases ---------------------------------------------------------------------------------
 
     def take_lease(self, batch_id: str, token: str, seconds: float) -> bool:

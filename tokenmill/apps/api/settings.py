@@ -32,6 +32,10 @@ class ServeSettings(QueueSettings):
     default_max_tokens: int | None = Field(None, ge=1, description="max_tokens of a batch request that sets neither "
                                            "max_tokens nor max_completion_tokens (as `tokenmill batch --max-tokens`); "
                                            "unset: the rule of every door, 256 tokens.")
+    max_drivers: int = Field(32, ge=1, description="Batches one `tokenmill serve` process drives at once (a thread "
+                             "and a queue client each); the others wait their turn, the tenants' in turn.")
+    max_active_batches: int = Field(100, ge=1, description="Batches one tenant may have not final yet; past it "
+                                    "`POST /v1/batches` answers 429.")
     rate_limit: float = Field(1200.0, gt=0, description="Requests a minute one API key may make (per `tokenmill serve` "
                               "process); past it a 429 with Retry-After.")
     rate_burst: int = Field(120, ge=1, description="Requests a key may make at once before `rate_limit` paces it.")
