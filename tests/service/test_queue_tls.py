@@ -54,7 +54,7 @@ def test_the_http_apis_records_speak_verified_tls(tls_redis_server: TlsRedisServ
     records = Records(tls_redis_server.url)
     options = records.redis.connection_pool.connection_kwargs
     assert options["ssl_cert_reqs"] == ssl.CERT_REQUIRED and options["ssl_check_hostname"] is True
-    records.add_file("tenant-a", {"id": "file-tls", "bytes": 3})
+    records.add_file("tenant-a", {"id": "file-tls", "bytes": 3, "expires_at": 0})
     assert records.redis.get("tokenmill:api:file:file-tls") is not None  # written over TLS, read back
     unknown_ca = Records(f"rediss://:{PASSWORD}@127.0.0.1:{tls_redis_server.port}/0")
     with pytest.raises(Exception, match="certificate verify failed"):

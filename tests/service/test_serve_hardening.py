@@ -234,3 +234,49 @@ def test_in_turns_takes_each_tenant_s_oldest_first() -> None:
     from tokenmill.apps.api.driver import in_turns
 
     assert list(in_turns({"b": ["b1"], "a": ["a1", "a2", "a3"], "c": []})) == ["a1", "b1", "a2", "a3"]
+
+
+def test_files_and_final_batches_expire_and_running_ones_do_not(redis_server: RedisServer, tmp_path: Path) -> None:
+    """Everything a tenant leaves behind goes in time: a file (its record, index entry and bytes) after
+    `--file-expires`, a final batch's record after `--batch-expires`; a batch still running stays, and so does its
+    input file."""
+    from service_fixtures import wait_for
+
+    server = Server(redis_server.url, tmp_path / "files", tmp_path / "serve.log",
+                    **{"file-expires": 3, "batch-expires": 2})
+    try:
+        client = server.client()
+        bad = _lines(tmp_path / "bad.jsonl", [_chat("a"), _chat("a")])  # a repeated custom_id: fails validation
+        bad_file = client.files.create(file=bad.open("rb"), purpose="batch")
+        assert bad_file.expires_at == bad_file.created_at + 3
+        failed = _ended(client, client.batches.create(input_file_id=bad_file.id, endpoint="/v1/chat/completions",
+                                                      completion_window="24h").id)
+        good_file = client.files.create(file=_lines(tmp_path / "good.jsonl", [_chat("b")]).open("rb"), purpose="batch")
+        good = good_file.id
+        running = client.batches.create(input_file_id=good, endpoint="/v1/chat/completions", completion_window="24h",
+                                        extra_body={"output_expires_after": {"anchor": "created_at", "seconds": 3600}})
+        with pytest.raises(openai.BadRequestError):
+            client.batches.create(input_file_id=good, endpoint="/v1/chat/completions", completion_window="24h",
+                                  extra_body={"output_expires_after": {"anchor": "created_at", "seconds": 5}})
+        stored = tmp_path / "files"
+        assert any(stored.iterdir())
+
+        def gone(get: object) -> bool:
+            try:
+                get()
+            except openai.NotFoundError:
+                return True
+            return False
+
+        wait_for(lambda: gone(lambda: client.batches.retrieve(failed.id)), 30, "the failed batch to expire")
+        wait_for(lambda: gone(lambda: client.files.retrieve(bad_file.id)), 30, "the file to expire")
+        assert [b.id for b in client.batches.list()] == [running.id]  # running: kept past --batch-expires
+        import time
+
+        time.sleep(max(0.0, good_file.expires_at + 2 - time.time()))  # past its time, and a sweep or two
+        assert client.files.retrieve(good).id == good  # the running batch's input: kept past --file-expires
+        assert bad_file.id not in [f.id for f in client.files.list()]
+        assert not any(bad_file.id in path.name for path in stored.rglob("*"))
+        assert not redis_server.client().exists(f"tokenmill:api:batch:{failed.id}")
+    finally:
+        server.close()

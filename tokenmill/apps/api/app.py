@@ -25,7 +25,7 @@ from tokenmill.apps.api.driver import Supervisor, file_object
 from tokenmill.apps.api.errors import APIError, not_found
 from tokenmill.apps.api.files import new_file_id, open_store
 from tokenmill.apps.api.guard import RequestGuard
-from tokenmill.apps.api.records import FINAL, Records, batch_key, now
+from tokenmill.apps.api.records import FINAL, OUTPUT_EXPIRES_FIELD, Records, batch_key, now
 from tokenmill.apps.api.settings import ServeSettings
 from tokenmill.apps.api.webhooks import Deliverer
 from tokenmill.apps.batch import URLS
@@ -45,7 +45,7 @@ class CreateBatch(BaseModel):
     endpoint: str
     completion_window: str
     metadata: dict[str, str] | None = None
-    output_expires_after: dict[str, Any] | None = None  # accepted; output files are kept until deleted
+    output_expires_after: dict[str, Any] | None = None  # {"anchor": "created_at", "seconds": N}: the output files' life
 
 
 class Services:
@@ -54,7 +54,8 @@ class Services:
     def __init__(self, settings: ServeSettings, keys: Keys) -> None:
         self.settings = settings
         self.keys = keys
-        self.records = Records(settings.backend_url, webhooks=settings.webhook_url is not None)
+        self.records = Records(settings.backend_url, webhooks=settings.webhook_url is not None,
+                               batch_expires=settings.batch_expires)
         self.store = open_store(settings.files_dir, s3_endpoint(settings.s3_endpoint_url))
         self.supervisor = Supervisor(settings, self.records, self.store)
         self.deliverer = None if settings.webhook_url is None else Deliverer(
@@ -113,7 +114,7 @@ def _file_routes(app: FastAPI, services: Services, Tenant: Any) -> None:
             raise APIError(400, f"purpose: only 'batch' is supported, got {purpose!r}", "purpose", "invalid_value")
         file_id = new_file_id()
         size = store.save(file_id, file.file, settings.max_upload_bytes)
-        found = file_object(file_id, file.filename or "upload.jsonl", size, purpose)
+        found = file_object(file_id, file.filename or "upload.jsonl", size, purpose, settings.file_expires)
         records.add_file(tenant, found)
         return found
 
@@ -166,6 +167,7 @@ def _batch_routes(app: FastAPI, services: Services, Tenant: Any) -> None:
         if source["purpose"] != "batch":
             raise APIError(400, f"input_file_id: file {body.input_file_id} has purpose {source['purpose']!r}, "
                            "not 'batch'", "input_file_id", "invalid_value")
+        output_expires = _output_expires(body.output_expires_after)
         active = len(records.active_by_tenant().get(tenant, []))
         if active >= services.settings.max_active_batches:
             raise APIError(429, f"This key has {active} batches not finished yet, the most allowed "
@@ -173,6 +175,8 @@ def _batch_routes(app: FastAPI, services: Services, Tenant: Any) -> None:
                            "too_many_active_batches")
         batch = new_batch(body, window)
         records.add_batch(tenant, batch)
+        if output_expires is not None:
+            records.set_field(batch["id"], OUTPUT_EXPIRES_FIELD, output_expires)
         services.supervisor.poked.set()
         return batch
 
@@ -225,6 +229,19 @@ def _window_seconds(window: str, longest: int) -> int:
     if seconds > longest:
         raise APIError(400, f"completion_window: at most {longest // 3600}h here (TOKENMILL_MAX_COMPLETION_WINDOW), got "
                             f"{window!r}", "completion_window", "invalid_value")
+    return seconds
+
+
+def _output_expires(after: dict[str, Any] | None) -> int | None:
+    """Seconds the output and error files live, from `output_expires_after` as OpenAI takes it: anchor `created_at`
+    (the file's), 1 hour to 30 days."""
+    if after is None:
+        return None
+    seconds = after.get("seconds")
+    if after.get("anchor") != "created_at" or isinstance(seconds, bool) or not isinstance(seconds, int) \
+            or not 3600 <= seconds <= 30 * 86400:
+        raise APIError(400, "output_expires_after: must be {\"anchor\": \"created_at\", \"seconds\": 3600 to 2592000}",
+                       "output_expires_after", "invalid_value")
     return seconds
 
 

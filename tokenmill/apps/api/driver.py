@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from tokenmill.apps.api.files import FileStore
-from tokenmill.apps.api.records import FINAL, Records, now, refused_key
+from tokenmill.apps.api.records import FINAL, OUTPUT_EXPIRES_FIELD, Records, now, refused_key
 from tokenmill.apps.api.settings import ServeSettings
 from tokenmill.apps.batch import (FileProblem, Parser, Refused, Request, Source, check_lines, parse_requests,
                                   request_line)
@@ -340,7 +340,9 @@ class Driver(threading.Thread):
         size = self.store.write_lines(file_id, self.beating(lines))
         tenant = self.records.tenant_of(self.batch_id)
         if self.records.file(tenant, file_id) is None:
-            self.records.add_file(tenant, file_object(file_id, f"{self.batch_id}_{kind}.jsonl", size, "batch_output"))
+            expires_in = int(self.records.field(self.batch_id, OUTPUT_EXPIRES_FIELD) or self.settings.file_expires)
+            self.records.add_file(tenant, file_object(file_id, f"{self.batch_id}_{kind}.jsonl", size, "batch_output",
+                                                      expires_in))
         return file_id
 
     def beating(self, items: Iterable[T]) -> Iterator[T]:
@@ -370,10 +372,11 @@ def _unfinished(outcome: Outcome, reason: str | None) -> Outcome:
     return Outcome.failed("batch_cancelled: this request was not finished before the batch was cancelled")
 
 
-def file_object(file_id: str, filename: str, size: int, purpose: str, created: int | None = None) -> dict[str, Any]:
-    """A `FileObject` as the SDK's type has it."""
-    return {"id": file_id, "object": "file", "bytes": size, "created_at": created or now(), "filename": filename,
-            "purpose": purpose, "status": "processed", "expires_at": None, "status_details": None}
+def file_object(file_id: str, filename: str, size: int, purpose: str, expires_in: int) -> dict[str, Any]:
+    """A `FileObject` as the SDK's type has it, expiring `expires_in` seconds from now (`Records.due`)."""
+    created = now()
+    return {"id": file_id, "object": "file", "bytes": size, "created_at": created, "filename": filename,
+            "purpose": purpose, "status": "processed", "expires_at": created + expires_in, "status_details": None}
 
 
 class Supervisor(threading.Thread):
@@ -397,6 +400,7 @@ class Supervisor(threading.Thread):
         while not self.stopping.is_set():
             try:
                 self.adopt()
+                self.expire()
             except Exception:
                 log.exception("scanning the active batches failed; trying again")
             self.poked.wait(min(2.0, self.settings.lease_seconds / 3))
@@ -417,6 +421,22 @@ class Supervisor(threading.Thread):
                 driver = Driver(batch_id, token, self.settings, self.records, self.store, self.stopping)
                 self.drivers[batch_id] = driver
                 driver.start()
+
+    def expire(self) -> None:
+        """Delete what is due (`Records.due`): a file's record, index entry and stored bytes, unless a batch still
+        running reads it (then it is due again later); a final batch's record."""
+        due = self.records.due(time.time())
+        if not due:
+            return
+        inputs = self.records.active_inputs()
+        for kind, item_id, tenant in due:
+            if kind == "file" and item_id in inputs:
+                self.records.expire_later(kind, item_id, tenant, self.settings.lease_seconds * 10)
+            elif kind == "file":
+                self.records.delete_file(tenant, item_id)
+                self.store.delete(item_id)
+            else:
+                self.records.forget_batch(tenant, item_id)
 
     def _hand_one_back(self, by_tenant: dict[str, list[str]]) -> None:
         """All drivers busy: if a tenant has batches waiting and none driven here, ask the newest driver of the tenant

@@ -9,6 +9,8 @@ Keys (the API's own, beside the queue's):
 * `tokenmill:api:active`: the batches not final yet, which some server process must drive;
 * `tokenmill:api:lease:<id>`: which server process drives that batch (a token, expiring unless renewed);
 * `tokenmill:api:refused:<id>`: jobs of the batch the client refused to queue, with the reason;
+* `tokenmill:api:expiring`: every file, and every batch once final, scored by when it expires (`due`): the
+  supervisors delete it then, with its index entry and a file's stored bytes, so that nothing stays for ever;
 * `tokenmill:api:webhooks`: the webhook outbox, event ids scored by when they are due; `tokenmill:api:webhook-events`
   their bodies, `tokenmill:api:webhook-attempts` their failed deliveries (`webhooks`).
 
@@ -29,6 +31,9 @@ PREFIX = "tokenmill:api:"
 SEQUENCE = PREFIX + "seq"
 ACTIVE = PREFIX + "active"
 FINAL = ("completed", "failed", "cancelled", "expired")
+EXPIRING = PREFIX + "expiring"
+#: The batch hash's field of `output_expires_after.seconds`, when the batch was created with one.
+OUTPUT_EXPIRES_FIELD = "output_expires"
 OUTBOX = PREFIX + "webhooks"
 EVENTS = PREFIX + "webhook-events"
 ATTEMPTS = PREFIX + "webhook-attempts"
@@ -60,9 +65,10 @@ def _index(kind: str, tenant: str) -> str:
 class Records:
     """The API's records on one Redis (the queue's result backend)."""
 
-    def __init__(self, url: str, webhooks: bool = False) -> None:
+    def __init__(self, url: str, webhooks: bool = False, batch_expires: int = 30 * 86400) -> None:
         self.redis = redis_client(url)  # TLS verified as on every tokenmill connection (`tokenmill.queue.tls`)
         self.webhooks = webhooks  # write a webhook event when a batch becomes final
+        self.batch_expires = batch_expires  # seconds a final batch's record is kept
         self._renew = self.redis.register_script(_RENEW)
         self._release = self.redis.register_script(_RELEASE)
 
@@ -71,7 +77,8 @@ class Records:
     def add_file(self, tenant: str, file: dict[str, Any]) -> None:
         order = self.redis.incr(SEQUENCE)
         self.redis.pipeline().set(file_key(file["id"]), json.dumps({"tenant": tenant, "object": file})).zadd(
-            _index("files", tenant), {file["id"]: order}).execute()
+            _index("files", tenant), {file["id"]: order}).zadd(EXPIRING, {_expiring("file", file["id"], tenant):
+                                                                          file["expires_at"]}).execute()
 
     def file(self, tenant: str, file_id: str) -> dict[str, Any] | None:
         """The tenant's file; None for an unknown id or another tenant's."""
@@ -80,7 +87,8 @@ class Records:
         return record["object"] if record and record["tenant"] == tenant else None
 
     def delete_file(self, tenant: str, file_id: str) -> None:
-        self.redis.pipeline().delete(file_key(file_id)).zrem(_index("files", tenant), file_id).execute()
+        self.redis.pipeline().delete(file_key(file_id)).zrem(_index("files", tenant), file_id).zrem(
+            EXPIRING, _expiring("file", file_id, tenant)).execute()
 
     def files(self, tenant: str, after: str | None, limit: int, newest_first: bool = True,
               purpose: str | None = None) -> tuple[list[dict], bool]:
@@ -130,12 +138,15 @@ class Records:
 
         def attempt(pipe: Any) -> dict[str, Any]:
             batch = json.loads(pipe.hget(key, "object"))
+            tenant = pipe.hget(key, "tenant").decode()
             was_final = batch["status"] in FINAL
             change(batch)
             pipe.multi()
             pipe.hset(key, "object", json.dumps(batch))
             if batch["status"] in FINAL:
                 pipe.srem(ACTIVE, batch_id)
+                if not was_final:
+                    pipe.zadd(EXPIRING, {_expiring("batch", batch_id, tenant): now() + self.batch_expires})
                 if self.webhooks and not was_final:
                     enqueue_event(pipe, batch)
             return batch
@@ -148,6 +159,31 @@ class Records:
 
     def set_field(self, batch_id: str, name: str, value: Any) -> None:
         self.redis.hset(batch_key(batch_id), name, value)
+
+    def due(self, at: float, limit: int = 100) -> list[tuple[str, str, str]]:
+        """Up to `limit` (kind, id, tenant) whose time has come, each claimed for this caller alone (ZREM): two servers
+        never both delete one."""
+        found = []
+        for member in self.redis.zrangebyscore(EXPIRING, "-inf", at, start=0, num=limit):
+            if self.redis.zrem(EXPIRING, member):
+                entry = json.loads(member)
+                found.append((entry["kind"], entry["id"], entry["tenant"]))
+        return found
+
+    def expire_later(self, kind: str, id: str, tenant: str, seconds: float) -> None:
+        self.redis.zadd(EXPIRING, {_expiring(kind, id, tenant): time.time() + seconds})
+
+    def active_inputs(self) -> set[str]:
+        """The input files of the batches not final yet."""
+        pipe = self.redis.pipeline(transaction=False)
+        for batch_id in self.active():
+            pipe.hget(batch_key(batch_id), "object")
+        return {json.loads(raw)["input_file_id"] for raw in pipe.execute() if raw}
+
+    def forget_batch(self, tenant: str, batch_id: str) -> None:
+        """A final batch's record, index entry and refusals, gone (its files expire on their own)."""
+        self.redis.pipeline().delete(batch_key(batch_id), refused_key(batch_id)).zrem(
+            _index("batches", tenant), batch_id).execute()
 
     def active(self) -> list[str]:
         return sorted(member.decode() for member in self.redis.smembers(ACTIVE))
@@ -193,6 +229,10 @@ class Records:
         else:
             ids = self.redis.zrangebyscore(index, bound, "+inf", start=0, num=limit + 1)
         return [i.decode() for i in ids[:limit]], len(ids) > limit
+
+
+def _expiring(kind: str, id: str, tenant: str) -> str:
+    return json.dumps({"kind": kind, "id": id, "tenant": tenant}, sort_keys=True)
 
 
 def enqueue_event(pipe: Any, batch: dict[str, Any]) -> None:

@@ -19,7 +19,7 @@ EXIT_UNUSABLE = 2
 #: The settings `tokenmill serve` takes as flags too (the others, the webhook secret among them, as variables only).
 FLAGS = ("broker_url", "result_backend", "queue", "files_dir", "s3_endpoint_url", "api_keys", "api_keys_file",
          "max_upload_bytes", "max_batch_lines", "lease_seconds", "default_max_tokens", "max_completion_window",
-         "rate_limit", "rate_burst", "max_drivers", "max_active_batches",
+         "rate_limit", "rate_burst", "max_drivers", "max_active_batches", "file_expires", "batch_expires",
          "openapi_schema", "webhook_url", "webhook_timeout")
 
 

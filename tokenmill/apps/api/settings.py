@@ -32,6 +32,9 @@ class ServeSettings(QueueSettings):
     default_max_tokens: int | None = Field(None, ge=1, description="max_tokens of a batch request that sets neither "
                                            "max_tokens nor max_completion_tokens (as `tokenmill batch --max-tokens`); "
                                            "unset: the rule of every door, 256 tokens.")
+    file_expires: int = Field(30 * 86400, ge=1, description="Seconds an uploaded file, or a batch's output or error "
+                              "file without `output_expires_after`, is kept (its record and its bytes).")
+    batch_expires: int = Field(30 * 86400, ge=1, description="Seconds a batch's record is kept once it is final.")
     max_drivers: int = Field(32, ge=1, description="Batches one `tokenmill serve` process drives at once (a thread "
                              "and a queue client each); the others wait their turn, the tenants' in turn.")
     max_active_batches: int = Field(100, ge=1, description="Batches one tenant may have not final yet; past it "
