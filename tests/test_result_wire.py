@@ -41,6 +41,8 @@ def outputs(draw: Any) -> EngineOutput:
         constraint_satisfied=draw(st.none() | st.booleans()),
         constraint_error=draw(st.none() | st.text(max_size=8)),
         constraint_backend=draw(st.none() | st.sampled_from(["xgrammar", "llguidance"])),
+        choice_probabilities=draw(st.none() | st.dictionaries(st.text(min_size=1, max_size=6), st.floats(0, 1),
+                                                              min_size=1, max_size=3)),
     )
 
 

@@ -58,6 +58,12 @@ class SamplingParams:
     `temperature` below `GREEDY_TEMPERATURE` (1e-5, 0 included) means greedy. `top_k <= 0` and `top_p == 1` disable those filters. `seed` makes a
     request's samples reproducible whatever else is in the batch. `logprobs=n` returns the top-n log
     probabilities (plus the chosen token's) at each generated position.
+
+    `choice_probabilities=True` (with `choice`) samples nothing: the engine scores every choice as a whole token
+    sequence given the prompt (the product of its tokens' probabilities under the model's log-softmax, temperature
+    and filters ignored) in one pass that computes the prompt once, and returns them normalised over the choices
+    (`RequestOutput.choice_probabilities`, `JobResult.choice_probabilities`); the text is the most probable choice,
+    so the output is deterministic. The other sampling fields do not apply to it.
     """
 
     max_tokens: int = None  # type: ignore[assignment]  # None: resolved in __post_init__ (see the docstring)
@@ -78,6 +84,7 @@ class SamplingParams:
     choice: list[str] | None = None
     regex: str | None = None
     json_object: bool = False
+    choice_probabilities: bool = False  # with `choice`: score every choice instead of sampling (see above)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -133,7 +140,7 @@ class SamplingParams:
         for i, t in enumerate(self.stop_token_ids):
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= MAX_INT:
                 raise InvalidRequestError(f"stop_token_ids[{i}]", f"must be an integer in [0, {MAX_INT}], got {t!r}")
-        for name in ("ignore_eos", "skip_special_tokens"):
+        for name in ("ignore_eos", "skip_special_tokens", "choice_probabilities"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequestError(name, f"must be a boolean, got {getattr(self, name)!r}")
 
@@ -263,6 +270,8 @@ def _check_structured(params: SamplingParams) -> None:
         params.json_schema = _schema_dict(params.json_schema)
     if params.choice is not None:
         params.choice = _choice_list(params.choice)
+    if params.choice_probabilities is True and params.choice is None:
+        raise InvalidRequestError("choice_probabilities", "requires choice: the choices whose probabilities to compute")
     if params.regex is not None:
         _check_regex(params.regex)
 

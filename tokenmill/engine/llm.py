@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from tqdm.auto import tqdm
 
 from tokenmill.engine.llm_engine import LLMEngine, RequestOutput
+from tokenmill.engine.scoring import ScoreOutput
 from tokenmill.errors import InvalidRequestError
 from tokenmill.sampling_params import SamplingParams
 
 Prompt = str | list[int]
+Continuation = str | list[int]
 _calls = itertools.count()
 
 
@@ -55,22 +57,59 @@ class LLM:
                 prompts.append(error)
         return self.generate(prompts, params, use_tqdm)  # type: ignore[arg-type]
 
+    def score(self, prompt: Prompt, continuations: Sequence[Continuation]) -> list[ScoreOutput]:
+        """Each continuation's log-probability given `prompt` and whether it is the greedy one (lm-eval-harness's
+        `loglikelihood`), in order, computed in one engine pass that computes the prompt once (nothing is sampled).
+        A text continuation is tokenized alone (`tokenizer.encode(text, add_special_tokens=False)`) and appended to
+        the prompt's tokens: put the separating space in the continuation (" Paris"), not at the prompt's end.
+        Raises InvalidRequestError naming the field."""
+        output = self.score_batch([(prompt, continuations)], use_tqdm=False)[0]
+        if output.finish_reason == "error":
+            field, _, message = (output.error or "request: failed").partition(": ")
+            raise InvalidRequestError(field, message)
+        return output.scores  # type: ignore[return-value]
+
+    def score_batch(self, requests: Sequence[tuple[Prompt, Sequence[Continuation]]],
+                    use_tqdm: bool = True) -> list[RequestOutput]:
+        """`score` for many (prompt, continuations) pairs in one run, in input order: each output's `scores`, or
+        `finish_reason == "error"` with `error` naming the field for a request that cannot be served."""
+        requests = list(requests)
+        prompts = [prompt for prompt, _ in requests]
+
+        def add(request_id: str, index: int, prompt: Prompt) -> None:
+            self.engine.add_score_request(request_id, prompt, list(requests[index][1]))
+
+        outputs: list[RequestOutput | None] = [None] * len(requests)
+        for index, output in self._drive(prompts, add, use_tqdm, "score"):
+            outputs[index] = output
+        return outputs  # type: ignore[return-value]
+
     def _run(self, prompts: list[Prompt], params: SamplingParams | Sequence[SamplingParams] | None,
              use_tqdm: bool) -> Iterator[tuple[int, RequestOutput]]:
         params_list = _per_prompt(params, len(prompts))
+
+        def add(request_id: str, index: int, prompt: Prompt) -> None:
+            self.engine.add_request(request_id, prompt, params_list[index])
+
+        return self._drive(prompts, add, use_tqdm, "generate")
+
+    def _drive(self, prompts: list[Prompt], add: Callable[[str, int, Prompt], None], use_tqdm: bool,
+               desc: str) -> Iterator[tuple[int, RequestOutput]]:
+        """Submit each prompt with `add(request_id, index, prompt)`, step the engine until all finish, and yield
+        (index, output) as each does; a prompt `add` refuses yields its error output at once."""
         prefix = f"llm{next(_calls)}-"
         index_of: dict[str, int] = {}
-        for index, (prompt, p) in enumerate(zip(prompts, params_list)):
+        for index, prompt in enumerate(prompts):
             request_id = f"{prefix}{index}"
             try:
                 if isinstance(prompt, InvalidRequestError):
                     raise prompt
-                self.engine.add_request(request_id, prompt, p)
+                add(request_id, index, prompt)
                 index_of[request_id] = index
             except InvalidRequestError as error:
                 yield index, _rejected(str(index), prompt, str(error))
         bar = tqdm(total=len(prompts), initial=len(prompts) - len(index_of), disable=not use_tqdm,
-                   desc="generate", unit="req", dynamic_ncols=True)
+                   desc=desc, unit="req", dynamic_ncols=True)
         start, generated = time.perf_counter(), 0
         try:
             while index_of:

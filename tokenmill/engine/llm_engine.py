@@ -19,6 +19,7 @@ from tokenmill.engine.loader import load
 from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.engine.prompt_limits import check_prompt_chars, max_prompt_chars
 from tokenmill.engine.sampler import SampleResult, SamplingRow
+from tokenmill.engine.scoring import ScoredSequence, ScoreGroup, ScoreOutput, normalise
 from tokenmill.engine.structured import Constraint, GrammarCache, GrammarSpec, advance, check_completion
 from tokenmill.errors import InvalidRequestError
 from tokenmill.sampling_params import SamplingParams
@@ -31,7 +32,14 @@ class RequestOutput:
     """A finished request. `finish_reason` is "stop" (EOS, stop token or stop string), "length", "error"
     for a request rejected at admission or failed on its own while running (then `error` is
     "<field>: <message>", the text of the `InvalidRequestError` naming what is wrong), or the reason given
-    to `cancel_request` ("cancelled", "deadline") for one stopped early with what it had generated."""
+    to `cancel_request` ("cancelled", "deadline") for one stopped early with what it had generated.
+
+    A `choice_probabilities` request samples nothing: `choice_probabilities` maps each distinct choice to its
+    probability given the prompt, normalised over the choices (they sum to 1); `choice_logprobs` holds each choice's
+    total log-probability (the sum over its tokens of the model's log-softmax, before normalising); `text` and
+    `token_ids` are the most probable choice (the first among equals), so the output is deterministic, and
+    `constraint_satisfied` is True. `scores` holds each continuation's `ScoreOutput`, in order: the distinct choices
+    of such a request, or the continuations of `add_score_request`."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -52,6 +60,9 @@ class RequestOutput:
     # <schema pointer> ..."); then constraint_satisfied is False and parsed None.
     constraint_error: str | None = None
     constraint_backend: str | None = None  # the grammar backend that enforced the constraint ("xgrammar", "llguidance")
+    choice_probabilities: dict[str, float] | None = None
+    choice_logprobs: dict[str, float] | None = None
+    scores: list[ScoreOutput] | None = None
 
 
 @dataclass
@@ -133,6 +144,8 @@ class LLMEngine:
         self._grammars: GrammarCache | None = None  # built on the first structured request
         self._pending: dict[str, _Pending] = {}  # requests whose grammar is compiling
         self._choice_tokens: dict[tuple[str, ...], tuple[int, str]] = {}  # choices -> (longest in tokens, that choice)
+        self._groups: dict[str, ScoreGroup] = {}  # requests that score continuations (`scoring.py`)
+        self._choice_ids: dict[tuple[str, ...], list[list[int]]] = {}  # distinct choices -> their token ids
 
     def _max_model_len(self) -> int:
         """The configured length, capped by the model's positions and any sliding window (beyond which our
@@ -174,12 +187,13 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
         """Queue a request, or raise InvalidRequestError naming the field if it can never be served."""
         params = params or SamplingParams()
-        if request_id in self.requests:
-            raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
-        if request_id in self._pending:
-            raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
+        self._check_new_id(request_id)
         token_ids = self.tokenize(prompt)
         self._check_prompt(token_ids)
+        if params.choice_probabilities:
+            labels = list(dict.fromkeys(params.choice))  # type: ignore[arg-type]  # checked: a choice is given
+            self._add_group(ScoreGroup(request_id, token_ids, self._choice_token_ids(labels), labels, time.time()))
+            return
         self.check_choice_budget(params)
         spec = GrammarSpec.from_params(params)
         if spec is not None and not self._grammar_cache(spec).is_ready(spec):
@@ -188,6 +202,69 @@ class LLMEngine:
             self._pending[request_id] = _Pending(token_ids, params, spec, future, deadline)
             return
         self._admit(request_id, token_ids, params, spec=spec)
+
+    def add_score_request(self, request_id: str, prompt: str | list[int], continuations: list[str | list[int]]) -> None:
+        """Queue a request that scores each continuation given the prompt (see `ScoreOutput`); its output's `scores`
+        hold them in order, and nothing is sampled. A text continuation is tokenized alone, as a `choice` is (see
+        `_choice_token_ids`); token ids are taken as they are. Raises InvalidRequestError naming the field."""
+        self._check_new_id(request_id)
+        token_ids = self.tokenize(prompt)
+        self._check_prompt(token_ids)
+        if not isinstance(continuations, list | tuple) or not continuations:
+            raise InvalidRequestError("continuations", "must be a non-empty list of strings or token id lists")
+        tokens = [self._continuation_ids(c, f"continuations[{i}]") for i, c in enumerate(continuations)]
+        self._add_group(ScoreGroup(request_id, token_ids, tokens, None, time.time()))
+
+    def _check_new_id(self, request_id: str) -> None:
+        if request_id in self.requests or request_id in self._pending or request_id in self._groups:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
+
+    def _continuation_ids(self, continuation: str | list[int], field: str) -> list[int]:
+        if isinstance(continuation, str) and continuation:
+            tokens = self.tokenizer.encode(continuation, add_special_tokens=False)
+            if not tokens:
+                raise InvalidRequestError(field, f"{continuation!r} encodes to no token")
+            return tokens
+        if not isinstance(continuation, list | tuple) or not continuation:
+            raise InvalidRequestError(field, f"must be a non-empty string or list of token ids, got {continuation!r}")
+        try:
+            self._check_prompt(list(continuation))
+        except InvalidRequestError as exc:
+            raise InvalidRequestError(field, exc.message) from None
+        return list(continuation)
+
+    def _choice_token_ids(self, choices: list[str]) -> list[list[int]]:
+        """Each choice tokenized alone, `tokenizer.encode(choice, add_special_tokens=False)`, as `check_choice_budget`
+        counts it: the spelling the model's own tokenizer gives the choice, appended to the prompt's token ids as they
+        are, so every choice shares the prompt's tokens (and its cached blocks) exactly. Whitespace is the choice's:
+        where a word follows the prompt after a space, write the space in the choice (" yes"), as lm-eval-harness
+        moves it there, since BPE vocabularies attach it to the word after it."""
+        key = tuple(choices)
+        ids = self._choice_ids.get(key)
+        if ids is None:
+            ids = [self.tokenizer.encode(choice, add_special_tokens=False) for choice in choices]
+            for index, tokens in enumerate(ids):
+                if not tokens:
+                    raise InvalidRequestError(f"choice[{index}]", f"{choices[index]!r} encodes to no token")
+            if len(self._choice_ids) >= 256:
+                self._choice_ids.clear()
+            self._choice_ids[key] = ids
+        return ids
+
+    def _add_group(self, group: ScoreGroup) -> None:
+        """Queue a scoring request's prompt (`scoring.py`); its continuations are checked now and start from the
+        prompt's K/V when it is computed (`_fork`)."""
+        for seq in group.sequences:
+            self.scheduler.check(seq)
+        self.scheduler.add(group.prompt)
+        self._groups[group.request_id] = group
+        self._totals["prompt"] += sum(seq.num_tokens for seq in group.sequences)
+
+    def _fork(self, group: ScoreGroup) -> None:
+        """Start the continuations of a request whose prompt is now computed, from its K/V (`Scheduler.fork`)."""
+        children = [child for child in group.children if child is not None]
+        self.runner.copy_blocks(self.scheduler.fork(group.prompt, children))  # type: ignore[arg-type]
+        group.forked = True
 
     def _admit(self, request_id: str, token_ids: list[int], params: SamplingParams, arrival: float | None = None,
                spec: GrammarSpec | None = None) -> None:
@@ -213,8 +290,9 @@ class LLMEngine:
 
     def check_choice_budget(self, params: SamplingParams) -> None:
         """A `choice` request whose `max_tokens` cannot hold its longest choice as this tokenizer writes it is refused
-        (`InvalidRequestError` on max_tokens, naming that count), rather than failed as incomplete after the work."""
-        if not params.choice:
+        (`InvalidRequestError` on max_tokens, naming that count), rather than failed as incomplete after the work. A
+        `choice_probabilities` request generates nothing: any `max_tokens` serves it."""
+        if not params.choice or params.choice_probabilities:
             return
         key = tuple(params.choice)
         needed = self._choice_tokens.get(key)
@@ -277,6 +355,7 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> None:
         self._pending.pop(request_id, None)
+        self._end_group(request_id, "abort")
         self._end(request_id, "abort")
 
     def cancel_request(self, request_id: str, reason: str) -> RequestOutput | None:
@@ -287,6 +366,10 @@ class LLMEngine:
         if pending is not None:
             return RequestOutput(request_id, pending.token_ids, [], "", reason, arrival_time=pending.arrival_time,
                                  finished_time=time.time(), constraint_satisfied=False)
+        group = self._end_group(request_id, reason)
+        if group is not None:
+            return RequestOutput(request_id, group.prompt_token_ids, [], "", reason, arrival_time=group.arrival_time,
+                                 finished_time=time.time(), constraint_satisfied=False if group.labels else None)
         request = self._end(request_id, reason)
         if request is None:
             return None
@@ -296,6 +379,20 @@ class LLMEngine:
             return RequestOutput(request_id, request.prompt_token_ids, request.output_token_ids, "", reason,
                                  arrival_time=request.arrival_time, first_token_time=request.first_token_time,
                                  finished_time=time.time())
+
+    def _end_group(self, request_id: str, reason: str) -> ScoreGroup | None:
+        """Take a scoring request out of `_groups` and finish its sequences in the scheduler."""
+        group = self._groups.pop(request_id, None)
+        if group is not None:
+            for seq in group.sequences if group.forked else [group.prompt]:
+                if not seq.is_finished:
+                    self._end_scored(seq, reason)
+        return group
+
+    def _end_scored(self, seq: ScoredSequence, reason: str) -> None:
+        """Finish one scoring sequence (its blocks freed at once) and forget its block-table row."""
+        self.runner.release(seq)
+        self.scheduler.finish(seq, reason)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._pending)
@@ -313,7 +410,8 @@ class LLMEngine:
         self._totals["preempted"] += batch.num_preempted
         if not batch.seqs:
             return admitted
-        # The scheduler's sequences are this engine's requests: `_admit` adds only `_Request`s.
+        # The scheduler's sampling sequences are this engine's requests: `_admit` adds only `_Request`s (and
+        # `_add_group` only scoring sequences, which never sample).
         sampling: list[_Request] = list(compress(batch.seqs, batch.sample_mask))  # type: ignore[arg-type]
         result, failed = self._execute(batch, sampling)
         self._totals["steps"] += 1
@@ -323,6 +421,8 @@ class LLMEngine:
         self._advance_grammars(requests)
         now = time.time()
         finished = admitted + [self._fail(seq, error, now) for seq, error in failed]
+        if batch.scoring:
+            finished += self._finish_scored(batch.scoring, now)
         for request in self._note_tokens(requests, result, now):
             try:
                 reason = self._finish_reason(request)
@@ -337,10 +437,42 @@ class LLMEngine:
                 finished.append(output)
         return finished
 
+    def _finish_scored(self, scoring: list[Sequence], now: float) -> list[RequestOutput]:
+        """Finish the step's scoring sequences that are now computed whole (a prompt forks its continuations first);
+        the outputs of the requests that have none left."""
+        outputs = []
+        for seq in scoring:
+            if seq.num_computed_tokens < seq.num_tokens:
+                continue
+            group = seq.group  # type: ignore[attr-defined]  # `_add_group` adds only `ScoredSequence`s
+            if seq is group.prompt:
+                self._fork(group)
+            self._end_scored(seq, "stop")  # type: ignore[arg-type]
+            group.remaining -= 1
+            if group.remaining == 0:
+                del self._groups[group.request_id]
+                outputs.append(self._group_output(group, now))
+        return outputs
+
+    def _group_output(self, group: ScoreGroup, now: float) -> RequestOutput:
+        """A scoring request's output; for choices, their probabilities and the most probable as the text."""
+        scores = group.scores()
+        output = RequestOutput(group.request_id, group.prompt_token_ids, [], "", "stop",
+                               num_cached_tokens=sum(seq.num_cached_tokens for seq in group.sequences),
+                               arrival_time=group.arrival_time, first_token_time=now, finished_time=now, scores=scores)
+        if group.labels is not None:
+            logprobs = [score.logprob for score in scores]
+            best = logprobs.index(max(logprobs))
+            output.text, output.token_ids = group.labels[best], list(scores[best].token_ids)
+            output.choice_logprobs = dict(zip(group.labels, logprobs))
+            output.choice_probabilities = dict(zip(group.labels, normalise(logprobs)))
+            output.constraint_satisfied = True
+        return output
+
     def _end(self, request_id: str, reason: str) -> _Request | None:
         """Take a request out of `requests` and finish it with `reason` (its blocks freed at once); the engine's
-        counts and the runner's row follow. None if it is not there. The only caller of `scheduler.finish`: a
-        request still in `requests` is never finished."""
+        counts and the runner's row follow. None if it is not there. The only caller of `scheduler.finish` for a
+        `_Request` (`_end_scored` finishes scoring sequences): a request still in `requests` is never finished."""
         request = self.requests.pop(request_id, None)
         if request is not None:
             self.runner.release(request)

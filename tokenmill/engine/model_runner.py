@@ -17,7 +17,9 @@ from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.loader import LoadedModel
 from tokenmill.engine.models import is_native
 from tokenmill.engine.sampler import Sampler, SampleResult, SamplingRow
+from tokenmill.engine.scoring import score_logits, score_rows
 from tokenmill.engine.step_inputs import StepInputBuilder, StepInputs
+from tokenmill.engine.transfer import to_device
 from tokenmill.kernels import get_backend
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.scheduler.scheduler import ScheduledBatch
@@ -119,9 +121,29 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, rows: list[SamplingRow]) -> SampleResult:
-        """Run the step's forward pass and sample one token for each sequence that completes its tokens."""
-        logits = self.forward(self.inputs.build(batch))
-        return self.sampler(logits, rows)
+        """Run the step's forward pass and sample one token for each sequence that completes its tokens. The
+        step's scoring rows (`scoring.score_rows`) get logits too, after the sampled ones: their scores are read
+        back with the tokens and written into their sequences."""
+        if not batch.scoring:
+            return self.sampler(self.forward(self.inputs.build(batch)), rows)
+        scoring = score_rows(batch)
+        logits = self.forward(self.inputs.build(batch, scoring.rows))
+        scores = score_logits(logits[len(rows):], scoring) if scoring.rows else None
+        result = self.sampler(logits[: len(rows)], rows, scores)
+        if result.scores is not None:
+            scoring.record(result.scores)
+        return result
+
+    @torch.inference_mode()
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy the K/V of each (source, destination) block pair, every layer, without waiting for the device."""
+        if not pairs:
+            return
+        source = to_device([pair[0] for pair in pairs], torch.int64, self.device)
+        destination = to_device([pair[1] for pair in pairs], torch.int64, self.device)
+        for k_cache, v_cache in self.kv_caches:
+            k_cache.index_copy_(0, destination, k_cache.index_select(0, source))
+            v_cache.index_copy_(0, destination, v_cache.index_select(0, source))
 
     def release(self, seq: Sequence) -> None:
         """Forget a sequence that will not run again (its block-table row)."""

@@ -58,6 +58,7 @@ class SamplingRow:
 class SampleResult:
     token_ids: list[int]
     logprobs: list[dict | None]  # per row: None, or the chosen token's logprob and the top-n
+    scores: list[list[float]] | None = None  # the `scores` given to the sampler, read back with the tokens
 
 
 def hash32(x: torch.Tensor) -> torch.Tensor:
@@ -136,9 +137,11 @@ def _race(probs: torch.Tensor, row_keys: torch.Tensor, token_ids: torch.Tensor |
 
 
 class Sampler:
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow], scores: torch.Tensor | None = None) -> SampleResult:
+        """A token per row of `logits`. `scores` (any float64 `[n, 2]` tensor, on the same device) is read back in the
+        same transfer as the tokens, so a step still waits for the device once."""
         if all([row.argmax_only for row in rows]):  # the same tokens as below, with one read of the rows
-            return SampleResult(read_back(logits.argmax(dim=-1)), [None] * len(rows))
+            return _read_back(logits.argmax(dim=-1), None, [None] * len(rows), scores)
         logits = logits.float()
         # Per-row host reads as list comprehensions: on CPython 3.11+ their specialised attribute loads beat
         # map(attrgetter(...)), whose generic lookups cost about twice as much per row.
@@ -168,7 +171,7 @@ class Sampler:
         if allowed is not None:
             index = torch.tensor(allowed.rows)
             tokens = tokens.index_put((index,), self._sample_allowed(logits, rows, allowed, index))
-        return _read_back(tokens, raw_logprobs, want_logprobs)
+        return _read_back(tokens, raw_logprobs, want_logprobs, scores)
 
     @classmethod
     def _sample_allowed(cls, logits: torch.Tensor, rows: list[SamplingRow], allowed: AllowedTokens,
@@ -255,17 +258,22 @@ def _filtered(sorted_probs: torch.Tensor, params: list[SamplingParams]) -> torch
     return removed
 
 
-def _read_back(tokens: torch.Tensor, raw: torch.Tensor | None, wanted: list[int | None]) -> SampleResult:
+def _read_back(tokens: torch.Tensor, raw: torch.Tensor | None, wanted: list[int | None],
+               scores: torch.Tensor | None = None) -> SampleResult:
     """The step's one device read: the tokens, and the logprobs packed into the same float64 tensor
-    (token ids are exact in float64, float32 logprobs widen exactly)."""
-    if raw is None:
+    (token ids are exact in float64, float32 logprobs widen exactly), then any `scores` rows after them."""
+    if raw is None and scores is None:
         return SampleResult(read_back(tokens), [None] * len(wanted))
-    top_n = max(n for n in wanted if n is not None)
-    top_values, top_ids = raw.topk(top_n, dim=-1) if top_n else (raw[:, :0], raw[:, :0].long())
-    chosen = raw.gather(1, tokens[:, None])
-    packed = torch.cat([tokens[:, None].double(), chosen.double(), top_ids.double(), top_values.double()], dim=1)
-    values = read_back(packed)
+    parts = [tokens[:, None].double()]
+    if raw is not None:
+        top_n = max(n for n in wanted if n is not None)
+        top_values, top_ids = raw.topk(top_n, dim=-1) if top_n else (raw[:, :0], raw[:, :0].long())
+        parts += [raw.gather(1, tokens[:, None]).double(), top_ids.double(), top_values.double()]
+    packed = torch.cat(parts, dim=1)
+    values, scored = _read_packed(packed, scores)
     token_list = [int(row[0]) for row in values]
+    if raw is None:
+        return SampleResult(token_list, [None] * len(wanted), scored)
     return SampleResult(token_list, [
         None if n is None else {
             "token_id": token_list[i],
@@ -273,4 +281,14 @@ def _read_back(tokens: torch.Tensor, raw: torch.Tensor | None, wanted: list[int 
             "top_logprobs": [[int(values[i][2 + k]), values[i][2 + top_n + k]] for k in range(n)],
         }
         for i, n in enumerate(wanted)
-    ])
+    ], scored)
+
+
+def _read_packed(packed: torch.Tensor, scores: torch.Tensor | None) -> tuple[list[list[float]], list[list[float]] | None]:
+    """The rows of `packed` and of `scores` (both float64, 2-D), in one read."""
+    if scores is None:
+        return read_back(packed), None
+    flat = read_back(torch.cat([packed.reshape(-1), scores.reshape(-1)]))
+    width, split = packed.shape[1], packed.numel()
+    return ([flat[i : i + width] for i in range(0, split, width)],
+            [flat[i : i + 2] for i in range(split, len(flat), 2)])

@@ -31,7 +31,7 @@ class StepInputs:
     input_ids: torch.Tensor  # int64 [1, T]
     positions: torch.Tensor  # int64 [1, T]
     slot_mapping: torch.Tensor  # int64 [T]
-    sample_rows: torch.Tensor  # int64 [R]: the query rows whose logits are sampled
+    sample_rows: torch.Tensor  # int64 [R]: the query rows whose logits are computed (sampled, then scored)
     cu_seqlens_q: torch.Tensor  # int32 [S+1]
     seq_lens: torch.Tensor  # int32 [S]
     block_tables: torch.Tensor  # int32 [S, W]
@@ -121,7 +121,8 @@ class StepInputBuilder:
         self.staging = torch.zeros(size, dtype=torch.int64, pin_memory=self.pin)
         self.host = self.staging.numpy()  # the same memory, written with numpy
 
-    def build(self, batch: ScheduledBatch) -> StepInputs:
+    def build(self, batch: ScheduledBatch, score_rows: list[int] | None = None) -> StepInputs:
+        """The step's inputs; `score_rows` (query rows whose logits score a token) follow the sampled rows."""
         seqs, block_size, counts = batch.seqs, self.block_size, batch.num_new_tokens
         num_seqs = len(seqs)
         starts = [seq.num_computed_tokens for seq in seqs]
@@ -148,6 +149,8 @@ class StepInputBuilder:
         slots = table[token_rows, positions // block_size] * block_size + positions % block_size
         mask = batch.sample_mask
         sample_rows = cu[1:] - 1 if mask.count(True) == num_seqs else cu[1:][np.array(mask, dtype=bool)] - 1
+        if score_rows:
+            sample_rows = np.concatenate([sample_rows, np.array(score_rows, dtype=np.int64)])
         wide = (ids, positions, slots, sample_rows)
         narrow = (cu, end, table[rows, :width].reshape(-1))
         wide_sizes = [num_tokens, num_tokens, num_tokens, len(sample_rows)]

@@ -1,8 +1,10 @@
 """Reference attention backend in plain torch: correct on any device, the oracle the engine is tested with.
 
 Decode rows (one query token each) are sorted by context length and batched, a group of rows per SDPA call,
-over their block tables gathered into reused buffers; each prefill chunk gets its own SDPA call with the
-causal diagonal shifted to the end of its context.
+over their block tables gathered into reused buffers. Short prefill chunks (at most `short_prefill` query tokens:
+the continuations of a scoring request, small chunks of a tight token budget) are batched the same way, their
+queries padded to the group's longest and each row masked to the context before it; every other prefill chunk
+gets its own SDPA call with the causal diagonal shifted to the end of its context.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ class TorchBackend:
     # Decode rows are sorted by context length and attended in groups of this many, so each group pads only
     # to its own longest context instead of the whole batch's.
     decode_group = 16
+    # Prefill chunks of at most this many query tokens are batched like decode rows (one SDPA call per group).
+    short_prefill = 32
 
     def __init__(self) -> None:
         # Persistent gather buffers for decode K/V. A fresh tensor per layer and step costs more than the copy
@@ -45,11 +49,38 @@ class TorchBackend:
             seqs = torch.tensor(group, device=block_tables.device)
             out[rows] = self._decode(query[rows], k_cache, v_cache, block_tables[seqs], seq_lens[seqs], scale,
                                      max(kv_lens[i] for i in group))
+        short = sorted((i for i, n in enumerate(q_lens) if 1 < n <= self.short_prefill), key=kv_lens.__getitem__)
+        for g in range(0, len(short), self.decode_group):
+            self._short_prefill(out, query, k_cache, v_cache, block_tables, short[g : g + self.decode_group], starts,
+                                q_lens, kv_lens, scale)
         for i, n in enumerate(q_lens):
-            if n > 1:
+            if n > self.short_prefill:
                 rows = slice(starts[i], starts[i] + n)
                 out[rows] = _prefill(query[rows], k_cache, v_cache, block_tables[i], kv_lens[i], scale)
         return out
+
+    def _short_prefill(self, out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       block_tables: torch.Tensor, group: list[int], starts: list[int], q_lens: list[int],
+                       kv_lens: list[int], scale: float) -> None:
+        """Attend the prefill chunks `group` (indices of sequences) in one SDPA call, into `out`: queries padded to
+        the longest chunk (a padding row repeats its chunk's last query and is dropped), keys to the longest context;
+        query j of chunk s sees the keys up to its own position, `kv_lens[s] - q_lens[s] + j`."""
+        device = query.device
+        width, length = max(q_lens[i] for i in group), max(kv_lens[i] for i in group)
+        rows = [starts[i] + min(j, q_lens[i] - 1) for i in group for j in range(width)]
+        q = query[torch.tensor(rows, device=device)].view(len(group), width, *query.shape[1:]).transpose(1, 2)
+        block_size = k_cache.shape[1]
+        table = block_tables[torch.tensor(group, device=block_tables.device), : -(-length // block_size)].long()
+        k = self._gather("k", k_cache, table).flatten(1, 2)[:, :length].transpose(1, 2)  # [S, Hkv, L, D]
+        v = self._gather("v", v_cache, table).flatten(1, 2)[:, :length].transpose(1, 2)
+        last = [kv_lens[i] - q_lens[i] + min(j, q_lens[i] - 1) for i in group for j in range(width)]
+        mask = torch.arange(length, device=device)[None, :] <= torch.tensor(last, device=device)[:, None]
+        o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), scale=scale, enable_gqa=True,
+                                           attn_mask=mask.view(len(group), 1, width, length))
+        kept = [s * width + j for s, i in enumerate(group) for j in range(q_lens[i])]
+        targets = [starts[i] + j for i in group for j in range(q_lens[i])]
+        o = o.transpose(1, 2).reshape(len(group) * width, *query.shape[1:])
+        out[torch.tensor(targets, device=device)] = o[torch.tensor(kept, device=device)]
 
     def _gather(self, name: str, cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
         """`cache[blocks]`, shape `[*blocks.shape, block_size, Hkv, D]`, written into a reused buffer."""

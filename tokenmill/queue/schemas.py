@@ -318,8 +318,8 @@ class JobResult(BaseModel):
     """The final outcome of one job.
 
     When the job named an S3 destination, the full result is the JSON object at `output_uri` and the
-    copy in Redis is a stub without `text`, `token_ids`, `logprobs` and `parsed`, so Redis does not hold
-    large payloads twice; `read()` fetches the full result.
+    copy in Redis is a stub without `text`, `token_ids`, `logprobs`, `parsed` and `choice_probabilities`, so
+    Redis does not hold large payloads twice; `read()` fetches the full result.
     """
 
     model_config = ConfigDict(extra="ignore")
@@ -338,6 +338,9 @@ class JobResult(BaseModel):
     constraint_error: str | None = None
     # structured outputs: the grammar backend that enforced it ("xgrammar" or "llguidance"); optional as above
     constraint_backend: str | None = None
+    # `choice_probabilities=True`: each choice's probability given the prompt, normalised over the choices (`text` is
+    # the most probable); optional as above
+    choice_probabilities: dict[str, float] | None = None
     usage: Usage | None = None
     queued_at: Timestamp = None
     started_at: Timestamp = None
@@ -369,7 +372,7 @@ class JobResult(BaseModel):
     def stub(self, output_uri: str) -> JobResult:
         """The Redis copy of a result whose full JSON lives at `output_uri`."""
         return self.model_copy(update={"output_uri": output_uri, "text": None, "token_ids": None, "logprobs": None,
-                                       "parsed": None})
+                                       "parsed": None, "choice_probabilities": None})
 
     def to_wire(self) -> dict[str, Any]:
         return self.model_dump(mode="json")

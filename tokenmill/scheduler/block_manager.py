@@ -52,12 +52,14 @@ class BlockManager:
     def match_prefix(self, seq: Sequence) -> None:
         """Give a newly admitted sequence the cached blocks of its longest cached full-block prefix.
 
-        At least one token is always left uncomputed: the step that computes it yields the logits to sample.
+        At least one token is always left uncomputed: the step that computes it yields the logits to sample (a
+        scoring sequence: its last `num_scored_tokens`, whose logits it reads).
         """
         if not self.enable_prefix_caching or seq.block_table:
             return
         parent = None
-        for start in range(0, seq.num_tokens - 1 - self.block_size + 1, self.block_size):
+        limit = seq.num_tokens - max(1, seq.num_scored_tokens)  # tokens that may come from the cache
+        for start in range(0, limit - self.block_size + 1, self.block_size):
             tokens = tuple(seq.token_ids[start : start + self.block_size])
             parent = chain_hash(parent, tokens)
             block_id = self.cached_blocks.get(parent)
@@ -66,6 +68,21 @@ class BlockManager:
             self._take(block_id)
             seq.block_table.append(block_id)
         seq.num_computed_tokens = seq.num_cached_tokens = len(seq.block_table) * self.block_size
+
+    def fork(self, parent: Sequence, child: Sequence) -> tuple[int, int] | None:
+        """Give `child`, whose tokens begin with `parent`'s computed ones, their K/V: parent's full blocks, shared,
+        and for a partial last block a new block (the caller checked one is free) returned as (parent's, new) for
+        the runner to copy the K/V into before the child's next step writes the rest of it."""
+        computed = parent.num_computed_tokens
+        full = computed // self.block_size
+        for block_id in parent.block_table[:full]:
+            self._take(block_id)
+        child.block_table = parent.block_table[:full]
+        child.num_computed_tokens = child.num_cached_tokens = computed
+        if computed == full * self.block_size:
+            return None
+        self.allocate(child, computed)
+        return parent.block_table[full], child.block_table[full]
 
     def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:
         """Whether `seq` can hold `num_tokens` tokens in total."""

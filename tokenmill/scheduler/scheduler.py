@@ -3,6 +3,12 @@
 Each step spends at most `max_num_batched_tokens` tokens: one per decoding sequence first, then prefill
 chunks of running sequences still prefilling, then of waiting requests in arrival order. A prompt longer
 than what is left of the budget is split and continues next step from its cached K/V.
+
+A scoring sequence (`Sequence.num_scored_tokens`) is planned as a prompt that never decodes: it samples nothing,
+and its chunk is cut so that the step's scored rows stay within `max_num_seqs` (the logits rows the engine's memory
+profile allows for). Continuations of a computed sequence start from its K/V (`fork`): running at once, sharing its
+full blocks, with a copy of its partial last block; without a free slot or block they queue as new sequences and
+find the full blocks in the prefix cache.
 """
 
 from __future__ import annotations
@@ -38,6 +44,8 @@ class ScheduledBatch:
 
     The planner puts the decoding sequences first; `num_decodes` says how many leading sequences are known
     to compute one token each and sample (0 when unknown), so per-sequence work can skip them in bulk.
+    `scoring` lists its scoring sequences (never among those decodes), in batch order; `score_rows` counts the
+    positions whose logits they may still read this step.
     """
 
     budget: int
@@ -45,6 +53,8 @@ class ScheduledBatch:
     num_new_tokens: list[int] = field(default_factory=list)
     num_preempted: int = 0
     num_decodes: int = 0
+    scoring: list[Sequence] = field(default_factory=list)
+    score_rows: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -54,26 +64,31 @@ class ScheduledBatch:
         self.seqs.append(seq)
         self.num_new_tokens.append(count)
         self.budget -= count
+        if seq.num_scored_tokens:
+            self.scoring.append(seq)
 
     def remove(self, seq: Sequence) -> None:
         if seq in self.seqs:
             index = self.seqs.index(seq)
             self.budget += self.num_new_tokens.pop(index)
             del self.seqs[index]
+            if seq.num_scored_tokens:
+                self.scoring.remove(seq)
             self.num_decodes = 0
             self.__dict__.pop("sample_mask", None)  # cached for the old batch
 
     def samples(self, index: int) -> bool:
-        """Whether sequence `index` reaches its last token this step, and so samples the next one."""
+        """Whether sequence `index` reaches its last token this step, and so samples the next one (a scoring
+        sequence never does)."""
         seq = self.seqs[index]
-        return seq.num_computed_tokens + self.num_new_tokens[index] == seq.num_tokens
+        return seq.num_computed_tokens + self.num_new_tokens[index] == seq.num_tokens and not seq.num_scored_tokens
 
     @cached_property
     def sample_mask(self) -> list[bool]:
         """`samples(i)` for every sequence, computed once for the engine and the runner alike. Read it
         between `Scheduler.schedule` and `Scheduler.update` (which advances the sequences)."""
         head = self.num_decodes
-        return [True] * head + [seq.num_computed_tokens + count == len(seq.token_ids)
+        return [True] * head + [seq.num_computed_tokens + count == len(seq.token_ids) and not seq.num_scored_tokens
                                 for seq, count in zip(self.seqs[head:], self.num_new_tokens[head:])]
 
 
@@ -91,8 +106,12 @@ class Scheduler:
         self.num_prefix_hit_tokens = 0
 
     def check(self, seq: Sequence) -> None:
-        """Reject a request that could never finish, before it takes any resources."""
-        total = seq.num_tokens + seq.params.max_tokens
+        """Reject a request that could never finish, before it takes any resources (a scoring sequence generates
+        nothing: its tokens are all it needs)."""
+        total = seq.num_tokens + (0 if seq.num_scored_tokens else seq.params.max_tokens)
+        if seq.num_scored_tokens and total > self.config.max_model_len:
+            raise InvalidRequestError("prompt", f"prompt + continuation ({total} tokens) exceeds max_model_len "
+                                      f"({self.config.max_model_len})")
         if total > self.config.max_model_len:
             raise InvalidRequestError(
                 "max_tokens" if seq.num_tokens <= self.config.max_model_len else "prompt",
@@ -100,9 +119,10 @@ class Scheduler:
                 f"max_model_len ({self.config.max_model_len})",
             )
         if self.block_manager.blocks_needed(total) > self.block_manager.num_blocks:
+            what = "prompt + continuation" if seq.num_scored_tokens else "prompt + max_tokens"
             raise InvalidRequestError(
                 "prompt",
-                f"prompt + max_tokens = {total} tokens needs {self.block_manager.blocks_needed(total)} KV blocks "
+                f"{what} = {total} tokens needs {self.block_manager.blocks_needed(total)} KV blocks "
                 f"but the whole KV cache has {self.block_manager.num_blocks}",
             )
 
@@ -114,7 +134,7 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch:
-        batch = ScheduledBatch(self.config.max_num_batched_tokens)
+        batch = ScheduledBatch(self.config.max_num_batched_tokens, score_rows=self.config.max_num_seqs)
         decoding, prefilling, growing, filling = self._split_running()
         if decoding and len(decoding) <= batch.budget and self._grow_without_preempting(growing):
             # The common step: every decoding sequence gets its one token and no one is preempted, so the
@@ -131,6 +151,8 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
             count = min(len(seq.token_ids) - seq.num_computed_tokens, batch.budget)
+            if seq.num_scored_tokens and not (count := _score_count(seq, count, batch)):
+                continue
             # Most steps need no new block: skip the reservation (and its preemption search) then.
             if seq.num_computed_tokens + count <= len(seq.block_table) * block_size or self._reserve(seq, count, batch):
                 batch.add(seq, count)
@@ -139,8 +161,8 @@ class Scheduler:
         return batch
 
     def _split_running(self) -> tuple[list[Sequence], list[Sequence], list[Sequence], list[Sequence]]:
-        """The running sequences that decode (one token left) and those that prefill, in admission order,
-        and of the decoding ones, those whose token needs a new block and those whose token fills one."""
+        """The running sequences that decode (one token left, not scoring) and those that prefill, in admission
+        order, and of the decoding ones, those whose token needs a new block and those whose token fills one."""
         block_size = self.config.block_size
         decoding: list[Sequence] = []
         prefilling: list[Sequence] = []
@@ -148,7 +170,7 @@ class Scheduler:
         filling: list[Sequence] = []
         for seq in self.running:
             computed = seq.num_computed_tokens
-            if len(seq.token_ids) - computed == 1:
+            if len(seq.token_ids) - computed == 1 and not seq.num_scored_tokens:
                 decoding.append(seq)
                 if computed >= len(seq.block_table) * block_size:
                     growing.append(seq)
@@ -198,7 +220,9 @@ class Scheduler:
             seq = self.waiting[0]
             self.block_manager.match_prefix(seq)
             count = min(seq.num_uncomputed_tokens, batch.budget)
-            if not self.block_manager.can_allocate(seq, seq.num_computed_tokens + count):
+            if seq.num_scored_tokens:
+                count = _score_count(seq, count, batch)
+            if not count or not self.block_manager.can_allocate(seq, seq.num_computed_tokens + count):
                 self.block_manager.free(seq)  # give back the prefix hits; retry next step
                 return
             self.block_manager.allocate(seq, seq.num_computed_tokens + count)
@@ -208,6 +232,26 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running[seq] = None
             batch.add(seq, count)
+
+    def fork(self, parent: Sequence, children: list[Sequence]) -> list[tuple[int, int]]:
+        """Start `children`, whose tokens begin with all of `parent`'s (computed, still running), from its K/V:
+        running, as newly admitted (`BlockManager.fork`). Returns the (source, copy) block pairs whose K/V the
+        runner copies before the next step. A child without a free slot, or a free block for its copy, is queued
+        at the front instead (it finds the full blocks in the prefix cache)."""
+        copies, queued = [], []
+        needs_copy = parent.num_computed_tokens % self.config.block_size != 0
+        for child in children:
+            if len(self.running) >= self.config.max_num_seqs or self.block_manager.num_free_blocks < needs_copy:
+                queued.append(child)
+                continue
+            pair = self.block_manager.fork(parent, child)
+            if pair is not None:
+                copies.append(pair)
+            self.num_prefix_hit_tokens += child.num_cached_tokens
+            child.status = SequenceStatus.RUNNING
+            self.running[child] = None
+        self.waiting.extendleft(reversed(queued))
+        return copies
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
         """Free `seq`'s blocks and requeue it at the front: it recomputes prompt and outputs later."""
@@ -243,3 +287,12 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+
+
+def _score_count(seq: Sequence, count: int, batch: ScheduledBatch) -> int:
+    """`count` tokens of scoring sequence `seq` cut so that the positions it scores fit `batch.score_rows`, which
+    they then take (0: none fit)."""
+    start = max(seq.num_computed_tokens, seq.num_tokens - seq.num_scored_tokens)  # its first scored position
+    count = min(count, start - seq.num_computed_tokens + batch.score_rows)
+    batch.score_rows -= max(0, seq.num_computed_tokens + count - start)
+    return count

@@ -27,6 +27,10 @@ class Sequence:
     `num_computed_tokens` counts the leading tokens whose K/V are in the cache (computed or found in the
     prefix cache); the rest still has to go through the model, in as many chunks as the budget demands.
     After preemption it drops to 0 and the sequence recomputes prompt and outputs alike.
+
+    A scoring sequence (`num_scored_tokens > 0`) is prefilled and never decodes: it samples nothing, and the
+    logits of its last `num_scored_tokens` positions are read (to score the tokens the engine holds for them).
+    Those positions are always computed (never served from the prefix cache); it ends once all are computed.
     """
 
     request_id: str
@@ -39,6 +43,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
+    num_scored_tokens: int = 0
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.token_ids)

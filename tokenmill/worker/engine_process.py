@@ -89,6 +89,7 @@ class EngineOutput:
     constraint_satisfied: bool | None = None
     constraint_error: str | None = None
     constraint_backend: str | None = None
+    choice_probabilities: dict[str, float] | None = None
 
 
 @dataclass
@@ -581,8 +582,9 @@ class _Loop:
             self._send_done(done)
 
     def _send_done(self, outputs: list[Any]) -> None:
-        """Finished requests in one message; their logprobs and parsed output may hold any JSON value."""
-        free = [part for output in outputs for part in (output.logprobs, output.parsed)]
+        """Finished requests in one message; their logprobs, parsed output and choice probabilities (keyed by the
+        request's own choices) may hold any JSON value."""
+        free = [part for output in outputs for part in (output.logprobs, output.parsed, output.choice_probabilities)]
         self.outbox.send({"op": "done", "outputs": [output_fields(output) for output in outputs]}, *free)
 
     def _maybe_stats(self) -> None:
@@ -663,6 +665,8 @@ def output_fields(output: Any) -> dict[str, Any]:
         fields["constraint_error"] = output.constraint_error
     if output.constraint_backend is not None:
         fields["constraint_backend"] = output.constraint_backend
+    if output.choice_probabilities is not None:
+        fields["choice_probabilities"] = output.choice_probabilities
     return fields
 
 

@@ -599,6 +599,7 @@ def result_wire(job: Job, run: Attempt, output: Any, worker: str) -> dict[str, A
         "constraint_satisfied": output.constraint_satisfied,
         "constraint_error": output.constraint_error,
         "constraint_backend": output.constraint_backend,
+        "choice_probabilities": output.choice_probabilities,
         "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                   "total_tokens": prompt_tokens + completion_tokens},
         "queued_at": job.submitted_at,

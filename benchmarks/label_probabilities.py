@@ -1,0 +1,145 @@
+"""Label probabilities against constrained choice decoding: rows/s of rows labelled with
+`SamplingParams(choice=labels, temperature=0)` (greedy, grammar-constrained) and with `choice_probabilities=True`
+(every label scored, the prompt computed once), side by side in one run, for 3 and 10 labels.
+
+    python benchmarks/label_probabilities.py [--models tiny,small,small-bpe] [--rows 128] [--repeats 3] [--threads 1]
+
+Models: `tiny` is builtin:tiny (byte-level tokenizer: a label of n characters is n tokens); `small` a random-weight
+Llama (hidden 512, 8 layers, 8 heads, 4 KV heads, intermediate 1536, float32, `load_format="dummy"`) with the same
+byte-level tokenizer, big enough for the model's compute to count beside Python overhead; `small-bpe` the same
+Llama with a byte-level BPE tokenizer trained here on text holding the labels, so a label is one token, as common
+words are in real vocabularies. Prompts are an instruction naming the labels (the same for every row: served from the
+prefix cache after the first) and a review of 60-200 characters; every run labels rows drawn afresh, so no run finds
+its rows' prompts in the prefix cache. Each mode runs `--repeats` times, alternating which goes first, after a
+warm-up that compiles the grammar; the best of each is kept. Times are the process's CPU time (one torch thread by
+default), which a machine shared with other work inflates far less than wall time; wall-clock rows/s are printed
+beside them. The ratio is the probabilities' CPU time over constrained decoding's (goal <= 1.3).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+LABELS = {
+    3: ["positive", "negative", "neutral"],
+    10: ["sports", "politics", "science", "business", "health", "travel", "music", "film", "food", "technology"],
+}
+WORDS = "the film was long and the acting good but plot thin music loud food cold staff kind price fair".split()
+_draws = itertools.count(1)
+
+
+def small_model_dir(path: Path, bpe: bool) -> str:
+    from transformers import LlamaConfig
+
+    from tokenmill.engine.tiny import tiny_tokenizer
+
+    tokenizer = bpe_tokenizer() if bpe else tiny_tokenizer()
+    LlamaConfig(vocab_size=-(-len(tokenizer) // 64) * 64, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
+                num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=4096,
+                bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def bpe_tokenizer():  # noqa: ANN201 - a transformers tokenizer
+    """A byte-level BPE (at most 1,024 tokens) trained on reviews and the labels: each label is then one token."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=1024, special_tokens=["<s>", "</s>", "<pad>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    labels = [label for group in LABELS.values() for label in group]
+    corpus = prompts(300, labels, seed=0) + [" ".join(labels)] * 50 + labels * 50
+    backend.train_from_iterator(corpus, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+
+
+def prompts(count: int, labels: list[str], seed: int) -> list[str]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        review, length = "", rng.randint(60, 200)
+        while len(review) < length:
+            review += rng.choice(WORDS) + " "
+        out.append(f"Label the review as one of {', '.join(labels)}.\nReview: {review.strip()}\nLabel:")
+    return out
+
+
+def timed(llm, count: int, rows: int, params) -> tuple[float, float]:  # noqa: ANN001
+    """(CPU seconds, wall seconds) of labelling `rows` fresh rows."""
+    batch = prompts(rows, LABELS[count], seed=next(_draws))
+    cpu, wall = time.process_time(), time.perf_counter()
+    outputs = llm.generate(batch, params, use_tqdm=False)
+    cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+    assert all(o.finish_reason == "stop" for o in outputs), {o.finish_reason for o in outputs}
+    return cpu, wall
+
+
+def compare(llm, count: int, rows: int, repeats: int) -> dict[str, tuple[float, float]]:  # noqa: ANN001
+    """Best (CPU, wall) seconds of constrained decoding and of label probabilities."""
+    from tokenmill import SamplingParams
+
+    labels = LABELS[count]
+    modes = {"constrained": SamplingParams(choice=labels, temperature=0.0),
+             "probabilities": SamplingParams(choice=labels, choice_probabilities=True)}
+    for params in modes.values():  # warm-up: the grammar compiles, the instruction enters the prefix cache
+        timed(llm, count, 8, params)
+    best = {name: (float("inf"), float("inf")) for name in modes}
+    for repeat in range(repeats):
+        for name in list(modes) if repeat % 2 == 0 else reversed(modes):
+            cpu, wall = timed(llm, count, rows, modes[name])
+            best[name] = (min(best[name][0], cpu), min(best[name][1], wall))
+    return best
+
+
+def load(name: str, tmp: Path):  # noqa: ANN201 - an LLM
+    from tokenmill import LLM
+
+    if name == "tiny":
+        return LLM("builtin:tiny", dtype="float32")
+    return LLM(small_model_dir(tmp / name, bpe=name == "small-bpe"), dtype="float32", load_format="dummy")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="tiny,small,small-bpe")
+    parser.add_argument("--rows", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    print(f"{args.rows} rows, best of {args.repeats}, {args.threads} torch threads, CPU; load {os.getloadavg()[0]:.1f}")
+    print("| model | labels | label tokens | constrained rows/CPU s | probabilities rows/CPU s | CPU time ratio | "
+          "wall rows/s (constrained, probabilities) |")
+    print("|---|---|---|---|---|---|---|")
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.models.split(","):
+            llm = load(name, Path(tmp))
+            for count, labels in LABELS.items():
+                tokens = sum(len(llm.tokenizer.encode(label, add_special_tokens=False)) for label in labels)
+                best = compare(llm, count, args.rows, args.repeats)
+                (cpu_c, wall_c), (cpu_p, wall_p) = best["constrained"], best["probabilities"]
+                print(f"| {name} | {count} | {tokens} | {args.rows / cpu_c:.1f} | {args.rows / cpu_p:.1f} | "
+                      f"{cpu_p / cpu_c:.2f}x | {args.rows / wall_c:.1f}, {args.rows / wall_p:.1f} |", flush=True)
+    print(f"load after: {os.getloadavg()[0]:.1f}")
+
+
+if __name__ == "__main__":
+    main()
