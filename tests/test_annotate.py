@@ -488,3 +488,39 @@ def test_annotate_and_batch_need_a_model_without_a_broker(tmp_path: Path, monkey
     assert not (tmp_path / "out.jsonl").exists()
     with pytest.raises(InvalidRequestError, match="model"):
         annotate(str(src), str(tmp_path / "api.jsonl"), "{{ text }}", quiet=True)
+
+
+def test_probabilities_give_each_choice_s_probability_and_the_most_probable_label(llm, tmp_path: Path) -> None:
+    """`--probabilities`: a column of each choice's probability (a struct of floats in Parquet), summing to 1, the
+    label the most probable choice; the same numbers as the engine gives the same prompt."""
+    src = write_jsonl(tmp_path / "in.jsonl", rows(4))
+    choices = ["positive", "negative", "neutral"]
+    run(llm, src, tmp_path / "out.jsonl", choice=choices, choice_probabilities=True, max_tokens=None)
+    run(llm, src, tmp_path / "out.parquet", choice=choices, choice_probabilities=True, max_tokens=None)
+    table = pq.read_table(tmp_path / "out.parquet")
+    assert table.schema.field("probabilities").type == pa.struct([(c, pa.float64()) for c in choices])
+    direct = llm.generate([f"Say: {r['text']}" for r in rows(4)], SamplingParams(choice=choices,
+                                                                                choice_probabilities=True))
+    for row, parquet_row, expected in zip(read_jsonl(tmp_path / "out.jsonl"), table.to_pylist(), direct):
+        assert row["probabilities"] == pytest.approx(expected.choice_probabilities, rel=1e-5)  # batched otherwise
+        assert parquet_row["probabilities"] == pytest.approx(expected.choice_probabilities, rel=1e-5)
+        assert sum(row["probabilities"].values()) == pytest.approx(1.0)
+        assert row["annotation"] == max(choices, key=row["probabilities"].get)
+
+
+def test_a_checkpoint_from_before_a_new_result_field_still_resumes(tmp_path: Path) -> None:
+    import sqlite3
+
+    from tokenmill.apps.store import Checkpoint
+
+    path = tmp_path / "checkpoint.sqlite"
+    with sqlite3.connect(path) as db:  # the results table as written before `choice_probabilities` existed
+        db.execute("CREATE TABLE results (key TEXT PRIMARY KEY, run TEXT, text TEXT, parsed TEXT, finish_reason TEXT, "
+                   "prompt_tokens INTEGER, completion_tokens INTEGER, error TEXT, logprobs TEXT, created INTEGER)")
+        db.execute("INSERT INTO results VALUES ('k', 'old', 'yes', NULL, 'stop', 3, 1, NULL, NULL, 5)")
+    checkpoint = Checkpoint(str(path), 0)
+    try:
+        outcome, earlier = checkpoint.get("k")
+        assert (outcome.text, outcome.choice_probabilities, earlier) == ("yes", None, True)
+    finally:
+        checkpoint.close()

@@ -33,6 +33,8 @@ from tokenmill.errors import InvalidRequestError
 RESULT_COLUMNS = {"parsed": pa.string(), "finish_reason": pa.string(), "prompt_tokens": pa.int64(),
                   "completion_tokens": pa.int64(), "error": pa.string()}
 DEFAULT_WINDOW = {"embedded": 1024, "queue": 4096}
+#: The column of each row's probability per choice, with `--probabilities`.
+PROBABILITIES = "probabilities"
 
 
 class Prompter:
@@ -160,7 +162,7 @@ def annotate(
         dataset = LimitedDataset(dataset, limit)
     schema = dataset.schema
     out_format = format_of(output, output_format, "output")
-    _check_columns(schema, id_column, column, out_format)
+    _check_columns(schema, id_column, column, out_format, tuple(_probability_column(params)))
     prompter.check_columns(schema.names)
     if dry_run:
         print_plan(dataset, prompter, id_column, input, output, model_label(model, llm, broker, queue), broker)
@@ -265,12 +267,13 @@ def default_state_dir(output: str) -> str:
     return os.path.abspath(output) + ".tokenmill-state"
 
 
-def _check_columns(schema: pa.Schema, id_column: str | None, column: str, out_format: str) -> None:
+def _check_columns(schema: pa.Schema, id_column: str | None, column: str, out_format: str,
+                   extra: tuple[str, ...] = ()) -> None:
     if out_format == "csv":
         raise DatasetError("output format: must be jsonl or parquet (results can hold nested values), got csv")
     if id_column is not None and id_column not in schema.names:
         raise InvalidRequestError("id_column", f"no column {id_column!r} in the input (columns: {', '.join(schema.names)})")
-    for name in [column, *RESULT_COLUMNS]:
+    for name in [column, *RESULT_COLUMNS, *extra]:
         if name in schema.names:
             raise InvalidRequestError("column", f"the input already has a column {name!r}; name the result column "
                                                 f"with --column, or rename the input column")
@@ -327,7 +330,7 @@ def _write(dataset: Dataset, schema: pa.Schema, prompter: Prompter, id_column: s
            checkpoint: Checkpoint, writer: Writer, summary: Summary) -> None:
     """Pass 2: the input again, each row with its result from the checkpoint, in input order."""
     parsed = parsed_column(prompter.sampling.get("json_schema"))  # a struct column where the schema allows
-    types = {**RESULT_COLUMNS, "parsed": parsed.type}
+    types = {**RESULT_COLUMNS, "parsed": parsed.type, **_probability_column(prompter.sampling)}
     out_schema = pa.schema([*schema, pa.field(column, pa.string()), *(pa.field(n, t) for n, t in types.items())])
     try:
         if writer.format == "parquet":
@@ -342,14 +345,26 @@ def _write(dataset: Dataset, schema: pa.Schema, prompter: Prompter, id_column: s
             if writer.format == "parquet":
                 writer.write_batch(_with_results(batch, results, out_schema, parsed))
             else:
-                writer.write_rows([{**values, **_columns(o, column)} for (_, values, _), o in zip(rows, results)])
+                writer.write_rows([{**values, **_columns(o, column, PROBABILITIES in types)}
+                                   for (_, values, _), o in zip(rows, results)])
         writer.close()
     except BaseException:
         writer.abort()
         raise
 
 
-def _columns(outcome: Outcome, column: str) -> dict[str, Any]:
+def _probability_column(sampling: dict[str, Any]) -> dict[str, pa.DataType]:
+    """With `choice_probabilities`, the column of each row's probability per choice: a struct, one float per choice."""
+    if not sampling.get("choice_probabilities"):
+        return {}
+    return {PROBABILITIES: pa.struct([(choice, pa.float64()) for choice in dict.fromkeys(sampling["choice"])])}
+
+
+def _probabilities(outcome: Outcome) -> dict[str, float] | None:
+    return json.loads(outcome.choice_probabilities) if outcome.ok and outcome.choice_probabilities else None
+
+
+def _columns(outcome: Outcome, column: str, probabilities: bool = False) -> dict[str, Any]:
     return {
         column: outcome.text if outcome.ok else None,  # a failed row's partial text is no label
         "parsed": None if outcome.parsed is None else json.loads(outcome.parsed),
@@ -357,6 +372,7 @@ def _columns(outcome: Outcome, column: str) -> dict[str, Any]:
         "prompt_tokens": outcome.prompt_tokens if outcome.ok else None,
         "completion_tokens": outcome.completion_tokens if outcome.ok else None,
         "error": outcome.error,
+        **({PROBABILITIES: _probabilities(outcome)} if probabilities else {}),
     }
 
 
@@ -369,6 +385,8 @@ def _with_results(batch: pa.RecordBatch, results: list[Outcome], schema: pa.Sche
         [o.completion_tokens if o.ok else None for o in results],
         [o.error for o in results],
     ]
+    if PROBABILITIES in schema.names:
+        extra.append([_probabilities(o) for o in results])
     fields = list(schema)[batch.num_columns :]
     arrays = [*batch.columns, *(pa.array(values, type=f.type) for values, f in zip(extra, fields))]
     return pa.RecordBatch.from_arrays(arrays, schema=schema)

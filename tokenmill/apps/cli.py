@@ -31,6 +31,9 @@ def add_parsers(commands: Any) -> None:
     ann.add_argument("--json-schema", help="JSON schema (a file or inline JSON): structured output, parsed into 'parsed'")
     ann.add_argument("--choice", help="comma-separated choices the output must be one of")
     ann.add_argument("--regex", help="regular expression the output must match")
+    ann.add_argument("--probabilities", action="store_true", help="with --choice: each choice's probability as a "
+                     "whole (normalised over the choices, no sampling) in a 'probabilities' column, and the most "
+                     "probable choice as the label")
     ann.add_argument("--id-column", help="column naming each row (default: its position)")
     ann.add_argument("--column", default="annotation", help="name of the completion text column (default: annotation)")
     ann.add_argument("--input-format", choices=["jsonl", "csv", "parquet"], help="override the input extension")
@@ -154,6 +157,8 @@ def _annotate(args: argparse.Namespace) -> Any:
     from tokenmill.errors import InvalidRequestError
 
     sampling = {name: getattr(args, name) for name in ("top_p", "top_k", "seed", "stop") if getattr(args, name) is not None}
+    if args.probabilities:
+        sampling["choice_probabilities"] = True
     schema = None
     if args.json_schema:
         text = text_or_file(args.json_schema)

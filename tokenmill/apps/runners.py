@@ -132,6 +132,7 @@ def outcome_from_output(output: Any, params: SamplingParams) -> Outcome:
         completion_tokens=len(output.token_ids),
         logprobs=None if output.logprobs is None else json.dumps(output.logprobs),
         created=int(output.finished_time or time.time()),
+        choice_probabilities=_json(getattr(output, "choice_probabilities", None)),
     )
 
 
@@ -151,7 +152,12 @@ def outcome_from_result(result: Any) -> Outcome:
         completion_tokens=usage.completion_tokens if usage else 0,
         logprobs=None if result.logprobs is None else json.dumps(result.logprobs),
         created=int(result.finished_at or time.time()),
+        choice_probabilities=_json(getattr(result, "choice_probabilities", None)),
     )
+
+
+def _json(value: Any) -> str | None:
+    return None if value is None else json.dumps(value, ensure_ascii=False)
 
 
 class QueueRunner:

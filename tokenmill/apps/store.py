@@ -36,6 +36,7 @@ class Outcome:
     error: str | None = None
     logprobs: str | None = None  # JSON text of the engine's per-position logprobs, when asked for
     created: int = 0  # unix time it finished: part of OpenAI batch output, so stored, not recomputed
+    choice_probabilities: str | None = None  # JSON text {choice: probability}, when asked for
 
     @property
     def ok(self) -> bool:
@@ -133,6 +134,10 @@ class Checkpoint:
         columns = ", ".join(f"{name} {'INTEGER' if name in ('prompt_tokens', 'completion_tokens', 'created') else 'TEXT'}"
                             for name in _COLUMNS)
         self.db.execute(f"CREATE TABLE IF NOT EXISTS results (key TEXT PRIMARY KEY, run TEXT, {columns})")
+        present = {row[1] for row in self.db.execute("PRAGMA table_info(results)")}
+        for name in _COLUMNS:  # a checkpoint written before a field was added: the column, empty for its rows
+            if name not in present:
+                self.db.execute(f"ALTER TABLE results ADD COLUMN {name} TEXT")
         self._last_flush = time.monotonic()
         self.db.execute("BEGIN")
 
