@@ -554,8 +554,7 @@ class _Loop:
                     self._send_done([output])
             return
         try:
-            params = SamplingParams.from_dict(message["params"])
-            check_prompt_chars(message["prompt"], self.max_prompt_chars, self.engine.max_model_len)
+            params = SamplingParams.from_dict(message["params"])  # a text prompt's length: checked by `add_request`
             prompt = message["prompt"] if message["messages"] is None else self.engine.apply_chat_template(message["messages"])
             self.engine.add_request(request_id, prompt, params)
         except InvalidRequestError as exc:
