@@ -113,6 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     structured.add_argument("--choice", metavar="A,B,C", help="force the completion to be exactly one of these comma-separated strings")
     structured.add_argument("--regex", metavar="R", help="force the whole completion to match this regular expression")
     structured.add_argument("--json-object", action="store_true", help="force any JSON object")
+    gen.add_argument("--choice-probabilities", action="store_true", help="with --choice: each choice's probability "
+                     "as a whole (no sampling), and the most probable choice as the text")
     worker = commands.add_parser("worker", help="run a queue worker (Celery on Redis)")
     _add_settings_flags(worker)
     _add_dead_letter_commands(commands)
@@ -316,6 +318,8 @@ def _generate(args: argparse.Namespace) -> int:
             line["error"] = out.error
         if out.constraint_satisfied is not None:
             line.update(constraint_satisfied=out.constraint_satisfied, parsed=out.parsed, constraint_error=out.constraint_error)
+        if getattr(out, "choice_probabilities", None) is not None:
+            line["choice_probabilities"] = out.choice_probabilities
         print(json.dumps(line), flush=True)
     return 0
 
@@ -337,6 +341,8 @@ def _structured_options(args: argparse.Namespace) -> dict[str, Any]:
         options["regex"] = args.regex
     if args.json_object:
         options["json_object"] = True
+    if args.choice_probabilities:
+        options["choice_probabilities"] = True
     return options
 
 

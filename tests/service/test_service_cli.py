@@ -146,6 +146,13 @@ def test_every_option_of_every_command_has_help_and_shows_its_default() -> None:
                 assert "default" in formatter._get_help_string(action), (parser.prog, action.option_strings[0])
 
 
+def test_generate_prints_each_choice_s_probability() -> None:
+    lines = _generate("--prompt", "a", "--choice", "yes,no,maybe", "--choice-probabilities")
+    probabilities = lines[0]["choice_probabilities"]
+    assert set(probabilities) == {"yes", "no", "maybe"} and abs(sum(probabilities.values()) - 1.0) < 1e-9
+    assert lines[0]["text"] == max(probabilities, key=probabilities.get)
+
+
 def test_generate_structured_outputs(tmp_path: Path) -> None:
     schema = {"type": "object", "properties": {"label": {"enum": ["cat", "dog"]}, "n": {"type": "integer", "minimum": 0,
               "maximum": 99}}, "required": ["label", "n"]}
