@@ -155,3 +155,18 @@ def test_s3_input_and_output(llm, tmp_path, s3_server) -> None:
     with pytest.raises(tokenmill.apps.datasets.DatasetError, match="no such file"):
         tokenmill.annotate(f"s3://{S3_BUCKET}/missing.jsonl", str(tmp_path / "x.jsonl"), TEMPLATE, llm=llm, quiet=True,
                            s3_endpoint_url=s3_server.endpoint)
+
+
+def test_probabilities_come_back_from_the_workers_as_they_do_embedded(llm, tmp_path, redis_server,
+                                                                       start_worker) -> None:
+    """`--probabilities` across the queue: the workers' engine computes each choice's probability, the job's result
+    carries it (`JobResult.choice_probabilities`), and the column holds what the embedded engine gives."""
+    start_worker(redis_server.url).wait_ready()
+    src = write_jsonl(tmp_path / "in.jsonl", rows(6))
+    options = dict(choice=["yes", "no", "maybe"], choice_probabilities=True, quiet=True)
+    tokenmill.annotate(str(src), str(tmp_path / "queue.jsonl"), TEMPLATE, broker=redis_server.url, **options)
+    tokenmill.annotate(str(src), str(tmp_path / "local.jsonl"), TEMPLATE, llm=llm, **options)
+    for queued, local in zip(read_jsonl(tmp_path / "queue.jsonl"), read_jsonl(tmp_path / "local.jsonl")):
+        assert queued["probabilities"] == pytest.approx(local["probabilities"], rel=1e-5)
+        assert queued["annotation"] == local["annotation"] == max(queued["probabilities"],
+                                                                   key=queued["probabilities"].get)
