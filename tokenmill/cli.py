@@ -175,18 +175,10 @@ def _add_dead_letter_commands(commands: Any) -> None:
 
 def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per `WorkerSettings` field; default None so an unset flag leaves env/default alone."""
-    from tokenmill.queue.settings import flag_type
+    from tokenmill.queue.settings import add_settings_flags
     from tokenmill.worker.settings import WorkerSettings
 
-    for name, info in WorkerSettings.model_fields.items():
-        flags = [f"--{name.replace('_', '-')}", *_ALIASES.get(name, [])]
-        kind, choices = flag_type(info.annotation)
-        default = f" (default: {info.default})" if info.default not in (None, "") else ""
-        help_text = f"{info.description}{default} [env TOKENMILL_{name.upper()}]".replace("%", "%%")
-        if kind is bool:
-            parser.add_argument(*flags, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
-        else:
-            parser.add_argument(*flags, dest=name, type=kind, choices=choices, default=None, help=help_text)
+    add_settings_flags(parser, WorkerSettings, aliases=_ALIASES)
 
 
 def worker_settings(args: argparse.Namespace) -> WorkerSettings:

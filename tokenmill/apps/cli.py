@@ -89,19 +89,15 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per engine option (`EngineConfig`), for the embedded engine; unset, the engine's default holds. A
     name the command uses already (`--seed`, the rows' sampling seed) is `--engine-<name>`."""
     from tokenmill.engine.config import ENGINE_OPTIONS
+    from tokenmill.queue.settings import add_flag
 
     taken = set(parser._option_string_actions)
     for option in ENGINE_OPTIONS:
         flag = f"--{option.name.replace('_', '-')}"
         flag = f"--engine-{flag[2:]}" if flag in taken else flag
         default = f" (default: {option.default})" if option.default is not None else ""
-        help_text = f"embedded engine: {option.help[0].lower()}{option.help[1:]}{default}".replace("%", "%%")
-        if option.kind is bool:
-            parser.add_argument(flag, dest=f"engine_{option.name}", action=argparse.BooleanOptionalAction, default=None,
-                                help=help_text)
-        else:
-            parser.add_argument(flag, dest=f"engine_{option.name}", type=option.kind, choices=option.choices,
-                                default=None, metavar=option.name.upper(), help=help_text)
+        add_flag(parser, [flag], f"engine_{option.name}", option.kind, option.choices,
+                 f"embedded engine: {option.help[0].lower()}{option.help[1:]}{default}", metavar=option.name.upper())
 
 
 def run(args: argparse.Namespace) -> int:

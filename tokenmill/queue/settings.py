@@ -6,8 +6,10 @@ a pydantic-settings model read from `TOKENMILL_*` environment variables. Torch-f
 
 from __future__ import annotations
 
+import argparse
 import types
 import typing
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from pydantic import Field, field_validator
@@ -60,6 +62,29 @@ class QueueSettings(BaseSettings):
     @property
     def backend_url(self) -> str:
         return self.result_backend or self.broker_url
+
+
+def add_settings_flags(parser: argparse.ArgumentParser, settings: type[BaseSettings], names: Iterable[str] | None = None,
+                       aliases: dict[str, list[str]] | None = None) -> None:
+    """A `--field-name` option per field of `settings` (or of `names`, in that order), with its description, its default
+    and its `TOKENMILL_FIELD_NAME` twin in the help; left unset, the variable or the default holds (dest = the field)."""
+    for name in names or settings.model_fields:
+        info = settings.model_fields[name]
+        kind, choices = flag_type(info.annotation)
+        default = f" (default: {info.default})" if info.default not in (None, "") else ""
+        add_flag(parser, [f"--{name.replace('_', '-')}", *(aliases or {}).get(name, [])], name, kind, choices,
+                 f"{info.description}{default} [env TOKENMILL_{name.upper()}]")
+
+
+def add_flag(parser: argparse.ArgumentParser, flags: list[str], dest: str, kind: type, choices: Sequence[Any] | None,
+             help_text: str, metavar: str | None = None) -> None:
+    """One option whose default is None (not given: nothing to override); a bool as `--x` / `--no-x`."""
+    help_text = help_text.replace("%", "%%")
+    if kind is bool:
+        parser.add_argument(*flags, dest=dest, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+    else:
+        parser.add_argument(*flags, dest=dest, type=kind, choices=choices, default=None, metavar=metavar,
+                            help=help_text)
 
 
 def flag_type(annotation: Any) -> tuple[type, tuple[Any, ...] | None]:

@@ -26,21 +26,12 @@ FLAGS = ("broker_url", "result_backend", "queue", "files_dir", "s3_endpoint_url"
 def add_parser(commands: Any) -> None:
     """`serve`'s flags: each setting of `FLAGS` with the description and default `ServeSettings` gives it."""
     from tokenmill.apps.api.settings import ServeSettings
-    from tokenmill.queue.settings import flag_type
+    from tokenmill.queue.settings import add_settings_flags
 
     serve = commands.add_parser("serve", help="the OpenAI Files and Batches API on the queue (HTTP)")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this host only)")
     serve.add_argument("--port", type=int, default=8000, help="port to listen on")
-    for name in FLAGS:
-        info = ServeSettings.model_fields[name]
-        flags = [f"--{name.replace('_', '-')}", *(["--broker"] if name == "broker_url" else [])]
-        default = f" (default: {info.default})" if info.default is not None else ""
-        help_text = f"{info.description}{default} [env TOKENMILL_{name.upper()}]".replace("%", "%%")
-        kind = flag_type(info.annotation)[0]
-        if kind is bool:
-            serve.add_argument(*flags, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
-        else:
-            serve.add_argument(*flags, dest=name, type=kind, default=None, help=help_text)
+    add_settings_flags(serve, ServeSettings, FLAGS, aliases={"broker_url": ["--broker"]})
     serve.add_argument("--insecure-no-auth", action="store_true",
                        help="serve without API keys (anyone who reaches the port is one tenant); loopback hosts only")
     serve.add_argument("--log-level", default="info", help="uvicorn's and tokenmill's log level")
