@@ -200,7 +200,8 @@ class LimitedDataset:
         self.schema = dataset.schema
 
     def count_rows(self) -> int:
-        return min(self.limit, self.dataset.count_rows())
+        """Read up to the limit only: the dataset's own count may scan a whole JSONL or CSV input."""
+        return sum(batch.num_rows for batch, _ in self.batches())
 
     def batches(self) -> Iterator[tuple[pa.RecordBatch, dict[int, str]]]:
         left = self.limit
@@ -222,6 +223,8 @@ def print_plan(dataset: Dataset | LimitedDataset, prompter: Prompter, id_column:
                model: str, broker: str | None) -> None:
     """What a run would do, on stdout: where, the first rendered prompts, rows and estimated tokens. Reads the input
     once; no model, no checkpoint, no output."""
+    from kombu.utils.url import maybe_sanitize_url
+
     rows = failing = chars = 0
     shown: list[str] = []
     for _, batch_rows in _rows(dataset, id_column):
@@ -236,18 +239,12 @@ def print_plan(dataset: Dataset | LimitedDataset, prompter: Prompter, id_column:
             if len(shown) < PLAN_PROMPTS:
                 shown.append(f"--- row {row[0]}:\n{text}")
     max_tokens = prompter.sampling["max_tokens"]
-    where = f"queue workers at {_sanitized(broker)}" if broker else "the embedded engine"
+    where = f"queue workers at {maybe_sanitize_url(broker)}" if broker else "the embedded engine"
     print(f"plan: {rows} rows of {input} -> {output}, model {model} on {where}")
     print("\n".join(shown) if shown else "(no row renders)")
     print(f"rows: {rows - failing} to run, {failing} failing before the model (their error goes in the output)")
     print(f"tokens: ~{chars // CHARS_PER_TOKEN:,} prompt (at ~{CHARS_PER_TOKEN} characters a token) + at most "
           f"{max_tokens * (rows - failing):,} completion (max_tokens {max_tokens} x {rows - failing} rows)")
-
-
-def _sanitized(url: str) -> str:
-    from kombu.utils.url import maybe_sanitize_url
-
-    return maybe_sanitize_url(url)
 
 
 def model_label(model: str | None, llm: Any, broker: str | None, queue: str | None) -> str:
