@@ -47,9 +47,9 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def start_server(broker: str, directory: Path) -> tuple[subprocess.Popen, int]:
+def start_server(broker: str, directory: Path, keys: str = KEY) -> tuple[subprocess.Popen, int]:
     port = job_queue.free_port()
-    env = {**os.environ, "PYTHONPATH": str(REPO), "TOKENMILL_API_KEYS": KEY}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TOKENMILL_API_KEYS": keys}
     process = subprocess.Popen([sys.executable, "-m", "tokenmill.cli", "serve", "--broker", broker, "--port", str(port),
                                 "--files-dir", str(directory / "files"), "--log-level", "warning"],
                                stdout=open(directory / "serve.log", "wb"), stderr=subprocess.STDOUT, env=env, cwd=REPO)

@@ -120,16 +120,19 @@ class Client:
         result_backend: str | None = None,
         queue: str | None = None,
         max_payload_bytes: int | None = None,
+        share: str | None = None,
     ) -> None:
         """`max_payload_bytes`: largest encoded job; default `max_job_bytes` of the settings (1 MiB), the
-        limit workers apply too."""
+        limit workers apply too. `share`: the fair share this client's jobs wait in (a run, a tenant; 1 to 64 of
+        `A-Z a-z 0-9 . _ -`): workers take from each share of the queue in turn, so another share's backlog does
+        not hold these jobs behind it (`tokenmill.queue.names.SHARE_HEADER`); None: the queue's own list."""
         overrides = {"broker_url": broker_url, "result_backend": result_backend, "queue": queue}
         self.settings = QueueSettings(**{k: v for k, v in overrides.items() if v is not None})
         self.app = queue_app(self.settings)
         self.queue = self.settings.queue
         self.max_payload_bytes = max_payload_bytes or self.settings.max_job_bytes
         self._subscriptions = _Subscriptions()
-        self.publisher = Publisher(self.app, self.queue)
+        self.publisher = Publisher(self.app, self.queue, share)
 
     # -- submitting ----------------------------------------------------------------------------
 

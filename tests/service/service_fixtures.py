@@ -73,6 +73,16 @@ def stopped(pid: int) -> Iterator[None]:
         os.kill(pid, signal.SIGCONT)
 
 
+def queued(broker: redis.Redis, queue: str = "tokenmill") -> int:
+    """Messages waiting on `queue`: its own list and its fair shares' (`annotate --broker` runs and `serve` tenants
+    queue in shares of their own; see `tokenmill.queue.names.SHARE_LIST`)."""
+    from tokenmill.queue.names import SHARE_LIST, SHARES_KEY
+
+    shares = [SHARE_LIST.format(queue=queue, share=share.decode())
+              for share in broker.smembers(SHARES_KEY.format(queue=queue))]
+    return sum(broker.llen(name) for name in [queue, *shares])
+
+
 def wait_for(check: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
     """Poll `check` until it returns something truthy; fail the test with `what` after `timeout` seconds."""
     deadline = time.monotonic() + timeout

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from service_fixtures import REPO, RedisServer, Worker, engine_pid, wait_for
+from service_fixtures import REPO, RedisServer, Worker, engine_pid, queued, wait_for
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from annotate_helpers import cli, read_jsonl, write_jsonl  # noqa: E402
@@ -95,7 +95,7 @@ def test_a_resume_finishes_the_rows_its_ctrl_c_cancelled(tmp_path: Path, redis_s
     output, options = tmp_path / "out.jsonl", {"max_tokens": 4}
     run = _annotate_in_background(source, output, redis_server.url, **options)
     _run_id(run)
-    wait_for(lambda: redis_server.client().llen("tokenmill") >= 3, 60, "the rows to be queued")
+    wait_for(lambda: queued(redis_server.client()) >= 3, 60, "the rows to be queued")
     run.send_signal(signal.SIGINT)
     _, stderr = run.communicate(timeout=90)
     assert "cancelled 5 jobs" in stderr and "the same command computes them again" in stderr
@@ -117,7 +117,7 @@ def test_rows_cancelled_on_purpose_stay_cancelled_unless_told_to_retry_them(tmp_
     output, options = tmp_path / "out.jsonl", {"max_tokens": 4}
     run = _annotate_in_background(source, output, redis_server.url, **options)
     run_id = _run_id(run)
-    wait_for(lambda: redis_server.client().llen("tokenmill") >= 2, 60, "the rows to be queued")
+    wait_for(lambda: queued(redis_server.client()) >= 2, 60, "the rows to be queued")
     assert cli("cancel", "--broker", redis_server.url, "--run", run_id).returncode == 0
     _, stderr = run.communicate(timeout=90)
     assert run.returncode == 0, stderr  # annotate() returns its summary; the rows carry their errors
@@ -184,7 +184,7 @@ def test_a_second_ctrl_c_exits_at_once_with_the_checkpoint_intact(tmp_path: Path
     run = _annotate_cli(str(source), "-o", str(tmp_path / "out.jsonl"), "--template", TEMPLATE, "--id-column", "id",
                         "--max-tokens", "3000", "--broker", redis_server.url, "--quiet")
     _run_id(run)
-    wait_for(lambda: redis_server.client().llen("tokenmill") == 0 and redis_server.client().keys("tokenmill:deliveries:*"),
+    wait_for(lambda: queued(redis_server.client()) == 0 and redis_server.client().keys("tokenmill:deliveries:*"),
              60, "the worker to take the rows")
     run.send_signal(signal.SIGINT)
     time.sleep(1.0)

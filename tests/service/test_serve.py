@@ -24,7 +24,7 @@ import pytest
 from openai import OpenAI
 from openai.types.chat import ChatCompletion
 from openai.types.shared import ErrorObject
-from service_fixtures import KEYS, REPO, S3_BUCKET, Server, engine_pid, free_port, stopped, wait_for
+from service_fixtures import KEYS, REPO, S3_BUCKET, Server, engine_pid, free_port, queued, stopped, wait_for
 
 from tokenmill.apps.api.records import refused_key
 from tokenmill.apps.batch import batch as run_batch
@@ -760,7 +760,7 @@ def test_a_batch_that_fails_on_the_server_cancels_the_jobs_it_queued(tmp_path, r
     file_id = upload(client, write_jsonl(tmp_path / "in.jsonl", [chat_line(f"r{i}", "hi") for i in range(5)]))
     batch = client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
     broker = redis_server.client()
-    wait_for(lambda: client.batches.retrieve(batch.id).status == "in_progress" and broker.llen("tokenmill"), 30,
+    wait_for(lambda: client.batches.retrieve(batch.id).status == "in_progress" and queued(broker), 30,
              "the jobs queued (no worker takes them)")
     client.files.delete(file_id)
     first.kill()

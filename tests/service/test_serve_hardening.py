@@ -14,7 +14,7 @@ from pathlib import Path
 
 import openai
 import pytest
-from service_fixtures import KEYS, REPO, RedisServer, Server
+from service_fixtures import KEYS, REPO, RedisServer, Server, queued
 
 from tokenmill.apps.api.records import Records, lease_key
 from tokenmill.apps.api.webhooks import Deliverer
@@ -162,7 +162,7 @@ def test_user_strings_are_never_copied_whole_into_errors_or_jobs(redis_server: R
         broker = redis_server.client()
         from service_fixtures import wait_for
 
-        wait_for(lambda: broker.llen("tokenmill"), 30, "the jobs queued (no worker takes them)")
+        wait_for(lambda: queued(broker), 30, "the jobs queued (no worker takes them)")
         messages = b"".join(broker.lrange("tokenmill", 0, -1))
         assert long_id.encode() not in messages and b'"row":"' + b"x" * 64 + b'"' in _bodies(messages)
     finally:

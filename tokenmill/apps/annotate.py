@@ -283,7 +283,7 @@ def make_runner(mode: str, model: str | None, llm: Any, engine_options: dict[str
     if mode == "queue":
         from tokenmill.client import Client
 
-        client = Client(broker, queue=queue)
+        client = Client(broker, queue=queue, share=run[:12])  # each run its fair share of the queue
         client.ping()  # an unreachable broker is one line before the run is announced
         runner = QueueRunner(client, window, rows_per_message, run[:12], detach)
         print(f"tokenmill: run {runner.run_id} (tokenmill cancel --run {runner.run_id} stops it)", file=sys.stderr)

@@ -27,7 +27,7 @@ from datetime import datetime
 from typing import Any, Literal
 
 from tokenmill.queue import fastjson
-from tokenmill.queue.names import CANCEL_CHANNEL, CANCEL_KEY, DELIVERIES_KEY
+from tokenmill.queue.names import CANCEL_CHANNEL, CANCEL_KEY, DELIVERIES_KEY, SHARE_LIST, SHARES_KEY
 from tokenmill.queue.schemas import JobResult
 
 #: Celery states after which a job never runs again (REVOKED: a cancelled job, ours or Celery's own revoke).
@@ -133,22 +133,26 @@ SCAN_LIMIT = 200_000
 
 def unknown(backend: Any, broker: Any, job_ids: Iterable[str], queues: Iterable[str],
             scan_limit: int = SCAN_LIMIT) -> list[str] | None:
-    """Of `job_ids`, those no job is known by: no result, never delivered, and on none of `queues` (a single job's
-    message names it in its headers, a group's in its body). None when a queue holds more than `scan_limit`
-    messages, so its tail was not read. A job taken by a worker this instant and not yet recorded counts as
-    unknown: the window is one Redis round trip. `backend`: a Celery Redis backend; `broker`: the broker's client."""
+    """Of `job_ids`, those no job is known by: no result, never delivered, and on none of `queues` nor their fair
+    shares' lists (a single job's message names it in its headers, a group's in its body). None when a list holds
+    more than `scan_limit` messages, so its tail was not read. A job taken by a worker this instant and not yet
+    recorded counts as unknown: the window is one Redis round trip. `backend`: a Celery Redis backend; `broker`: the broker's client."""
     ids = list(dict.fromkeys(job_ids))
     with backend.client.pipeline(transaction=False) as pipe:
         for job_id in ids:
             pipe.exists(backend.get_key_for_task(job_id), DELIVERIES_KEY.format(job_id=job_id))
         candidates = [job_id for job_id, known in zip(ids, pipe.execute()) if not known]
-    for queue in queues:
+    queues = list(queues)
+    shares = [(queue, share) for queue in queues for share in broker.smembers(SHARES_KEY.format(queue=queue))]
+    lists = queues + [SHARE_LIST.format(queue=queue, share=share.decode() if isinstance(share, bytes) else share)
+                      for queue, share in shares]
+    for listed in lists:
         if not candidates:
             break
-        if broker.llen(queue) > scan_limit:
+        if broker.llen(listed) > scan_limit:
             return None
         for start in range(0, scan_limit, _CHUNK):
-            items = broker.lrange(queue, start, start + _CHUNK - 1)
+            items = broker.lrange(listed, start, start + _CHUNK - 1)
             texts = [_searchable(item) for item in items]
             candidates = [job_id for job_id in candidates if not any(f'"{job_id}"'.encode() in t for t in texts)]
             if len(items) < _CHUNK or not candidates:

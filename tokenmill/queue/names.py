@@ -6,6 +6,8 @@ so they never change (a message queued before an upgrade must still run after it
 
 from __future__ import annotations
 
+import re
+
 #: One job per message (`Client.submit`, `generate.delay`, a team's own `send_task`).
 TASK_NAME = "tokenmill.generate"
 #: Several jobs per message, each with its own id and result (`tokenmill annotate --broker`).
@@ -32,3 +34,20 @@ RUN_JOBS_KEY = "tokenmill:run:{run_id}"
 #: hashed by the worker. It is the sender's claim, as the job id is: it only tells that sender's own resubmissions
 #: of the id apart from other content.
 JOB_HASH_HEADER = "tokenmill_job_hash"
+#: Fair shares. A message published for a share (a `serve` tenant, an `annotate --broker` run: `Client(share=...)`)
+#: carries this header and waits on its share's list of the queue, `SHARE_LIST` (kombu's priority suffix after it),
+#: and the share is in the queue's index `SHARES_KEY`. tokenmill's transport takes from the queue's own list and
+#: from each share's in turn, one message each (`SHARE_TURN_KEY` rotates who goes first), so a share's backlog
+#: delays another's messages by one turn, not by the backlog. A message put back on its queue (a lease lapsed, a
+#: worker handing back) goes to the queue's own list, at its head.
+SHARE_HEADER = "tokenmill_share"
+SHARE_LIST = "{queue}\x06\x16s:{share}"
+SHARES_KEY = "tokenmill:shares:{queue}"
+SHARE_TURN_KEY = "tokenmill:share-turn"
+
+_SHARE_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
+
+
+def valid_share(share: object) -> bool:
+    """Whether `share` may name a share: 1 to 64 of `A-Z a-z 0-9 . _ -` (nothing of kombu's list name separators)."""
+    return isinstance(share, str) and _SHARE_NAME.fullmatch(share) is not None

@@ -26,6 +26,7 @@ from kombu.entity import maybe_delivery_mode
 from kombu.exceptions import BatchPublishError
 
 from tokenmill.queue import fastjson
+from tokenmill.queue.names import SHARE_HEADER, valid_share
 
 
 #: Channels a publisher keeps open between publishes (more are opened while more threads publish at once, and
@@ -34,11 +35,15 @@ IDLE_CHANNELS = 8
 
 
 class Publisher:
-    """Task messages to `queue` of `app`'s broker; any thread may publish (each publish on a channel of its own)."""
+    """Task messages to `queue` of `app`'s broker; any thread may publish (each publish on a channel of its own).
+    With a `share`, every message goes to that fair share of the queue (`tokenmill.queue.names.SHARE_HEADER`)."""
 
-    def __init__(self, app: Any, queue: str) -> None:
+    def __init__(self, app: Any, queue: str, share: str | None = None) -> None:
+        if share is not None and not valid_share(share):
+            raise ValueError(f"share: 1 to 64 of A-Z a-z 0-9 . _ -, got {share!r}")
         self.app = app
         self.queue = queue
+        self.share = share
         self._delivery_mode = maybe_delivery_mode(app.conf.task_default_delivery_mode)
         self._idle: list[Any] = []  # open channels no publish holds, the last used last
         self._closed = False
@@ -93,6 +98,8 @@ class Publisher:
         message_headers, properties, body, _ = self.app.amqp.as_task_v2(
             task_id, name, args=args, kwargs={}, argsrepr=argsrepr, kwargsrepr="{}", **options)
         message_headers.update(headers or {})
+        if self.share is not None:
+            message_headers[SHARE_HEADER] = self.share
         before_task_publish.send(sender=name, body=body, exchange="", routing_key=self.queue, declare=[self.queue],
                                  headers=message_headers, properties=properties, retry_policy={})
         # a handler of that signal may have put in the body what kombu's encoder writes its own way (a datetime, a

@@ -40,6 +40,10 @@ Other changes to kombu's channel, each for a fault seen in practice:
   in this live consumer's processing lists, where no sweep looks while its heartbeat lives: the next take
   first puts them back on their queues (`Channel._return_unread`). Every take tells kombu when it was
   sent, as BLMOVE did, so that kombu's check of an overdue reply measures the take's own wait.
+* Fair shares (`tokenmill.queue.names.SHARE_HEADER`): a message published with a share waits on its share's list
+  of the queue; a take serves the queue's own lists and each share's in turn, one message at a time, so one run's
+  or tenant's backlog does not hold the others' messages behind it. A share's messages are taken into one processing
+  list per queue and consumer, and requeued to the queue's own list if never recorded.
 
 Producers need nothing of this: messages are published exactly as kombu's Redis transport does, so
 plain `redis://` URLs and plain Celery apps keep working, and their jobs get the same guarantee
@@ -65,6 +69,7 @@ from kombu.utils.objects import cached_property
 
 from tokenmill.queue import fastjson
 from tokenmill.queue.batching import Coalescer, HeldScript
+from tokenmill.queue.names import SHARE_HEADER, SHARE_LIST, SHARE_TURN_KEY, SHARES_KEY, valid_share
 from tokenmill.queue.packing import PACKER_OPTIONS
 
 log = logging.getLogger(__name__)
@@ -82,7 +87,7 @@ MALFORMED_KEEP = 100
 MALFORMED_BYTES = 64 * 1024
 
 # KEYS: unacked, unacked_index, malformed, then the processing lists a take moved items into, then the lists the take
-# took from. ARGV[1]: now, ARGV[2]: bytes of a set-aside copy, ARGV[3]: copies kept, ARGV[4]: how many of the KEYS
+# took from (for a queue's shares, its share index). ARGV[1]: now, ARGV[2]: bytes of a set-aside copy, ARGV[3]: copies kept, ARGV[4]: how many of the KEYS
 # are lists taken from (m, the last m); then per processing list: how many taken items are to be recorded (n), then
 # per item, in the order taken: its delivery tag and the end of its unacked record (exchange and routing key as
 # JSON: kombu's record `[item, exchange, routing key]` is built here). The take pushed each item at its list's head,
@@ -152,19 +157,48 @@ for i = 4, #KEYS do
 end
 return codes
 """
-# KEYS: the source lists in kombu's order, then their processing lists. ARGV[1]: the most items to move.
-# Moves up to that many items, oldest first, each from its queue to its processing list (what BLMOVE does
-# for one, without blocking). Returns source index, item, source index, item, ...
+# KEYS: the n source lists in kombu's order, their n processing lists, then for each of the m queues taken from: its
+# share index, the processing list of its shares' messages; last, the turn counter. ARGV[1]: the most items to move,
+# ARGV[2]: n, ARGV[3]: m, then the m queues' share list prefixes, then kombu's priority suffixes in order.
+# Lanes: the source lists together (kombu's order: the first non-empty list gives the lane's next item), and each
+# share of the index (its priority lists in order). Takes one item from each lane in turn, starting one lane further
+# each take when there are shares, until the limit or every lane is empty; a share found empty leaves the index. Each
+# item moves, oldest first, from its list to its lane's processing list (what BLMOVE does for one, without blocking).
+# Nothing else runs while the script does, so a list found empty stays empty. Returns source index (1..n: the
+# source list; n + j: queue j's shares), item, source index, item, ...
 _TAKE = """
-local n = #KEYS / 2
-local limit = 2 * tonumber(ARGV[1])
-local taken = {}
-for i = 1, n do
-  while #taken < limit do
-    local item = redis.call('LMOVE', KEYS[i], KEYS[n + i], 'RIGHT', 'LEFT')
-    if not item then break end
-    taken[#taken + 1] = i
-    taken[#taken + 1] = item
+local limit, n, m = 2 * tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local lanes = {{at = 1}}
+for i = 1, n do lanes[1][i] = {KEYS[i], KEYS[n + i], i} end
+for j = 1, m do
+  local names = redis.call('SMEMBERS', KEYS[2 * n + j])
+  table.sort(names)
+  for _, name in ipairs(names) do
+    local lane = {at = 1, index = KEYS[2 * n + j], name = name}
+    for k = 4 + m, #ARGV do lane[#lane + 1] = {ARGV[3 + j] .. name .. ARGV[k], KEYS[2 * n + m + j], n + j} end
+    lanes[#lanes + 1] = lane
+  end
+end
+local turn = #lanes > 1 and redis.call('INCR', KEYS[#KEYS]) or 0
+local taken, live = {}, 0
+for _, lane in ipairs(lanes) do if #lane > 0 then live = live + 1 end end
+while #taken < limit and live > 0 do
+  for k = 1, #lanes do
+    local lane = lanes[(turn + k) % #lanes + 1]
+    while #taken < limit and lane.at <= #lane do
+      local list = lane[lane.at]
+      local item = redis.call('LMOVE', list[1], list[2], 'RIGHT', 'LEFT')
+      if item then
+        taken[#taken + 1] = list[3]
+        taken[#taken + 1] = item
+        break
+      end
+      lane.at = lane.at + 1
+      if lane.at > #lane then
+        live = live - 1
+        if lane.index then redis.call('SREM', lane.index, lane.name) end
+      end
+    end
   end
 end
 return taken
@@ -433,6 +467,7 @@ class Channel(kombu_redis.Channel):
         self._take_keys: list[str] = []  # the lists the last take or BLMOVE took from, in kombu's order
         self._unread = False  # a take or BLMOVE was sent whose items are not recorded yet (see `_return_unread`)
         self._processing_keys: dict[str, str] = {}
+        self._share_sources: dict[str, tuple[str, str]] = {}  # a queue's shares' source -> (the queue, its index)
         self._decoded_bodies: dict[int, tuple[str, str, Any]] = {}  # id(body) -> (body, encoding, decoded), one take's
         self._record_tails: dict[tuple[str, str], bytes] = {}  # (exchange, routing key) -> their JSON in a record
         self._beat_at = float("-inf")
@@ -484,6 +519,28 @@ class Channel(kombu_redis.Channel):
     def _heartbeat_key(self) -> str:
         return HEARTBEAT_KEY.format(consumer=self.consumer_id)
 
+    # -- publishing ----------------------------------------------------------------------
+
+    def _put(self, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
+        """As kombu, but a message with a share (`SHARE_HEADER`, a valid share name) goes to that share's list of
+        the queue, and the share into the queue's index after it: an index never misses a list holding messages."""
+        share = (message.get("headers") or {}).get(SHARE_HEADER)
+        if not valid_share(share) or (self._expires and queue in self._expires):
+            return super()._put(queue, message, **kwargs)
+        key = self._q_for_pri(SHARE_LIST.format(queue=queue, share=share), self._get_message_priority(message, False))
+        index = SHARES_KEY.format(queue=queue)
+        batch = kwargs.get("_publish_batch")
+        if batch is not None:
+            batch.add("lpush", key, kombu_redis.dumps(message))
+            batch.add("sadd", index, share)
+            return None
+        with self.conn_or_acquire() as client:
+            pipe = client.pipeline(transaction=False)
+            pipe.lpush(key, kombu_redis.dumps(message))
+            pipe.sadd(index, share)
+            pipe.execute()
+        return None
+
     # -- taking a message ------------------------------------------------------------------
 
     def basic_consume(self, queue: str, no_ack: bool, *args: Any, **kwargs: Any) -> Any:
@@ -497,11 +554,13 @@ class Channel(kombu_redis.Channel):
         return super()._basic_cancel(consumer_tag)
 
     def _brpop_start(self, timeout: float | None = None) -> None:
-        """Take what is waiting, up to the free prefetch slots, in one script; when the last take found
-        nothing, or the record of the last take found every list empty, block in BLMOVE for the first non-empty
-        list in kombu's order (queues fairly cycled, then priority) instead: the first list when that take or
-        record was just now (it checked them all), else the first `_choose_source` finds non-empty. Under a trickle
-        of jobs that is a BLMOVE and a record per job, not a take, a check and a BLMOVE."""
+        """Take what is waiting, up to the free prefetch slots, in one script, from the queues' own lists and their
+        shares' in turn; when the last take found nothing, or the record of the last take found every list empty,
+        block in BLMOVE for the first non-empty list in kombu's order (queues fairly cycled, then priority) instead:
+        the first list when that take or record was just now (it checked them all), else the first
+        `_choose_source` finds non-empty, unless a share holds messages (then a take). Under a trickle of jobs that
+        is a BLMOVE and a record per job, not a take, a check and a BLMOVE. A share's message reaches a consumer
+        blocked in BLMOVE at its next poll (`brpop_timeout`, 1 s)."""
         if timeout is None:
             timeout = self.brpop_timeout
         if self._unread:
@@ -510,28 +569,52 @@ class Channel(kombu_redis.Channel):
         if not queues:
             return
         keys = list(dict.fromkeys(self._q_for_pri(queue, pri) for pri in self.priority_steps for queue in queues))
+        shared = [self._shares_source(queue) for queue in dict.fromkeys(queues)]
         room = self.qos.can_consume_max_estimate()
         limit = TAKE_MAX if room is None else min(TAKE_MAX, room)
-        self._take_keys = keys
+        self._take_keys = keys + shared
         if self._take_many and limit > 1:
-            self._register_sources(keys)
-            self._blmove_source = None
-            self._in_poll = self.client.connection
-            self._brpop_sent_at = monotonic()  # kombu's check of a reply overdue on a dead connection reads it
-            self._unread = True
-            self.client.connection.send_command(
-                "EVAL", _TAKE, 2 * len(keys), *keys, *(self._processing_key(key) for key in keys), limit)
+            self._send_take(keys, shared, limit)
             return
         if self._found_empty:  # the take or record just before found every list empty: that was the check
-            self._register_sources(keys)
-            source = keys[0]
+            self._register_sources(self._take_keys)
+            source: str | None = keys[0]
         else:
-            source = self._choose_source(keys)
+            source = self._choose_source(keys, shared)
+        if source is None:
+            self._send_take(keys, shared, max(1, limit))
+            return
         self._blmove_source = source
         self._in_poll = self.client.connection
         self._brpop_sent_at = monotonic()
         self._unread = True
         self.client.connection.send_command("BLMOVE", source, self._processing_key(source), "RIGHT", "LEFT", timeout or 0)
+
+    def _send_take(self, keys: list[str], shared: list[str], limit: int) -> None:
+        """Send the take script (`_TAKE`) for the source lists `keys` and the shares of `shared`'s queues."""
+        self._register_sources(self._take_keys)
+        self._blmove_source = None
+        self._in_poll = self.client.connection
+        self._brpop_sent_at = monotonic()  # kombu's check of a reply overdue on a dead connection reads it
+        self._unread = True
+        suffixes = dict.fromkeys(self._q_for_pri("", pri) for pri in self.priority_steps)
+        self.client.connection.send_command(
+            "EVAL", _TAKE, 2 * len(keys) + 2 * len(shared) + 1, *keys, *map(self._processing_key, keys),
+            *(self._share_sources[source][1] for source in shared), *map(self._processing_key, shared),
+            SHARE_TURN_KEY, limit, len(keys), len(shared), *shared, *suffixes)
+
+    def _shares_source(self, queue: str) -> str:
+        """The source standing for `queue`'s shares: their lists' common prefix, whose processing list holds what a
+        take moved from any of them (put back on the queue's own list if never recorded)."""
+        source = SHARE_LIST.format(queue=queue, share="")
+        if source not in self._share_sources:
+            self._share_sources[source] = (queue, SHARES_KEY.format(queue=queue))
+        return source
+
+    def _requeue_to(self, source: str) -> str:
+        """The list a source's items go back to: its own, or for a queue's shares the queue's list."""
+        shared = self._share_sources.get(source)
+        return source if shared is None else shared[0]
 
     def _return_unread(self) -> int:
         """Requeue what the last take or BLMOVE moved into this consumer's processing lists and never got recorded:
@@ -543,7 +626,8 @@ class Channel(kombu_redis.Channel):
         if not keys:
             return 0
         with self.conn_or_acquire() as client:
-            moved = self._scripts["return"](keys=[*map(self._processing_key, keys), *keys], client=client)
+            moved = self._scripts["return"](keys=[*map(self._processing_key, keys), *map(self._requeue_to, keys)],
+                                            client=client)
         self._unread = False
         if moved:
             log.warning("requeued %d message(s) taken by a take whose reply was not read", moved)
@@ -558,27 +642,31 @@ class Channel(kombu_redis.Channel):
                 self._beat(pipe)
                 pipe.execute()
 
-    def _choose_source(self, keys: list[str]) -> str:
-        """One round trip: register new processing lists, renew the heartbeat, find a non-empty list.
+    def _choose_source(self, keys: list[str], shared: list[str]) -> str | None:
+        """One round trip: register new processing lists, renew the heartbeat, find a non-empty list; None when a
+        share of the queues holds messages (a take then serves the shares and the lists in turn).
 
         BLMOVE watches one list; the others are checked here, so a message on any of them waits at
         most one `brpop_timeout` (1 s) when all were empty at this check.
         """
         with self.conn_or_acquire() as client:
             pipe = client.pipeline(transaction=False)
-            fresh = [key for key in keys if key not in self._sources]
+            fresh = [key for key in keys + shared if key not in self._sources]
             self._sources.update(fresh)
             if fresh or monotonic() - self._beat_at > self.consumer_ttl / 4:
                 self._beat(pipe)
             for key in keys:
                 pipe.llen(key)
-            lengths = pipe.execute()[-len(keys):]
+            pipe.exists(*(self._share_sources[source][1] for source in shared))
+            *lengths, shares = pipe.execute()[-len(keys) - 1:]
+        if shares:
+            return None
         return next((key for key, length in zip(keys, lengths) if length), keys[0])
 
     def _beat(self, pipe: Any) -> None:
         """Queue the heartbeat and the (re-)registration of every processing list of this consumer."""
         for source in self._sources:
-            owner = json.dumps({"consumer": self.consumer_id, "source": source})
+            owner = json.dumps({"consumer": self.consumer_id, "source": self._requeue_to(source)})
             pipe.hset(CONSUMERS_KEY, self._processing_key(source), owner)
         pipe.set(self._heartbeat_key, 1, px=int(self.consumer_ttl * 1000))
         self._beat_at = monotonic()
@@ -619,19 +707,21 @@ class Channel(kombu_redis.Channel):
     def _claim_many(self, taken: list[tuple[str, bytes]], sources: Sequence[str] = ()
                     ) -> tuple[list[tuple[dict[str, Any], str]], int | None]:
         """Record the taken items as unacked and remove them from their processing lists, in one atomic
-        script; discard those that are no kombu messages. Returns (payload, queue) of the messages to deliver, and
-        how many of the `sources` (the lists taken from) still hold messages, which the same script counts (None when
-        no record ran or no sources were given).
+        script; discard those that are no kombu messages. Returns (payload, queue) of the messages to deliver, in the
+        order taken, and how many of the `sources` (the lists taken from) still hold messages, which the same script
+        counts (None when no record ran or no sources were given).
 
         Items of a no-ack consumer (as kombu: nothing to acknowledge) are only removed.
         """
         self._decoded_bodies.clear()  # a discarded message's body, left from the last take
         by_list: dict[str, list[tuple[str, bytes, Any, str]]] = {}
         delivered: list[tuple[dict[str, Any], str]] = []
+        order: dict[int, int] = {}  # id(payload) -> its place in `taken` (recorded per processing list, not in order)
         for source, item in taken:
             queue = source.rsplit(self.sep, 1)[0]
             processing = self._processing_key(source)
             payload, problem = self._decode(item)
+            order[id(payload)] = len(order)
             if problem is None and queue in self._no_ack_queues:
                 with self.conn_or_acquire() as client:
                     if client.lrem(processing, 1, item):
@@ -648,8 +738,9 @@ class Channel(kombu_redis.Channel):
             args.append(len(recorded))
             for _, _, payload, _ in recorded:
                 args += self._record_args(payload)
+        waiting_keys = [self._share_sources[source][1] if source in self._share_sources else source for source in sources]
         *codes, waiting = self._scripts["record"](
-            keys=[self.unacked_key, self.unacked_index_key, MALFORMED_KEY, *by_list, *sources], args=args)
+            keys=[self.unacked_key, self.unacked_index_key, MALFORMED_KEY, *by_list, *waiting_keys], args=args)
         results = list(zip([entry for entries in by_list.values() for entry in entries], codes))
         moved = [entry for entry, code in results if code == 2]
         if moved:
@@ -663,6 +754,8 @@ class Channel(kombu_redis.Channel):
             elif code == -1:  # the script set it aside
                 self._log_discarded(source, item, "its delivery_tag is already in flight")
             # 0: a sweep already requeued it: whoever takes it next runs it
+        if len(by_list) > 1:
+            delivered.sort(key=lambda delivery: order[id(delivery[0])])
         return delivered, waiting if sources else None
 
     def _record_args(self, payload: dict[str, Any]) -> list[Any]:

@@ -49,6 +49,12 @@ def job_id(batch_id: str, custom_id: str, choice: int) -> str:
     return f"{batch_id.replace('_', '.')}.{digest}.{choice}"
 
 
+def tenant_share(tenant: str) -> str:
+    """The fair share of the queue a tenant's jobs wait in: workers take from each tenant's share in turn, so one
+    tenant's backlog does not hold another's batches behind it."""
+    return "t-" + hashlib.sha256(tenant.encode()).hexdigest()[:16]
+
+
 def model_label(settings: ServeSettings) -> str:
     """The model label in request keys: the one `tokenmill batch --broker` uses without `--model`, so the same
     input file gives the same line ids and bodies through either."""
@@ -152,7 +158,7 @@ class Driver(threading.Thread):
                 unit.job_id = job_id(self.batch_id, request.custom_id, choice)
                 plan.models[unit.job_id] = request.model
         with Client(self.settings.broker_url, result_backend=self.settings.result_backend,
-                    queue=self.settings.queue) as client:
+                    queue=self.settings.queue, share=tenant_share(self.records.tenant_of(self.batch_id))) as client:
             if batch["status"] == "in_progress":
                 self.publish(client, plan)
             outcomes = self.collect(client, plan)

@@ -1,0 +1,144 @@
+"""Fair shares of a queue (`tokenmill.queue.names.SHARE_HEADER`), against a real redis-server: a take serves the
+queue's own list and each share's in turn, priorities keep working inside a share, a share's messages held by a
+consumer that dies go back to the queue, and a queued share's job is found by the cancel check."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+from kombu import Connection, Consumer, Exchange, Producer, Queue
+from service_fixtures import RedisServer, wait_for
+
+from tokenmill.queue import transport as tm_transport
+from tokenmill.queue.app import BROKER_TRANSPORT
+from tokenmill.queue.names import SHARE_HEADER, SHARE_LIST, SHARES_KEY
+
+EXCHANGE = Exchange("", type="direct")
+
+
+def _connection(server: RedisServer) -> Connection:
+    return Connection(server.url, transport=BROKER_TRANSPORT, transport_options={"visibility_timeout": 3600})
+
+
+def _publish(server: RedisServer, queue: Queue, bodies: list[str], share: str | None = None,
+             priority: int | None = None) -> None:
+    """As tokenmill's publisher sends them: the share in the message's headers, on tokenmill's transport."""
+    with _connection(server) as connection:
+        producer = Producer(connection.channel(), exchange=EXCHANGE)
+        headers = {SHARE_HEADER: share} if share else {}
+        for body in bodies:
+            producer.publish({"body": body}, routing_key=queue.name, declare=[queue], headers=headers,
+                             priority=priority)
+
+
+def _take_all(server: RedisServer, queue: Queue, count: int, prefetch: int = 64) -> list[str]:
+    received: list[str] = []
+    with _connection(server) as connection:
+        def on_message(body: dict, message: object) -> None:
+            received.append(body["body"])
+            message.ack()
+
+        with Consumer(connection.channel(), [queue], callbacks=[on_message], prefetch_count=prefetch):
+            deadline = time.monotonic() + 30
+            while len(received) < count and time.monotonic() < deadline:
+                try:
+                    connection.drain_events(timeout=1)
+                except TimeoutError:
+                    pass
+    return received
+
+
+def test_a_take_serves_the_queue_and_each_share_in_turn(redis_server: RedisServer) -> None:
+    """A backlog in share `big` published first; then a few messages of share `small` and of the queue itself (a
+    plain producer). The first messages taken alternate between the three, each lane in its own order, and every
+    share found empty leaves the index."""
+    queue = Queue(f"q-{uuid.uuid4().hex[:8]}", EXCHANGE, routing_key="q")
+    big = [f"big-{i}" for i in range(40)]
+    small = [f"small-{i}" for i in range(3)]
+    plain = [f"plain-{i}" for i in range(3)]
+    _publish(redis_server, queue, big, share="big")
+    _publish(redis_server, queue, small, share="small")
+    _publish(redis_server, queue, plain)
+    client = redis_server.client()
+    assert client.smembers(SHARES_KEY.format(queue=queue.name)) == {b"big", b"small"}
+    assert client.llen(SHARE_LIST.format(queue=queue.name, share="big")) == 40
+
+    received = _take_all(redis_server, queue, 46)
+    assert sorted(received) == sorted(big + small + plain)
+    first = received[:9]
+    assert sum(body.startswith("small") for body in first) == 3 and sum(body.startswith("plain") for body in first) == 3
+    for lane in (big, small, plain):
+        assert [body for body in received if body in lane] == lane  # oldest first inside a lane
+    assert not client.exists(SHARES_KEY.format(queue=queue.name))
+
+
+def test_priorities_keep_working_inside_a_share(redis_server: RedisServer) -> None:
+    """kombu's Redis priorities (0 first) order a share's own messages, as they order the queue's."""
+    queue = Queue(f"q-{uuid.uuid4().hex[:8]}", EXCHANGE, routing_key="q", max_priority=9)
+    _publish(redis_server, queue, ["late-0", "late-1"], share="run1", priority=9)
+    _publish(redis_server, queue, ["urgent-0", "urgent-1"], share="run1", priority=0)
+    assert _take_all(redis_server, queue, 4) == ["urgent-0", "urgent-1", "late-0", "late-1"]
+
+
+def test_a_dead_consumers_share_messages_go_back_to_the_queue(redis_server: RedisServer) -> None:
+    """A consumer registers the processing list of a queue's shares with the queue's own list as the place its items
+    go back to, so a consumer that dies between a take and its record loses none of a share's messages."""
+    queue = Queue(f"q-{uuid.uuid4().hex[:8]}", EXCHANGE, routing_key="q")
+    _publish(redis_server, queue, ["a-0"], share="a")
+    client = redis_server.client()
+    shares_source = SHARE_LIST.format(queue=queue.name, share="")
+    with _connection(redis_server) as connection:
+        held: list = []
+        with Consumer(connection.channel(), [queue], callbacks=[lambda body, message: held.append(message)]):
+            while not held:
+                try:
+                    connection.drain_events(timeout=1)
+                except TimeoutError:
+                    pass
+            owners = [json.loads(raw) for key, raw in client.hgetall(tm_transport.CONSUMERS_KEY).items()
+                      if key.decode().endswith(shares_source)]
+            assert owners and all(owner["source"] == queue.name for owner in owners)
+            held[0].ack()
+
+    dead = "deadbeef" * 4
+    processing = tm_transport.PROCESSING_KEY.format(consumer=dead, source=shares_source)
+    client.hset(tm_transport.CONSUMERS_KEY, processing, json.dumps({"consumer": dead, "source": queue.name}))
+    _publish(redis_server, queue, ["a-1"], share="a")
+    assert client.lmove(SHARE_LIST.format(queue=queue.name, share="a"), processing, "RIGHT", "LEFT")  # its take
+    assert _take_all(redis_server, queue, 1) == ["a-1"]  # a live consumer's sweep put it back on the queue
+    assert client.llen(processing) == 0
+
+
+def test_the_cancel_check_finds_a_job_queued_in_a_share(redis_server: RedisServer) -> None:
+    """`Client.unknown` (what `tokenmill cancel` asks before recording a cancel) reads the shares' lists too: a job
+    queued in a share is known."""
+    from tokenmill.client import Client
+
+    queue = f"q-{uuid.uuid4().hex[:8]}"
+    with Client(redis_server.url, queue=queue, share="run-7") as client:
+        handle = client.submit(prompt="hello", max_tokens=1)
+        assert redis_server.client().llen(SHARE_LIST.format(queue=queue, share="run-7")) == 1
+        assert client.unknown([handle.id, "no-such-job"], [queue]) == ["no-such-job"]
+
+
+def test_a_job_queued_behind_another_runs_backlog_is_taken_at_once(redis_server: RedisServer, start_worker) -> None:
+    """A real worker busy with a run's backlog in a share of its own: a single client job queued after the whole
+    backlog, and a job of another share, finish while most of the backlog still waits (first in, first out they
+    came after all of it)."""
+    from tokenmill.client import Client
+
+    start_worker(redis_server.url, max_num_seqs=4, num_kv_blocks=256).wait_ready()
+    backlog = 400
+    with Client(redis_server.url, share="run-big") as big, Client(redis_server.url) as plain, \
+            Client(redis_server.url, share="run-small") as small:
+        handles = big.submit_many({"id": f"big-{i}", "prompt": f"row {i}", "max_tokens": 24, "ignore_eos": True}
+                                  for i in range(backlog))
+        wait_for(lambda: big.get(handles[0].id) is not None, 60, "the backlog running")
+        probes = [plain.submit(prompt="a lone job", max_tokens=4), small.submit(prompt="another run", max_tokens=4)]
+        for probe in probes:
+            assert probe.result(timeout=120).status == "succeeded"
+        done = sum(big.get(handle.id) is not None for handle in handles)
+        assert done < backlog // 2, f"{done} of the {backlog} backlog jobs finished before the probes"
+        big.cancel(handles)
