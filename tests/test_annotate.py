@@ -508,6 +508,34 @@ def test_probabilities_give_each_choice_s_probability_and_the_most_probable_labe
         assert row["annotation"] == max(choices, key=row["probabilities"].get)
 
 
+def test_logprobs_column_holds_each_generated_token_with_its_alternatives(llm, tmp_path: Path) -> None:
+    """`--logprobs N`: a column of the generated tokens, each with its logprob and N alternatives (a typed list of
+    structs in Parquet), the engine's own numbers; `--logprobs 0` the chosen tokens alone."""
+    src = write_jsonl(tmp_path / "in.jsonl", rows(3))
+    run(llm, src, tmp_path / "out.jsonl", logprobs=2)
+    run(llm, src, tmp_path / "out.parquet", logprobs=2)
+    table = pq.read_table(tmp_path / "out.parquet")
+    entry = pa.struct([("token", pa.string()), ("logprob", pa.float64())])
+    assert table.schema.field("logprobs").type == pa.list_(pa.struct([*entry, ("top_logprobs", pa.list_(entry))]))
+    direct = llm.generate([f"Say: {r['text']}" for r in rows(3)],
+                          SamplingParams(max_tokens=6, temperature=0.0, logprobs=2), use_tqdm=False)
+    decode = llm.tokenizer.decode
+    jsonl_rows = read_jsonl(tmp_path / "out.jsonl")
+    for row, parquet_row, expected in zip(jsonl_rows, table.to_pylist(), direct, strict=True):
+        for tokens in (row["logprobs"], parquet_row["logprobs"]):  # two runs: the same tokens, logprobs to rounding
+            assert [e["token"] for e in tokens] == [decode([i]) for i in expected.token_ids]
+            assert [e["logprob"] for e in tokens] == pytest.approx([p["logprob"] for p in expected.logprobs], abs=1e-4)
+            for got, position in zip(tokens, expected.logprobs, strict=True):
+                assert [t["token"] for t in got["top_logprobs"]] == [decode([i]) for i, _ in position["top_logprobs"]]
+                assert [t["logprob"] for t in got["top_logprobs"]] == \
+                    pytest.approx([lp for _, lp in position["top_logprobs"]], abs=1e-4)
+    done = cli("annotate", str(src), "-o", str(tmp_path / "cli.jsonl"), "--template", "Say: {{ text }}", "--model",
+               "builtin:tiny", "--max-tokens", "6", "--logprobs", "0", "--quiet")
+    assert done.returncode == 0, done.stderr
+    for row, chosen in zip(read_jsonl(tmp_path / "cli.jsonl"), jsonl_rows, strict=True):
+        assert [(e["token"], e["top_logprobs"]) for e in row["logprobs"]] == [(e["token"], []) for e in chosen["logprobs"]]
+
+
 def test_a_checkpoint_from_before_a_new_result_field_still_resumes(tmp_path: Path) -> None:
     import sqlite3
 

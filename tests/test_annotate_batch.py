@@ -78,6 +78,67 @@ def test_results_load_with_the_openai_sdk_types(llm, tmp_path: Path) -> None:
     assert summary.deduplicated == 1  # c3 asks exactly what c1 asks
 
 
+def own_text(tokenizer, token_id: int) -> tuple[str, list[int]]:
+    """A builtin:tiny token's text (its decode alone) and its own bytes: ids below 256 are one byte each, so a byte of
+    a UTF-8 character decodes to U+FFFD yet keeps its byte; the special tokens are their text; an id past the
+    tokenizer's vocabulary (the model's is larger) is "" with no bytes."""
+    text = tokenizer.decode([token_id])
+    return text, [token_id] if token_id < 256 else list(text.encode())
+
+
+def test_logprobs_give_each_token_s_text_and_own_bytes_in_openai_s_shapes(llm, tmp_path: Path) -> None:
+    """Chat `logprobs: true` without and with `top_logprobs`, completions `logprobs: N`: the SDK's types parse them,
+    and each token (chosen or alternative) is its text with its own bytes, those the engine generated."""
+    requests = [chat("plain", "héllo", temperature=0, logprobs=True, max_tokens=8),
+                chat("top", "héllo", temperature=0, logprobs=True, top_logprobs=3, max_tokens=8),
+                completion("text", "Once upon", temperature=0, logprobs=2, max_tokens=8)]
+    summary = run(llm, write_jsonl(tmp_path / "in.jsonl", requests), tmp_path / "out.jsonl")
+    assert (summary.ok, summary.failed) == (3, 0)
+    plain, top, text = read_jsonl(tmp_path / "out.jsonl")
+    tokenizer = llm.tokenizer
+    chat_out = llm.chat([{"role": "user", "content": "héllo"}], SamplingParams(max_tokens=8, temperature=0.0, logprobs=3),
+                        use_tqdm=False)[0]
+    plain_content = ChatCompletion.model_validate(plain["response"]["body"]).choices[0].logprobs.content
+    top_content = ChatCompletion.model_validate(top["response"]["body"]).choices[0].logprobs.content
+    assert [entry.top_logprobs for entry in plain_content] == [[]] * len(chat_out.token_ids)
+    for entries in (plain_content, top_content):
+        assert [(e.token, e.bytes) for e in entries] == [own_text(tokenizer, i) for i in chat_out.token_ids]
+        assert [e.logprob for e in entries] == pytest.approx([p["logprob"] for p in chat_out.logprobs], abs=1e-4)
+    assert any(b >= 0x80 for e in top_content for b in e.bytes)  # bytes of no whole character among them
+    for entry, position in zip(top_content, chat_out.logprobs, strict=True):
+        assert [(t.token, t.bytes) for t in entry.top_logprobs] == [own_text(tokenizer, i) for i, _ in position["top_logprobs"]]
+        assert [t.logprob for t in entry.top_logprobs] == pytest.approx([lp for _, lp in position["top_logprobs"]], abs=1e-4)
+
+    text_out = llm.generate(["Once upon"], SamplingParams(max_tokens=8, temperature=0.0, logprobs=2), use_tqdm=False)[0]
+    logprobs = Completion.model_validate(text["response"]["body"]).choices[0].logprobs
+    tokens = [own_text(tokenizer, i)[0] for i in text_out.token_ids]
+    assert logprobs.tokens == tokens
+    assert logprobs.text_offset == [sum(map(len, tokens[:k])) for k in range(len(tokens))]
+    assert logprobs.token_logprobs == pytest.approx([p["logprob"] for p in text_out.logprobs], abs=1e-4)
+    for alternatives, position in zip(logprobs.top_logprobs, text_out.logprobs, strict=True):
+        expected = {own_text(tokenizer, i)[0]: lp for i, lp in position["top_logprobs"]}
+        assert alternatives == pytest.approx(expected, abs=1e-4)
+
+
+def test_logprob_bytes_of_a_subword_vocabulary_spell_each_token(tmp_path: Path) -> None:
+    """A byte-level BPE vocabulary of words (`Ġalpha`) and single bytes: each token's text is its own bytes, decoded."""
+    from subword_model import build_subword_model_dir
+
+    from tokenmill import LLM
+
+    from tokenmill.engine.tiny import CHAT_TEMPLATE
+
+    subword = LLM(str(build_subword_model_dir(tmp_path)), **ENGINE)
+    subword.tokenizer.chat_template = CHAT_TEMPLATE
+    lines = [chat("c", "alpha beta", temperature=1.0, seed=3, logprobs=True, top_logprobs=5, max_tokens=16)]
+    run(subword, write_jsonl(tmp_path / "in.jsonl", lines), tmp_path / "out.jsonl")
+    choice = ChatCompletion.model_validate(read_jsonl(tmp_path / "out.jsonl")[0]["response"]["body"]).choices[0]
+    pairs = [(e.token, e.bytes) for e in choice.logprobs.content]
+    pairs += [(t.token, t.bytes) for e in choice.logprobs.content for t in e.top_logprobs]
+    assert any(len(token.strip()) > 1 for token, _ in pairs)  # tokens of several characters among them
+    assert all(bytes(raw).decode("utf-8", "replace") == token for token, raw in pairs)
+
+
 def refused(line: dict, message: str, param: str, status: int = 400, code: str = "invalid_request") -> dict:
     """The errors-file line of a request refused as given, as OpenAI's batch writes it (but its ids)."""
     return {"custom_id": line["custom_id"], "error": None, "response": {"status_code": status, "body": {"error": {
@@ -242,7 +303,7 @@ def test_a_line_of_any_values_is_a_request_a_refused_one_or_a_file_problem(raw: 
     url = json.loads(raw)["url"]
     supported = isinstance(url, str) and url in URLS
     try:
-        request = Parser("m", 16, logprobs_ok=True).parse(raw)
+        request = Parser("m", 16).parse(raw)
     except FileProblem as problem:
         assert not supported and (problem.code, problem.param) == ("invalid_request", "url")
     else:
@@ -263,3 +324,23 @@ def test_a_structured_output_cut_by_max_tokens_answers_as_openai_does(llm, tmp_p
     assert summary.failed == 0 and line["error"] is None
     choice = line["response"]["body"]["choices"][0]
     assert choice["finish_reason"] == "length" and line["response"]["body"]["usage"]["completion_tokens"] == 3
+
+
+def test_logprobs_without_token_texts_are_that_lines_error_not_the_batchs() -> None:
+    """A worker older than the formatter sends logprobs without token texts: that request's line is an error naming
+    the cause; the other lines (and the batch) are unaffected."""
+    from tokenmill.apps.batch import Parser, request_line
+    from tokenmill.apps.store import Outcome
+
+    parser = Parser("queue:tokenmill", None)
+    line = json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
+                       "body": {"model": "m", "messages": [{"role": "user", "content": "hi"}], "logprobs": True}})
+    request = parser.parse(line.encode())
+    old = Outcome(text="x", finish_reason="stop", logprobs=json.dumps([{"token_id": 5, "logprob": -0.1,
+                                                                         "top_logprobs": []}]))
+    written, error = request_line(request, [old])
+    assert written["error"]["code"] == "logprobs_unavailable" and written["response"] is None and "upgrade" in error
+    new = dataclasses.replace(old, logprobs=json.dumps([{"token_id": 5, "logprob": -0.1, "top_logprobs": [],
+                                                          "token": "x", "bytes": [120], "top_tokens": []}]))
+    written, error = request_line(request, [new])
+    assert error is None and written["response"]["body"]["choices"][0]["logprobs"]["content"][0]["token"] == "x"

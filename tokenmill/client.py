@@ -137,7 +137,8 @@ class Client:
     # -- submitting ----------------------------------------------------------------------------
 
     def submit(self, job: Job | Mapping[str, Any] | None = None, /, **fields: Any) -> JobHandle:
-        """Validate and queue one job; returns at once. Fields are `Job` fields plus sampling parameters."""
+        """Validate and queue one job; returns at once. Fields are `Job` fields plus sampling parameters
+        (`logprobs=N`: the result's `logprobs` holds each generated token with its text, see `JobResult.logprobs`)."""
         wire = self.prepare({**_as_dict(job), **fields})
         handle = JobHandle(wire["id"], self, content_hash(wire))
         self.publisher.publish(*self._task(wire, handle.job_hash))

@@ -78,14 +78,15 @@ def test_rows_become_grouped_jobs_with_one_result_each_and_match_embedded(llm, t
     requests.append({**requests[0], "custom_id": "lp", "body": {**requests[0]["body"], "logprobs": True}})
     write_jsonl(tmp_path / "req.jsonl", requests)
     result = batch(str(tmp_path / "req.jsonl"), str(tmp_path / "res.jsonl"), broker=redis_server.url, quiet=True)
-    assert (result.ok, result.failed) == (5, 1)
+    assert (result.ok, result.failed) == (6, 0)
     lines = read_jsonl(tmp_path / "res.jsonl")
     expected = llm.chat([[{"role": "user", "content": f"hi {i}"}] for i in range(5)],
                         tokenmill.SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
     assert [ChatCompletion.model_validate(line["response"]["body"]).choices[0].message.content for line in lines] == \
-        [o.text for o in expected]
-    [error] = read_jsonl(tmp_path / "res.errors.jsonl")
-    assert error["custom_id"] == "lp" and error["response"]["body"]["error"]["param"] == "logprobs"
+        [o.text for o in expected + expected[:1]]
+    logprobs = ChatCompletion.model_validate(lines[5]["response"]["body"]).choices[0].logprobs  # the workers' tokens
+    assert [entry.token for entry in logprobs.content] == [llm.tokenizer.decode([i]) for i in expected[0].token_ids]
+    assert read_jsonl(tmp_path / "res.errors.jsonl") == []
 
 
 def test_kill_9_mid_run_then_rerun_gives_the_uninterrupted_output(llm, tmp_path, redis_server, start_worker) -> None:
@@ -170,3 +171,24 @@ def test_probabilities_come_back_from_the_workers_as_they_do_embedded(llm, tmp_p
         assert queued["probabilities"] == pytest.approx(local["probabilities"], rel=1e-5)
         assert queued["annotation"] == local["annotation"] == max(queued["probabilities"],
                                                                    key=queued["probabilities"].get)
+
+
+def test_logprobs_come_back_from_the_workers_as_they_do_embedded(llm, tmp_path, redis_server, start_worker) -> None:
+    """`--logprobs N` across the queue: the workers' engine gives each token's text with its logprob and alternatives,
+    the job's result carries them, and the column (JSONL and typed Parquet) holds what the embedded engine gives."""
+    start_worker(redis_server.url).wait_ready()
+    src = write_jsonl(tmp_path / "in.jsonl", rows(4))
+    options = dict(max_tokens=6, logprobs=3, quiet=True)
+    for suffix in ("jsonl", "parquet"):
+        tokenmill.annotate(str(src), str(tmp_path / f"queue.{suffix}"), TEMPLATE, broker=redis_server.url, **options)
+    tokenmill.annotate(str(src), str(tmp_path / "local.jsonl"), TEMPLATE, llm=llm, **options)
+    queued_rows = read_jsonl(tmp_path / "queue.jsonl")
+    assert [row["logprobs"] for row in pq.read_table(tmp_path / "queue.parquet").to_pylist()] == \
+        [row["logprobs"] for row in queued_rows]
+    for queued, local in zip(queued_rows, read_jsonl(tmp_path / "local.jsonl"), strict=True):
+        assert queued["annotation"] == local["annotation"]
+        assert len(queued["logprobs"]) == queued["completion_tokens"]
+        for got, want in zip(queued["logprobs"], local["logprobs"], strict=True):
+            assert got["token"] == want["token"] and got["logprob"] == pytest.approx(want["logprob"], abs=1e-4)
+            assert [t["token"] for t in got["top_logprobs"]] == [t["token"] for t in want["top_logprobs"]]
+            assert len(got["top_logprobs"]) == 3

@@ -252,3 +252,27 @@ def test_a_finished_wait_is_unsubscribed_by_the_next_wait_not_before_result_retu
     assert redis.pubsub_numsub(first_key) == [(first_key, 1)]
     second_key, _ = waited("second")
     assert redis.pubsub_numsub(first_key, second_key) == [(first_key, 0), (second_key, 1)]
+
+
+def test_logprobs_come_back_from_a_worker_with_each_token_s_text_and_bytes(redis_server: RedisServer,
+                                                                           start_worker) -> None:
+    """`submit(..., logprobs=N)`: a real worker's result holds, per generated token, its id, text and own bytes, its
+    logprob, and the N alternatives with their texts (builtin:tiny: ids below 256 are one byte each, so a byte of a
+    UTF-8 character decodes to U+FFFD yet keeps its byte)."""
+    from tokenmill.engine.tiny import tiny_tokenizer
+
+    start_worker(redis_server.url).wait_ready()
+    with Client(redis_server.url) as client:
+        result = client.submit(prompt="héllo", max_tokens=8, temperature=0.0, logprobs=2).result(timeout=120)
+    tokenizer = tiny_tokenizer()
+
+    def own(token_id: int) -> list:
+        text = tokenizer.decode([token_id])
+        return [text, [token_id] if token_id < 256 else list(text.encode())]
+
+    assert [entry["token_id"] for entry in result.logprobs] == result.token_ids and result.token_ids
+    for entry in result.logprobs:
+        assert [entry["token"], entry["bytes"]] == own(entry["token_id"]) and entry["logprob"] <= 0
+        assert len(entry["top_logprobs"]) == 2
+        assert entry["top_tokens"] == [own(token_id) for token_id, _ in entry["top_logprobs"]]
+    assert any(b >= 0x80 for entry in result.logprobs for b in entry["bytes"])

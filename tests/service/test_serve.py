@@ -771,3 +771,63 @@ def test_a_batch_that_fails_on_the_server_cancels_the_jobs_it_queued(tmp_path, r
     assert message.startswith("The server had an error processing this batch (reference ") and "Error" not in message
     assert f"(reference {message.rsplit(' ', 1)[1].rstrip(').')})" in second.log_path.read_text()
     assert len(list(broker.scan_iter(CANCEL_KEY.format(job_id="*")))) == 5
+
+
+def floats_apart(value: Any) -> tuple[Any, list[float]]:
+    """`value` with each float replaced by None, and its floats in order."""
+    floats: list[float] = []
+
+    def walk(item: Any) -> Any:
+        if isinstance(item, float):
+            floats.append(item)
+            return None
+        if isinstance(item, dict):
+            return {key: walk(v) for key, v in item.items()}
+        return [walk(v) for v in item] if isinstance(item, list) else item
+
+    return walk(value), floats
+
+
+def test_logprobs_through_serve_in_openai_s_shapes_as_tokenmill_batch_writes_them(tmp_path, redis_server, start_worker,
+                                                                                   serve) -> None:
+    """Chat `logprobs: true` without and with `top_logprobs`, and completions `logprobs: N`, through the SDK: the
+    output lines parse as the SDK's types, each token with its text and own bytes from the workers, the very lines
+    `tokenmill batch --broker` writes and the tokens the embedded engine gives."""
+    from openai.types import Completion
+
+    start_worker(redis_server.url).wait_ready()
+    client = serve(redis_server.url).client()
+    chats = [chat_line("plain", "héllo", logprobs=True), chat_line("top", "héllo", logprobs=True, top_logprobs=3)]
+    texts = [{"custom_id": "text", "method": "POST", "url": "/v1/completions", "body": {
+        "model": "builtin:tiny", "prompt": "Once upon", "max_tokens": 6, "temperature": 0, "logprobs": 2}}]
+    for name, endpoint, lines in (("chat", "/v1/chat/completions", chats), ("text", "/v1/completions", texts)):
+        source = write_jsonl(tmp_path / f"{name}.jsonl", lines)
+        created = client.batches.create(input_file_id=upload(client, source), endpoint=endpoint, completion_window="24h")
+        done = wait_status(client, created.id, ("completed", "failed", "cancelled", "expired"), 120)
+        assert done.status == "completed" and (done.request_counts.completed, done.error_file_id) == (len(lines), None)
+        output = lines_of(client, done.output_file_id)
+        run_batch(str(source), str(tmp_path / f"{name}-broker.jsonl"), broker=redis_server.url, quiet=True)
+        broker_lines = [json.loads(line) for line in (tmp_path / f"{name}-broker.jsonl").read_text().splitlines()]
+        # the same lines but the time they finished; logprobs to float rounding (the runs batch and cache differently)
+        got, want = floats_apart([without_created(line) for line in output]), floats_apart(
+            [without_created(line) for line in broker_lines])
+        assert got[0] == want[0] and got[1] == pytest.approx(want[1], abs=1e-4)
+        run_batch(str(source), str(tmp_path / f"{name}-embedded.jsonl"), model="builtin:tiny", quiet=True,
+                  engine_options={"num_kv_blocks": 512})
+        embedded = [json.loads(line) for line in (tmp_path / f"{name}-embedded.jsonl").read_text().splitlines()]
+        for line, local in zip(output, embedded, strict=True):
+            body, want = line["response"]["body"], local["response"]["body"]
+            if name == "chat":
+                got = ChatCompletion.model_validate(body).choices[0].logprobs.content
+                expected = ChatCompletion.model_validate(want).choices[0].logprobs.content
+                assert [(e.token, e.bytes, [(t.token, t.bytes) for t in e.top_logprobs]) for e in got] == \
+                    [(e.token, e.bytes, [(t.token, t.bytes) for t in e.top_logprobs]) for e in expected]
+                assert [e.logprob for e in got] == pytest.approx([e.logprob for e in expected], abs=1e-4)
+                assert len(got) == 6 and {len(e.top_logprobs) for e in got} == {3 if line["custom_id"] == "top" else 0}
+                assert any(b >= 0x80 for e in got for b in e.bytes)  # a byte of a UTF-8 character keeps its byte
+            else:
+                got = Completion.model_validate(body).choices[0].logprobs
+                expected = Completion.model_validate(want).choices[0].logprobs
+                assert (got.tokens, got.text_offset) == (expected.tokens, expected.text_offset) and len(got.tokens) == 6
+                assert got.token_logprobs == pytest.approx(expected.token_logprobs, abs=1e-4)
+                assert [sorted(top) for top in got.top_logprobs] == [sorted(top) for top in expected.top_logprobs]

@@ -35,6 +35,13 @@ RESULT_COLUMNS = {"parsed": pa.string(), "finish_reason": pa.string(), "prompt_t
 DEFAULT_WINDOW = {"embedded": 1024, "queue": 4096}
 #: The column of each row's probability per choice, with `--probabilities`.
 PROBABILITIES = "probabilities"
+#: The column of each row's generated tokens with their logprobs and top alternatives, with `--logprobs N`: in
+#: Parquet a list of this struct, in JSONL a list of objects of the same fields.
+LOGPROBS = "logprobs"
+LOGPROBS_TYPE = pa.list_(pa.struct([
+    ("token", pa.string()), ("logprob", pa.float64()),
+    ("top_logprobs", pa.list_(pa.struct([("token", pa.string()), ("logprob", pa.float64())]))),
+]))
 
 
 class Prompter:
@@ -140,7 +147,8 @@ def annotate(
     the run printed at the start (`tokenmill cancel --run RUN` stops it); Ctrl-C cancels the rows in flight
     (after asking, at a terminal) unless `detach`, and the same call again computes them; a resume skips rows
     cancelled with `tokenmill cancel` unless `retry_cancelled` (`retry_failed`: the same for rows that failed).
-    `**sampling` are `SamplingParams` fields (`max_tokens`, `temperature` (default 0), `seed`, ...). A row (a
+    `**sampling` are `SamplingParams` fields (`max_tokens`, `temperature` (default 0), `seed`, ...); `logprobs=N`
+    adds a `logprobs` column: each generated token with its logprob and its N most likely alternatives. A row (a
     JSONL/CSV line, decompressed, or a Parquet row's decoded values) over `max_row_bytes` is not read: it fails
     with its error, the run goes on. JSONL/CSV is decompressed by its suffix (`.gz`, ...) or `input_compression`.
     `limit`: only the first rows. `dry_run`: print the first rendered prompts and the run's plan, load no model,
@@ -162,7 +170,7 @@ def annotate(
         dataset = LimitedDataset(dataset, limit)
     schema = dataset.schema
     out_format = format_of(output, output_format, "output")
-    _check_columns(schema, id_column, column, out_format, tuple(_probability_column(params)))
+    _check_columns(schema, id_column, column, out_format, tuple(_extra_columns(params)))
     prompter.check_columns(schema.names)
     if dry_run:
         print_plan(dataset, prompter, id_column, input, output, model_label(model, llm, broker, queue), broker)
@@ -327,7 +335,7 @@ def _write(dataset: Dataset, schema: pa.Schema, prompter: Prompter, id_column: s
            checkpoint: Checkpoint, writer: Writer, summary: Summary) -> None:
     """Pass 2: the input again, each row with its result from the checkpoint, in input order."""
     parsed = parsed_column(prompter.sampling.get("json_schema"))  # a struct column where the schema allows
-    types = {**RESULT_COLUMNS, "parsed": parsed.type, **_probability_column(prompter.sampling)}
+    types = {**RESULT_COLUMNS, "parsed": parsed.type, **_extra_columns(prompter.sampling)}
     out_schema = pa.schema([*schema, pa.field(column, pa.string()), *(pa.field(n, t) for n, t in types.items())])
     try:
         if writer.format == "parquet":
@@ -342,7 +350,7 @@ def _write(dataset: Dataset, schema: pa.Schema, prompter: Prompter, id_column: s
             if writer.format == "parquet":
                 writer.write_batch(_with_results(batch, results, out_schema, parsed))
             else:
-                writer.write_rows([{**values, **_columns(o, column, PROBABILITIES in types)}
+                writer.write_rows([{**values, **_columns(o, column, PROBABILITIES in types, LOGPROBS in types)}
                                    for (_, values, _), o in zip(rows, results)])
         writer.close()
     except BaseException:
@@ -350,18 +358,34 @@ def _write(dataset: Dataset, schema: pa.Schema, prompter: Prompter, id_column: s
         raise
 
 
-def _probability_column(sampling: dict[str, Any]) -> dict[str, pa.DataType]:
-    """With `choice_probabilities`, the column of each row's probability per choice: a struct, one float per choice."""
-    if not sampling.get("choice_probabilities"):
-        return {}
-    return {PROBABILITIES: pa.struct([(choice, pa.float64()) for choice in dict.fromkeys(sampling["choice"])])}
+def _extra_columns(sampling: dict[str, Any]) -> dict[str, pa.DataType]:
+    """The columns `sampling` asks for beyond the result columns, with their Parquet types: with
+    `choice_probabilities`, each row's probability per choice (a struct, one float per choice); with `logprobs`, its
+    tokens (`LOGPROBS_TYPE`)."""
+    columns: dict[str, pa.DataType] = {}
+    if sampling.get("choice_probabilities"):
+        columns[PROBABILITIES] = pa.struct([(choice, pa.float64()) for choice in dict.fromkeys(sampling["choice"])])
+    if sampling.get("logprobs") is not None:
+        columns[LOGPROBS] = LOGPROBS_TYPE
+    return columns
 
 
 def _probabilities(outcome: Outcome) -> dict[str, float] | None:
     return json.loads(outcome.choice_probabilities) if outcome.ok and outcome.choice_probabilities else None
 
 
-def _columns(outcome: Outcome, column: str, probabilities: bool = False) -> dict[str, Any]:
+def _logprobs(outcome: Outcome) -> list[dict[str, Any]] | None:
+    """A succeeded row's generated tokens (the engine's text of each, the one rule of every door), each with its
+    logprob and its top alternatives (`logprobs=0`: none)."""
+    if not outcome.ok or outcome.logprobs is None:
+        return None
+    return [{"token": p["token"], "logprob": p["logprob"],
+             "top_logprobs": [{"token": token, "logprob": lp}
+                              for (_, lp), (token, _) in zip(p["top_logprobs"], p["top_tokens"])]}
+            for p in json.loads(outcome.logprobs)]
+
+
+def _columns(outcome: Outcome, column: str, probabilities: bool = False, logprobs: bool = False) -> dict[str, Any]:
     return {
         column: outcome.text if outcome.ok else None,  # a failed row's partial text is no label
         "parsed": None if outcome.parsed is None else json.loads(outcome.parsed),
@@ -370,6 +394,7 @@ def _columns(outcome: Outcome, column: str, probabilities: bool = False) -> dict
         "completion_tokens": outcome.completion_tokens if outcome.ok else None,
         "error": outcome.error,
         **({PROBABILITIES: _probabilities(outcome)} if probabilities else {}),
+        **({LOGPROBS: _logprobs(outcome)} if logprobs else {}),
     }
 
 
@@ -384,6 +409,8 @@ def _with_results(batch: pa.RecordBatch, results: list[Outcome], schema: pa.Sche
     ]
     if PROBABILITIES in schema.names:
         extra.append([_probabilities(o) for o in results])
+    if LOGPROBS in schema.names:
+        extra.append([_logprobs(o) for o in results])
     fields = list(schema)[batch.num_columns :]
     arrays = [*batch.columns, *(pa.array(values, type=f.type) for values, f in zip(extra, fields))]
     return pa.RecordBatch.from_arrays(arrays, schema=schema)

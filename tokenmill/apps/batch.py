@@ -134,10 +134,9 @@ def envelope(raw: bytes) -> Envelope:
 class Parser:
     """Turns one line into a `Request`, or the `Refused` request of a body refused as given."""
 
-    def __init__(self, model: str, default_max_tokens: int | None, logprobs_ok: bool) -> None:
+    def __init__(self, model: str, default_max_tokens: int | None) -> None:
         self.model = model
         self.default_max_tokens = default_max_tokens
-        self.logprobs_ok = logprobs_ok
 
     def parse(self, raw: bytes) -> Request | Refused:
         """Raises `FileProblem` for a line no usable file holds (`envelope`)."""
@@ -222,8 +221,6 @@ class Parser:
             if "top_logprobs" in body:
                 raise InvalidRequestError("top_logprobs", "not a completions field (logprobs is the count)")
             count = body.get("logprobs")
-        if count is not None and not self.logprobs_ok:
-            raise InvalidRequestError("logprobs", "not available with --broker (token strings need the model's tokenizer here)")
         return count
 
 
@@ -291,7 +288,7 @@ def batch(
     try:
         runner = make_runner(mode, model, llm, engine_options, broker, queue, window, rows_per_message, checkpoint.run,
                              detach)
-        parser = Parser(label, default_max_tokens, logprobs_ok=mode == "embedded")
+        parser = Parser(label, default_max_tokens)
         progress = Progress(total, "batch", quiet)
         try:
             compute((r.units for _, r in parse_requests(source, parser)),
@@ -299,9 +296,8 @@ def batch(
         finally:
             progress.close()
         summary.prefix_hit_rate = runner.prefix_hit_rate()
-        tokenizer = runner.llm.tokenizer if mode == "embedded" else None
         _write(source, parser, checkpoint, Writer(output, "json", s3_endpoint_url), Writer(errors, "json", s3_endpoint_url),
-               summary, tokenizer)
+               summary)
     finally:
         checkpoint.close()
     summary.wall_s = time.perf_counter() - started
@@ -398,13 +394,12 @@ def parse_requests(source: Source, parser: Parser) -> Iterator[tuple[int, Reques
         yield number, request
 
 
-def _write(source: Source, parser: Parser, checkpoint: Checkpoint, out: Writer, err: Writer, summary: Summary,
-           tokenizer: Any) -> None:
+def _write(source: Source, parser: Parser, checkpoint: Checkpoint, out: Writer, err: Writer, summary: Summary) -> None:
     """Pass 2: one line per request, in input order, into the output or the errors file."""
     try:
         for _, request in parse_requests(source, parser):
             outcomes = [stored(checkpoint, u.key) for u in request.units]
-            line, error = request_line(request, outcomes, tokenizer)
+            line, error = request_line(request, outcomes)
             summary.count_row(request.custom_id, error)
             (out if error is None else err).write_rows([line])
         out.close()
@@ -415,7 +410,7 @@ def _write(source: Source, parser: Parser, checkpoint: Checkpoint, out: Writer, 
         raise
 
 
-def request_line(request: Request | Refused, outcomes: list[Outcome], tokenizer: Any) -> tuple[dict[str, Any], str | None]:
+def request_line(request: Request | Refused, outcomes: list[Outcome]) -> tuple[dict[str, Any], str | None]:
     """One request's line of the output file, or of the errors file with the error: the same lines whoever
     computed the outcomes (`tokenmill batch` from its checkpoint, `tokenmill serve` from the job results).
     `outcomes`: one per unit of the request (none for a refused one)."""
@@ -426,7 +421,15 @@ def request_line(request: Request | Refused, outcomes: list[Outcome], tokenizer:
     failed = next((o for o in outcomes if not o.ok and not o.error.startswith(CONSTRAINT_CODES)), None)
     if failed is not None:
         return failure_line(request, failed.error), failed.error
-    return result_line(request, outcomes, tokenizer), None
+    if request.logprobs is not None and not all(map(_has_token_texts, outcomes)):
+        error = ("logprobs_unavailable: a worker older than this tokenmill ran this request and sent its logprobs "
+                 "without token texts; upgrade the workers and run the request again")
+        return error_line(request.key, request.custom_id, "logprobs_unavailable", error.partition(": ")[2]), error
+    return result_line(request, outcomes), None
+
+
+def _has_token_texts(outcome: Outcome) -> bool:
+    return not outcome.logprobs or all("token" in position for position in json.loads(outcome.logprobs))
 
 
 def failure_line(request: Request, error: str) -> dict[str, Any]:
@@ -453,11 +456,11 @@ def error_line(key: str, custom_id: str, code: str, message: str) -> dict[str, A
     return {"id": f"batch_req_{key[:24]}", "custom_id": custom_id, "response": None, "error": {"code": code, "message": message}}
 
 
-def result_line(request: Request, outcomes: list[Outcome], tokenizer: Any) -> dict[str, Any]:
+def result_line(request: Request, outcomes: list[Outcome]) -> dict[str, Any]:
     kind = URLS[request.url]
     choices = []
     for index, outcome in enumerate(outcomes):
-        logprobs = _logprobs(kind, outcome, tokenizer) if request.logprobs is not None else None
+        logprobs = openai_logprobs(kind, outcome.logprobs) if request.logprobs is not None else None
         if kind == "chat.completion":
             message = {"role": "assistant", "content": outcome.text, "refusal": None}
             choices.append({"index": index, "message": message, "finish_reason": outcome.finish_reason, "logprobs": logprobs})
@@ -479,24 +482,24 @@ def result_line(request: Request, outcomes: list[Outcome], tokenizer: Any) -> di
     return {"id": f"batch_req_{request.key[:24]}", "custom_id": request.custom_id, "response": response, "error": None}
 
 
-def _logprobs(kind: str, outcome: Outcome, tokenizer: Any) -> dict[str, Any] | None:
-    """The engine's logprobs (token ids) in OpenAI's shape (token strings and their bytes)."""
-    positions = json.loads(outcome.logprobs) if outcome.logprobs else []
-
-    def token(token_id: int) -> str:
-        return tokenizer.decode([token_id])
-
+def openai_logprobs(kind: str, logprobs: str | None) -> dict[str, Any]:
+    """The engine's logprobs (`Outcome.logprobs`: JSON text, each position with its tokens' text, `token`, `bytes`
+    and `top_tokens`, from the engine whichever process ran it) in OpenAI's shape for `kind`: a chat completion's
+    `{"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}], "refusal": None}`, a text
+    completion's `{tokens, token_logprobs, top_logprobs: [{token: logprob}], text_offset}` (offsets into the
+    completion's text, from 0). The one formatter of `tokenmill batch`, embedded or `--broker`, and `tokenmill serve`."""
+    positions = json.loads(logprobs) if logprobs else []
     if kind == "chat.completion":
-        content = []
-        for p in positions:
-            top = [{"token": token(t), "logprob": lp, "bytes": list(token(t).encode())} for t, lp in p["top_logprobs"]]
-            text = token(p["token_id"])
-            content.append({"token": text, "logprob": p["logprob"], "bytes": list(text.encode()), "top_logprobs": top})
+        content = [{"token": p["token"], "logprob": p["logprob"], "bytes": p["bytes"],
+                    "top_logprobs": [{"token": token, "logprob": lp, "bytes": raw}
+                                     for (_, lp), (token, raw) in zip(p["top_logprobs"], p["top_tokens"])]}
+                   for p in positions]
         return {"content": content, "refusal": None}
-    tokens = [token(p["token_id"]) for p in positions]
+    tokens = [p["token"] for p in positions]
     offsets, at = [], 0
     for text in tokens:
         offsets.append(at)
         at += len(text)
     return {"tokens": tokens, "token_logprobs": [p["logprob"] for p in positions],
-            "top_logprobs": [{token(t): lp for t, lp in p["top_logprobs"]} for p in positions], "text_offset": offsets}
+            "top_logprobs": [{token: lp for (_, lp), (token, _) in zip(p["top_logprobs"], p["top_tokens"])}
+                             for p in positions], "text_offset": offsets}

@@ -34,6 +34,8 @@ def add_parsers(commands: Any) -> None:
     ann.add_argument("--probabilities", action="store_true", help="with --choice: each choice's probability as a "
                      "whole (normalised over the choices, no sampling) in a 'probabilities' column, and the most "
                      "probable choice as the label")
+    ann.add_argument("--logprobs", type=int, default=None, metavar="N", help="a 'logprobs' column: each generated "
+                     "token with its logprob and its N most likely alternatives (0 to 20; 0: the chosen tokens only)")
     ann.add_argument("--id-column", help="column naming each row (default: its position)")
     ann.add_argument("--column", default="annotation", help="name of the completion text column (default: annotation)")
     ann.add_argument("--input-format", choices=["jsonl", "csv", "parquet"], help="override the input extension")
@@ -152,7 +154,8 @@ def _annotate(args: argparse.Namespace) -> Any:
     from tokenmill.apps.annotate import annotate
     from tokenmill.errors import InvalidRequestError
 
-    sampling = {name: getattr(args, name) for name in ("top_p", "top_k", "seed", "stop") if getattr(args, name) is not None}
+    sampling = {name: getattr(args, name) for name in ("top_p", "top_k", "seed", "stop", "logprobs")
+                if getattr(args, name) is not None}
     if args.probabilities:
         sampling["choice_probabilities"] = True
     schema = None

@@ -13,6 +13,7 @@ transformers.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -31,3 +32,33 @@ def text_decoder(tokenizer: Any) -> Decoder:
             backend = tokenizer.backend_tokenizer
             return lambda ids, skip_special_tokens: backend.decode(ids, skip_special_tokens=skip_special_tokens)
     return lambda ids, skip_special_tokens: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def token_texts(tokenizer: Any, decode: Decoder, ids: list[int]) -> dict[int, list[Any]]:
+    """Each id's `[text, bytes]`, the one rule for a token shown alone (logprobs). Its text is `decode` of it alone
+    (special tokens shown; U+FFFD for part of a UTF-8 character). Its bytes are its own: a byte-level BPE token's
+    from its vocabulary string, a `<0xNN>` byte fallback token's byte, any other token's (an added one's too) its
+    text in UTF-8. An id the tokenizer does not know (a vocabulary padded past it) is "" with no bytes."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+    byte_of = {c: b for b, c in bytes_to_unicode().items()} if type(decoder).__name__ == "ByteLevel" else {}
+    added = set(getattr(tokenizer, "added_tokens_decoder", {}))
+    texts: dict[int, list[Any]] = {}
+    for token_id, piece in zip(ids, tokenizer.convert_ids_to_tokens(ids)):
+        text = "" if piece is None else decode([token_id], False)
+        if piece is None:
+            raw: list[int] = []
+        elif token_id in added:
+            raw = list(text.encode())
+        elif byte_of and all(c in byte_of for c in piece):
+            raw = [byte_of[c] for c in piece]
+        elif not byte_of and _BYTE_FALLBACK.fullmatch(piece):
+            raw = [int(piece[3:5], 16)]
+        else:
+            raw = list(text.encode())
+        texts[token_id] = [text, raw]
+    return texts
+
+
+_BYTE_FALLBACK = re.compile(r"<0x[0-9A-Fa-f]{2}>")

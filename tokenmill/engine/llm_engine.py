@@ -14,7 +14,7 @@ import torch
 
 from tokenmill.engine import sampler as sampler_module
 from tokenmill.engine.config import EngineConfig
-from tokenmill.engine.detokenize import text_decoder
+from tokenmill.engine.detokenize import text_decoder, token_texts
 from tokenmill.engine.loader import load
 from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.engine.prompt_limits import check_prompt_chars, max_prompt_chars
@@ -584,7 +584,7 @@ class LLMEngine:
             token_ids=request.output_token_ids,
             text=text,
             finish_reason=reason,
-            logprobs=request.logprobs if request.params.logprobs is not None else None,
+            logprobs=self._with_tokens(request.logprobs) if request.params.logprobs is not None else None,
             num_cached_tokens=request.num_cached_tokens,
             arrival_time=request.arrival_time,
             first_token_time=request.first_token_time,
@@ -595,6 +595,15 @@ class LLMEngine:
             constraint_error=constraint_error,
             constraint_backend=constraint.backend if constraint is not None else None,
         )
+
+    def _with_tokens(self, positions: list[dict]) -> list[dict]:
+        """The sampler's logprobs with each token's text and bytes (`detokenize.token_texts`), so that no reader needs
+        the tokenizer: `token` and `bytes` of the chosen token, and `top_tokens`, a `[token, bytes]` pair per
+        `top_logprobs` entry."""
+        ids = list(dict.fromkeys(i for p in positions for i in (p["token_id"], *(t for t, _ in p["top_logprobs"]))))
+        texts = token_texts(self.tokenizer, self.detokenize, ids)
+        return [{**p, "token": texts[p["token_id"]][0], "bytes": texts[p["token_id"]][1],
+                 "top_tokens": [texts[t] for t, _ in p["top_logprobs"]]} for p in positions]
 
     def _check(self, request: _Request) -> tuple[Any, str | None]:
         """The final check of a grammar-complete output: its text without a trailing stop token (which

@@ -330,6 +330,9 @@ class JobResult(BaseModel):
     text: str | None = None
     token_ids: list[int] | None = None
     finish_reason: str | None = None  # "stop" (EOS, stop token or string), "length"; stopped early: "cancelled", "deadline"
+    # `logprobs=N`: per generated token {"token_id", "token", "bytes", "logprob", "top_logprobs": [[id, logprob]] (the
+    # N most likely), "top_tokens": [[token, bytes]] (theirs, in the same order)}; `token` is the token's text as the
+    # tokenizer decodes it alone, `bytes` its own bytes (a token holding part of a UTF-8 character too)
     logprobs: list[Any] | None = None
     parsed: Any = None  # json_schema / json_object: the completion's JSON value, when it satisfies the constraint
     constraint_satisfied: bool | None = None  # structured outputs: False when cut by max_tokens or a stop string

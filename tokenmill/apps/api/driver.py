@@ -116,7 +116,7 @@ class Driver(threading.Thread):
         self.handing_over = threading.Event()  # set by the supervisor: give the lease back at the next heartbeat
         self.interval = min(1.0, settings.lease_seconds / 3)
         self._renewed = time.monotonic()
-        self.parser = Parser(model_label(settings), settings.default_max_tokens, logprobs_ok=False)
+        self.parser = Parser(model_label(settings), settings.default_max_tokens)
 
     def run(self) -> None:
         try:
@@ -315,7 +315,7 @@ class Driver(threading.Thread):
         completed = failed = prompt_tokens = completion_tokens = 0
         for _, request in self.beating(plan.requests):
             got = [_unfinished(outcomes[u.job_id], reason) for u in request.units]
-            line, error = request_line(request, got, None)
+            line, error = request_line(request, got)
             lines[error is None].append(json.dumps(line, ensure_ascii=False).encode() + b"\n")
             completed += error is None
             failed += error is not None
