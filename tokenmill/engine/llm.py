@@ -5,10 +5,12 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import closing
 
 from tqdm.auto import tqdm
 
 from tokenmill.engine.llm_engine import LLMEngine, RequestOutput
+from tokenmill.engine.pooling import EmbeddingOutput, PoolingParams
 from tokenmill.engine.scoring import ScoreOutput
 from tokenmill.errors import InvalidRequestError
 from tokenmill.sampling_params import SamplingParams
@@ -84,6 +86,31 @@ class LLM:
             outputs[index] = output
         return outputs  # type: ignore[return-value]
 
+    def embed(self, prompts: Prompt | Sequence[Prompt], *, dimensions: int | None = None, normalize: bool | None = None,
+              pooling: str | None = None, use_tqdm: bool = False) -> list[EmbeddingOutput]:
+        """One embedding per prompt, in input order: each prompt prefilled (batched with the others by the token
+        budget, chunked when long), nothing generated, its final hidden states (after the model's final norm) pooled.
+
+        `pooling` ("last", "mean" or "cls") and `normalize` (L2) default to the checkpoint's sentence-transformers
+        files (`modules.json`, `1_Pooling/config.json`, a Normalize module), else to last-token pooling, normalised,
+        as decoder embedding models (Qwen3-Embedding, gte-Qwen2, e5-mistral) do. `dimensions` keeps the first values
+        (Matryoshka, as OpenAI's `dimensions`), normalised after the cut. Raises InvalidRequestError naming the field
+        (a prompt that cannot be served: "prompt", with its index)."""
+        params = PoolingParams(pooling, normalize, dimensions)
+        prompts = _as_list(prompts)
+
+        def add(request_id: str, index: int, prompt: Prompt) -> None:
+            self.engine.add_request(request_id, prompt, pooling=params)
+
+        outputs: list[EmbeddingOutput | None] = [None] * len(prompts)
+        with closing(self._drive(prompts, add, use_tqdm, "embed")) as finished:  # closed: the others are aborted
+            for index, output in finished:
+                if output.finish_reason == "error":
+                    field, _, message = (output.error or "request: failed").partition(": ")
+                    raise InvalidRequestError(field, f"{message} (prompt {index})")
+                outputs[index] = EmbeddingOutput(output.embedding or [], output.prompt_token_ids)
+        return outputs  # type: ignore[return-value]
+
     def _run(self, prompts: list[Prompt], params: SamplingParams | Sequence[SamplingParams] | None,
              use_tqdm: bool) -> Iterator[tuple[int, RequestOutput]]:
         params_list = _per_prompt(params, len(prompts))
@@ -107,7 +134,12 @@ class LLM:
                 add(request_id, index, prompt)
                 index_of[request_id] = index
             except InvalidRequestError as error:
-                yield index, _rejected(str(index), prompt, str(error))
+                try:
+                    yield index, _rejected(str(index), prompt, str(error))
+                except GeneratorExit:  # a consumer that stops here must not leave the requests added so far running
+                    for added in index_of:
+                        self.engine.abort_request(added)
+                    raise
         bar = tqdm(total=len(prompts), initial=len(prompts) - len(index_of), disable=not use_tqdm,
                    desc=desc, unit="req", dynamic_ncols=True)
         start, generated = time.perf_counter(), 0

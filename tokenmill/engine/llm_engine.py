@@ -17,6 +17,8 @@ from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.detokenize import text_decoder, token_texts
 from tokenmill.engine.loader import load
 from tokenmill.engine.model_runner import ModelRunner
+from tokenmill.engine.pooling import (NO_SAMPLING, CheckpointPooling, PooledSequence, PoolingParams,
+                                     checkpoint_pooling, embeddings)
 from tokenmill.engine.prompt_limits import check_prompt_chars, max_prompt_chars
 from tokenmill.engine.sampler import SampleResult, SamplingRow
 from tokenmill.engine.scoring import ScoredSequence, ScoreGroup, ScoreOutput, normalise
@@ -39,7 +41,10 @@ class RequestOutput:
     total log-probability (the sum over its tokens of the model's log-softmax, before normalising); `text` and
     `token_ids` are the most probable choice (the first among equals), so the output is deterministic, and
     `constraint_satisfied` is True. `scores` holds each continuation's `ScoreOutput`, in order: the distinct choices
-    of such a request, or the continuations of `add_score_request`."""
+    of such a request, or the continuations of `add_score_request`.
+
+    An embedding request (`add_request(..., pooling=PoolingParams(...))`) samples nothing either: `embedding` holds its
+    vector, `token_ids` and `text` are empty and `finish_reason` is "stop"."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -63,6 +68,7 @@ class RequestOutput:
     choice_probabilities: dict[str, float] | None = None
     choice_logprobs: dict[str, float] | None = None
     scores: list[ScoreOutput] | None = None
+    embedding: list[float] | None = None
 
 
 @dataclass
@@ -146,6 +152,8 @@ class LLMEngine:
         self._choice_tokens: dict[tuple[str, ...], tuple[int, str]] = {}  # choices -> (longest in tokens, that choice)
         self._groups: dict[str, ScoreGroup] = {}  # requests that score continuations (`scoring.py`)
         self._choice_ids: dict[tuple[str, ...], list[list[int]]] = {}  # distinct choices -> their token ids
+        self._pooled: dict[str, PooledSequence] = {}  # embedding requests (`pooling.py`)
+        self._checkpoint_pooling: CheckpointPooling | None = None  # read on the first embedding request
 
     def _max_model_len(self) -> int:
         """The configured length, capped by the model's positions and any sliding window (beyond which our
@@ -184,8 +192,14 @@ class LLMEngine:
         check_prompt_chars(rendered, self.max_prompt_chars, self.max_model_len)
         return self.tokenizer.encode(rendered, add_special_tokens=False)
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
-        """Queue a request, or raise InvalidRequestError naming the field if it can never be served."""
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None, *,
+                    pooling: PoolingParams | None = None) -> None:
+        """Queue a request, or raise InvalidRequestError naming the field if it can never be served. With `pooling`,
+        an embedding request: its prompt is prefilled, nothing is sampled, and its output's `embedding` is the pooled
+        vector (`pooling.py`); it takes no `params`."""
+        if pooling is not None:
+            self._add_pooled(request_id, prompt, pooling, params)
+            return
         params = params or SamplingParams()
         self._check_new_id(request_id)
         token_ids = self.tokenize(prompt)
@@ -215,8 +229,28 @@ class LLMEngine:
         tokens = [self._continuation_ids(c, f"continuations[{i}]") for i, c in enumerate(continuations)]
         self._add_group(ScoreGroup(request_id, token_ids, tokens, None, time.time()))
 
+    def _add_pooled(self, request_id: str, prompt: str | list[int], pooling: PoolingParams,
+                    params: SamplingParams | None) -> None:
+        """Queue an embedding request: a pooling sequence (`pooling.PooledSequence`), with the checkpoint's pooling
+        where the request leaves it open."""
+        if params is not None:
+            raise InvalidRequestError("pooling", "an embedding request samples nothing: give it no SamplingParams")
+        self._check_new_id(request_id)
+        token_ids = self.tokenize(prompt)
+        self._check_prompt(token_ids)
+        if self._checkpoint_pooling is None:
+            self._checkpoint_pooling = checkpoint_pooling(self.config.model)
+        hidden_size = getattr(self.hf_config, "hidden_size", None)
+        mode, normalize, dimensions = self._checkpoint_pooling.resolve(pooling, hidden_size)
+        seq = PooledSequence(request_id, token_ids, NO_SAMPLING, pooling=mode, normalize=normalize,
+                             dimensions=dimensions, arrival_time=time.time())
+        self.scheduler.add(seq)
+        self._pooled[request_id] = seq
+        self._totals["prompt"] += len(token_ids)
+
     def _check_new_id(self, request_id: str) -> None:
-        if request_id in self.requests or request_id in self._pending or request_id in self._groups:
+        if (request_id in self.requests or request_id in self._pending or request_id in self._groups
+                or request_id in self._pooled):
             raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
 
     def _continuation_ids(self, continuation: str | list[int], field: str) -> list[int]:
@@ -356,6 +390,7 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> None:
         self._pending.pop(request_id, None)
         self._end_group(request_id, "abort")
+        self._end_pooled(request_id, "abort")
         self._end(request_id, "abort")
 
     def cancel_request(self, request_id: str, reason: str) -> RequestOutput | None:
@@ -370,6 +405,10 @@ class LLMEngine:
         if group is not None:
             return RequestOutput(request_id, group.prompt_token_ids, [], "", reason, arrival_time=group.arrival_time,
                                  finished_time=time.time(), constraint_satisfied=False if group.labels else None)
+        pooled = self._end_pooled(request_id, reason)
+        if pooled is not None:
+            return RequestOutput(request_id, pooled.prompt_token_ids, [], "", reason, arrival_time=pooled.arrival_time,
+                                 finished_time=time.time())
         request = self._end(request_id, reason)
         if request is None:
             return None
@@ -388,6 +427,14 @@ class LLMEngine:
                 if not seq.is_finished:
                     self._end_scored(seq, reason)
         return group
+
+    def _end_pooled(self, request_id: str, reason: str) -> PooledSequence | None:
+        """Take an embedding request out of `_pooled` and finish its sequence (its blocks freed at once)."""
+        seq = self._pooled.pop(request_id, None)
+        if seq is not None:
+            seq.pooled = None
+            self._end_scored(seq, reason)  # type: ignore[arg-type]  # a pooling sequence is a scoring one
+        return seq
 
     def _end_scored(self, seq: ScoredSequence, reason: str) -> None:
         """Finish one scoring sequence (its blocks freed at once) and forget its block-table row."""
@@ -423,6 +470,8 @@ class LLMEngine:
         finished = admitted + [self._fail(seq, error, now) for seq, error in failed]
         if batch.scoring:
             finished += self._finish_scored(batch.scoring, now)
+        if batch.pooling:
+            finished += self._finish_pooled(batch.pooling, now)  # type: ignore[arg-type]  # `_add_pooled` adds them
         for request in self._note_tokens(requests, result, now):
             try:
                 reason = self._finish_reason(request)
@@ -452,6 +501,18 @@ class LLMEngine:
             if group.remaining == 0:
                 del self._groups[group.request_id]
                 outputs.append(self._group_output(group, now))
+        return outputs
+
+    def _finish_pooled(self, seqs: list[PooledSequence], now: float) -> list[RequestOutput]:
+        """The outputs of the step's embedding requests whose prompt is now computed whole, finished (their blocks
+        freed at once); their vectors are read back together."""
+        done = [seq for seq in seqs if seq.num_computed_tokens == seq.num_tokens]
+        outputs = []
+        for seq, vector in zip(done, embeddings(done) if done else []):
+            self._end_pooled(seq.request_id, "stop")
+            outputs.append(RequestOutput(seq.request_id, seq.prompt_token_ids, [], "", "stop",
+                                         num_cached_tokens=seq.num_cached_tokens, arrival_time=seq.arrival_time,
+                                         first_token_time=now, finished_time=now, embedding=vector))
         return outputs
 
     def _group_output(self, group: ScoreGroup, now: float) -> RequestOutput:

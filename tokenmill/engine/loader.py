@@ -48,6 +48,20 @@ def resolve_dtype(name: str, hf_config: PretrainedConfig, device: torch.device) 
     return saved if saved in (torch.float16, torch.bfloat16) else torch.bfloat16
 
 
+def refuse_encoder(model: str, hf_config: PretrainedConfig) -> None:
+    """`ModelLoadError` for an encoder (BERT, RoBERTa, XLM-R and the other masked-LM families) or encoder-decoder
+    checkpoint: the engine runs decoder-only causal LMs, for generation and embeddings alike."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+    model_type = getattr(hf_config, "model_type", "")
+    both = getattr(hf_config, "is_encoder_decoder", False)
+    if both or model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(hf_config, "is_decoder", False):
+        raise ModelLoadError(
+            f"model {model!r} is an {'encoder-decoder' if both else 'encoder-only'} ({model_type}) checkpoint: "
+            "tokenmill runs decoder-only causal LMs (natively Llama, Mistral, Qwen2, Qwen3; others through "
+            "transformers), for embeddings too (decoder embedding models: Qwen3-Embedding, gte-Qwen2, e5-mistral)")
+
+
 def load(config: EngineConfig) -> LoadedModel:
     """The model and tokenizer `config` names; `ModelLoadError` (one line: what and how to fix it) if they cannot be
     loaded as configured."""
@@ -72,6 +86,7 @@ def _load(config: EngineConfig) -> LoadedModel:
         model = tiny_model(dtype, device, config.seed)
         return LoadedModel(models.choose(model.eval(), config.model_impl), tiny_tokenizer(), model.config, device, dtype)
     hf_config = AutoConfig.from_pretrained(config.model, trust_remote_code=config.trust_remote_code)
+    refuse_encoder(config.model, hf_config)
     dtype = resolve_dtype(config.dtype, hf_config, device)
     if config.load_format == "dummy":
         with torch.device(device), torch.random.fork_rng(devices=[]):

@@ -2,7 +2,8 @@
 
 No padding anywhere on the token path: the step's tokens are concatenated into a `[1, T]` batch, and the
 attention metadata (query boundaries, context lengths, block tables, cache slots) keeps sequences apart.
-Logits are computed only for the rows that sample. Host-side inputs come from persistent buffers
+Logits are computed only for the rows that sample (and score); the final hidden states of an embedding's pooled rows
+come out beside them (`pooling.py`). Host-side inputs come from persistent buffers
 (`step_inputs.py`) in one host-to-device copy; the sampler's token read-back is the step's only sync.
 """
 
@@ -16,6 +17,7 @@ from tokenmill.engine.attention import AttentionMetadata
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.loader import LoadedModel
 from tokenmill.engine.models import is_native
+from tokenmill.engine.pooling import pool_rows
 from tokenmill.engine.sampler import Sampler, SampleResult, SamplingRow
 from tokenmill.engine.scoring import score_logits, score_rows
 from tokenmill.engine.step_inputs import StepInputBuilder, StepInputs
@@ -123,15 +125,19 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch, rows: list[SamplingRow]) -> SampleResult:
         """Run the step's forward pass and sample one token for each sequence that completes its tokens. The
         step's scoring rows (`scoring.score_rows`) get logits too, after the sampled ones: their scores are read
-        back with the tokens and written into their sequences."""
-        if not batch.scoring:
+        back with the tokens and written into their sequences. The pooled rows' hidden states (`pooling.pool_rows`)
+        are added into their sequences once the sampler has passed (a step rerun after its failure adds them once)."""
+        if not batch.scoring and not batch.pooling:
             return self.sampler(self.forward(self.inputs.build(batch)), rows)
-        scoring = score_rows(batch)
-        logits = self.forward(self.inputs.build(batch, scoring.rows))
+        scoring, pooling = score_rows(batch), pool_rows(batch)
+        inputs = self.inputs.build(batch, scoring.rows, pooling.rows)
+        logits, hidden = self.forward_pooled(inputs) if pooling.rows else (self.forward(inputs), None)
         scores = score_logits(logits[len(rows):], scoring) if scoring.rows else None
         result = self.sampler(logits[: len(rows)], rows, scores)
         if result.scores is not None:
             scoring.record(result.scores)
+        if hidden is not None:
+            pooling.record(hidden)
         return result
 
     @torch.inference_mode()
@@ -151,7 +157,30 @@ class ModelRunner:
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """Logits `[len(sample_rows), vocab]` for one step's flat batch."""
-        meta = AttentionMetadata(
+        meta = self._meta(inputs)
+        if self.native:
+            return self.model(inputs.input_ids[0], inputs.positions[0], meta, inputs.sample_rows)
+        output = self.model(input_ids=inputs.input_ids, position_ids=inputs.positions, use_cache=False,
+                            logits_to_keep=inputs.sample_rows, tokenmill_meta=meta)
+        return output.logits[0]
+
+    def forward_pooled(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward`'s logits and the final hidden states `[len(pool_rows), hidden]` of `inputs.pool_rows` (after the
+        model's final norm, before its head): transformers' base model's `last_hidden_state`, caught on its way."""
+        meta = self._meta(inputs)
+        if self.native:
+            return self.model(inputs.input_ids[0], inputs.positions[0], meta, inputs.sample_rows, inputs.pool_rows)
+        caught: list[torch.Tensor] = []
+        hook = self.model.base_model.register_forward_hook(lambda module, args, output: caught.append(output[0]))
+        try:
+            output = self.model(input_ids=inputs.input_ids, position_ids=inputs.positions, use_cache=False,
+                                logits_to_keep=inputs.sample_rows, tokenmill_meta=meta)
+        finally:
+            hook.remove()
+        return output.logits[0], caught[0][0, inputs.pool_rows]
+
+    def _meta(self, inputs: StepInputs) -> AttentionMetadata:
+        return AttentionMetadata(
             cu_seqlens_q=inputs.cu_seqlens_q,
             seq_lens=inputs.seq_lens,
             block_tables=inputs.block_tables,
@@ -161,11 +190,6 @@ class ModelRunner:
             kv_caches=self.kv_caches,
             backend=self.backend,
         )
-        if self.native:
-            return self.model(inputs.input_ids[0], inputs.positions[0], meta, inputs.sample_rows)
-        output = self.model(input_ids=inputs.input_ids, position_ids=inputs.positions, use_cache=False,
-                            logits_to_keep=inputs.sample_rows, tokenmill_meta=meta)
-        return output.logits[0]
 
 
 def kv_cache_budget(total: int, free: int, utilization: float) -> int:

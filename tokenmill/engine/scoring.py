@@ -135,11 +135,11 @@ class ScoreRows:
 
 def score_rows(batch: ScheduledBatch) -> ScoreRows:
     """The scored positions of `batch` (planned, not yet run). Decodes lead the batch and never score, so the walk
-    starts after them."""
+    starts after them; a pooling sequence reads hidden states, not logits (`pooling.pool_rows`)."""
     out = ScoreRows()
     offset = head = batch.num_decodes
     for seq, count in zip(batch.seqs[head:], batch.num_new_tokens[head:]):
-        if seq.num_scored_tokens:
+        if seq.num_scored_tokens and seq.pooling is None:
             start, first = seq.num_computed_tokens, seq.num_tokens - seq.num_scored_tokens
             low, high = max(start, first) - first, start + count - first  # scored positions, as indices
             for k in range(low, high):

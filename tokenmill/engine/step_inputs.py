@@ -37,6 +37,7 @@ class StepInputs:
     block_tables: torch.Tensor  # int32 [S, W]
     max_seqlen_q: int
     max_seq_len: int
+    pool_rows: torch.Tensor | None = None  # int64 [P]: the query rows whose final hidden states are pooled
 
 
 class BlockTableMirror:
@@ -121,8 +122,10 @@ class StepInputBuilder:
         self.staging = torch.zeros(size, dtype=torch.int64, pin_memory=self.pin)
         self.host = self.staging.numpy()  # the same memory, written with numpy
 
-    def build(self, batch: ScheduledBatch, score_rows: list[int] | None = None) -> StepInputs:
-        """The step's inputs; `score_rows` (query rows whose logits score a token) follow the sampled rows."""
+    def build(self, batch: ScheduledBatch, score_rows: list[int] | None = None,
+              pool_rows: list[int] | None = None) -> StepInputs:
+        """The step's inputs; `score_rows` (query rows whose logits score a token) follow the sampled rows, and
+        `pool_rows` (query rows whose hidden states are pooled) come as their own tensor."""
         seqs, block_size, counts = batch.seqs, self.block_size, batch.num_new_tokens
         num_seqs = len(seqs)
         starts = [seq.num_computed_tokens for seq in seqs]
@@ -154,14 +157,17 @@ class StepInputBuilder:
         wide = (ids, positions, slots, sample_rows)
         narrow = (cu, end, table[rows, :width].reshape(-1))
         wide_sizes = [num_tokens, num_tokens, num_tokens, len(sample_rows)]
+        if pool_rows:
+            wide, wide_sizes = wide + (pool_rows,), wide_sizes + [len(pool_rows)]
         narrow_sizes = [num_seqs + 1, num_seqs, num_seqs * width]
         device = self._transfer(wide, wide_sizes, narrow, narrow_sizes)
-        ids, positions, slots, sample_rows = device[0].split_with_sizes(wide_sizes)
+        parts = device[0].split_with_sizes(wide_sizes)
+        ids, positions, slots, sample_rows = parts[:4]
         cu, seq_lens, tables = device[1].split_with_sizes(narrow_sizes)
         return StepInputs(
             input_ids=ids[None], positions=positions[None], slot_mapping=slots, sample_rows=sample_rows,
             cu_seqlens_q=cu, seq_lens=seq_lens, block_tables=tables.view(num_seqs, width),
-            max_seqlen_q=max_seqlen_q, max_seq_len=max_seq_len,
+            max_seqlen_q=max_seqlen_q, max_seq_len=max_seq_len, pool_rows=parts[4] if pool_rows else None,
         )
 
     def _transfer(self, wide: tuple, wide_sizes: list[int], narrow: tuple,

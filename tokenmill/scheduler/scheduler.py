@@ -8,7 +8,8 @@ A scoring sequence (`Sequence.num_scored_tokens`) is planned as a prompt that ne
 and its chunk is cut so that the step's scored rows stay within `max_num_seqs` (the logits rows the engine's memory
 profile allows for). Continuations of a computed sequence start from its K/V (`fork`): running at once, sharing its
 full blocks, with a copy of its partial last block; without a free slot or block they queue as new sequences and
-find the full blocks in the prefix cache.
+find the full blocks in the prefix cache. A pooling sequence (`Sequence.pooling`, an embedding) is planned as a
+scoring one that reads no logits: its chunks are cut by the budget alone.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ class ScheduledBatch:
     The planner puts the decoding sequences first; `num_decodes` says how many leading sequences are known
     to compute one token each and sample (0 when unknown), so per-sequence work can skip them in bulk.
     `scoring` lists its scoring sequences (never among those decodes), in batch order; `score_rows` counts the
-    positions whose logits they may still read this step.
+    positions whose logits they may still read this step. `pooling` lists its pooling sequences (apart from `scoring`).
     """
 
     budget: int
@@ -55,6 +56,7 @@ class ScheduledBatch:
     num_decodes: int = 0
     scoring: list[Sequence] = field(default_factory=list)
     score_rows: int = 0
+    pooling: list[Sequence] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -65,7 +67,7 @@ class ScheduledBatch:
         self.num_new_tokens.append(count)
         self.budget -= count
         if seq.num_scored_tokens:
-            self.scoring.append(seq)
+            (self.scoring if seq.pooling is None else self.pooling).append(seq)
 
     def remove(self, seq: Sequence) -> None:
         if seq in self.seqs:
@@ -73,7 +75,7 @@ class ScheduledBatch:
             self.budget += self.num_new_tokens.pop(index)
             del self.seqs[index]
             if seq.num_scored_tokens:
-                self.scoring.remove(seq)
+                (self.scoring if seq.pooling is None else self.pooling).remove(seq)
             self.num_decodes = 0
             self.__dict__.pop("sample_mask", None)  # cached for the old batch
 
@@ -109,8 +111,9 @@ class Scheduler:
         """Reject a request that could never finish, before it takes any resources (a scoring sequence generates
         nothing: its tokens are all it needs)."""
         total = seq.num_tokens + (0 if seq.num_scored_tokens else seq.params.max_tokens)
+        what = "prompt" if seq.pooling is not None else "prompt + continuation"
         if seq.num_scored_tokens and total > self.config.max_model_len:
-            raise InvalidRequestError("prompt", f"prompt + continuation ({total} tokens) exceeds max_model_len "
+            raise InvalidRequestError("prompt", f"{what} ({total} tokens) exceeds max_model_len "
                                       f"({self.config.max_model_len})")
         if total > self.config.max_model_len:
             raise InvalidRequestError(
@@ -119,7 +122,7 @@ class Scheduler:
                 f"max_model_len ({self.config.max_model_len})",
             )
         if self.block_manager.blocks_needed(total) > self.block_manager.num_blocks:
-            what = "prompt + continuation" if seq.num_scored_tokens else "prompt + max_tokens"
+            what = what if seq.num_scored_tokens else "prompt + max_tokens"
             raise InvalidRequestError(
                 "prompt",
                 f"{what} = {total} tokens needs {self.block_manager.blocks_needed(total)} KV blocks "
@@ -291,7 +294,9 @@ class Scheduler:
 
 def _score_count(seq: Sequence, count: int, batch: ScheduledBatch) -> int:
     """`count` tokens of scoring sequence `seq` cut so that the positions it scores fit `batch.score_rows`, which
-    they then take (0: none fit)."""
+    they then take (0: none fit). A pooling sequence reads no logits: `count` as it is."""
+    if seq.pooling is not None:
+        return count
     start = max(seq.num_computed_tokens, seq.num_tokens - seq.num_scored_tokens)  # its first scored position
     count = min(count, start - seq.num_computed_tokens + batch.score_rows)
     batch.score_rows -= max(0, seq.num_computed_tokens + count - start)

@@ -31,6 +31,8 @@ class Sequence:
     A scoring sequence (`num_scored_tokens > 0`) is prefilled and never decodes: it samples nothing, and the
     logits of its last `num_scored_tokens` positions are read (to score the tokens the engine holds for them).
     Those positions are always computed (never served from the prefix cache); it ends once all are computed.
+    A pooling sequence (`pooling` set: "last", "mean" or "cls") is a scoring sequence whose read positions give their
+    final hidden states instead of logits (the engine pools them into an embedding): the last one, or all of them.
     """
 
     request_id: str
@@ -44,6 +46,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     num_scored_tokens: int = 0
+    pooling: str | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.token_ids)

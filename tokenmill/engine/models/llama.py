@@ -1,6 +1,7 @@
 """The Llama family, written for the ragged batch: Llama 2/3/3.x, Mistral, Qwen2/2.5 and Qwen3.
 
-One forward takes the step's flat tokens `[T]` and positions `[T]` and returns the logits of the sampled rows only.
+One forward takes the step's flat tokens `[T]` and positions `[T]` and returns the logits of the sampled rows only
+(and, when asked, the final hidden states of the pooled rows, for embeddings).
 Per decoder layer: one matmul for Q, K and V together, one for gate and up together, the residual added inside the
 norm that follows it, rotary with the step's cos/sin (computed once per step, for every layer), and the paged
 attention of `tokenmill.kernels` called with device tensors. The weights come from the transformers model that
@@ -201,7 +202,8 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaFamily(nn.Module):
-    """`forward(input_ids [T], positions [T], meta, sample_rows [R]) -> logits [R, vocab]`."""
+    """`forward(input_ids [T], positions [T], meta, sample_rows [R]) -> logits [R, vocab]`; with `pool_rows [P]`,
+    `(logits, hidden [P, hidden_size])`: those rows' final hidden states (after the final norm, before the head)."""
 
     native = True
 
@@ -219,14 +221,17 @@ class LlamaFamily(nn.Module):
         return self.embed_tokens
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                sample_rows: torch.Tensor) -> torch.Tensor:
+                sample_rows: torch.Tensor, pool_rows: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         hidden = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, hidden.dtype)
         residual = None
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, cos, sin, meta)
-        hidden, _ = self.norm(hidden[sample_rows], residual[sample_rows])
-        return self.lm_head(hidden)
+        logits = self.lm_head(self.norm(hidden[sample_rows], residual[sample_rows])[0])
+        if pool_rows is None:
+            return logits
+        return logits, self.norm(hidden[pool_rows], residual[pool_rows])[0]
 
 
 @torch.no_grad()
