@@ -73,14 +73,19 @@ def stopped(pid: int) -> Iterator[None]:
         os.kill(pid, signal.SIGCONT)
 
 
-def queued(broker: redis.Redis, queue: str = "tokenmill") -> int:
-    """Messages waiting on `queue`: its own list and its fair shares' (`annotate --broker` runs and `serve` tenants
-    queue in shares of their own; see `tokenmill.queue.names.SHARE_LIST`)."""
-    from tokenmill.queue.names import SHARE_LIST, SHARES_KEY
+def queued_messages(broker: redis.Redis, queue: str = "tokenmill") -> list[bytes]:
+    """The messages waiting on `queue`: on its own list and its fair shares' (`annotate --broker` runs and `serve`
+    tenants queue in shares of their own; `tokenmill.queue.names.SHARE_LIST`), wake-up bells left out."""
+    from tokenmill.queue.names import SHARE_BELL, SHARE_LIST, SHARES_KEY
 
-    shares = [SHARE_LIST.format(queue=queue, share=share.decode())
-              for share in broker.smembers(SHARES_KEY.format(queue=queue))]
-    return sum(broker.llen(name) for name in [queue, *shares])
+    lists = [queue, *(SHARE_LIST.format(queue=queue, share=share.decode())
+                      for share in broker.smembers(SHARES_KEY.format(queue=queue)))]
+    return [item for name in lists for item in broker.lrange(name, 0, -1) if item != SHARE_BELL.encode()]
+
+
+def queued(broker: redis.Redis, queue: str = "tokenmill") -> int:
+    """How many messages wait on `queue`, its shares' included."""
+    return len(queued_messages(broker, queue))
 
 
 def wait_for(check: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:

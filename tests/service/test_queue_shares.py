@@ -8,6 +8,7 @@ import json
 import time
 import uuid
 
+import pytest
 from kombu import Connection, Consumer, Exchange, Producer, Queue
 from service_fixtures import RedisServer, wait_for
 
@@ -142,3 +143,69 @@ def test_a_job_queued_behind_another_runs_backlog_is_taken_at_once(redis_server:
         done = sum(big.get(handle.id) is not None for handle in handles)
         assert done < backlog // 2, f"{done} of the {backlog} backlog jobs finished before the probes"
         big.cancel(handles)
+
+
+def test_a_consumers_prefetch_counts_the_jobs_a_message_carries(redis_server: RedisServer) -> None:
+    """Messages of 4 jobs each (`JOBS_HEADER`, as a group message carries it) and a prefetch of 8 jobs: the consumer
+    holds 2 of them, not 8, and takes one more as one is acked."""
+    from tokenmill.queue.names import JOBS_HEADER
+
+    queue = Queue(f"q-{uuid.uuid4().hex[:8]}", EXCHANGE, routing_key="q")
+    with _connection(redis_server) as connection:
+        producer = Producer(connection.channel(), exchange=EXCHANGE)
+        for i in range(6):
+            producer.publish({"body": f"group-{i}"}, routing_key=queue.name, declare=[queue], headers={JOBS_HEADER: 4})
+    held: list = []
+    with _connection(redis_server) as connection, Consumer(
+            connection.channel(), [queue], callbacks=[lambda body, message: held.append(message)], prefetch_count=8):
+        def drain(seconds: float) -> None:
+            deadline = time.monotonic() + seconds
+            while time.monotonic() < deadline:
+                try:
+                    connection.drain_events(timeout=0.2)
+                except TimeoutError:
+                    pass
+
+        drain(2.0)
+        assert len(held) == 2
+        held[0].ack()
+        drain(2.0)
+        assert len(held) == 3
+        for message in held[1:]:
+            message.ack()
+        drain(2.0)
+        assert len(held) == 5
+
+
+def test_a_consumer_blocked_on_the_queue_wakes_for_a_shares_message(redis_server: RedisServer) -> None:
+    """A consumer blocked in BLMOVE on the queue's own list (for 5 s here) is woken at once by a share's message:
+    the publish rang the bell on that list; the consumer drops the bell and takes next."""
+    from kombu.transport import redis as kombu_redis
+
+    from tokenmill.queue.names import SHARE_BELL
+
+    queue = Queue(f"q-{uuid.uuid4().hex[:8]}", EXCHANGE, routing_key="q")
+    received: list[str] = []
+    with _connection(redis_server) as connection:
+        channel = connection.channel()
+        channel.brpop_timeout = 5
+        with Consumer(channel, [queue], callbacks=[lambda body, message: (received.append(body["body"]),
+                                                                          message.ack())]):
+            channel._take_many, channel._found_empty = False, True  # as after a take that found nothing
+            connection.transport.cycle._register_BRPOP(channel)  # BLMOVE on the queue's own list, for up to 5 s
+            time.sleep(0.2)
+            _publish(redis_server, queue, ["wake"], share="run-1")
+            sent = time.monotonic()
+            with pytest.raises(kombu_redis.Empty):
+                channel._brpop_read()  # the bell
+            assert time.monotonic() - sent < 1.0
+            deadline = time.monotonic() + 10
+            while not received and time.monotonic() < deadline:
+                try:
+                    connection.drain_events(timeout=0.2)
+                except TimeoutError:
+                    pass
+    assert received == ["wake"]
+    client = redis_server.client()
+    assert all(SHARE_BELL.encode() not in client.lrange(key, 0, -1)
+               for key in [queue.name, *client.hkeys(tm_transport.CONSUMERS_KEY)])

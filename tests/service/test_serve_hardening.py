@@ -14,7 +14,7 @@ from pathlib import Path
 
 import openai
 import pytest
-from service_fixtures import KEYS, REPO, RedisServer, Server, queued
+from service_fixtures import KEYS, REPO, RedisServer, Server, queued, queued_messages
 
 from tokenmill.apps.api.records import Records, lease_key
 from tokenmill.apps.api.webhooks import Deliverer
@@ -156,14 +156,14 @@ def test_user_strings_are_never_copied_whole_into_errors_or_jobs(redis_server: R
         refused = _ended(client, client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions",
                                                        completion_window="24h").id)
         assert refused.errors.data[0].message == "line 1: custom_id: at most 512 characters, got 513"
-        queued = _lines(tmp_path / "ok.jsonl", [_chat(long_id + str(i)) for i in range(3)])
-        file_id = client.files.create(file=queued.open("rb"), purpose="batch").id
+        source = _lines(tmp_path / "ok.jsonl", [_chat(long_id + str(i)) for i in range(3)])
+        file_id = client.files.create(file=source.open("rb"), purpose="batch").id
         client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
         broker = redis_server.client()
         from service_fixtures import wait_for
 
         wait_for(lambda: queued(broker), 30, "the jobs queued (no worker takes them)")
-        messages = b"".join(broker.lrange("tokenmill", 0, -1))
+        messages = b"".join(queued_messages(broker))
         assert long_id.encode() not in messages and b'"row":"' + b"x" * 64 + b'"' in _bodies(messages)
     finally:
         server.close()

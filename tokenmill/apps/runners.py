@@ -242,7 +242,7 @@ class QueueRunner:
         return refused, taken
 
     def _publish(self, group: list[dict[str, Any]]) -> None:
-        from tokenmill.queue.names import BATCH_TASK_NAME, RUN_JOBS_KEY
+        from tokenmill.queue.names import BATCH_TASK_NAME, JOBS_HEADER, RUN_JOBS_KEY
         from tokenmill.queue.schemas import free_form, message_wire
 
         run_key = RUN_JOBS_KEY.format(run_id=self.run_id)  # listed before it is queued: a cancel finds every job
@@ -250,7 +250,7 @@ class QueueRunner:
             run_key, int(self.client.settings.result_expires)).execute()
         # ignore_result: each job's result is stored under its own id; the group's own would be a wasted key
         self.client.publisher.publish(BATCH_TASK_NAME, uuid.uuid4().hex, [{"jobs": [message_wire(job) for job in group]}],
-                                      f"[<{len(group)} jobs>]",
+                                      f"[<{len(group)} jobs>]", {JOBS_HEADER: len(group)},
                                       free_form=tuple(part for job in group for part in free_form(job)), ignore_result=True)
 
     def _collect(self, submitted: dict[str, Unit]) -> Iterator[tuple[Unit, Outcome]]:

@@ -34,6 +34,11 @@ RUN_JOBS_KEY = "tokenmill:run:{run_id}"
 #: hashed by the worker. It is the sender's claim, as the job id is: it only tells that sender's own resubmissions
 #: of the id apart from other content.
 JOB_HASH_HEADER = "tokenmill_job_hash"
+#: A message header: how many jobs a `tokenmill.generate_batch` message carries (`annotate --broker`, `serve`), so a
+#: worker's prefetch counts jobs, not messages: without it a worker held `max_num_seqs` and a quarter more group
+#: messages, 32 jobs each, hidden from other workers and ahead of every job it took after them. A message without
+#: it counts as one job.
+JOBS_HEADER = "tokenmill_jobs"
 #: Fair shares. A message published for a share (a `serve` tenant, an `annotate --broker` run: `Client(share=...)`)
 #: carries this header and waits on its share's list of the queue, `SHARE_LIST` (kombu's priority suffix after it),
 #: and the share is in the queue's index `SHARES_KEY`. tokenmill's transport takes from the queue's own list and
@@ -44,6 +49,9 @@ SHARE_HEADER = "tokenmill_share"
 SHARE_LIST = "{queue}\x06\x16s:{share}"
 SHARES_KEY = "tokenmill:shares:{queue}"
 SHARE_TURN_KEY = "tokenmill:share-turn"
+#: Pushed on the queue's own list after a write of share messages, to wake a worker blocked on that list; tokenmill's
+#: transport drops it (it is no message).
+SHARE_BELL = "tokenmill:share-bell"
 
 _SHARE_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 

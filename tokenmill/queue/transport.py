@@ -69,7 +69,8 @@ from kombu.utils.objects import cached_property
 
 from tokenmill.queue import fastjson
 from tokenmill.queue.batching import Coalescer, HeldScript
-from tokenmill.queue.names import SHARE_HEADER, SHARE_LIST, SHARE_TURN_KEY, SHARES_KEY, valid_share
+from tokenmill.queue.names import (JOBS_HEADER, SHARE_BELL, SHARE_HEADER, SHARE_LIST, SHARE_TURN_KEY, SHARES_KEY,
+                                   valid_share)
 from tokenmill.queue.packing import PACKER_OPTIONS
 
 log = logging.getLogger(__name__)
@@ -159,15 +160,17 @@ return codes
 """
 # KEYS: the n source lists in kombu's order, their n processing lists, then for each of the m queues taken from: its
 # share index, the processing list of its shares' messages; last, the turn counter. ARGV[1]: the most items to move,
-# ARGV[2]: n, ARGV[3]: m, then the m queues' share list prefixes, then kombu's priority suffixes in order.
+# ARGV[2]: n, ARGV[3]: m, ARGV[4]: the most jobs (an item's jobs: its `JOBS_HEADER` value, else 1; the first item is
+# taken whatever its jobs), then the m queues' share list prefixes, then kombu's priority suffixes in order.
 # Lanes: the source lists together (kombu's order: the first non-empty list gives the lane's next item), and each
 # share of the index (its priority lists in order). Takes one item from each lane in turn, starting one lane further
 # each take when there are shares, until the limit or every lane is empty; a share found empty leaves the index. Each
 # item moves, oldest first, from its list to its lane's processing list (what BLMOVE does for one, without blocking).
-# Nothing else runs while the script does, so a list found empty stays empty. Returns source index (1..n: the
+# A wake-up bell (`SHARE_BELL`) is dropped, never taken. Nothing else runs while the script does, so a list found
+# empty stays empty. Returns source index (1..n: the
 # source list; n + j: queue j's shares), item, source index, item, ...
 _TAKE = """
-local limit, n, m = 2 * tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local limit, n, m, room = 2 * tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 local lanes = {{at = 1}}
 for i = 1, n do lanes[1][i] = {KEYS[i], KEYS[n + i], i} end
 for j = 1, m do
@@ -175,7 +178,7 @@ for j = 1, m do
   table.sort(names)
   for _, name in ipairs(names) do
     local lane = {at = 1, index = KEYS[2 * n + j], name = name}
-    for k = 4 + m, #ARGV do lane[#lane + 1] = {ARGV[3 + j] .. name .. ARGV[k], KEYS[2 * n + m + j], n + j} end
+    for k = 5 + m, #ARGV do lane[#lane + 1] = {ARGV[4 + j] .. name .. ARGV[k], KEYS[2 * n + m + j], n + j} end
     lanes[#lanes + 1] = lane
   end
 end
@@ -188,9 +191,15 @@ while #taken < limit and live > 0 do
     while #taken < limit and lane.at <= #lane do
       local list = lane[lane.at]
       local item = redis.call('LMOVE', list[1], list[2], 'RIGHT', 'LEFT')
+      while item == BELL do
+        redis.call('LPOP', list[2])
+        item = redis.call('LMOVE', list[1], list[2], 'RIGHT', 'LEFT')
+      end
       if item then
         taken[#taken + 1] = list[3]
         taken[#taken + 1] = item
+        room = room - (tonumber(string.match(item, '"JOBS_HEADER": (%d+)')) or 1)
+        if room <= 0 then limit = #taken end
         break
       end
       lane.at = lane.at + 1
@@ -202,7 +211,7 @@ while #taken < limit and live > 0 do
   end
 end
 return taken
-"""
+""".replace("JOBS_HEADER", JOBS_HEADER).replace("BELL", repr(SHARE_BELL))
 #: The most messages one take moves (fewer when fewer prefetch slots are free). Under load one take and one
 #: record script serve this many messages instead of a BLMOVE, an LLEN round and a record script each.
 TAKE_MAX = 64
@@ -379,6 +388,21 @@ class QoS(kombu_redis.QoS):
         super().__init__(*args, **kwargs)
         _live_qos.add(self)
         self._acks: Coalescer[str, None] = Coalescer(self._ack_many, limit=1000)
+        self._jobs: dict[str, int] = {}  # delivery tag -> the jobs of a held message carrying more than one
+
+    def can_consume_max_estimate(self) -> int | None:
+        """Free prefetch slots, in jobs: a message counts its `JOBS_HEADER` jobs (a group's), any other one. Only the
+        consumer's loop thread appends; a tag acked meanwhile is dropped here."""
+        room = super().can_consume_max_estimate()
+        if room is None or not self._jobs:
+            return room
+        held, dirty = self._delivered, self._dirty
+        for tag, jobs in list(self._jobs.items()):
+            if tag in held and tag not in dirty:
+                room -= jobs - 1
+            else:
+                del self._jobs[tag]
+        return room
 
     def can_consume(self) -> bool:
         """As kombu, but with `Channel.take_at_least` free prefetch slots (at most a take's `TAKE_MAX`), once the worker
@@ -389,6 +413,9 @@ class QoS(kombu_redis.QoS):
         return room is None or room >= min(self.channel.take_at_least, self.prefetch_count, TAKE_MAX)
 
     def append(self, message: Any, delivery_tag: str) -> None:
+        jobs = (message.headers or {}).get(JOBS_HEADER)
+        if isinstance(jobs, int) and jobs > 1:
+            self._jobs[delivery_tag] = jobs
         claimed = self.channel.claimed_tags
         if delivery_tag in claimed:  # recorded in Redis by the claim script: only the local record is left
             claimed.discard(delivery_tag)
@@ -523,7 +550,9 @@ class Channel(kombu_redis.Channel):
 
     def _put(self, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
         """As kombu, but a message with a share (`SHARE_HEADER`, a valid share name) goes to that share's list of
-        the queue, and the share into the queue's index after it: an index never misses a list holding messages."""
+        the queue, and the share into the queue's index after it: an index never misses a list holding messages.
+        Then a bell (`SHARE_BELL`, one a write) on the queue's own list wakes a consumer blocked on it: it takes
+        next, and drops the bell."""
         share = (message.get("headers") or {}).get(SHARE_HEADER)
         if not valid_share(share) or (self._expires and queue in self._expires):
             return super()._put(queue, message, **kwargs)
@@ -533,11 +562,14 @@ class Channel(kombu_redis.Channel):
         if batch is not None:
             batch.add("lpush", key, kombu_redis.dumps(message))
             batch.add("sadd", index, share)
+            if not batch._buffered:  # the first message of each write: one bell a write
+                batch.add("lpush", queue, SHARE_BELL)
             return None
         with self.conn_or_acquire() as client:
             pipe = client.pipeline(transaction=False)
             pipe.lpush(key, kombu_redis.dumps(message))
             pipe.sadd(index, share)
+            pipe.lpush(queue, SHARE_BELL)
             pipe.execute()
         return None
 
@@ -574,7 +606,7 @@ class Channel(kombu_redis.Channel):
         limit = TAKE_MAX if room is None else min(TAKE_MAX, room)
         self._take_keys = keys + shared
         if self._take_many and limit > 1:
-            self._send_take(keys, shared, limit)
+            self._send_take(keys, shared, limit, room)
             return
         if self._found_empty:  # the take or record just before found every list empty: that was the check
             self._register_sources(self._take_keys)
@@ -582,7 +614,7 @@ class Channel(kombu_redis.Channel):
         else:
             source = self._choose_source(keys, shared)
         if source is None:
-            self._send_take(keys, shared, max(1, limit))
+            self._send_take(keys, shared, max(1, limit), room)
             return
         self._blmove_source = source
         self._in_poll = self.client.connection
@@ -590,8 +622,9 @@ class Channel(kombu_redis.Channel):
         self._unread = True
         self.client.connection.send_command("BLMOVE", source, self._processing_key(source), "RIGHT", "LEFT", timeout or 0)
 
-    def _send_take(self, keys: list[str], shared: list[str], limit: int) -> None:
-        """Send the take script (`_TAKE`) for the source lists `keys` and the shares of `shared`'s queues."""
+    def _send_take(self, keys: list[str], shared: list[str], limit: int, room: int | None) -> None:
+        """Send the take script (`_TAKE`) for the source lists `keys` and the shares of `shared`'s queues: at most
+        `limit` messages and `room` jobs (None: `limit` jobs)."""
         self._register_sources(self._take_keys)
         self._blmove_source = None
         self._in_poll = self.client.connection
@@ -601,7 +634,7 @@ class Channel(kombu_redis.Channel):
         self.client.connection.send_command(
             "EVAL", _TAKE, 2 * len(keys) + 2 * len(shared) + 1, *keys, *map(self._processing_key, keys),
             *(self._share_sources[source][1] for source in shared), *map(self._processing_key, shared),
-            SHARE_TURN_KEY, limit, len(keys), len(shared), *shared, *suffixes)
+            SHARE_TURN_KEY, limit, len(keys), len(shared), limit if room is None else max(1, room), *shared, *suffixes)
 
     def _shares_source(self, queue: str) -> str:
         """The source standing for `queue`'s shares: their lists' common prefix, whose processing list holds what a
@@ -679,6 +712,10 @@ class Channel(kombu_redis.Channel):
             except self.connection_errors:
                 self.client.connection.disconnect()
                 raise
+            if command == "BLMOVE" and reply == SHARE_BELL.encode():
+                self._drop_bell(self._blmove_source)
+                self._take_many, self._found_empty, self._unread = True, False, False
+                raise kombu_redis.Empty()
             if command == "BLMOVE":
                 taken = [(self._blmove_source, reply)] if reply else []
             else:
@@ -703,6 +740,11 @@ class Channel(kombu_redis.Channel):
             self._in_poll = None
             self._blmove_source = None
             self._flush_brpop_reauth()
+
+    def _drop_bell(self, source: str) -> None:
+        """Remove a bell BLMOVE moved into `source`'s processing list (at its head, where BLMOVE put it)."""
+        with self.conn_or_acquire() as client:
+            client.lrem(self._processing_key(source), 1, SHARE_BELL)
 
     def _claim_many(self, taken: list[tuple[str, bytes]], sources: Sequence[str] = ()
                     ) -> tuple[list[tuple[dict[str, Any], str]], int | None]:
