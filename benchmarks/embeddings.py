@@ -174,7 +174,7 @@ def report(args: argparse.Namespace, prompts: list[list[int]], best: dict[str, R
     print(f"model: Qwen2.5-0.5B shape{' (--quick: tiny)' if args.quick else ''}, {args.layers} layers, random weights, "
           f"float32; {len(prompts)} prompts of {args.min_len}-{args.max_len} tokens ({tokens} in all), "
           f"budget {args.max_num_batched_tokens}, best of {args.rounds} round(s)")
-    print(f"| system | wall s | CPU s | positions computed | tokens/s |\n|---|---:|---:|---:|---:|")
+    print("| system | wall s | CPU s | positions computed | tokens/s |\n|---|---:|---:|---:|---:|")
     for name, run in best.items():
         print(f"| {LABELS[name]} | {run.wall:.2f} | {run.cpu:.1f} | {run.positions or tokens} | {rate[name]:,.0f} |")
     ratios = {"(a)/(b)": rate["embed"] / rate["prefill"], "(a)/(c)": rate["embed"] / rate["hf"]}
