@@ -552,3 +552,36 @@ def test_a_checkpoint_from_before_a_new_result_field_still_resumes(tmp_path: Pat
         assert (outcome.text, outcome.choice_probabilities, earlier) == ("yes", None, True)
     finally:
         checkpoint.close()
+
+
+def test_embed_writes_each_row_s_vector_in_an_embedding_column(llm, tmp_path: Path) -> None:
+    """`--embed`: each rendered prompt's vector (`LLM.embed`'s, to 1e-5) in an `embedding` column (JSONL: a list of
+    floats; Parquet: list<float32>) beside `prompt_tokens` and `error`; `--dimensions` cuts it; a row that fails has
+    nulls and its error; a sampling option or `--dimensions` alone is refused before any row runs."""
+    import numpy as np
+
+    data = rows(4) + [{"id": "long", "text": "z" * 5000, "n": 9}]
+    src = write_jsonl(tmp_path / "in.jsonl", data)
+    for out in ("out.jsonl", "out.parquet"):
+        summary = annotate(str(src), str(tmp_path / out), "Say: {{ text }}", llm=llm, quiet=True, embed=True)
+        assert (summary.ok, summary.failed) == (4, 1)
+    table = pq.read_table(tmp_path / "out.parquet")
+    assert table.schema.field("embedding").type == pa.list_(pa.float32())
+    assert table.column_names == ["id", "text", "n", "embedding", "prompt_tokens", "error"]
+    expected = llm.embed([f"Say: {r['text']}" for r in rows(4)])
+    jsonl = read_jsonl(tmp_path / "out.jsonl")
+    for got in (jsonl, table.to_pylist()):
+        np.testing.assert_allclose([row["embedding"] for row in got[:4]], [o.embedding for o in expected], atol=1e-5)
+        assert [row["prompt_tokens"] for row in got[:4]] == [o.num_prompt_tokens for o in expected]
+        assert got[4]["embedding"] is None and "max_model_len" in got[4]["error"]
+    done = cli("annotate", str(src), "-o", str(tmp_path / "cli.jsonl"), "--template", "Say: {{ text }}", "--model",
+               "builtin:tiny", "--embed", "--dimensions", "8", "--limit", "4", "--quiet")
+    assert done.returncode == 0, done.stderr
+    cut = llm.embed([f"Say: {r['text']}" for r in rows(4)], dimensions=8)
+    np.testing.assert_allclose([row["embedding"] for row in read_jsonl(tmp_path / "cli.jsonl")],
+                               [o.embedding for o in cut], atol=1e-5)
+    for options, field in (({"embed": True, "max_tokens": 5}, "max_tokens"), ({"dimensions": 8}, "dimensions"),
+                           ({"embed": True, "dimensions": 0}, "dimensions")):
+        with pytest.raises(InvalidRequestError) as refused:
+            annotate(str(src), str(tmp_path / "x.jsonl"), "Say: {{ text }}", llm=llm, quiet=True, **options)
+        assert refused.value.field == field

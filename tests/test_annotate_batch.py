@@ -14,7 +14,7 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletion
 from openai.types.shared import ErrorObject
 
-from tokenmill.apps.batch import BODY_FIELDS, URLS, FileProblem, Parser, Refused, Request, batch
+from tokenmill.apps.batch import BODY_FIELDS, EMBEDDING_FIELDS, URLS, FileProblem, Parser, Refused, Request, batch
 from tokenmill.errors import InvalidRequestError
 from tokenmill.sampling_params import SamplingParams
 
@@ -199,7 +199,7 @@ def test_an_unusable_file_is_refused_whole_before_any_request_runs(tmp_path: Pat
     line without its four fields or with another method or url, a repeated custom_id, a line over the size limit."""
     good = chat("ok", "fine")
     lines = [json.dumps(good), "{not json", json.dumps({k: v for k, v in chat("m", "x").items() if k != "method"}),
-             json.dumps({**chat("g", "x"), "method": "GET"}), json.dumps({**chat("u", "x"), "url": "/v1/embeddings"}),
+             json.dumps({**chat("g", "x"), "method": "GET"}), json.dumps({**chat("u", "x"), "url": "/v1/responses"}),
              json.dumps({"method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}), json.dumps(good),
              json.dumps(chat("big", "x" * 5000))]
     src = write_jsonl(tmp_path / "in.jsonl", lines)
@@ -208,7 +208,7 @@ def test_an_unusable_file_is_refused_whole_before_any_request_runs(tmp_path: Pat
     message = refused_file.value.message
     assert message.startswith(f"{src} is not a usable batch input file: line 2: the line is not valid JSON")
     for expected in ("line 3: method: missing", "line 4: method: must be POST, got 'GET'",
-                     "line 5: url: unsupported '/v1/embeddings'", "line 6: custom_id: missing",
+                     "line 5: url: unsupported '/v1/responses'", "line 6: custom_id: missing",
                      "line 7: custom_id 'ok' already on line 1", "line 8: row: 5", "over the max_row_bytes limit (4096)"):
         assert expected in message
     assert not (tmp_path / "out.jsonl").exists() and not (tmp_path / "out.errors.jsonl").exists()
@@ -287,10 +287,14 @@ _ANY_JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) 
 
 @st.composite
 def _request_lines(draw: st.DrawFn) -> bytes:
-    """A request line whose url and body fields (any of `BODY_FIELDS`) hold any JSON value."""
+    """A request line whose url and body fields (any of `BODY_FIELDS`, or `EMBEDDING_FIELDS` for embeddings) hold any
+    JSON value."""
     url = draw(st.sampled_from(sorted(URLS)) | _ANY_JSON)
     body: dict = {"messages": [{"role": "user", "content": "hi"}]} if url == "/v1/chat/completions" else {"prompt": "hi"}
-    for name in draw(st.lists(st.sampled_from(sorted(BODY_FIELDS)), max_size=4, unique=True)):
+    fields = BODY_FIELDS
+    if url == "/v1/embeddings":
+        body, fields = {"input": "hi"}, EMBEDDING_FIELDS
+    for name in draw(st.lists(st.sampled_from(sorted(fields)), max_size=4, unique=True)):
         body[name] = draw(_ANY_JSON)
     return json.dumps({"custom_id": "a", "method": "POST", "url": url, "body": body}).encode()
 
@@ -344,3 +348,55 @@ def test_logprobs_without_token_texts_are_that_lines_error_not_the_batchs() -> N
                                                           "token": "x", "bytes": [120], "top_tokens": []}]))
     written, error = request_line(request, [new])
     assert error is None and written["response"]["body"]["choices"][0]["logprobs"]["content"][0]["token"] == "x"
+
+
+def embeddings(custom_id: str, input, **body) -> dict:
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/embeddings",
+            "body": {"model": "tiny-embed", "input": input, **body}}
+
+
+def test_embeddings_lines_load_as_the_sdk_s_embedding_responses(llm, tmp_path: Path) -> None:
+    """`/v1/embeddings` lines: a string, a list of strings, token ids; `dimensions`; `encoding_format` float or
+    base64 (little-endian float32, as the SDK decodes it); each vector the engine's own (`LLM.embed`), usage its
+    inputs' prompt tokens. A bad `dimensions`, `encoding_format` or `input`, and an input the engine refuses, are
+    their lines' 400s naming the body's field."""
+    import base64
+
+    import numpy as np
+    from openai.types import CreateEmbeddingResponse
+
+    lines = [embeddings("one", "hello there"), embeddings("two", ["a first", "a second"], dimensions=8),
+             embeddings("b64", ["a first", [5, 6, 7]], encoding_format="base64", user="u"),
+             embeddings("dim0", "x", dimensions=0), embeddings("fmt", "x", encoding_format="int8"),
+             embeddings("empty", ""), embeddings("long", "z" * 5000), embeddings("extra", "x", max_tokens=3)]
+    summary = run(llm, write_jsonl(tmp_path / "in.jsonl", lines), tmp_path / "out.jsonl")
+    assert (summary.ok, summary.failed) == (3, 5)
+    raw = {line["custom_id"]: line["response"]["body"] for line in read_jsonl(tmp_path / "out.jsonl")}
+    decoded = [np.frombuffer(base64.b64decode(d["embedding"]), dtype="<f4") for d in raw["b64"]["data"]]
+    for item, vector in zip(raw["b64"]["data"], decoded):  # the SDK's type holds floats: it decodes base64 so
+        item["embedding"] = vector.tolist()
+    bodies = {custom_id: CreateEmbeddingResponse.model_validate(body) for custom_id, body in raw.items()}
+    expected = {text: out for text, out in zip(["hello there", "a first", "a second"],
+                                               llm.embed(["hello there", "a first", "a second"]))}
+    cut = llm.embed(["a first", "a second"], dimensions=8)
+    tokens = llm.embed([[5, 6, 7]])[0]
+    assert bodies["one"].model == "tiny-embed" and bodies["one"].object == "list"
+    assert [d.index for d in bodies["two"].data] == [0, 1] and {d.object for d in bodies["two"].data} == {"embedding"}
+    np.testing.assert_allclose(bodies["one"].data[0].embedding, expected["hello there"].embedding, atol=1e-5)
+    np.testing.assert_allclose([d.embedding for d in bodies["two"].data], [o.embedding for o in cut], atol=1e-5)
+    np.testing.assert_allclose(decoded, [expected["a first"].embedding, tokens.embedding], atol=1e-5)
+    assert bodies["two"].usage.prompt_tokens == bodies["two"].usage.total_tokens == sum(o.num_prompt_tokens for o in cut)
+    assert bodies["b64"].usage.prompt_tokens == expected["a first"].num_prompt_tokens + 3
+    errors = read_jsonl(tmp_path / "out.errors.jsonl")
+    params = {e["custom_id"]: ErrorObject.model_validate(e["response"]["body"]["error"]).param for e in errors}
+    assert params == {"dim0": "dimensions", "fmt": "encoding_format", "empty": "input[0]", "long": "input",
+                      "extra": "max_tokens"}
+    assert {e["response"]["status_code"] for e in errors} == {400}
+
+
+def test_embeddings_base64_is_the_engine_s_encoding() -> None:
+    from tokenmill.apps.batch import float32_base64
+    from tokenmill.engine.pooling import encode_base64
+
+    vector = [0.1, -2.5, 3.0e-8, 1.0 / 3.0]
+    assert float32_base64(vector) == encode_base64(vector)

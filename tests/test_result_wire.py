@@ -43,6 +43,7 @@ def outputs(draw: Any) -> EngineOutput:
         constraint_backend=draw(st.none() | st.sampled_from(["xgrammar", "llguidance"])),
         choice_probabilities=draw(st.none() | st.dictionaries(st.text(min_size=1, max_size=6), st.floats(0, 1),
                                                               min_size=1, max_size=3)),
+        embedding=draw(st.none() | st.lists(st.floats(-1, 1, width=32), min_size=1, max_size=4)),
     )
 
 

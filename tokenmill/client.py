@@ -6,6 +6,7 @@
     job.result(timeout=60)                                             # JobResult, or raises
     handles = client.submit_many(job_dicts)                            # pipelined
     for result in client.as_completed(handles): ...
+    vectors = client.embed(["a text", "another"], dimensions=256)     # embedding jobs, waited for
 
 Jobs are sent as ordinary Celery task messages (protocol 2, JSON) for `tokenmill.generate`, built by
 Celery's own `app.amqp` and kombu's Redis channel (`tokenmill.queue.publisher`); `submit_many` batches their
@@ -171,6 +172,23 @@ class Client:
                     batch.flush()
                     flush_at += min(count, _PUBLISH_BATCH)
         return handles
+
+    def embed(self, texts: str | list[int] | Iterable[str | list[int]], *, dimensions: int | None = None,
+              normalize: bool | None = None, pooling: str | None = None, timeout: float | None = None
+              ) -> list[list[float]]:
+        """One vector per text (or list of token ids), in input order: each queued as an embedding job (`Job.embed`)
+        and waited for, `timeout` seconds for all (None: no limit). A single text or token list counts as one.
+        `dimensions`, `normalize`, `pooling`: as `Embed` (None: the checkpoint's). Raises `InvalidRequestError`
+        before anything is queued, `JobFailedError` for a failed job, `JobTimeoutError`."""
+        one = isinstance(texts, str) or (isinstance(texts, list) and texts and isinstance(texts[0], int))
+        options = {"dimensions": dimensions, "normalize": normalize, "pooling": pooling}
+        jobs = [embed_job(text, options) for text in ([texts] if one else texts)]  # type: ignore[list-item]
+        handles = self.submit_many(jobs)
+        results = self.results(handles, timeout=timeout)
+        for result in results:
+            if not result.ok:
+                raise JobFailedError(result)
+        return [result.embedding or [] for result in results]
 
     def prepare(self, fields: Mapping[str, Any]) -> dict[str, Any]:
         """The validated wire form of a job, stamped with its submit time; raises `InvalidRequestError`."""
@@ -501,6 +519,13 @@ def _parse_meta(job_id: str, value: bytes | None, backend: Any) -> JobResult | N
     error = meta.get("result")  # Celery turns a stored exception back into an exception object
     detail = f"{type(error).__name__}: {error}" if isinstance(error, BaseException) else repr(error)
     return JobResult.failure(job_id, "task_failure", f"the task ended in state {status}: {detail}")
+
+
+def embed_job(text: str | list[int], options: Mapping[str, Any]) -> dict[str, Any]:
+    """The job fields embedding `text` (a prompt, or token ids) with `options` (`Embed`'s fields; None ones left
+    to the checkpoint)."""
+    prompt = {"prompt": text} if isinstance(text, str) else {"prompt_token_ids": text}
+    return {**prompt, "embed": {key: value for key, value in options.items() if value is not None}}
 
 
 def _as_dict(job: Job | Mapping[str, Any] | None) -> dict[str, Any]:

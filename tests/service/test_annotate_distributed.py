@@ -192,3 +192,28 @@ def test_logprobs_come_back_from_the_workers_as_they_do_embedded(llm, tmp_path, 
             assert got["token"] == want["token"] and got["logprob"] == pytest.approx(want["logprob"], abs=1e-4)
             assert [t["token"] for t in got["top_logprobs"]] == [t["token"] for t in want["top_logprobs"]]
             assert len(got["top_logprobs"]) == 3
+
+
+def test_embed_comes_back_from_the_workers_as_it_does_embedded(llm, tmp_path, redis_server, start_worker) -> None:
+    """`annotate --embed --broker`: rows travel as embedding jobs in group messages; the workers' vectors (JSONL and
+    list<float32> Parquet) are the embedded engine's to 1e-5, with `dimensions`; a row the workers' engine refuses
+    has its error and null vector."""
+    import numpy as np
+
+    start_worker(redis_server.url).wait_ready()
+    src = write_jsonl(tmp_path / "in.jsonl", rows(5) + [{"id": 5, "text": "z" * 5000}])
+    for suffix in ("jsonl", "parquet"):
+        summary = tokenmill.annotate(str(src), str(tmp_path / f"queue.{suffix}"), TEMPLATE, broker=redis_server.url,
+                                     embed=True, dimensions=16, quiet=True, rows_per_message=2)
+        assert (summary.ok, summary.failed) == (5, 1)
+    tokenmill.annotate(str(src), str(tmp_path / "local.jsonl"), TEMPLATE, llm=llm, embed=True, dimensions=16,
+                       quiet=True)
+    table = pq.read_table(tmp_path / "queue.parquet")
+    assert table.schema.field("embedding").type == pa.list_(pa.float32())
+    queued_rows, local_rows = read_jsonl(tmp_path / "queue.jsonl"), read_jsonl(tmp_path / "local.jsonl")
+    for got in (queued_rows, table.to_pylist()):
+        np.testing.assert_allclose([row["embedding"] for row in got[:5]],
+                                   [row["embedding"] for row in local_rows[:5]], atol=1e-5)
+        assert [row["prompt_tokens"] for row in got] == [row["prompt_tokens"] for row in local_rows]
+        assert got[5]["embedding"] is None and "max_model_len" in got[5]["error"]
+    assert {len(row["embedding"]) for row in queued_rows[:5]} == {16}

@@ -276,3 +276,36 @@ def test_logprobs_come_back_from_a_worker_with_each_token_s_text_and_bytes(redis
         assert len(entry["top_logprobs"]) == 2
         assert entry["top_tokens"] == [own(token_id) for token_id, _ in entry["top_logprobs"]]
     assert any(b >= 0x80 for entry in result.logprobs for b in entry["bytes"])
+
+
+def test_embed_through_a_worker_equals_the_engine_s_vectors(redis_server: RedisServer, start_worker) -> None:
+    """`Client.embed`: embedding jobs on a real worker give the vectors `LLM.embed` gives here (to 1e-5), in input
+    order, with `dimensions`, `pooling` and `normalize`; a job's result carries its prompt tokens as usage and no
+    completion; a bad option is refused before anything is queued."""
+    from tokenmill import LLM
+
+    texts = ["the first text", "a second, longer text to embed", "é"]
+    llm = LLM("builtin:tiny")
+    start_worker(redis_server.url).wait_ready()
+    with Client(redis_server.url) as client:
+        got = client.embed(texts, timeout=120)
+        cut = client.embed(texts, dimensions=8, pooling="mean", timeout=120)
+        tokens = client.embed([1, 2, 3], normalize=False, timeout=120)
+        result = client.submit(prompt=texts[0], embed={}).result(timeout=120)
+        with pytest.raises(InvalidRequestError) as caught:
+            client.embed(texts, dimensions=0)
+    assert caught.value.field == "jobs[0].embed.dimensions" and _queued(redis_server) == []
+    expected = [out.embedding for out in llm.embed(texts)]
+    assert [len(v) for v in got] == [64] * 3
+    _close(got, expected)
+    _close(cut, [out.embedding for out in llm.embed(texts, dimensions=8, pooling="mean")])
+    assert [len(v) for v in cut] == [8] * 3
+    _close(tokens, [llm.embed([[1, 2, 3]], normalize=False)[0].embedding])
+    _close([result.embedding], expected[:1])
+    assert result.text == "" and not result.token_ids and result.usage.completion_tokens == 0
+    assert result.usage.prompt_tokens == result.usage.total_tokens == llm.embed(texts[:1])[0].num_prompt_tokens
+
+
+def _close(got: list[list[float]], expected: list[list[float]], tolerance: float = 1e-5) -> None:
+    assert [len(vector) for vector in got] == [len(vector) for vector in expected]
+    assert max(abs(x - y) for a, b in zip(got, expected) for x, y in zip(a, b)) <= tolerance

@@ -184,3 +184,32 @@ def test_a_default_jobs_message_has_no_sampling_values() -> None:
 
     assert message_wire(Job.from_wire({"prompt": "hi"}).to_wire())["sampling"] == {}
     assert message_wire(Job.from_wire({"prompt": "hi", "temperature": 0}).to_wire())["sampling"] == {"temperature": 0.0}
+
+
+def test_an_embedding_job_is_checked_and_survives_the_wire() -> None:
+    """`embed`: its options checked here, torch-free, named by field (the engine's pooling modes, a positive
+    `dimensions`, a boolean `normalize`); a sampling parameter beside it refused; its message and content hash carry
+    it (the same prompt as a completion is another job); a result's `embedding` is dropped from its S3 stub."""
+    from typing import get_args
+
+    from tokenmill.engine.pooling import POOLING_MODES
+    from tokenmill.queue.schemas import PoolingMode, content_hash, message_wire
+
+    assert get_args(PoolingMode) == POOLING_MODES
+    job = Job.from_wire({"id": "e", "prompt": "hi", "embed": {"dimensions": 8, "pooling": "mean"}})
+    assert job.embed.dimensions == 8 and job.embed.normalize is None
+    assert Job.from_wire(json.loads(json.dumps(message_wire(job.to_wire())))) == job
+    assert job.content_hash() != Job.from_wire({"id": "e", "prompt": "hi"}).content_hash()
+    assert content_hash(Job.from_wire({"id": "e", "prompt": "hi", "embed": {}}).to_wire()) != job.content_hash()
+    for embed, field in (({"dimensions": 0}, "embed.dimensions"), ({"dimensions": "8"}, "embed.dimensions"),
+                         ({"pooling": "max"}, "embed.pooling"), ({"normalize": 1}, "embed.normalize"),
+                         ({"x": 1}, "embed.x"), (True, "embed")):
+        with pytest.raises(InvalidRequestError) as caught:
+            Job.from_wire({"prompt": "hi", "embed": embed})
+        assert caught.value.field == field
+    for sampling in ({"max_tokens": 5}, {"sampling": {"temperature": 0.5}}):
+        with pytest.raises(InvalidRequestError) as caught:
+            Job.from_wire({"prompt": "hi", "embed": {}, **sampling})
+        assert "embedding job" in caught.value.message
+    result = JobResult(id="e", status="succeeded", text="", embedding=[0.5, -0.5])
+    assert result.stub("s3://b/e.json").embedding is None

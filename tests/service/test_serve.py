@@ -275,7 +275,7 @@ def test_malformed_uploads_fail_validation_naming_the_lines(tmp_path, redis_serv
     assert failed.status == "failed" and [(e.line, e.code) for e in failed.errors.data] == [(6, "too_many_lines")]
 
     with pytest.raises(openai.BadRequestError) as refused:
-        client.batches.create(input_file_id=many, endpoint="/v1/embeddings", completion_window="24h")
+        client.batches.create(input_file_id=many, endpoint="/v1/responses", completion_window="24h")
     assert refused.value.status_code == 400
     assert set(refused.value.response.json()["error"]) == {"message", "type", "param", "code"}
     assert refused.value.response.json()["error"]["param"] == "endpoint"

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import http.server
 import json
+import signal
+import socket
 import subprocess
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -14,9 +17,13 @@ from pathlib import Path
 
 import openai
 import pytest
+import redis
 from service_fixtures import KEYS, REPO, RedisServer, Server, queued, queued_messages
 
+from tokenmill.apps.api.app import Services
+from tokenmill.apps.api.auth import Keys
 from tokenmill.apps.api.records import Records, lease_key
+from tokenmill.apps.api.settings import ServeSettings
 from tokenmill.apps.api.webhooks import Deliverer
 
 
@@ -65,6 +72,71 @@ def test_an_internal_error_tells_the_client_a_reference_and_the_log_the_details(
     assert "Connection" not in message and "redis" not in message.lower()  # no details for the client
     reference = message.rsplit("reference ", 1)[1].rstrip(").")
     assert f"internal error {reference} on GET /v1/files" in server.log_path.read_text()
+
+
+def _silent_listener() -> socket.socket:
+    """A TCP port that accepts connections and never answers (a paused server, a dropped route)."""
+    listener = socket.create_server(("127.0.0.1", 0), backlog=64)
+    held: list[socket.socket] = []
+
+    def accept() -> None:
+        while True:
+            try:
+                held.append(listener.accept()[0])  # kept open, never read or written
+            except OSError:
+                return
+
+    threading.Thread(target=accept, daemon=True).start()
+    return listener
+
+
+def test_the_api_s_redis_calls_are_bounded_by_the_socket_timeout(tmp_path: Path) -> None:
+    """The records' client takes `redis_socket_timeout` from the serve settings: a call on a silent Redis raises
+    (after one retry on a new connection) instead of holding the request thread for good."""
+    listener = _silent_listener()
+    try:
+        url = f"redis://127.0.0.1:{listener.getsockname()[1]}/0"
+        settings = ServeSettings(broker_url=url, files_dir=str(tmp_path / "files"), api_keys="alice=k",
+                                 redis_socket_timeout=0.5)
+        records = Services(settings, Keys(settings)).records
+        outcome: list[BaseException] = []
+
+        def call() -> None:
+            try:
+                records.batch("batch_x")
+            except BaseException as exc:  # noqa: BLE001 - what the call raised is the test's result
+                outcome.append(exc)
+
+        started = time.monotonic()
+        caller = threading.Thread(target=call, daemon=True)
+        caller.start()
+        # two tries of one socket timeout each, and a margin: well below redis-py's own default (5 s, none before 6.0)
+        caller.join(timeout=3)
+        assert not caller.is_alive(), "a records call on a silent Redis did not return within its bound"
+        assert len(outcome) == 1 and isinstance(outcome[0], redis.TimeoutError), outcome
+        assert time.monotonic() - started >= 0.5
+    finally:
+        listener.close()
+
+
+def test_a_paused_redis_fails_a_request_instead_of_holding_it(redis_server: RedisServer, tmp_path: Path) -> None:
+    """A real `tokenmill serve` whose redis-server is SIGSTOPped answers 500 within its socket timeouts."""
+    server = Server(redis_server.url, tmp_path / "files", tmp_path / "serve.log",
+                    env={"TOKENMILL_REDIS_SOCKET_TIMEOUT": "0.5"})
+    try:
+        client = server.client()
+        client.files.list()  # its connections are open now
+        redis_server.process.send_signal(signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            with pytest.raises(openai.InternalServerError):
+                client.with_options(timeout=20).files.list()
+            assert time.monotonic() - started < 3  # as above: two tries of one socket timeout, and a margin
+        finally:
+            redis_server.process.send_signal(signal.SIGCONT)
+        assert server.client().files.list().data == []  # and it goes on once Redis answers again (a new connection)
+    finally:
+        server.close()
 
 
 def test_no_auth_is_refused_beyond_this_host_and_keys_on_the_command_line_are_warned_of() -> None:

@@ -6,12 +6,16 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
+import threading
 import time
 import uuid
 from pathlib import Path
 
+import pytest
 import redis
-from service_fixtures import TEST_VISIBILITY_TIMEOUT, RedisServer, ResultLog, Worker, engine_pid, wait_for
+from service_fixtures import REPO, TEST_VISIBILITY_TIMEOUT, RedisServer, ResultLog, Worker, engine_pid, wait_for
 
 from tokenmill.client import Client
 from tokenmill.queue.names import DELIVERIES_KEY
@@ -129,6 +133,84 @@ def test_engine_loss_reaches_on_fatal_before_any_request_fails() -> None:
 
     assert isinstance(future.exception(timeout=60), EngineFailure)
     assert [(type(exc), done) for exc, done in seen] == [(EngineFailure, False)]
+
+
+def test_on_fatal_runs_with_no_lock_held_and_a_send_meanwhile_waits_for_it() -> None:
+    """`on_fatal` may block (the worker's logs): meanwhile the other threads' calls (abort, cancel, `stalled_for`) go
+    on, and a send waits for it to return instead of failing before the worker exits."""
+    entered, release = threading.Event(), threading.Event()
+
+    def on_fatal(_: BaseException) -> None:
+        entered.set()
+        release.wait(60)
+
+    engine = EngineProcess("builtin:tiny", {}, on_fatal=on_fatal)
+    engine.start(timeout=300)
+    (process,) = multiprocessing.active_children()
+    os.kill(process.pid, signal.SIGSTOP)
+    held = engine.submit("held-request", SamplingParams(max_tokens=8))
+    os.kill(process.pid, signal.SIGKILL)
+    try:
+        assert entered.wait(60)
+        others = threading.Thread(target=lambda: (engine.abort("held-request"), engine.cancel("other", "stop"),
+                                                  engine.stalled_for()), daemon=True)
+        others.start()
+        others.join(timeout=5)
+        assert not others.is_alive(), "abort, cancel and stalled_for waited for on_fatal"
+        late: list[BaseException] = []
+
+        def send() -> None:
+            try:
+                engine.submit("late-request", SamplingParams(max_tokens=8))
+            except BaseException as exc:  # noqa: BLE001 - what the send raised is the test's result
+                late.append(exc)
+
+        sender = threading.Thread(target=send, daemon=True)
+        sender.start()
+        sender.join(timeout=1)
+        assert sender.is_alive() and not late and not held.done(), "a send failed while on_fatal ran"
+    finally:
+        release.set()
+    sender.join(timeout=10)
+    assert [type(exc) for exc in late] == [EngineFailure]
+
+
+_EXIT_SCRIPT = """
+import logging, os, sys, threading, time
+from tokenmill.worker import service
+
+mode = sys.argv[1]
+service.EXIT_WATCHDOG_SECONDS = 1.0 if mode == "blocks" else 600.0
+if mode == "blocks":  # the log's pipe is full and nobody reads it: the first record written waits for good
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    try:
+        while True:
+            os.write(write, b"x" * 4096)
+    except BlockingIOError:
+        pass
+    os.set_blocking(write, True)
+    handler = logging.StreamHandler(os.fdopen(write, "w"))
+else:  # a handler that raises out of the logging call
+    class Raising(logging.Handler):
+        def handle(self, record):
+            raise RuntimeError("the log handler failed")
+    handler = Raising()
+logging.getLogger().addHandler(handler)
+threading.Thread(target=service._exit_on_engine_stall, args=("stalled",), daemon=True).start()  # as the watchdog does
+time.sleep(120)
+"""
+
+
+@pytest.mark.parametrize("mode", ["blocks", "raises"])
+def test_the_stall_exit_happens_even_if_its_logging_blocks_or_raises(mode: str) -> None:
+    process = subprocess.Popen([sys.executable, "-c", _EXIT_SCRIPT, mode], cwd=REPO,
+                               env={**os.environ, "PYTHONPATH": str(REPO)}, stderr=subprocess.DEVNULL)
+    try:
+        assert process.wait(timeout=15) == FATAL_EXIT_CODE
+    finally:
+        process.kill()
+        process.wait()
 
 
 STALL_TIMEOUT = 10.0  # long enough that a loaded machine delivers the jobs and reads the metrics before it

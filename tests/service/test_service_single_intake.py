@@ -6,6 +6,7 @@ leases, and each stored once; the jobs the intake leaves to the pool path beside
 from __future__ import annotations
 
 import os
+import socket
 import threading
 import time
 
@@ -167,6 +168,31 @@ def test_lone_jobs_on_an_idle_worker_are_admitted_on_the_consumers_loop(redis_se
     large = client.submit(prompt="lone and large", metadata={"pad": "x" * LOOP_ADMISSION_MAX_BYTES}, **SHORT)
     assert large.result(timeout=60).ok
     assert _settled_threads(worker.process.pid) - threads_before == 2  # and a group thread
+
+
+def test_a_lone_job_admitted_on_the_loop_does_not_wait_on_the_engine_s_pipe(redis_server: RedisServer,
+                                                                            start_worker) -> None:
+    """The engine frozen while a pool-path job's message, more than the pipe holds, is being written to it: a lone job
+    admitted on the consumer's loop then only queues its own message for the pipe, and the loop goes on (it answers a
+    ping, as it renews leases and acks). Fails where the loop's write waited behind the pool thread's: no answer."""
+    client = Client(redis_server.url)
+    broker = redis_server.client()
+    app = create_app(QueueSettings(broker_url=redis_server.url))
+    worker = start_worker(redis_server.url, "piped").wait_ready()
+    node = f"piped@{socket.gethostname()}"
+    assert app.control.ping(destination=[node], timeout=10)
+    with stopped(engine_pid(worker.process.pid)):
+        # `deadline_s` takes the pool path; its token ids go to the engine as they are: several times what the pipe
+        # holds
+        big = client.submit(prompt_token_ids=[5] * 300_000, max_tokens=1, deadline_s=600)
+        wait_for(lambda: broker.hlen("unacked") == 1, 30, "the big job taken")
+        time.sleep(2)  # its write under way, the pipe full
+        lone = client.submit(prompt="lone while the pipe is full", **SHORT)
+        wait_for(lambda: broker.hlen("unacked") == 2, 30, "the lone job taken")
+        time.sleep(1)  # admitted on the loop
+        assert app.control.ping(destination=[node], timeout=5), "the consumer's loop waited on the engine's pipe"
+    assert lone.result(timeout=60).ok
+    client.results([big], timeout=60)  # ended too (refused by the engine: longer than the model)
 
 
 class _EventReceiver:

@@ -21,6 +21,7 @@ import jinja2
 import jinja2.meta
 import jinja2.sandbox
 import pyarrow as pa
+from pydantic import ValidationError
 
 from tokenmill.apps.arrow_schema import Column, parsed_column
 from tokenmill.apps.datasets import MAX_ROW_BYTES, Dataset, DatasetError, Writer, format_of, open_dataset
@@ -28,6 +29,7 @@ from tokenmill.apps.pipeline import Progress, Summary, compute, stored
 from tokenmill.apps.runners import EmbeddedRunner, QueueRunner, Unit, sampling_dict
 from tokenmill.apps.store import Checkpoint, KeyHasher, Outcome
 from tokenmill.errors import InvalidRequestError
+from tokenmill.queue.schemas import Embed, invalid_request_from
 
 #: The result columns after the text column, with their Parquet types (all nullable: a failed row has nulls).
 RESULT_COLUMNS = {"parsed": pa.string(), "finish_reason": pa.string(), "prompt_tokens": pa.int64(),
@@ -42,12 +44,18 @@ LOGPROBS_TYPE = pa.list_(pa.struct([
     ("token", pa.string()), ("logprob", pa.float64()),
     ("top_logprobs", pa.list_(pa.struct([("token", pa.string()), ("logprob", pa.float64())]))),
 ]))
+#: With `--embed`, the result columns instead: each row's vector (in JSONL a list of floats), its prompt tokens,
+#: its error.
+EMBEDDING = "embedding"
+EMBED_COLUMNS = {EMBEDDING: pa.list_(pa.float32()), "prompt_tokens": pa.int64(), "error": pa.string()}
 
 
 class Prompter:
     """Renders a row into a unit (or an error): the template, the optional system prompt, chat or not."""
 
-    def __init__(self, template: str, system: str | None, chat: bool, model: str, sampling: dict[str, Any]) -> None:
+    def __init__(self, template: str, system: str | None, chat: bool, model: str, sampling: dict[str, Any],
+                 embed: dict[str, Any] | None = None) -> None:
+        """`embed` (`Embed`'s fields): each row's prompt is embedded, not completed (`sampling` then empty)."""
         # Templates come from the command line or a file, maybe someone else's: the sandbox refuses attribute
         # access to internals and calls of unsafe callables, and immutable also refuses mutating row values.
         self.env = jinja2.sandbox.ImmutableSandboxedEnvironment(undefined=jinja2.StrictUndefined,
@@ -60,7 +68,8 @@ class Prompter:
                                           for src in (template, system or ""))))
         self.chat = chat
         self.sampling = sampling
-        self._key = KeyHasher(model=model, sampling=sampling)
+        self.embed = embed
+        self._key = KeyHasher(model=model, sampling=sampling, **({} if embed is None else {"embed": embed}))
 
     def check_columns(self, columns: list[str]) -> None:
         """The columns the templates name all exist in the input (`InvalidRequestError` on template otherwise): checked
@@ -93,9 +102,9 @@ class Prompter:
         text, system = (rendered + [None])[:2]
         if self.chat:
             messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
-            return Unit(self._key(messages=messages), None, messages, self.sampling, label=label)
+            return Unit(self._key(messages=messages), None, messages, self.sampling, label=label, embed=self.embed)
         prompt = f"{system}\n\n{text}" if system else text
-        return Unit(self._key(prompt=prompt), prompt, None, self.sampling, label=label)
+        return Unit(self._key(prompt=prompt), prompt, None, self.sampling, label=label, embed=self.embed)
 
 
 def _template_line(template: jinja2.Template, exc: BaseException) -> int | str:
@@ -138,6 +147,8 @@ def annotate(
     quiet: bool = False,
     limit: int | None = None,
     dry_run: bool = False,
+    embed: bool = False,
+    dimensions: int | None = None,
     **sampling: Any,
 ) -> Summary:
     """Annotate every row of `input` into `output`; returns the run's `Summary` (also printed unless `quiet`).
@@ -152,25 +163,31 @@ def annotate(
     JSONL/CSV line, decompressed, or a Parquet row's decoded values) over `max_row_bytes` is not read: it fails
     with its error, the run goes on. JSONL/CSV is decompressed by its suffix (`.gz`, ...) or `input_compression`.
     `limit`: only the first rows. `dry_run`: print the first rendered prompts and the run's plan, load no model,
-    write nothing. Raises `InvalidRequestError` (bad option or template) or `DatasetError` (unusable input/output)
-    before any work; a row that fails gets its error in the output instead.
+    write nothing. `embed`: embed each row's prompt instead (`dimensions`: keep the first values, normalised), its
+    vector in an `embedding` column (Parquet: list<float32>) beside `prompt_tokens` and `error`; no sampling.
+    Raises `InvalidRequestError` (bad option or template) or `DatasetError` (unusable input/output) before any work; a row that fails gets its error in the output instead.
     """
     started = time.perf_counter()
     structured = {"json_schema": json_schema, "choice": choice, "regex": regex}
-    params = sampling_dict({"temperature": 0.0, **sampling, **{k: v for k, v in structured.items() if v is not None}})
+    embedding = embed_options(embed, dimensions, {**sampling, **structured})
+    params = {} if embedding is not None else sampling_dict(
+        {"temperature": 0.0, **sampling, **{k: v for k, v in structured.items() if v is not None}})
     mode = "queue" if broker else "embedded"
     if mode == "embedded" and not model and llm is None:
         raise InvalidRequestError("model", "required without a broker: a local directory, a Hugging Face hub id, or "
                                            "builtin:tiny (random weights, for tests)")
     if limit is not None and limit < 1:
         raise InvalidRequestError("limit", f"must be >= 1, got {limit}")
-    prompter = Prompter(template, system, chat, model_label(model, llm, broker, queue), params)
+    prompter = Prompter(template, system, chat, model_label(model, llm, broker, queue), params, embedding)
     dataset = open_dataset(input, input_format, s3_endpoint_url, max_row_bytes, input_compression)
     if limit is not None:
         dataset = LimitedDataset(dataset, limit)
     schema = dataset.schema
     out_format = format_of(output, output_format, "output")
-    _check_columns(schema, id_column, column, out_format, tuple(_extra_columns(params)))
+    if embedding is None:
+        _check_columns(schema, id_column, column, out_format, tuple(_extra_columns(params)))
+    else:
+        _check_columns(schema, id_column, EMBEDDING, out_format, tuple(EMBED_COLUMNS), results=())
     prompter.check_columns(schema.names)
     if dry_run:
         print_plan(dataset, prompter, id_column, input, output, model_label(model, llm, broker, queue), broker)
@@ -246,7 +263,7 @@ def print_plan(dataset: Dataset | LimitedDataset, prompter: Prompter, id_column:
             chars += len(text)
             if len(shown) < PLAN_PROMPTS:
                 shown.append(f"--- row {row[0]}:\n{text}")
-    max_tokens = prompter.sampling["max_tokens"]
+    max_tokens = prompter.sampling.get("max_tokens", 0)  # an embedding run completes nothing
     where = f"queue workers at {maybe_sanitize_url(broker)}" if broker else "the embedded engine"
     print(f"plan: {rows} rows of {input} -> {output}, model {model} on {where}")
     print("\n".join(shown) if shown else "(no row renders)")
@@ -273,15 +290,31 @@ def default_state_dir(output: str) -> str:
 
 
 def _check_columns(schema: pa.Schema, id_column: str | None, column: str, out_format: str,
-                   extra: tuple[str, ...] = ()) -> None:
+                   extra: tuple[str, ...] = (), results: tuple[str, ...] = tuple(RESULT_COLUMNS)) -> None:
     if out_format == "csv":
         raise DatasetError("output format: must be jsonl or parquet (results can hold nested values), got csv")
     if id_column is not None and id_column not in schema.names:
         raise InvalidRequestError("id_column", f"no column {id_column!r} in the input (columns: {', '.join(schema.names)})")
-    for name in [column, *RESULT_COLUMNS, *extra]:
+    for name in [column, *results, *extra]:
         if name in schema.names:
             raise InvalidRequestError("column", f"the input already has a column {name!r}; name the result column "
                                                 f"with --column, or rename the input column")
+
+
+def embed_options(embed: bool, dimensions: int | None, sampling: dict[str, Any]) -> dict[str, Any] | None:
+    """An embedding run's job options (`Embed`'s fields), or None for a completion run. Raises `InvalidRequestError`
+    for `dimensions` without `embed`, or a sampling option (other than None, or temperature 0) with it."""
+    if not embed:
+        if dimensions is not None:
+            raise InvalidRequestError("dimensions", "requires embed")
+        return None
+    asked = [name for name, value in sampling.items() if value is not None and (name != "temperature" or value != 0)]
+    if asked:
+        raise InvalidRequestError(asked[0], "not with embed: an embedding samples nothing")
+    try:
+        return Embed(dimensions=dimensions).model_dump(exclude_none=True)
+    except ValidationError as exc:
+        raise invalid_request_from(exc) from None
 
 
 def make_runner(mode: str, model: str | None, llm: Any, engine_options: dict[str, Any] | None, broker: str | None,
@@ -336,7 +369,10 @@ def _write(dataset: Dataset, schema: pa.Schema, prompter: Prompter, id_column: s
     """Pass 2: the input again, each row with its result from the checkpoint, in input order."""
     parsed = parsed_column(prompter.sampling.get("json_schema"))  # a struct column where the schema allows
     types = {**RESULT_COLUMNS, "parsed": parsed.type, **_extra_columns(prompter.sampling)}
-    out_schema = pa.schema([*schema, pa.field(column, pa.string()), *(pa.field(n, t) for n, t in types.items())])
+    text = [pa.field(column, pa.string())]
+    if prompter.embed is not None:
+        types, text = EMBED_COLUMNS, []
+    out_schema = pa.schema([*schema, *text, *(pa.field(n, t) for n, t in types.items())])
     try:
         if writer.format == "parquet":
             writer.start_parquet(out_schema)
@@ -347,7 +383,9 @@ def _write(dataset: Dataset, schema: pa.Schema, prompter: Prompter, id_column: s
                 outcome = stored(checkpoint, unit.key) if isinstance(unit, Unit) else Outcome(error=unit)
                 summary.count_row(row[0], outcome.error)
                 results.append(outcome)
-            if writer.format == "parquet":
+            if prompter.embed is not None:
+                _write_embeddings(writer, batch, [values for _, values, _ in rows], results, out_schema)
+            elif writer.format == "parquet":
                 writer.write_batch(_with_results(batch, results, out_schema, parsed))
             else:
                 writer.write_rows([{**values, **_columns(o, column, PROBABILITIES in types, LOGPROBS in types)}
@@ -396,6 +434,21 @@ def _columns(outcome: Outcome, column: str, probabilities: bool = False, logprob
         **({PROBABILITIES: _probabilities(outcome)} if probabilities else {}),
         **({LOGPROBS: _logprobs(outcome)} if logprobs else {}),
     }
+
+
+def _write_embeddings(writer: Writer, batch: pa.RecordBatch, rows: list[dict[str, Any]], results: list[Outcome],
+                      schema: pa.Schema) -> None:
+    """An embedding run's rows with their `EMBED_COLUMNS` (a failed row: null vector and tokens, its error)."""
+    columns = {EMBEDDING: [json.loads(o.embedding) if o.ok and o.embedding else None for o in results],
+               "prompt_tokens": [o.prompt_tokens if o.ok else None for o in results],
+               "error": [o.error for o in results]}
+    if writer.format != "parquet":
+        writer.write_rows([{**values, **{name: column[i] for name, column in columns.items()}}
+                           for i, values in enumerate(rows)])
+        return
+    fields = list(schema)[batch.num_columns :]
+    arrays = [*batch.columns, *(pa.array(columns[f.name], type=f.type) for f in fields)]
+    writer.write_batch(pa.RecordBatch.from_arrays(arrays, schema=schema))
 
 
 def _with_results(batch: pa.RecordBatch, results: list[Outcome], schema: pa.Schema, parsed: Column) -> pa.RecordBatch:

@@ -1,8 +1,11 @@
 """`tokenmill batch`: OpenAI Batch API files in, OpenAI Batch API files out.
 
-Input lines are `{"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions", "body"}`;
-output lines `{"id", "custom_id", "response": {"status_code": 200, "request_id", "body"}, "error": null}` whose
-body is a `chat.completion` or `text_completion` object with its `usage`. As OpenAI's Batch API does:
+Input lines are `{"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions" |
+"/v1/embeddings", "body"}`; output lines `{"id", "custom_id", "response": {"status_code": 200, "request_id", "body"},
+"error": null}` whose body is a `chat.completion` or `text_completion` object with its `usage`, or for embeddings
+`{"object": "list", "data": [{"object": "embedding", "index", "embedding"}], "model", "usage"}` (each input's vector,
+a list of floats or, with `encoding_format: "base64"`, its little-endian float32 bytes in base64). As OpenAI's Batch
+API does:
 
 * a file unusable as a whole (`check_lines`, the one rule `tokenmill serve` applies too) is refused up front,
   naming its lines, before any request runs;
@@ -17,13 +20,17 @@ The pipeline (checkpoint, dedup, windows, progress, two streaming passes) is ann
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import os
+import struct
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
+
+from pydantic import ValidationError
 
 from tokenmill.apps.annotate import default_state_dir, make_runner, model_label
 from tokenmill.apps.datasets import MAX_ROW_BYTES, TooLong, Writer, read_lines, too_long
@@ -31,12 +38,18 @@ from tokenmill.apps.pipeline import Progress, Summary, compute, stored
 from tokenmill.apps.runners import Unit, error_parts, sampling_dict
 from tokenmill.apps.store import Checkpoint, Outcome, SeenSet, content_key
 from tokenmill.errors import InvalidRequestError
+from tokenmill.queue.schemas import Embed, invalid_request_from
 from tokenmill.sampling_params import CONSTRAINT_CODES
 
-URLS = {"/v1/chat/completions": "chat.completion", "/v1/completions": "text_completion"}
+URLS = {"/v1/chat/completions": "chat.completion", "/v1/completions": "text_completion", "/v1/embeddings": "list"}
+EMBEDDINGS = "/v1/embeddings"
 LINE_FIELDS = ("custom_id", "method", "url", "body")
 BODY_FIELDS = {"model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "stop",
                "seed", "n", "logprobs", "top_logprobs", "response_format", "user", "stream"}
+EMBEDDING_FIELDS = {"model", "input", "dimensions", "encoding_format", "user"}
+ENCODING_FORMATS = ("float", "base64")
+#: Inputs one embeddings request may hold (OpenAI's limit).
+MAX_INPUTS = 2048
 #: Problems of an unusable file listed; reading it stops at this many.
 MAX_PROBLEMS = 100
 #: Longest custom_id a line may have (OpenAI's limit is of this order): ids are kept per request until the batch ends.
@@ -87,6 +100,7 @@ class Request:
     units: list[Unit]
     logprobs: int | None
     key: str
+    encoding_format: str = "float"  # embeddings: how each vector is written
 
 
 @dataclass
@@ -149,6 +163,8 @@ class Parser:
             return Refused(line.custom_id, line.key, str(exc), exc.field)
 
     def _request(self, custom_id: str, url: str, body: dict[str, Any]) -> Request:
+        if url == EMBEDDINGS:
+            return self._embeddings(custom_id, body)
         unknown = sorted(set(body) - BODY_FIELDS)
         if unknown:
             raise InvalidRequestError(unknown[0], f"unsupported field (supported: {', '.join(sorted(BODY_FIELDS))})")
@@ -170,6 +186,19 @@ class Parser:
             key = content_key(model=self.model, prompt=prompt, messages=messages, sampling=choice, choice=index)
             units.append(Unit(key, prompt, messages, choice, label=custom_id, weight=1 / n))
         return Request(custom_id, url, model, units, logprobs, content_key(custom_id=custom_id, units=[u.key for u in units]))
+
+    def _embeddings(self, custom_id: str, body: dict[str, Any]) -> Request:
+        """An embeddings request: one unit per input, each an embedding (`Unit.embed`)."""
+        unknown = sorted(set(body) - EMBEDDING_FIELDS)
+        if unknown:
+            raise InvalidRequestError(unknown[0], f"unsupported field (supported: {', '.join(sorted(EMBEDDING_FIELDS))})")
+        inputs = embedding_inputs(body.get("input"))
+        embed, encoding = embedding_options(body)
+        model = body.get("model") if isinstance(body.get("model"), str) else self.model
+        units = [Unit(content_key(model=self.model, prompt=text, embed=embed), text, None, {}, label=custom_id,
+                      weight=1 / len(inputs), embed=embed) for text in inputs]
+        key = content_key(custom_id=custom_id, units=[u.key for u in units])
+        return Request(custom_id, EMBEDDINGS, model, units, None, key, encoding)
 
     def _prompt(self, url: str, body: dict[str, Any]) -> tuple[str | None, list[dict[str, str]] | None]:
         if url == "/v1/chat/completions":
@@ -222,6 +251,54 @@ class Parser:
                 raise InvalidRequestError("top_logprobs", "not a completions field (logprobs is the count)")
             count = body.get("logprobs")
         return count
+
+
+def embedding_inputs(value: Any) -> list[str | list[int]]:
+    """OpenAI's `input` of an embeddings request as its prompts: a string, token ids, or a list of either (at most
+    `MAX_INPUTS`, none empty). Raises `InvalidRequestError` naming `input` (or `input[i]`)."""
+    if isinstance(value, str) or (isinstance(value, list) and value and all(map(_is_token, value))):
+        value = [value]
+    if not isinstance(value, list) or not value:
+        raise InvalidRequestError("input", "must be a non-empty string, list of strings, or token ids")
+    if len(value) > MAX_INPUTS:
+        raise InvalidRequestError("input", f"at most {MAX_INPUTS} inputs per request, got {len(value)}")
+    for index, item in enumerate(value):
+        if not (isinstance(item, str) or isinstance(item, list) and all(map(_is_token, item))) or not item:
+            raise InvalidRequestError(f"input[{index}]", "must be a non-empty string or a non-empty list of token ids")
+    return value
+
+
+def _is_token(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def embedding_options(body: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """An embeddings body's job options (`Embed`'s fields, None left out) and its `encoding_format` ("float" when
+    null or absent). Raises `InvalidRequestError` naming the field."""
+    encoding = body.get("encoding_format")
+    encoding = "float" if encoding is None else encoding
+    if encoding not in ENCODING_FORMATS:
+        raise InvalidRequestError("encoding_format",
+                                  f"must be one of {', '.join(ENCODING_FORMATS)}, got {quoted(encoding)}")
+    try:
+        return Embed(dimensions=body.get("dimensions")).model_dump(exclude_none=True), encoding
+    except ValidationError as exc:
+        raise invalid_request_from(exc) from None
+
+
+def embedding_body(model: str, vectors: list[list[float]], prompt_tokens: int, encoding: str) -> dict[str, Any]:
+    """OpenAI's embeddings response (`CreateEmbeddingResponse`): each vector as floats, or for `encoding` "base64"
+    its little-endian float32 bytes in base64."""
+    data = [{"object": "embedding", "index": index,
+             "embedding": float32_base64(vector) if encoding == "base64" else vector}
+            for index, vector in enumerate(vectors)]
+    return {"object": "list", "data": data, "model": model,
+            "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}
+
+
+def float32_base64(vector: list[float]) -> str:
+    """`vector` as OpenAI's `encoding_format: "base64"` (the engine's `pooling.encode_base64`, without torch)."""
+    return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
 
 
 def _body_param(field: str, body: dict[str, Any]) -> str:
@@ -441,6 +518,8 @@ def failure_line(request: Request, error: str) -> dict[str, Any]:
         return error_line(request.key, request.custom_id, code, error.partition(": ")[2] or error)
     if param == "prompt" and request.url == "/v1/chat/completions":
         param = "messages"  # the engine refuses the prompt the messages became
+    if request.url == EMBEDDINGS:  # the job's field as the body named it
+        param = {"prompt": "input", "prompt_token_ids": "input", "embed.dimensions": "dimensions"}.get(param, param)
     return refused_line(request.key, request.custom_id, status, code, message, param)
 
 
@@ -457,6 +536,8 @@ def error_line(key: str, custom_id: str, code: str, message: str) -> dict[str, A
 
 
 def result_line(request: Request, outcomes: list[Outcome]) -> dict[str, Any]:
+    if request.url == EMBEDDINGS:
+        return embeddings_line(request, outcomes)
     kind = URLS[request.url]
     choices = []
     for index, outcome in enumerate(outcomes):
@@ -478,6 +559,14 @@ def result_line(request: Request, outcomes: list[Outcome]) -> dict[str, Any]:
                   "total_tokens": prompt_tokens + completion_tokens},
         "system_fingerprint": None,
     }
+    response = {"status_code": 200, "request_id": f"req_{request.key[:24]}", "body": body}
+    return {"id": f"batch_req_{request.key[:24]}", "custom_id": request.custom_id, "response": response, "error": None}
+
+
+def embeddings_line(request: Request, outcomes: list[Outcome]) -> dict[str, Any]:
+    """An embeddings request's output line: its inputs' vectors in order (`embedding_body`), their prompt tokens."""
+    vectors = [json.loads(outcome.embedding or "[]") for outcome in outcomes]
+    body = embedding_body(request.model, vectors, sum(o.prompt_tokens for o in outcomes), request.encoding_format)
     response = {"status_code": 200, "request_id": f"req_{request.key[:24]}", "body": body}
     return {"id": f"batch_req_{request.key[:24]}", "custom_id": request.custom_id, "response": response, "error": None}
 

@@ -36,6 +36,10 @@ def add_parsers(commands: Any) -> None:
                      "probable choice as the label")
     ann.add_argument("--logprobs", type=int, default=None, metavar="N", help="a 'logprobs' column: each generated "
                      "token with its logprob and its N most likely alternatives (0 to 20; 0: the chosen tokens only)")
+    ann.add_argument("--embed", action="store_true", help="embed each rendered prompt instead of completing it: an "
+                     "'embedding' column (Parquet: list<float32>) with 'prompt_tokens' and 'error'; no sampling options")
+    ann.add_argument("--dimensions", type=int, default=None, metavar="N", help="with --embed: keep the first N "
+                     "values of each vector, normalised (as OpenAI's dimensions)")
     ann.add_argument("--id-column", help="column naming each row (default: its position)")
     ann.add_argument("--column", default="annotation", help="name of the completion text column (default: annotation)")
     ann.add_argument("--input-format", choices=["jsonl", "csv", "parquet"], help="override the input extension")
@@ -171,7 +175,8 @@ def _annotate(args: argparse.Namespace) -> Any:
         args.input, args.output, text_or_file(args.template), system=args.system, chat=args.chat, json_schema=schema,
         choice=[c.strip() for c in args.choice.split(",")] if args.choice else None, regex=args.regex,
         id_column=args.id_column, column=args.column, input_format=args.input_format, output_format=args.output_format,
-        max_tokens=args.max_tokens, temperature=args.temperature, limit=args.limit, dry_run=args.dry_run, **sampling,
+        max_tokens=args.max_tokens, temperature=args.temperature, limit=args.limit, dry_run=args.dry_run,
+        embed=args.embed, dimensions=args.dimensions, **sampling,
         **_shared(args),
     )
 

@@ -30,15 +30,17 @@ _DRAIN_TIMEOUT = 5.0  # seconds to wait, after Ctrl-C, for the cancelled jobs' r
 
 @dataclass
 class Unit:
-    """One completion to compute: `key` is its checkpoint key; `job_id` its queue id (idempotency key)."""
+    """One completion to compute: `key` is its checkpoint key; `job_id` its queue id (idempotency key). With `embed`
+    (`Embed`'s fields), an embedding instead: `sampling` is empty, `prompt` a text or token ids."""
 
     key: str
-    prompt: str | None
+    prompt: str | list[int] | None
     messages: list[dict[str, str]] | None
     sampling: dict[str, Any]
     job_id: str = ""
     label: str = ""  # the row or request it belongs to, for the worker's logs
     weight: float = 1.0  # the share of its row it stands for (an OpenAI request with n=2 has two units)
+    embed: dict[str, Any] | None = None
 
 
 class EmbeddedRunner:
@@ -88,7 +90,12 @@ class EmbeddedRunner:
         try:
             params = SamplingParams.from_dict(unit.sampling)
             prompt = unit.prompt if unit.messages is None else self.engine.apply_chat_template(unit.messages)
-            self.engine.add_request(request_id, prompt, params)
+            if unit.embed is not None:
+                from tokenmill.engine.pooling import PoolingParams  # torch: only where the engine runs here
+
+                self.engine.add_request(request_id, prompt, pooling=PoolingParams(**unit.embed))
+            else:
+                self.engine.add_request(request_id, prompt, params)
         except InvalidRequestError as exc:
             return Outcome.failed(error_text("invalid_request", exc.message, exc.field))
         except Exception as exc:  # e.g. the chat template cannot render these messages: this unit only
@@ -133,6 +140,7 @@ def outcome_from_output(output: Any, params: SamplingParams) -> Outcome:
         logprobs=None if output.logprobs is None else json.dumps(output.logprobs),
         created=int(output.finished_time or time.time()),
         choice_probabilities=_json(getattr(output, "choice_probabilities", None)),
+        embedding=_json(getattr(output, "embedding", None)),
     )
 
 
@@ -153,6 +161,7 @@ def outcome_from_result(result: Any) -> Outcome:
         logprobs=None if result.logprobs is None else json.dumps(result.logprobs),
         created=int(result.finished_at or time.time()),
         choice_probabilities=_json(getattr(result, "choice_probabilities", None)),
+        embedding=_json(getattr(result, "embedding", None)),
     )
 
 
@@ -229,6 +238,10 @@ class QueueRunner:
             # the label names the row in the workers' logs: cut, so that no user string is copied whole into every job
             fields = {"id": unit.job_id, "sampling": unit.sampling, "metadata": {"row": unit.label[:LABEL_CHARS]}}
             fields.update({"messages": unit.messages} if unit.messages is not None else {"prompt": unit.prompt})
+            if unit.embed is not None:  # an embedding job: no sampling; token ids as such
+                fields.update(embed=unit.embed, sampling={})
+                if isinstance(unit.prompt, list):
+                    fields["prompt_token_ids"] = fields.pop("prompt")
             try:
                 group.append(self.client.prepare(fields))
                 submitted[unit.job_id] = unit

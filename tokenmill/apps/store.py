@@ -37,6 +37,7 @@ class Outcome:
     logprobs: str | None = None  # JSON text of the engine's per-position logprobs, when asked for
     created: int = 0  # unix time it finished: part of OpenAI batch output, so stored, not recomputed
     choice_probabilities: str | None = None  # JSON text {choice: probability}, when asked for
+    embedding: str | None = None  # JSON text of an embedding's vector (a list of floats)
 
     @property
     def ok(self) -> bool:

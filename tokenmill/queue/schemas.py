@@ -85,14 +85,33 @@ class S3Location(BaseModel):
         return f"s3://{self.bucket}/{self.key_for(job_id)}"
 
 
+#: The pooling modes of an embedding job (`Embed.pooling`), as the engine's `tokenmill.engine.pooling.POOLING_MODES`.
+PoolingMode = Literal["last", "mean", "cls"]
+
+
+class Embed(BaseModel):
+    """What an embedding job asks (`Job.embed`): the prompt's vector instead of a completion. Each None leaves the
+    choice to the checkpoint, as the engine's `PoolingParams`: `pooling` ("last", "mean", "cls"), `normalize` (L2),
+    `dimensions` (keep the first values, as OpenAI's `dimensions`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    dimensions: int | None = Field(default=None, ge=1, strict=True)
+    normalize: bool | None = Field(default=None, strict=True)
+    pooling: PoolingMode | None = None
+
+
 class Job(BaseModel):
-    """One prompt to complete.
+    """One prompt to complete, or to embed (`embed`).
 
     Exactly one of `prompt`, `messages` or `prompt_token_ids`. Sampling parameters may be given nested
     (`sampling={...}`) or flat next to the prompt (`max_tokens=64`), the way `Client.submit` and
     `generate.delay(...)` pass them; either way they are checked by `SamplingParams` itself, so the
     client and the engine apply the very same rules. `id` doubles as the idempotency key: a worker
     never recomputes a job whose result is already stored.
+
+    With `embed` (`{}` for the checkpoint's choices), the result's `embedding` is the prompt's vector and nothing is
+    generated: a sampling parameter beside it is refused, naming it.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -103,6 +122,7 @@ class Job(BaseModel):
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     prompt_token_ids: list[TokenId] | None = Field(default=None, min_length=1)
     sampling: SamplingParams = Field(default_factory=SamplingParams)
+    embed: Embed | None = None
     output: str | None = None
     metadata: dict[str, Any] = Field(default_factory=dict)
     submitted_at: float | None = None
@@ -165,6 +185,8 @@ class Job(BaseModel):
             raise InvalidRequestError(
                 given[-1] if given else "prompt", f"exactly one of prompt, messages, prompt_token_ids is required (got {got})"
             )
+        if self.embed is not None and (sampled := without_defaults(self.sampling.to_dict())):
+            raise InvalidRequestError(next(iter(sampled)), "an embedding job (embed) samples nothing: leave it out")
         return self
 
     @property
@@ -318,7 +340,7 @@ class JobResult(BaseModel):
     """The final outcome of one job.
 
     When the job named an S3 destination, the full result is the JSON object at `output_uri` and the
-    copy in Redis is a stub without `text`, `token_ids`, `logprobs`, `parsed` and `choice_probabilities`, so
+    copy in Redis is a stub without `text`, `token_ids`, `logprobs`, `parsed`, `choice_probabilities` and `embedding`, so
     Redis does not hold large payloads twice; `read()` fetches the full result.
     """
 
@@ -344,6 +366,8 @@ class JobResult(BaseModel):
     # `choice_probabilities=True`: each choice's probability given the prompt, normalised over the choices (`text` is
     # the most probable); optional as above
     choice_probabilities: dict[str, float] | None = None
+    # `embed`: the prompt's vector (`text` is empty, `usage.completion_tokens` 0); optional as above
+    embedding: list[float] | None = None
     usage: Usage | None = None
     queued_at: Timestamp = None
     started_at: Timestamp = None
@@ -375,7 +399,7 @@ class JobResult(BaseModel):
     def stub(self, output_uri: str) -> JobResult:
         """The Redis copy of a result whose full JSON lives at `output_uri`."""
         return self.model_copy(update={"output_uri": output_uri, "text": None, "token_ids": None, "logprobs": None,
-                                       "parsed": None, "choice_probabilities": None})
+                                       "parsed": None, "choice_probabilities": None, "embedding": None})
 
     def to_wire(self) -> dict[str, Any]:
         return self.model_dump(mode="json")

@@ -13,7 +13,8 @@ it to drain; outputs finished in a step go back in one message right after that 
 
 Messages are JSON (`send_bytes`/`recv_bytes` of `multiprocessing.connection`), never pickle:
 
-    worker -> engine   {"op": "add", "id", "prompt" | "messages", "params" (not the defaults)} | {"op": "add_many", "requests": [add, ...]}
+    worker -> engine   {"op": "add", "id", "prompt" | "messages", "params" (not the defaults), "pooling" (an embedding)}
+                       | {"op": "add_many", "requests": [add, ...]}
                        | {"op": "abort", "id"} | {"op": "cancel", "id", "reason"} | {"op": "stop"}
     engine -> worker   {"op": "ready", "tokenizer", "max_prompt_chars", "max_model_len"} | {"op": "done", "outputs": [...]}
                        | {"op": "refused", "id", "field", "message"} | {"op": "stats", ...} | {"op": "fatal", "error"}
@@ -26,12 +27,13 @@ At start-up the engine sends its tokenizer's `tokenizers` JSON ("tokenizer"), wh
 engine's tokenizer does; a tokenizer that is not a `tokenizers` one, or fails that check, is sent as null and
 prompts then come as text. Chat messages always come as messages (the chat template is transformers').
 
-Neither side blocks on a write while the other cannot read. Here, pipe writes take `_write_lock` only, which the
-reader thread never takes, and the reader hands each answer to its sink (which must not block): it drains the engine's
-answers whatever the writers wait for. In the engine process every write goes through one writer thread (`_Outbox`),
-so the loop keeps reading requests and cancels, and stepping, while the worker is slow to read. (A cancel listener
-once blocked on a full pipe holding the lock the reader needed, while the engine blocked writing its outputs: both
-pipes full, the worker wedged.)
+Neither side blocks on a write while the other cannot read. Here, every pipe write goes through one writer thread
+(`_write_out`), in the order queued; no caller holds a lock across a write, and only a `send_many` that asks to
+(`wait=True`) waits for its own. The reader hands each answer to its sink (which must not block): it drains the
+engine's answers whatever the writes wait for. In the engine process every write goes through one writer thread
+(`_Outbox`) too, so the loop keeps reading requests and cancels, and stepping, while the worker is slow to read. (A
+cancel listener once blocked on a full pipe holding the lock the reader needed, while the engine blocked writing its
+outputs: both pipes full, the worker wedged.)
 
 The reader also marks when it last heard from the engine, which reports between steps at least every
 `_STATS_INTERVAL`: an engine that holds requests and is silent for `stall_timeout` seconds (frozen, stuck in a step,
@@ -65,6 +67,7 @@ from typing import Any
 from tokenmill.engine.prompt_limits import check_prompt_chars
 from tokenmill.errors import InvalidRequestError, ModelLoadError
 from tokenmill.queue import fastjson
+from tokenmill.queue.schemas import Embed
 from tokenmill.sampling_params import SamplingParams, without_defaults
 
 log = logging.getLogger(__name__)
@@ -90,6 +93,7 @@ class EngineOutput:
     constraint_error: str | None = None
     constraint_backend: str | None = None
     choice_probabilities: dict[str, float] | None = None
+    embedding: list[float] | None = None
 
 
 @dataclass
@@ -145,9 +149,13 @@ class EngineProcess:
         self._on_stats = on_stats
         self._pending: dict[str, Sink] = {}  # request id -> where its answer goes
         self._lock = threading.Lock()  # guards _pending and _stopping; never held across a pipe write or read
-        self._write_lock = threading.Lock()  # one pipe write at a time, in the order registered; never the reader's
+        self._write_lock = threading.Lock()  # registers requests and queues writes in one order; never across a write
+        self._outbox: queue.SimpleQueue[tuple[bytes, _Written | None] | None] = queue.SimpleQueue()
+        self._writer = threading.Thread(target=self._write_out, name="tokenmill-engine-pipe-writer", daemon=True)
         self._stopping = False
         self._abandoned = False  # see `abandon`
+        self._fatal_returned = threading.Event()  # clear while `_lost` calls `on_fatal`: a send waits (`_refuse`)
+        self._fatal_returned.set()
         self._on_stall = on_stall
         self._stall_timeout = stall_timeout
         self._heard = time.monotonic()  # when the reader last got a message from the engine
@@ -157,6 +165,7 @@ class EngineProcess:
         self._prompt_limits: tuple[int | None, int] = (None, 0)  # (max_prompt_chars, max_model_len)
         self._reader = threading.Thread(target=self._read, name="tokenmill-engine-reader", daemon=True)
         self._last_stats: tuple[float, int, int] | None = None
+        self._writer.start()
 
     def start(self, timeout: float = 600) -> None:
         """Start the process and wait until the model is loaded."""
@@ -181,7 +190,8 @@ class EngineProcess:
         """Queue a request; the future resolves to an `EngineOutput`, or raises `InvalidRequestError`."""
         return self.submit_many([(request_id, params, prompt, messages)])[0]
 
-    def submit_many(self, requests: list[tuple[str, SamplingParams, str | list[int] | None, list[dict[str, str]] | None]]
+    def submit_many(self, requests: list[tuple[str, SamplingParams | Embed, str | list[int] | None,
+                                               list[dict[str, str]] | None]]
                     ) -> list[Future]:
         """`send_many`, each request's answer as a future: its `EngineOutput`, or it raises (`InvalidRequestError`
         when refused); an aborted request's future is cancelled."""
@@ -189,22 +199,33 @@ class EngineProcess:
         self.send_many(requests, functools.partial(_settle, futures))
         return list(futures.values())
 
-    def send_many(self, requests: list[tuple[str, SamplingParams, str | list[int] | None, list[dict[str, str]] | None]],
-                  sink: Sink) -> None:
-        """Queue (request id, params, prompt, messages) requests in one pipe message: a group's jobs pay one
+    def send_many(self, requests: list[tuple[str, SamplingParams | Embed, str | list[int] | None,
+                                             list[dict[str, str]] | None]],
+                  sink: Sink, wait: bool = True) -> None:
+        """Queue (request id, params, prompt, messages) requests (params: `SamplingParams`, or an embedding job's
+        `Embed`) in one pipe message: a group's jobs pay one
         write here and one read in the engine process instead of one each; each one's answer goes to `sink`. Text
         prompts go as token ids when the engine sent its tokenizer; a prompt refused here is answered at once and not
         sent. A sink, not a future per request: the single-job intake hands every answer to its finisher's queue, and
-        a future's lifecycle (its `Condition`, done callback, `set_result`, `result`) cost it 3 µs a job. If the write
-        raises, no request of the message is answered: the caller has the error, and nothing stays pending.
+        a future's lifecycle (its `Condition`, done callback, `set_result`, `result`) cost it 3 µs a job.
 
-        The requests are registered before the write, under `_write_lock`, so a cancel or abort of one of them is
-        written after it; the write itself holds no lock the reader needs."""
+        `wait`: return once the message is written (the pipe may be full while the engine is in a step), and if the
+        write fails, answer no request of it: the caller has the error, and nothing stays pending. Without `wait`
+        (the consumer's event loop, which must never wait on the pipe) it returns once the message is queued for the
+        writer thread; a write that fails then means the engine process is gone, and the reader's `_lost` answers
+        the requests.
+
+        The requests are registered and the message queued together, under `_write_lock`, so a cancel or abort of one
+        of them is written after it."""
         prompts = self.tokenize([prompt for _, _, prompt, _ in requests])
         adds = []
         for (request_id, params, _, messages), prompt in zip(requests, prompts):
             if isinstance(prompt, InvalidRequestError):
                 sink(request_id, prompt)
+                continue
+            if isinstance(params, Embed):  # an embedding: the engine's `PoolingParams`, nothing sampled
+                adds.append({"op": "add", "id": request_id, "prompt": prompt, "messages": messages, "params": {},
+                             "pooling": params.model_dump()})
                 continue
             adds.append({"op": "add", "id": request_id, "prompt": prompt, "messages": messages,
                          "params": without_defaults(params.to_dict())})
@@ -212,20 +233,23 @@ class EngineProcess:
             return
         message = adds[0] if len(adds) == 1 else {"op": "add_many", "requests": adds}
         payload = fastjson.dumps(message, *(add["params"].get("json_schema") for add in adds))
+        written = _Written() if wait else None
         with self._write_lock:
             with self._lock:
                 stopping = self._stopping
                 if not stopping:
                     self._pending.update((add["id"], sink) for add in adds)
-            if stopping:
-                self._refuse()
-            try:
-                self._conn.send_bytes(payload)
-            except BaseException:
+            if not stopping:
+                self._outbox.put((payload, written))
+        if stopping:
+            self._refuse()
+        if written is not None:
+            written.done.wait()  # as long as the write: bounded by the stall watchdog, which kills a frozen engine
+            if written.error is not None:
                 with self._lock:
                     for add in adds:
                         self._pending.pop(add["id"], None)
-                raise
+                raise written.error
 
     def tokenize(self, prompts: list[Any]) -> list[Any]:
         """Each text prompt as token ids, or the error refusing it; other prompts (token ids, None) as given."""
@@ -254,7 +278,7 @@ class EngineProcess:
                 sink = self._pending.pop(request_id, None)
                 stopping = self._stopping
             if not stopping:
-                self._send_quietly(fastjson.dumps({"op": "abort", "id": request_id}))
+                self._outbox.put((fastjson.dumps({"op": "abort", "id": request_id}), None))
         if sink is not None:
             sink(request_id, CancelledError())
 
@@ -265,17 +289,18 @@ class EngineProcess:
             with self._lock:
                 live = request_id in self._pending and not self._stopping
             if live:
-                self._send_quietly(fastjson.dumps({"op": "cancel", "id": request_id, "reason": reason}))
+                self._outbox.put((fastjson.dumps({"op": "cancel", "id": request_id, "reason": reason}), None))
 
     def stop(self, timeout: float = 10) -> None:
         """Ask the engine process to exit; kill it if it has not within `timeout` (a frozen one cannot read the ask,
-        and the write may wait on a full pipe: it is made on a thread of its own)."""
+        and its write may wait on a full pipe: the writer thread's, which ends after it)."""
         with self._lock:
             if self._stopping:
                 return
             self._stopping = True
-        threading.Thread(target=self._write_quietly, args=(b'{"op": "stop"}',), name="tokenmill-engine-stop",
-                         daemon=True).start()
+        with self._write_lock:  # after every message a sender queued before it saw `_stopping`
+            self._outbox.put((b'{"op": "stop"}', None))
+            self._outbox.put(None)
         self._process.join(timeout)
         if self._process.is_alive():
             self._process.kill()
@@ -288,7 +313,9 @@ class EngineProcess:
         with self._lock:
             self._stopping = self._abandoned = True
             self._pending.clear()
-        self._process.kill()
+        self._process.kill()  # a write waiting on the full pipe fails now
+        with self._write_lock:
+            self._outbox.put(None)
         self._process.join(5)
 
     def stalled_for(self) -> float:
@@ -303,19 +330,23 @@ class EngineProcess:
         failed result, and its message is handed back to run elsewhere."""
         if self._abandoned:
             threading.Event().wait()
+        self._fatal_returned.wait()  # bounded by `on_fatal` (the worker's exits, under a watchdog): see `_lost`
         raise EngineFailure("the engine is stopped")
 
-    def _write_quietly(self, payload: bytes) -> None:
-        with self._write_lock:
-            self._send_quietly(payload)
-
-    def _send_quietly(self, payload: bytes) -> None:
-        """A write (under `_write_lock`) whose failure needs no answer: the pipe broke because the engine process is
-        gone, which the reader sees too (`_lost`)."""
-        try:
-            self._conn.send_bytes(payload)
-        except OSError:
-            pass
+    def _write_out(self) -> None:
+        """The writer thread: each queued message to the pipe, in the order queued, until `stop` or `abandon`. A failed
+        write goes to the caller waiting on it (`send_many`); one nobody waits on needs no answer: the pipe broke
+        because the engine process is gone, which the reader sees too (`_lost`)."""
+        while (item := self._outbox.get()) is not None:
+            payload, written = item
+            try:
+                self._conn.send_bytes(payload)
+            except BaseException as exc:  # noqa: BLE001: the writer goes on for the writes queued after it
+                if written is not None:
+                    written.error = exc
+            finally:
+                if written is not None:
+                    written.done.set()
 
     def _watch(self) -> None:
         """The watchdog: `on_stall` once the engine has held requests and been silent for `stall_timeout` seconds."""
@@ -373,20 +404,27 @@ class EngineProcess:
                 sink(request_id, answer)
 
     def _lost(self, error: EngineFailure) -> None:
-        """The engine is gone: `on_fatal` first, under the lock, and only then fail the requests in flight.
+        """The engine is gone: `on_fatal` first, and only then fail the requests in flight.
 
-        The worker's `on_fatal` exits the process. Had the futures failed first, the job threads waiting
-        on them could store failed results before the exit, and those jobs would never run again
-        (measured: 10 of 10 jobs ended failed with a 0.5 s gap here). Holding the lock also keeps any
-        `submit` from failing in that gap. `on_fatal` must not call back into this object.
+        The worker's `on_fatal` exits the process. Had the requests failed first, the job threads waiting on them
+        could store failed results before the exit, and those jobs would never run again. A send meanwhile waits
+        until `on_fatal` returns (`_refuse`) rather than fail in that gap. `on_fatal` runs with no lock held (it
+        logs, which may block), so the other threads' calls here (abort, cancel, `stalled_for`) go on meanwhile.
         """
         with self._lock:
             stopping, self._stopping = self._stopping, True
             pending, self._pending = self._pending, {}
             if not stopping:
+                self._fatal_returned.clear()
+        if not stopping:
+            try:
                 log.critical("%s", error)
                 if self._on_fatal is not None:
                     self._on_fatal(error)
+            finally:
+                self._fatal_returned.set()
+        with self._write_lock:  # nothing is queued after this (`_stopping`): the writer ends
+            self._outbox.put(None)
         for request_id, sink in pending.items():
             sink(request_id, error)
         self._ready.set()
@@ -473,6 +511,16 @@ def serve(conn: Connection, model: str, options: dict[str, Any], cpus: set[int] 
             raise
 
 
+class _Written:
+    """A `send_many` waiting on its write: `done` once written or failed (then `error`)."""
+
+    __slots__ = ("done", "error")
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+
+
 class _Outbox:
     """The engine process's messages to the worker, written by a thread of their own in the order sent: the loop never
     waits on a full pipe, so it goes on reading requests and cancels, and stepping, while the worker reads slowly.
@@ -556,7 +604,12 @@ class _Loop:
         try:
             params = SamplingParams.from_dict(message["params"])  # a text prompt's length: checked by `add_request`
             prompt = message["prompt"] if message["messages"] is None else self.engine.apply_chat_template(message["messages"])
-            self.engine.add_request(request_id, prompt, params)
+            if "pooling" in message:  # an embedding
+                from tokenmill.engine.pooling import PoolingParams
+
+                self.engine.add_request(request_id, prompt, pooling=PoolingParams(**message["pooling"]))
+            else:
+                self.engine.add_request(request_id, prompt, params)
         except InvalidRequestError as exc:
             self.outbox.send({"op": "refused", "id": request_id, "field": exc.field, "message": exc.message})
             return
@@ -583,7 +636,8 @@ class _Loop:
     def _send_done(self, outputs: list[Any]) -> None:
         """Finished requests in one message; their logprobs, parsed output and choice probabilities (keyed by the
         request's own choices) may hold any JSON value."""
-        free = [part for output in outputs for part in (output.logprobs, output.parsed, output.choice_probabilities)]
+        free = [part for output in outputs
+                for part in (output.logprobs, output.parsed, output.choice_probabilities, output.embedding)]
         self.outbox.send({"op": "done", "outputs": [output_fields(output) for output in outputs]}, *free)
 
     def _maybe_stats(self) -> None:
@@ -666,6 +720,8 @@ def output_fields(output: Any) -> dict[str, Any]:
         fields["constraint_backend"] = output.constraint_backend
     if output.choice_probabilities is not None:
         fields["choice_probabilities"] = output.choice_probabilities
+    if output.embedding is not None:
+        fields["embedding"] = output.embedding
     return fields
 
 

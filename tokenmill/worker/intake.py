@@ -62,12 +62,13 @@ GROUP_LIMIT = 500
 #: tasks, a chain's next step): a job that has one takes the pool path.
 _TRACED = ("chord", "callbacks", "errbacks", "chain")
 #: Largest message body a lone job may have to be admitted on the consumer's loop (`Intake._next_group`): its prompt
-#: is tokenized and written to the engine's pipe there, and a job of up to `max_job_bytes` (1 MiB) would hold the
-#: loop for its tokenizing and, while the engine is in a step of other work, for room in the pipe.
+#: is tokenized there (its engine message is only queued for the pipe's writer thread), and a job of up to
+#: `max_job_bytes` (1 MiB) would hold the loop for its tokenizing.
 LOOP_ADMISSION_MAX_BYTES = 16 * 1024
-#: How often a failed requeue is tried again, a second apart (Redis down), before the message is left to the
-#: visibility timeout.
-REQUEUE_TRIES = 30
+#: Seconds one run's requeues may take in all (Redis down: failed ones are tried again a second apart) before the
+#: messages not requeued yet are left to the visibility timeout. One bound per run, not per job: a group's size must
+#: not multiply it (a worker shutting down with Redis down waits for it).
+REQUEUE_SECONDS = 30.0
 
 
 def strategy(task: Any, app: Any, consumer: Any, **options: Any) -> Any:
@@ -245,7 +246,7 @@ class Intake:
             alone = self._groups == 1 and len(taken) == 1 and len(taken[0][0].message.body) <= LOOP_ADMISSION_MAX_BYTES
         if alone and self._service_up():
             try:
-                self._run(taken)
+                self._run(taken, on_loop=True)
             except Exception:  # noqa: BLE001: as on a group thread; the consumer's loop must go on
                 log.exception("single jobs: admitting a job failed")
             return
@@ -258,7 +259,7 @@ class Intake:
                 self._to_pool(request)
             self._next_group()
 
-    def _run(self, taken: list[tuple[Any, dict[str, Any]]]) -> None:
+    def _run(self, taken: list[tuple[Any, dict[str, Any]]], on_loop: bool = False) -> None:
         run = None
         try:
             service = self._worker_service()
@@ -266,7 +267,7 @@ class Intake:
                 for request, _ in taken:
                     self._to_pool(request)
                 return
-            run = IntakeRun(service, taken, self._to_pool, self._start_soon, self._ended)
+            run = IntakeRun(service, taken, self._to_pool, self._start_soon, self._ended, on_loop)
             run.admit()
         finally:
             if run is None:  # no run reached admission (the intake is off, or setting the run up failed)
@@ -354,8 +355,12 @@ class IntakeRun(BatchRun):
     finished by `FINISHER` with every other group's jobs, each job's message acked once its result is stored."""
 
     def __init__(self, service: Any, taken: list[tuple[Any, dict[str, Any]]], to_pool: Any, admitted: Any,
-                 ended: Any) -> None:
+                 ended: Any, on_loop: bool = False) -> None:
         super().__init__(service, "single jobs", taken[0][0].task.backend)
+        # admitted on the consumer's loop (`Intake._next_group`): its engine message is queued, never waited for
+        # (the engine's pipe is full while it is in a step); a group thread waits for its write, so the next group
+        # gathers the requests that come meanwhile
+        self.on_loop = on_loop
         self.requests: dict[str, Any] = {}
         self.raw: list[dict[str, Any]] = []
         self.to_pool = to_pool
@@ -400,7 +405,7 @@ class IntakeRun(BatchRun):
     def _send(self, runs: list[Any]) -> None:
         """Hand `runs` to the engine in one message, their answers to `FINISHER`'s queue (it takes them once `watch`
         hands it the run: `in_engine` is complete by then)."""
-        submitted = self.service.submit_many(runs, FINISHER.sink(self))
+        submitted = self.service.submit_many(runs, FINISHER.sink(self), wait=not self.on_loop)
         self.in_engine = {request_id: run for run, (_, request_id) in zip(runs, submitted)}
         self.service.metrics.jobs_in_flight.inc(len(runs))
 
@@ -456,7 +461,7 @@ class IntakeRun(BatchRun):
             self._ended()
 
     def _requeue_then_end(self, reason: str) -> None:
-        """`_requeue_rest` in a thread of its own (with Redis down it retries for up to `REQUEUE_TRIES` seconds,
+        """`_requeue_rest` in a thread of its own (with Redis down it retries for up to `REQUEUE_SECONDS`,
         which must not hold up the finisher's other runs), then the run ends."""
 
         def requeue() -> None:
@@ -506,21 +511,39 @@ class IntakeRun(BatchRun):
                                    runtime=now - (request.time_start or now))
 
     def _requeue_rest(self, reason: str) -> None:
-        """Put the unfinished jobs' messages back at the head of their queues (kombu's reject with requeue)."""
+        """Put the unfinished jobs' messages back at the head of their queues (kombu's reject with requeue). Failed
+        requeues are tried again until one deadline for the whole run (`REQUEUE_SECONDS`); the messages not requeued
+        by then are released (`_release`) for the visibility timeout to requeue."""
+        deadline = time.monotonic() + REQUEUE_SECONDS
+        left = []
         for request in self.requests.values():
-            for _ in range(REQUEUE_TRIES):
+            while not request.acknowledged and time.monotonic() < deadline:  # Celery marks it once the reject went
                 try:
                     request.reject(requeue=True)
-                    break
                 except Exception as exc:  # noqa: BLE001: Redis down; the message stays held and renewed meanwhile
                     log.warning("job %s: requeue failed (%r); trying again", request.id, exc)
-                    time.sleep(1.0)
+                    time.sleep(max(0.0, min(1.0, deadline - time.monotonic())))
+            if not request.acknowledged:
+                left.append(request)
             task_ready(request)
-        log.info("single jobs: %d requeued (%s)", len(self.requests), reason)
+        if left:
+            log.warning("single jobs: %d messages not requeued within %.0fs; the visibility timeout requeues them",
+                        len(left), REQUEUE_SECONDS)
+            INTAKE.soon(_release, left)
+        log.info("single jobs: %d requeued (%s)", len(self.requests) - len(left), reason)
         self.requests.clear()
 
 
 FINISHER = Finisher(settling=INTAKE.holding_acks)
+
+
+def _release(requests: list[Any]) -> None:
+    """Drop these messages' local records, their unacked records left in Redis: their prefetch slots free and their
+    leases are no longer renewed, so the visibility timeout requeues them (a requeue that could not reach Redis)."""
+    for request in requests:
+        if not request.acknowledged:
+            acked_by_script(request.message)
+            request.acknowledged = True
 
 
 def _sends_task_events(request: Any) -> bool:

@@ -80,6 +80,9 @@ log = logging.getLogger("tokenmill.worker")
 FATAL_EXIT_CODE = 70  # EX_SOFTWARE: the engine failed; a supervisor restarts the worker
 SHUTDOWN_CHECK_INTERVAL = 2.0  # seconds
 HAND_BACK_TIMEOUT = 10.0  # seconds a stalled worker tries to requeue its held messages before it exits anyway
+#: Seconds after which a worker exiting for its engine exits even if what comes before the exit (logging, the hand-back)
+#: has not returned: a timer thread calls `os._exit` with the same code (`_exit_watchdog`).
+EXIT_WATCHDOG_SECONDS = HAND_BACK_TIMEOUT + 5.0
 CHECK_IN_LIMIT = 500  # single jobs per check-in script call (Redis runs a script alone) and per engine message
 STORE_LIMIT = 8  # groups' result stores per script call (each at most a group's jobs; Redis runs a script alone)
 
@@ -405,20 +408,22 @@ class WorkerService:
             return self.complete(run, error=exc)
         return self.complete(run, output=output)
 
-    def submit_many(self, runs: list[Attempt], sink: Sink | None = None) -> list[tuple[Future | None, str]]:
+    def submit_many(self, runs: list[Attempt], sink: Sink | None = None, wait: bool = True
+                    ) -> list[tuple[Future | None, str]]:
         """Hand jobs to the engine in one pipe message (a group's jobs, or single jobs admitted together); returns
         each one's engine future and request id (to abort it). With `sink`, each answer goes there instead
-        (`EngineProcess.send_many`), and the futures are None."""
+        (`EngineProcess.send_many`, and its `wait`), and the futures are None."""
         self.metrics.finished.queue_waits(max(0.0, run.started_at - run.job.submitted_at) for run in runs
                                           if run.job.submitted_at is not None)
         requests = []
         for run in runs:
             job = run.job
             messages = [m.model_dump() for m in job.messages] if job.messages else None
-            requests.append((f"{job.id}#{next(self._request_numbers)}", job.sampling, job.prompt or job.prompt_token_ids, messages))
+            params = job.sampling if job.embed is None else job.embed  # an embedding job: the engine pools, no sampling
+            requests.append((f"{job.id}#{next(self._request_numbers)}", params, job.prompt or job.prompt_token_ids, messages))
         futures: list[Future | None] = [None] * len(requests)
         if requests and sink is not None:
-            self.engine.send_many(requests, sink)
+            self.engine.send_many(requests, sink, wait=wait)
         elif requests:
             futures = self.engine.submit_many(requests)
         with self._lock:
@@ -600,6 +605,7 @@ def result_wire(job: Job, run: Attempt, output: Any, worker: str) -> dict[str, A
         "constraint_error": output.constraint_error,
         "constraint_backend": output.constraint_backend,
         "choice_probabilities": output.choice_probabilities,
+        "embedding": output.embedding,
         "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                   "total_tokens": prompt_tokens + completion_tokens},
         "queued_at": job.submitted_at,
@@ -639,25 +645,42 @@ def _exit_on_engine_failure(exc: BaseException) -> None:
     Jobs in flight stay unacked and are delivered to a healthy worker after the visibility timeout;
     a job that causes this every time reaches `max_deliveries` and is dead-lettered.
     """
-    log.critical("engine failure, exiting with code %d so a supervisor restarts the worker: %r", FATAL_EXIT_CODE, exc)
-    logging.shutdown()
-    os._exit(FATAL_EXIT_CODE)
+    try:
+        _exit_watchdog()
+        log.critical("engine failure, exiting with code %d so a supervisor restarts the worker: %r", FATAL_EXIT_CODE,
+                     exc)
+        logging.shutdown()
+    finally:
+        os._exit(FATAL_EXIT_CODE)
 
 
 def _exit_on_engine_stall(why: str) -> None:
     """The engine holds jobs and makes no progress (`EngineProcess` killed it, answering none of them): stop taking
     jobs, put the held messages back on their queues for other workers, and exit for a supervisor to restart this one.
     A job whose result was stored meanwhile is not run again: its next delivery finds the result."""
-    log.critical("%s; handing back the jobs held here, then exiting with code %d so a supervisor restarts the worker",
-                 why, FATAL_EXIT_CODE)
-    returned: list[int] = []
-    hand_back = threading.Thread(target=lambda: returned.append(hand_back_held()), name="tokenmill-hand-back", daemon=True)
-    hand_back.start()
-    hand_back.join(HAND_BACK_TIMEOUT)
-    if returned:
-        log.critical("handed back %d message(s)", returned[0])
-    else:  # Redis down or slow: the visibility timeout requeues them once this worker's leases lapse
-        log.critical("could not hand back the held messages within %.0fs; they are requeued after the visibility "
-                     "timeout", HAND_BACK_TIMEOUT)
-    logging.shutdown()
-    os._exit(FATAL_EXIT_CODE)
+    try:  # the exit below is reached whatever this raises, and within `EXIT_WATCHDOG_SECONDS` whatever blocks here
+        _exit_watchdog()
+        log.critical("%s; handing back the jobs held here, then exiting with code %d so a supervisor restarts the "
+                     "worker", why, FATAL_EXIT_CODE)
+        returned: list[int] = []
+        hand_back = threading.Thread(target=lambda: returned.append(hand_back_held()), name="tokenmill-hand-back",
+                                     daemon=True)
+        hand_back.start()
+        hand_back.join(HAND_BACK_TIMEOUT)
+        if returned:
+            log.critical("handed back %d message(s)", returned[0])
+        else:  # Redis down or slow: the visibility timeout requeues them once this worker's leases lapse
+            log.critical("could not hand back the held messages within %.0fs; they are requeued after the visibility "
+                         "timeout", HAND_BACK_TIMEOUT)
+        logging.shutdown()
+    finally:
+        os._exit(FATAL_EXIT_CODE)
+
+
+def _exit_watchdog() -> None:
+    """`os._exit(FATAL_EXIT_CODE)` from a timer thread after `EXIT_WATCHDOG_SECONDS`, for an exit whose orderly part
+    may block (a log handler on a full pipe, a hand-back that does not return). It logs nothing: logging may be what
+    blocks."""
+    timer = threading.Timer(EXIT_WATCHDOG_SECONDS, os._exit, args=(FATAL_EXIT_CODE,))
+    timer.daemon = True
+    timer.start()

@@ -1,4 +1,4 @@
-"""The routes: OpenAI's Files, Batches and Models endpoints as the `openai` SDK calls them.
+"""The routes: OpenAI's Files, Batches, Embeddings and Models endpoints as the `openai` SDK calls them.
 
 (No `from __future__ import annotations` here: FastAPI reads the handlers' annotations, which name the local
 `Tenant` dependency.)
@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict
 from tokenmill.apps.api import errors
 from tokenmill.apps.api.auth import Keys
 from tokenmill.apps.api.driver import Supervisor, file_object
+from tokenmill.apps.api.embeddings import CreateEmbedding, Waiting, create_embeddings
 from tokenmill.apps.api.errors import APIError, not_found
 from tokenmill.apps.api.files import new_file_id, open_store
 from tokenmill.apps.api.guard import RequestGuard
@@ -55,9 +56,10 @@ class Services:
         self.settings = settings
         self.keys = keys
         self.records = Records(settings.backend_url, webhooks=settings.webhook_url is not None,
-                               batch_expires=settings.batch_expires)
+                               batch_expires=settings.batch_expires, socket_timeout=settings.redis_socket_timeout)
         self.store = open_store(settings.files_dir, s3_endpoint(settings.s3_endpoint_url))
         self.supervisor = Supervisor(settings, self.records, self.store)
+        self.embedding_requests = Waiting(settings.max_embedding_requests)
         self.deliverer = None if settings.webhook_url is None else Deliverer(
             self.records, settings.webhook_url, settings.webhook_secret or "", settings.webhook_timeout,
             settings.webhook_max_attempts, self.supervisor.stopping)
@@ -86,6 +88,12 @@ def create_app(settings: ServeSettings, keys: Keys) -> FastAPI:
     Tenant = Annotated[str, Depends(tenant)]
     _file_routes(app, services, Tenant)
     _batch_routes(app, services, Tenant)
+
+    @app.post("/v1/embeddings")
+    def embeddings(body: CreateEmbedding, tenant: Tenant) -> dict[str, Any]:
+        """Answered once the inputs' embedding jobs are done (`api.embeddings`)."""
+        with services.embedding_requests.slot(tenant):
+            return create_embeddings(body, tenant, settings, services.records.redis)
 
     @app.get("/v1/models")
     def models(_: Tenant) -> dict[str, Any]:

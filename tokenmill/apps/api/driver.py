@@ -320,7 +320,7 @@ class Driver(threading.Thread):
             completed += error is None
             failed += error is not None
             if error is None:
-                prompt_tokens += got[0].prompt_tokens
+                prompt_tokens += line["response"]["body"]["usage"]["prompt_tokens"]  # an embeddings line: its inputs'
                 completion_tokens += sum(o.completion_tokens for o in got)
         output = self._write_file("output", lines[True])
         errors = self._write_file("errors", lines[False])

@@ -25,6 +25,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
+
+from tokenmill.queue.app import socket_options
 from tokenmill.queue.tls import redis_client
 
 PREFIX = "tokenmill:api:"
@@ -65,8 +70,18 @@ def _index(kind: str, tenant: str) -> str:
 class Records:
     """The API's records on one Redis (the queue's result backend)."""
 
-    def __init__(self, url: str, webhooks: bool = False, batch_expires: int = 30 * 86400) -> None:
-        self.redis = redis_client(url)  # TLS verified as on every tokenmill connection (`tokenmill.queue.tls`)
+    def __init__(self, url: str, webhooks: bool = False, batch_expires: int = 30 * 86400,
+                 socket_timeout: float = 30.0) -> None:
+        # TLS verified as on every tokenmill connection (`tokenmill.queue.tls`). Every call has a bound
+        # (`socket_timeout`, the settings' `redis_socket_timeout`): a call on a connection whose peer went silent is
+        # retried once on a new connection and then raises, so no request thread, supervisor, driver or webhook thread
+        # waits on it for good.
+        self.redis = redis_client(
+            url,
+            retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=1),
+            retry_on_error=[redis.ConnectionError, redis.TimeoutError],
+            **socket_options(socket_timeout),
+        )
         self.webhooks = webhooks  # write a webhook event when a batch becomes final
         self.batch_expires = batch_expires  # seconds a final batch's record is kept
         self._renew = self.redis.register_script(_RENEW)

@@ -20,7 +20,7 @@ EXIT_UNUSABLE = 2
 FLAGS = ("broker_url", "result_backend", "queue", "files_dir", "s3_endpoint_url", "api_keys", "api_keys_file",
          "max_upload_bytes", "max_batch_lines", "lease_seconds", "default_max_tokens", "max_completion_window",
          "rate_limit", "rate_burst", "max_drivers", "max_active_batches", "file_expires", "batch_expires",
-         "openapi_schema", "webhook_url", "webhook_timeout")
+         "openapi_schema", "webhook_url", "webhook_timeout", "embeddings_timeout", "max_embedding_requests")
 
 
 def add_parser(commands: Any) -> None:

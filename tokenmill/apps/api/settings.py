@@ -42,6 +42,11 @@ class ServeSettings(QueueSettings):
     rate_limit: float = Field(1200.0, gt=0, description="Requests a minute one API key may make (per `tokenmill serve` "
                               "process); past it a 429 with Retry-After.")
     rate_burst: int = Field(120, ge=1, description="Requests a key may make at once before `rate_limit` paces it.")
+    embeddings_timeout: float = Field(60.0, gt=0, description="Seconds `POST /v1/embeddings` waits for its inputs' "
+                                      "embedding jobs; past it a 504 and the jobs are cancelled.")
+    max_embedding_requests: int = Field(4, ge=1, description="`POST /v1/embeddings` requests one tenant may have "
+                                        "waiting at once (per `tokenmill serve` process, which waits for them on "
+                                        "threads every route shares); past it a 429.")
     max_completion_window: int = Field(7 * 86400, ge=3600, description="Longest `completion_window` a batch may ask "
                                        "for, in seconds (OpenAI's is 24h); a longer one is refused with a 400.")
     openapi_schema: bool = Field(False, description="Serve the API's OpenAPI schema at /openapi.json (the "

@@ -1,0 +1,114 @@
+"""`POST /v1/embeddings`: OpenAI's embeddings endpoint, answered while the request waits.
+
+Each input becomes an embedding job (`Job.embed`) in the tenant's fair share of the queue, as a batch's requests do;
+the answer waits for their results, at most `embeddings_timeout` seconds (then a 504 in OpenAI's error shape, and the
+jobs are cancelled). The body's rules are a batch line's (`tokenmill.apps.batch.embedding_inputs`,
+`embedding_options`), and so is the answer (`embedding_body`).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from tokenmill.apps.api.driver import tenant_share
+from tokenmill.apps.api.errors import APIError
+from tokenmill.apps.api.settings import ServeSettings
+from tokenmill.apps.batch import REFUSED_STATUS, embedding_body, embedding_inputs, embedding_options
+from tokenmill.client import Client, JobTimeoutError, embed_job
+from tokenmill.errors import InvalidRequestError
+from tokenmill.queue.schemas import JobResult
+from tokenmill.queue.served import served_models
+
+#: A job's field as the embeddings body names it.
+_BODY_PARAMS = {"prompt": "input", "prompt_token_ids": "input", "embed.dimensions": "dimensions"}
+
+
+class CreateEmbedding(BaseModel):
+    """`POST /v1/embeddings`, as `client.embeddings.create(...)` sends it; values checked as a batch line's."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    input: Any
+    dimensions: Any = None
+    encoding_format: Any = None
+    user: str | None = None
+
+
+class Waiting:
+    """The `POST /v1/embeddings` requests each tenant has waiting: at most `limit` at once, so that one tenant's
+    requests cannot hold every thread the server's routes share."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._lock = threading.Lock()
+        self._by_tenant: dict[str, int] = {}
+
+    @contextmanager
+    def slot(self, tenant: str) -> Iterator[None]:
+        with self._lock:
+            waiting = self._by_tenant.get(tenant, 0)
+            if waiting >= self.limit:
+                raise APIError(429, f"This key has {waiting} embeddings requests waiting, the most allowed "
+                                    "(TOKENMILL_MAX_EMBEDDING_REQUESTS); try again when one is answered.", None,
+                               "too_many_requests")
+            self._by_tenant[tenant] = waiting + 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._by_tenant[tenant] -= 1
+                if not self._by_tenant[tenant]:
+                    del self._by_tenant[tenant]
+
+
+def create_embeddings(body: CreateEmbedding, tenant: str, settings: ServeSettings, redis: Any) -> dict[str, Any]:
+    """OpenAI's `CreateEmbeddingResponse` for `body`; raises `APIError`: 400 for a body (or an input a worker's
+    engine) refuses, 404 for a model no live worker serves, 504 past `embeddings_timeout`."""
+    try:
+        inputs = embedding_inputs(body.input)
+        embed, encoding = embedding_options(body.model_dump())
+    except InvalidRequestError as exc:
+        raise APIError(400, str(exc), exc.field, "invalid_request") from None
+    _check_model(body.model, settings, redis)
+    with Client(settings.broker_url, result_backend=settings.result_backend, queue=settings.queue,
+                share=tenant_share(tenant)) as client:
+        try:
+            handles = client.submit_many([embed_job(text, embed) for text in inputs])
+        except InvalidRequestError as exc:  # too big for a job: "jobs[i].prompt"
+            index = exc.field.partition("]")[0].removeprefix("jobs[")
+            raise APIError(400, exc.message, f"input[{index}]", "invalid_request") from None
+        try:
+            results = client.results(handles, timeout=settings.embeddings_timeout)
+        except JobTimeoutError:
+            client.cancel(handles)
+            raise APIError(504, f"The embeddings were not computed within {settings.embeddings_timeout:g}s "
+                                "(TOKENMILL_EMBEDDINGS_TIMEOUT); the queue is busy or no worker serves it.",
+                           None, "timeout") from None
+    for result in results:
+        if not result.ok:
+            raise _failure(result)
+    tokens = sum(result.usage.prompt_tokens if result.usage else 0 for result in results)
+    return embedding_body(body.model, [result.embedding or [] for result in results], tokens, encoding)
+
+
+def _check_model(model: str, settings: ServeSettings, redis: Any) -> None:
+    """404 for a model no live worker on the queue announces (with none live at all, the jobs wait for one)."""
+    served = served_models(redis, settings.queue)
+    if served and model not in served:
+        raise APIError(404, f"The model {model!r} is not served by any worker on queue {settings.queue!r} (served: "
+                            f"{', '.join(sorted(served))}).", "model", "model_not_found")
+
+
+def _failure(result: JobResult) -> APIError:
+    """A failed job's error: the request's 400 when its input was refused, else a 500 with the job's error code."""
+    error = result.error
+    code, message = (error.code, error.message) if error else ("server_error", "failed")
+    status = REFUSED_STATUS.get(code, 500)
+    param = _BODY_PARAMS.get(error.field, error.field) if error and error.field else None
+    return APIError(status, message, param, code)
