@@ -7,8 +7,8 @@ intermediate 4864, tied embeddings; vocabulary cut to 4,096, which no layer sees
 prefills `--seqs` sequences of `--context` tokens, then counts the non-view aten ops of one decode step of all of them
 (a `TorchDispatchMode`, inside `ModelRunner.forward`): the difference between the two models over 2 is one layer's
 count, whatever the step spends outside the layers. Both implementations (`model_impl` native and transformers) and
-both attention backends are counted in one run. The Triton backend's two kernels (the KV write and the attention)
-count as one launch each: on a CPU they run through Triton's interpreter, whose own tensor calls are not launches.
+both attention backends are counted in one run. The Triton backend's kernels (the KV write, the attention, and the
+native model's norms, rotary and SiLU-and-mul) count as one launch each: on a CPU they run through Triton's interpreter, whose own tensor calls are not launches.
 The ops a layer runs are listed for the native model.
 """
 
@@ -75,6 +75,8 @@ def count_step(layers: int, impl: str, backend: str, seqs: int, context: int) ->
     if backend == "triton":
         runner.backend.write_kv = counter.kernel("triton:write_kv", runner.backend.write_kv)
         runner.backend.paged_attention = counter.kernel("triton:paged_attention", runner.backend.paged_attention)
+        for name in ("add_rms_norm", "rotary", "silu_and_mul"):
+            setattr(runner.backend, name, counter.kernel(f"triton:{name}", getattr(runner.backend, name)))
     forward = runner.forward
     steps = []
 

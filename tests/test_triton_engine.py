@@ -1,4 +1,5 @@
-"""The engine with the Triton attention backend gives the reference backend's greedy tokens.
+"""The engine with the Triton backend (attention, norms, rotary, SiLU-and-mul) gives the reference backend's greedy
+tokens (Qwen3: rotary after its per-head norms).
 
 Without CUDA the Triton kernels run through the interpreter, so the model is tiny and the prompts few.
 A small token budget forces chunked prefill, so prefill chunks over cached context, decode rows and
@@ -25,13 +26,14 @@ def greedy(model_dir: Path, backend: str, block_size: int, prompts: list[list[in
     llm = LLM(str(model_dir), dtype="float32", attention_backend=backend, block_size=block_size,
               max_num_batched_tokens=32, num_kv_blocks=64)
     assert llm.engine.runner.backend.name == backend
+    assert llm.engine.runner.native  # the native model: the Triton backend's norm, rotary and SiLU kernels run too
     outputs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0), use_tqdm=False)
     assert all(o.finish_reason in ("stop", "length") for o in outputs), [o.error for o in outputs]
     return [o.token_ids for o in outputs]
 
 
-@pytest.mark.parametrize("block_size", [16, 5])
-def test_triton_engine_matches_torch_backend(tmp_path: Path, block_size: int):
-    model_dir = build_model_dir("llama", tmp_path)
+@pytest.mark.parametrize(("arch", "block_size"), [("llama", 16), ("llama", 5), ("qwen3", 16)])
+def test_triton_engine_matches_torch_backend(tmp_path: Path, arch: str, block_size: int):
+    model_dir = build_model_dir(arch, tmp_path)
     prompts = random_prompts(4, 1, 50, seed=block_size)
     assert greedy(model_dir, "triton", block_size, prompts) == greedy(model_dir, "torch", block_size, prompts)

@@ -11,6 +11,9 @@ Every backend offers the same two operations, so the engine never knows which on
   each sequence's whole context read through its block table row. ``seq_lens[i]`` counts
   the context including the new tokens; the queries are its last tokens (causal, aligned
   to the end). ``max_seqlen_q``/``max_seq_len`` are host-side ints the caller already has.
+
+and a decoder layer's elementwise parts (`tokenmill.kernels.layers`, the torch reference): ``add_rms_norm``,
+``rotary`` and ``silu_and_mul``, one kernel each in the Triton backend.
 """
 
 from __future__ import annotations
@@ -36,6 +39,13 @@ class AttentionBackend(Protocol):
         self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
         cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, scale: float, max_seqlen_q: int, max_seq_len: int,
     ) -> torch.Tensor: ...
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+                     ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def rotary(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor: ...
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
 
 
 def resolve_backend_name(name: str | None, device: torch.device) -> str:

@@ -12,9 +12,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tokenmill.kernels import layers
+
 
 class TorchBackend:
     name = "torch"
+
+    # A decoder layer's elementwise parts (`tokenmill.kernels.layers`), as transformers computes them.
+    add_rms_norm = staticmethod(layers.add_rms_norm)
+    rotary = staticmethod(layers.rotary)
+    silu_and_mul = staticmethod(layers.silu_and_mul)
 
     # Decode rows are sorted by context length and attended in groups of this many, so each group pads only
     # to its own longest context instead of the whole batch's.

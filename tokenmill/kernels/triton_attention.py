@@ -193,7 +193,13 @@ class TritonBackend:
     name = "triton"
 
     def __init__(self, config: TileConfig | None = None) -> None:
+        from tokenmill.kernels import triton_layers
+
         self.config = config
+        # A decoder layer's elementwise parts, one kernel each (`tokenmill.kernels.triton_layers`).
+        self.add_rms_norm = triton_layers.add_rms_norm
+        self.rotary = triton_layers.rotary
+        self.silu_and_mul = triton_layers.silu_and_mul
 
     def write_kv(
         self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

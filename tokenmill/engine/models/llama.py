@@ -4,7 +4,8 @@ One forward takes the step's flat tokens `[T]` and positions `[T]` and returns t
 (and, when asked, the final hidden states of the pooled rows, for embeddings).
 Per decoder layer: one matmul for Q, K and V together, one for gate and up together, the residual added inside the
 norm that follows it, rotary with the step's cos/sin (computed once per step, for every layer), and the paged
-attention of `tokenmill.kernels` called with device tensors. The weights come from the transformers model that
+attention of `tokenmill.kernels` called with device tensors; the norms, the rotary and SiLU-and-mul are the step's
+backend's too (`tokenmill.kernels.layers`; one kernel each in the Triton backend). The weights come from the transformers model that
 loaded the checkpoint (safetensors, shards, tied embeddings, rope scaling as its config says), merged layer by layer
 while that model's copy of each layer is freed.
 
@@ -22,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.engine.attention import AttentionMetadata
+from tokenmill.kernels import AttentionBackend
 
 #: transformers architectures this module implements, and whether their attention has Q/K norms.
 ARCHITECTURES = {"LlamaForCausalLM": False, "MistralForCausalLM": False, "Qwen2ForCausalLM": False,
@@ -93,22 +95,17 @@ def shape_of(model: nn.Module) -> Shape:
 
 
 class RMSNorm(nn.Module):
-    """transformers' RMSNorm; with `residual`, the residual is added first and the sum is the new residual."""
+    """transformers' RMSNorm, run by the step's backend (`add_rms_norm`): with `residual`, the residual is added first
+    and the sum is the new residual."""
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is not None:
-            x = x + residual
-        return self.norm(x), x
-
-    def norm(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, ops: AttentionBackend
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        return ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class Rotary(nn.Module):
@@ -158,11 +155,6 @@ def can_pack(weight: torch.Tensor) -> bool:
     return weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, shape: Shape, index: int) -> None:
         super().__init__()
@@ -180,15 +172,15 @@ class DecoderLayer(nn.Module):
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        shape, tokens = self.shape, hidden.shape[0]
-        hidden, residual = self.input_layernorm(hidden, residual)
+        shape, tokens, ops = self.shape, hidden.shape[0], meta.backend
+        hidden, residual = self.input_layernorm(hidden, residual, ops)
         qkv = self.qkv_proj(hidden)
         q_size, kv_size, _ = shape.qkv_sizes
         qk = qkv[:, :q_size + kv_size].view(tokens, shape.num_heads + shape.num_kv_heads, shape.head_dim)
         if self.qk_weight is not None:  # Qwen3: each head normalised, Q's and K's weights side by side
             qk = F.rms_norm(qk, qk.shape[-1:], None, shape.eps) * self.qk_weight if qk.dtype == torch.float32 else \
                 self.qk_weight * F.rms_norm(qk.float(), qk.shape[-1:], None, shape.eps).to(qk.dtype)
-        qk = rotate(qk, cos, sin)  # queries and keys in one pass
+        qk = ops.rotary(qk, cos, sin)  # queries and keys in one pass
         q, k = qk[:, :shape.num_heads], qk[:, shape.num_heads:]
         v = qkv[:, q_size + kv_size:].view(tokens, shape.num_kv_heads, shape.head_dim)
         k_cache, v_cache = meta.kv_caches[self.index]
@@ -196,9 +188,8 @@ class DecoderLayer(nn.Module):
         attended = meta.backend.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.seq_lens,
                                                 self.scale, meta.max_seqlen_q, meta.max_seq_len)
         hidden = self.o_proj(attended.reshape(tokens, shape.num_heads * shape.head_dim))
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        gate, up = self.gate_up_proj(hidden).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up), residual
+        hidden, residual = self.post_attention_layernorm(hidden, residual, ops)
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(hidden))), residual
 
 
 class LlamaFamily(nn.Module):
@@ -228,10 +219,10 @@ class LlamaFamily(nn.Module):
         residual = None
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, cos, sin, meta)
-        logits = self.lm_head(self.norm(hidden[sample_rows], residual[sample_rows])[0])
+        logits = self.lm_head(self.norm(hidden[sample_rows], residual[sample_rows], meta.backend)[0])
         if pool_rows is None:
             return logits
-        return logits, self.norm(hidden[pool_rows], residual[pool_rows])[0]
+        return logits, self.norm(hidden[pool_rows], residual[pool_rows], meta.backend)[0]
 
 
 @torch.no_grad()
