@@ -585,3 +585,38 @@ def test_embed_writes_each_row_s_vector_in_an_embedding_column(llm, tmp_path: Pa
         with pytest.raises(InvalidRequestError) as refused:
             annotate(str(src), str(tmp_path / "x.jsonl"), "Say: {{ text }}", llm=llm, quiet=True, **options)
         assert refused.value.field == field
+
+
+def test_score_writes_each_row_s_continuation_scores_in_a_scores_column(llm, tmp_path: Path) -> None:
+    """`--score`: each rendered prompt scores the continuations (`LLM.score`'s, to 1e-5), in a `scores` column
+    (JSONL: a list of objects; Parquet: list<struct<continuation, logprob, is_greedy, num_tokens>>) beside
+    `prompt_tokens` and `error`; spaces in the CLI's list are kept; a row that fails has nulls and its error; a
+    sampling option, `embed` or an empty continuation is refused before any row runs."""
+    continuations = [" yes", " no", " not at all"]
+    data = rows(3) + [{"id": "long", "text": "z" * 5000, "n": 9}]
+    src = write_jsonl(tmp_path / "in.jsonl", data)
+    for out in ("out.jsonl", "out.parquet"):
+        summary = annotate(str(src), str(tmp_path / out), "Say: {{ text }}", llm=llm, quiet=True, score=continuations)
+        assert (summary.ok, summary.failed) == (3, 1)
+    table = pq.read_table(tmp_path / "out.parquet")
+    assert table.column_names == ["id", "text", "n", "scores", "prompt_tokens", "error"]
+    assert table.schema.field("scores").type == pa.list_(pa.struct([
+        ("continuation", pa.string()), ("logprob", pa.float64()), ("is_greedy", pa.bool_()), ("num_tokens", pa.int64())]))
+    expected = [llm.score(f"Say: {r['text']}", continuations) for r in rows(3)]
+    for got in (read_jsonl(tmp_path / "out.jsonl"), table.to_pylist()):
+        for row, want in zip(got[:3], expected):
+            assert [s["continuation"] for s in row["scores"]] == continuations
+            assert [(s["num_tokens"], s["is_greedy"]) for s in row["scores"]] == [(len(w.token_ids), w.is_greedy)
+                                                                                for w in want]
+            assert max(abs(s["logprob"] - w.logprob) for s, w in zip(row["scores"], want)) <= 1e-5
+        assert got[3]["scores"] is None and "max_model_len" in got[3]["error"]
+    done = cli("annotate", str(src), "-o", str(tmp_path / "cli.jsonl"), "--template", "Say: {{ text }}", "--model",
+               "builtin:tiny", "--score", " yes, no", "--limit", "1", "--quiet")
+    assert done.returncode == 0, done.stderr
+    [row] = read_jsonl(tmp_path / "cli.jsonl")
+    assert [s["continuation"] for s in row["scores"]] == [" yes", " no"]
+    for options, field in (({"max_tokens": 5}, "max_tokens"), ({"embed": True}, "score"), ({"score": [""]}, "score[0]")):
+        with pytest.raises(InvalidRequestError) as refused:
+            annotate(str(src), str(tmp_path / "x.jsonl"), "Say: {{ text }}", llm=llm, quiet=True,
+                     **{"score": continuations, **options})
+        assert refused.value.field == field

@@ -400,3 +400,44 @@ def test_embeddings_base64_is_the_engine_s_encoding() -> None:
 
     vector = [0.1, -2.5, 3.0e-8, 1.0 / 3.0]
     assert float32_base64(vector) == encode_base64(vector)
+
+
+def test_the_tokenmill_extension_answers_choice_probabilities_and_scores(llm, tmp_path: Path) -> None:
+    """A body's `tokenmill` extension: `{"choice", "choice_probabilities": true}` answers the body's
+    `tokenmill.choice_probabilities` (the engine's, to 1e-5; the text its most probable choice), `{"score":
+    [continuations]}` the body's `tokenmill.scores` (`LLM.score`'s, to 1e-5), on completions and chat completions;
+    the SDK's types still load each body. A bad extension field, sampling beside a score, and a continuation the engine
+    refuses are their lines' 400s naming `tokenmill.<field>`."""
+    labels, continuations = ["yes", "no", "maybe"], [" Paris", " Rome and more", [7, 8, 9]]
+    lines = [completion("p", "Is it fine?", tokenmill={"choice": labels, "choice_probabilities": True}),
+             chat("pc", "Is it fine?", tokenmill={"choice": labels, "choice_probabilities": True}),
+             {**completion("s", "The capital of France is", tokenmill={"score": continuations}),},
+             {**chat("sc", "The capital of France is", tokenmill={"score": [" Paris"]})},
+             completion("bad", "x", tokenmill={"choices": labels}), completion("sampled", "x", tokenmill={"score": ["a"]}),
+             completion("huge", "x", tokenmill={"score": [[10**9]]})]
+    for line in lines[2:4] + lines[-1:]:
+        del line["body"]["max_tokens"]
+    summary = run(llm, write_jsonl(tmp_path / "in.jsonl", lines), tmp_path / "out.jsonl")
+    assert (summary.ok, summary.failed) == (4, 3)
+    raw = {line["custom_id"]: line["response"]["body"] for line in read_jsonl(tmp_path / "out.jsonl")}
+    errors = {line["custom_id"]: line["response"]["body"]["error"] for line in read_jsonl(tmp_path / "out.errors.jsonl")}
+    assert {k: e["param"] for k, e in errors.items()} == {"bad": "tokenmill.choices", "sampled": "max_tokens",
+                                                          "huge": "tokenmill.score[0]"}
+    Completion.model_validate(raw["p"]), Completion.model_validate(raw["s"])
+    ChatCompletion.model_validate(raw["pc"]), ChatCompletion.model_validate(raw["sc"])
+    params = SamplingParams(choice=labels, choice_probabilities=True)
+    text_out = llm.generate(["Is it fine?"], params, use_tqdm=False)[0]
+    got = raw["p"]["tokenmill"]["choice_probabilities"]
+    assert list(got) == labels and raw["p"]["choices"][0]["text"] == text_out.text
+    assert max(abs(got[k] - text_out.choice_probabilities[k]) for k in labels) <= 1e-5
+    chat_out = llm.chat([[{"role": "user", "content": "Is it fine?"}]], params, use_tqdm=False)[0]
+    got = raw["pc"]["tokenmill"]["choice_probabilities"]
+    assert max(abs(got[k] - chat_out.choice_probabilities[k]) for k in labels) <= 1e-5
+    expected = llm.score("The capital of France is", continuations)
+    scores = raw["s"]["tokenmill"]["scores"]
+    assert [(s["num_tokens"], s["is_greedy"]) for s in scores] == [(len(e.token_ids), e.is_greedy) for e in expected]
+    assert max(abs(s["logprob"] - e.logprob) for s, e in zip(scores, expected)) <= 1e-5
+    assert raw["s"]["choices"][0]["text"] == "" and raw["s"]["usage"]["completion_tokens"] == 0
+    prompt = llm.engine.apply_chat_template([{"role": "user", "content": "The capital of France is"}])
+    assert abs(raw["sc"]["tokenmill"]["scores"][0]["logprob"] - llm.score(prompt, [" Paris"])[0].logprob) <= 1e-5
+    assert "tokenmill" not in raw["p"]["choices"][0]

@@ -119,3 +119,13 @@ def test_a_choice_cut_by_max_tokens_fails_its_job_with_the_text_kept() -> None:
     assert JobResult.model_validate(wire).to_wire() == wire
     whole = dataclasses.replace(cut, text="negative", finish_reason="stop", constraint_satisfied=True)
     assert result_wire(job, run, whole, "w1")["status"] == "succeeded"
+
+
+def test_a_score_job_s_wire_is_its_validated_dump() -> None:
+    """A score job's result (`scores`, each {"logprob", "is_greedy", "num_tokens"}) in the order `JobResult` dumps."""
+    job = Job.from_wire({"prompt": "hi", "score": {"continuations": [" a", [3, 4]]}})
+    scores = [{"logprob": -1.25, "is_greedy": True, "num_tokens": 1}, {"logprob": -7.5, "is_greedy": False, "num_tokens": 2}]
+    output = EngineOutput("r1", 3, [], "", "stop", first_token_time=1.0, finished_time=2.0, scores=scores)
+    wire = result_wire(job, Attempt(job, 1.0, 1), output, "w")
+    dumped = JobResult.model_validate(wire).to_wire()
+    assert wire == dumped and list(wire) == list(dumped) and wire["scores"] == scores

@@ -7,6 +7,7 @@
     handles = client.submit_many(job_dicts)                            # pipelined
     for result in client.as_completed(handles): ...
     vectors = client.embed(["a text", "another"], dimensions=256)     # embedding jobs, waited for
+    scores = client.score("The capital of France is", [" Paris", " Rome"])  # log-likelihoods, waited for
 
 Jobs are sent as ordinary Celery task messages (protocol 2, JSON) for `tokenmill.generate`, built by
 Celery's own `app.amqp` and kombu's Redis channel (`tokenmill.queue.publisher`); `submit_many` batches their
@@ -38,7 +39,8 @@ from tokenmill.queue.app import queue_app
 from tokenmill.queue.cancels import CANCELLED_STATE, FINAL_STATES, Outcome
 from tokenmill.queue.names import CANCEL_KEY, DELIVERIES_KEY, JOB_HASH_HEADER, RUN_JOBS_KEY, TASK_NAME
 from tokenmill.queue.publisher import Publisher
-from tokenmill.queue.schemas import Job, JobResult, check_size, content_hash, free_form, message_wire
+from tokenmill.queue.schemas import (ContinuationScore, Job, JobResult, check_size, content_hash, free_form,
+                                     message_wire)
 from tokenmill.queue.settings import QueueSettings
 
 log = logging.getLogger(__name__)
@@ -189,6 +191,26 @@ class Client:
             if not result.ok:
                 raise JobFailedError(result)
         return [result.embedding or [] for result in results]
+
+    def score(self, prompt: str | list[int], continuations: list[str | list[int]], *, timeout: float | None = None
+              ) -> list[ContinuationScore]:
+        """Each continuation's log-likelihood given `prompt` (a text or token ids), in order, as lm-eval-harness's
+        `loglikelihood`: one score job (`Job.score`), waited for. A text continuation is tokenized alone (put the
+        separating space in it: " Paris"). Raises as `score_many`."""
+        return self.score_many([(prompt, continuations)], timeout=timeout)[0]
+
+    def score_many(self, requests: Iterable[tuple[str | list[int], list[str | list[int]]]], *,
+                   timeout: float | None = None) -> list[list[ContinuationScore]]:
+        """`score` for many (prompt, continuations) pairs, queued together and waited for, `timeout` seconds for all
+        (None: no limit); in input order. Raises `InvalidRequestError` before anything is queued, `JobFailedError`
+        for a failed job, `JobTimeoutError`."""
+        jobs = [{**_prompt_fields(prompt), "score": {"continuations": list(continuations)}}
+                for prompt, continuations in requests]
+        results = self.results(self.submit_many(jobs), timeout=timeout)
+        for result in results:
+            if not result.ok:
+                raise JobFailedError(result)
+        return [result.scores or [] for result in results]
 
     def prepare(self, fields: Mapping[str, Any]) -> dict[str, Any]:
         """The validated wire form of a job, stamped with its submit time; raises `InvalidRequestError`."""
@@ -524,8 +546,12 @@ def _parse_meta(job_id: str, value: bytes | None, backend: Any) -> JobResult | N
 def embed_job(text: str | list[int], options: Mapping[str, Any]) -> dict[str, Any]:
     """The job fields embedding `text` (a prompt, or token ids) with `options` (`Embed`'s fields; None ones left
     to the checkpoint)."""
-    prompt = {"prompt": text} if isinstance(text, str) else {"prompt_token_ids": text}
-    return {**prompt, "embed": {key: value for key, value in options.items() if value is not None}}
+    return {**_prompt_fields(text), "embed": {key: value for key, value in options.items() if value is not None}}
+
+
+def _prompt_fields(text: str | list[int]) -> dict[str, Any]:
+    """A prompt's job field: `prompt` for a text, `prompt_token_ids` for token ids."""
+    return {"prompt": text} if isinstance(text, str) else {"prompt_token_ids": text}
 
 
 def _as_dict(job: Job | Mapping[str, Any] | None) -> dict[str, Any]:

@@ -217,3 +217,24 @@ def test_embed_comes_back_from_the_workers_as_it_does_embedded(llm, tmp_path, re
         assert [row["prompt_tokens"] for row in got] == [row["prompt_tokens"] for row in local_rows]
         assert got[5]["embedding"] is None and "max_model_len" in got[5]["error"]
     assert {len(row["embedding"]) for row in queued_rows[:5]} == {16}
+
+
+def test_score_comes_back_from_the_workers_as_it_does_embedded(llm, tmp_path, redis_server, start_worker) -> None:
+    """`annotate --score --broker`: rows travel as score jobs in group messages; the workers' scores (JSONL and
+    Parquet) are the embedded engine's to 1e-5; a row the workers' engine refuses has its error and null scores."""
+    start_worker(redis_server.url).wait_ready()
+    src = write_jsonl(tmp_path / "in.jsonl", rows(4) + [{"id": 4, "text": "z" * 5000}])
+    continuations = [" yes", " no", " not at all"]
+    for suffix in ("jsonl", "parquet"):
+        summary = tokenmill.annotate(str(src), str(tmp_path / f"queue.{suffix}"), TEMPLATE, broker=redis_server.url,
+                                     score=continuations, quiet=True, rows_per_message=2)
+        assert (summary.ok, summary.failed) == (4, 1)
+    tokenmill.annotate(str(src), str(tmp_path / "local.jsonl"), TEMPLATE, llm=llm, score=continuations, quiet=True)
+    local_rows = read_jsonl(tmp_path / "local.jsonl")
+    for got in (read_jsonl(tmp_path / "queue.jsonl"), pq.read_table(tmp_path / "queue.parquet").to_pylist()):
+        for row, want in zip(got[:4], local_rows[:4]):
+            assert [(s["continuation"], s["num_tokens"], s["is_greedy"]) for s in row["scores"]] == \
+                [(s["continuation"], s["num_tokens"], s["is_greedy"]) for s in want["scores"]]
+            assert max(abs(s["logprob"] - w["logprob"]) for s, w in zip(row["scores"], want["scores"])) <= 1e-5
+        assert [row["prompt_tokens"] for row in got] == [row["prompt_tokens"] for row in local_rows]
+        assert got[4]["scores"] is None and "max_model_len" in got[4]["error"]

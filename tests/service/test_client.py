@@ -309,3 +309,33 @@ def test_embed_through_a_worker_equals_the_engine_s_vectors(redis_server: RedisS
 def _close(got: list[list[float]], expected: list[list[float]], tolerance: float = 1e-5) -> None:
     assert [len(vector) for vector in got] == [len(vector) for vector in expected]
     assert max(abs(x - y) for a, b in zip(got, expected) for x, y in zip(a, b)) <= tolerance
+
+
+def test_score_through_a_worker_equals_the_engine_s_scores(redis_server: RedisServer, start_worker) -> None:
+    """`Client.score`: a score job on a real worker gives each continuation's log-likelihood and greediness as
+    `LLM.score` gives them here (to 1e-5), in order, for text and token-id continuations and prompts; its result has
+    no completion; a bad continuation is refused before anything is queued, one the engine refuses fails its job."""
+    from tokenmill import LLM
+    from tokenmill.client import JobFailedError
+
+    prompt, continuations = "The capital of France is", [" Paris", " Rome and more", [7, 8, 9], "é"]
+    llm = LLM("builtin:tiny")
+    start_worker(redis_server.url).wait_ready()
+    with Client(redis_server.url) as client:
+        got = client.score(prompt, continuations, timeout=120)
+        many = client.score_many([([1, 2, 3], [[4], [5, 6]]), (prompt, [" x"])], timeout=120)
+        result = client.submit(prompt=prompt, score={"continuations": [" Paris"]}).result(timeout=120)
+        with pytest.raises(InvalidRequestError) as caught:
+            client.score(prompt, [""])
+        assert caught.value.field.startswith("jobs[0].score.continuations[0]") and _queued(redis_server) == []
+        with pytest.raises(JobFailedError) as failed:
+            client.score(prompt, [[10**9]], timeout=120)
+    assert failed.value.result.error.code == "invalid_request"
+    for scores, (p, c) in ((got, (prompt, continuations)), (many[0], ([1, 2, 3], [[4], [5, 6]])),
+                           (many[1], (prompt, [" x"]))):
+        expected = llm.score(p, c)
+        assert [s.num_tokens for s in scores] == [len(e.token_ids) for e in expected]
+        assert [s.is_greedy for s in scores] == [e.is_greedy for e in expected]
+        assert max(abs(s.logprob - e.logprob) for s, e in zip(scores, expected)) <= 1e-5
+    assert result.text == "" and not result.token_ids and result.usage.completion_tokens == 0
+    assert abs(result.scores[0].logprob - llm.score(prompt, [" Paris"])[0].logprob) <= 1e-5

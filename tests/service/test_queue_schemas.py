@@ -213,3 +213,30 @@ def test_an_embedding_job_is_checked_and_survives_the_wire() -> None:
         assert "embedding job" in caught.value.message
     result = JobResult(id="e", status="succeeded", text="", embedding=[0.5, -0.5])
     assert result.stub("s3://b/e.json").embedding is None
+
+
+def test_a_score_job_is_checked_and_survives_the_wire() -> None:
+    """`score`: its continuations checked here, torch-free, named by field (a non-empty list of non-empty strings or
+    token id lists); a sampling parameter or `embed` beside it refused; its message and content hash carry it; a
+    result's `scores` parse and are dropped from its S3 stub."""
+    from tokenmill.queue.schemas import MAX_CONTINUATIONS, ContinuationScore, message_wire
+
+    job = Job.from_wire({"id": "s", "prompt": "The capital of France is", "score": {"continuations": [" Paris", [5, 6]]}})
+    assert job.score.continuations == [" Paris", [5, 6]]
+    assert Job.from_wire(json.loads(json.dumps(message_wire(job.to_wire())))) == job
+    assert job.content_hash() != Job.from_wire({"id": "s", "prompt": "The capital of France is"}).content_hash()
+    for score, field in (({"continuations": []}, "score.continuations"), ({"continuations": [""]}, "score.continuations[0]"),
+                         ({"continuations": [[]]}, "score.continuations[0]"),
+                         ({"continuations": ["a", [-1]]}, "score.continuations[1]"),
+                         ({"continuations": ["a"] * (MAX_CONTINUATIONS + 1)}, "score.continuations"),
+                         ({"continuations": ["a"], "x": 1}, "score.x"), ({}, "score.continuations"), ([], "score")):
+        with pytest.raises(InvalidRequestError) as caught:
+            Job.from_wire({"prompt": "hi", "score": score})
+        assert caught.value.field.startswith(field), (score, caught.value.field)
+    for extra in ({"max_tokens": 5}, {"embed": {}}):
+        with pytest.raises(InvalidRequestError) as caught:
+            Job.from_wire({"prompt": "hi", "score": {"continuations": ["a"]}, **extra})
+        assert caught.value.field == next(iter(extra)) if "max_tokens" in extra else caught.value.field == "score"
+    scores = [ContinuationScore(logprob=-1.5, is_greedy=False, num_tokens=2)]
+    result = JobResult.model_validate(JobResult(id="s", status="succeeded", text="", scores=scores).to_wire())
+    assert result.scores == scores and result.stub("s3://b/s.json").scores is None

@@ -29,7 +29,7 @@ from tokenmill.apps.pipeline import Progress, Summary, compute, stored
 from tokenmill.apps.runners import EmbeddedRunner, QueueRunner, Unit, sampling_dict
 from tokenmill.apps.store import Checkpoint, KeyHasher, Outcome
 from tokenmill.errors import InvalidRequestError
-from tokenmill.queue.schemas import Embed, invalid_request_from
+from tokenmill.queue.schemas import Embed, Score, invalid_request_from
 
 #: The result columns after the text column, with their Parquet types (all nullable: a failed row has nulls).
 RESULT_COLUMNS = {"parsed": pa.string(), "finish_reason": pa.string(), "prompt_tokens": pa.int64(),
@@ -48,14 +48,21 @@ LOGPROBS_TYPE = pa.list_(pa.struct([
 #: its error.
 EMBEDDING = "embedding"
 EMBED_COLUMNS = {EMBEDDING: pa.list_(pa.float32()), "prompt_tokens": pa.int64(), "error": pa.string()}
+#: With `--score`, the result columns instead: each row's continuations scored, in order (in JSONL a list of objects
+#: of the same fields), its prompt tokens, its error.
+SCORES = "scores"
+SCORE_COLUMNS = {SCORES: pa.list_(pa.struct([("continuation", pa.string()), ("logprob", pa.float64()),
+                                              ("is_greedy", pa.bool_()), ("num_tokens", pa.int64())])),
+                 "prompt_tokens": pa.int64(), "error": pa.string()}
 
 
 class Prompter:
     """Renders a row into a unit (or an error): the template, the optional system prompt, chat or not."""
 
     def __init__(self, template: str, system: str | None, chat: bool, model: str, sampling: dict[str, Any],
-                 embed: dict[str, Any] | None = None) -> None:
-        """`embed` (`Embed`'s fields): each row's prompt is embedded, not completed (`sampling` then empty)."""
+                 embed: dict[str, Any] | None = None, score: list[str] | None = None) -> None:
+        """`embed` (`Embed`'s fields): each row's prompt is embedded, not completed (`sampling` then empty); `score`
+        (continuations): each row's prompt scores them, likewise."""
         # Templates come from the command line or a file, maybe someone else's: the sandbox refuses attribute
         # access to internals and calls of unsafe callables, and immutable also refuses mutating row values.
         self.env = jinja2.sandbox.ImmutableSandboxedEnvironment(undefined=jinja2.StrictUndefined,
@@ -69,7 +76,9 @@ class Prompter:
         self.chat = chat
         self.sampling = sampling
         self.embed = embed
-        self._key = KeyHasher(model=model, sampling=sampling, **({} if embed is None else {"embed": embed}))
+        self.score = score
+        payload = {"embed": embed} if embed is not None else {"score": score} if score is not None else {}
+        self._key = KeyHasher(model=model, sampling=sampling, **payload)
 
     def check_columns(self, columns: list[str]) -> None:
         """The columns the templates name all exist in the input (`InvalidRequestError` on template otherwise): checked
@@ -102,9 +111,11 @@ class Prompter:
         text, system = (rendered + [None])[:2]
         if self.chat:
             messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
-            return Unit(self._key(messages=messages), None, messages, self.sampling, label=label, embed=self.embed)
+            return Unit(self._key(messages=messages), None, messages, self.sampling, label=label, embed=self.embed,
+                        score=self.score)
         prompt = f"{system}\n\n{text}" if system else text
-        return Unit(self._key(prompt=prompt), prompt, None, self.sampling, label=label, embed=self.embed)
+        return Unit(self._key(prompt=prompt), prompt, None, self.sampling, label=label, embed=self.embed,
+                    score=self.score)
 
 
 def _template_line(template: jinja2.Template, exc: BaseException) -> int | str:
@@ -149,6 +160,7 @@ def annotate(
     dry_run: bool = False,
     embed: bool = False,
     dimensions: int | None = None,
+    score: list[str] | None = None,
     **sampling: Any,
 ) -> Summary:
     """Annotate every row of `input` into `output`; returns the run's `Summary` (also printed unless `quiet`).
@@ -165,12 +177,15 @@ def annotate(
     `limit`: only the first rows. `dry_run`: print the first rendered prompts and the run's plan, load no model,
     write nothing. `embed`: embed each row's prompt instead (`dimensions`: keep the first values, normalised), its
     vector in an `embedding` column (Parquet: list<float32>) beside `prompt_tokens` and `error`; no sampling.
+    `score` (continuations): score them given each row's prompt instead (`LLM.score`), a `scores` column of
+    `{continuation, logprob, is_greedy, num_tokens}` per continuation, in order, beside `prompt_tokens` and `error`.
     Raises `InvalidRequestError` (bad option or template) or `DatasetError` (unusable input/output) before any work; a row that fails gets its error in the output instead.
     """
     started = time.perf_counter()
     structured = {"json_schema": json_schema, "choice": choice, "regex": regex}
     embedding = embed_options(embed, dimensions, {**sampling, **structured})
-    params = {} if embedding is not None else sampling_dict(
+    continuations = score_options(score, embed, {**sampling, **structured})
+    params = {} if embedding is not None or continuations is not None else sampling_dict(
         {"temperature": 0.0, **sampling, **{k: v for k, v in structured.items() if v is not None}})
     mode = "queue" if broker else "embedded"
     if mode == "embedded" and not model and llm is None:
@@ -178,16 +193,18 @@ def annotate(
                                            "builtin:tiny (random weights, for tests)")
     if limit is not None and limit < 1:
         raise InvalidRequestError("limit", f"must be >= 1, got {limit}")
-    prompter = Prompter(template, system, chat, model_label(model, llm, broker, queue), params, embedding)
+    prompter = Prompter(template, system, chat, model_label(model, llm, broker, queue), params, embedding, continuations)
     dataset = open_dataset(input, input_format, s3_endpoint_url, max_row_bytes, input_compression)
     if limit is not None:
         dataset = LimitedDataset(dataset, limit)
     schema = dataset.schema
     out_format = format_of(output, output_format, "output")
-    if embedding is None:
-        _check_columns(schema, id_column, column, out_format, tuple(_extra_columns(params)))
-    else:
+    if embedding is not None:
         _check_columns(schema, id_column, EMBEDDING, out_format, tuple(EMBED_COLUMNS), results=())
+    elif continuations is not None:
+        _check_columns(schema, id_column, SCORES, out_format, tuple(SCORE_COLUMNS), results=())
+    else:
+        _check_columns(schema, id_column, column, out_format, tuple(_extra_columns(params)))
     prompter.check_columns(schema.names)
     if dry_run:
         print_plan(dataset, prompter, id_column, input, output, model_label(model, llm, broker, queue), broker)
@@ -317,6 +334,23 @@ def embed_options(embed: bool, dimensions: int | None, sampling: dict[str, Any])
         raise invalid_request_from(exc) from None
 
 
+def score_options(score: list[str] | None, embed: bool, sampling: dict[str, Any]) -> list[str] | None:
+    """A score run's continuations (checked as a `Score`'s), or None. Raises `InvalidRequestError` for `score` with
+    `embed` or a sampling option (other than None, or temperature 0), or a bad continuation, naming `score`."""
+    if score is None:
+        return None
+    if embed:
+        raise InvalidRequestError("score", "not with embed: a run embeds or scores")
+    asked = [name for name, value in sampling.items() if value is not None and (name != "temperature" or value != 0)]
+    if asked:
+        raise InvalidRequestError(asked[0], "not with score: a score samples nothing")
+    try:
+        return Score(continuations=score).continuations  # type: ignore[return-value]  # strings: the command's
+    except ValidationError as exc:
+        error = invalid_request_from(exc)
+        raise InvalidRequestError(error.field.removeprefix("score.").replace("continuations", "score"), error.message) from None
+
+
 def make_runner(mode: str, model: str | None, llm: Any, engine_options: dict[str, Any] | None, broker: str | None,
                 queue: str | None, window: int | None, rows_per_message: int, run: str, detach: bool = False) -> Any:
     """The engine here, or the queue's workers for `run` (the checkpoint's run id; printed, for `tokenmill cancel`)."""
@@ -370,8 +404,8 @@ def _write(dataset: Dataset, schema: pa.Schema, prompter: Prompter, id_column: s
     parsed = parsed_column(prompter.sampling.get("json_schema"))  # a struct column where the schema allows
     types = {**RESULT_COLUMNS, "parsed": parsed.type, **_extra_columns(prompter.sampling)}
     text = [pa.field(column, pa.string())]
-    if prompter.embed is not None:
-        types, text = EMBED_COLUMNS, []
+    if prompter.embed is not None or prompter.score is not None:
+        types, text = EMBED_COLUMNS if prompter.score is None else SCORE_COLUMNS, []
     out_schema = pa.schema([*schema, *text, *(pa.field(n, t) for n, t in types.items())])
     try:
         if writer.format == "parquet":
@@ -383,8 +417,8 @@ def _write(dataset: Dataset, schema: pa.Schema, prompter: Prompter, id_column: s
                 outcome = stored(checkpoint, unit.key) if isinstance(unit, Unit) else Outcome(error=unit)
                 summary.count_row(row[0], outcome.error)
                 results.append(outcome)
-            if prompter.embed is not None:
-                _write_embeddings(writer, batch, [values for _, values, _ in rows], results, out_schema)
+            if prompter.embed is not None or prompter.score is not None:
+                _write_embeddings(writer, batch, [values for _, values, _ in rows], results, out_schema, prompter.score)
             elif writer.format == "parquet":
                 writer.write_batch(_with_results(batch, results, out_schema, parsed))
             else:
@@ -437,10 +471,12 @@ def _columns(outcome: Outcome, column: str, probabilities: bool = False, logprob
 
 
 def _write_embeddings(writer: Writer, batch: pa.RecordBatch, rows: list[dict[str, Any]], results: list[Outcome],
-                      schema: pa.Schema) -> None:
-    """An embedding run's rows with their `EMBED_COLUMNS` (a failed row: null vector and tokens, its error)."""
-    columns = {EMBEDDING: [json.loads(o.embedding) if o.ok and o.embedding else None for o in results],
-               "prompt_tokens": [o.prompt_tokens if o.ok else None for o in results],
+                      schema: pa.Schema, score: list[str] | None = None) -> None:
+    """An embedding run's rows with their `EMBED_COLUMNS` (a failed row: null vector and tokens, its error), or with
+    `score` (its continuations) a score run's with their `SCORE_COLUMNS`."""
+    columns = {EMBEDDING: [json.loads(o.embedding) if o.ok and o.embedding else None for o in results]} if score is None \
+        else {SCORES: [_scored(o, score) for o in results]}
+    columns |= {"prompt_tokens": [o.prompt_tokens if o.ok else None for o in results],
                "error": [o.error for o in results]}
     if writer.format != "parquet":
         writer.write_rows([{**values, **{name: column[i] for name, column in columns.items()}}
@@ -449,6 +485,13 @@ def _write_embeddings(writer: Writer, batch: pa.RecordBatch, rows: list[dict[str
     fields = list(schema)[batch.num_columns :]
     arrays = [*batch.columns, *(pa.array(columns[f.name], type=f.type) for f in fields)]
     writer.write_batch(pa.RecordBatch.from_arrays(arrays, schema=schema))
+
+
+def _scored(outcome: Outcome, continuations: list[str]) -> list[dict[str, Any]] | None:
+    """A score run's row: each continuation with its score (`ContinuationScore`'s fields); None for a failed row."""
+    if not outcome.ok or not outcome.scores:
+        return None
+    return [{"continuation": text, **score} for text, score in zip(continuations, json.loads(outcome.scores))]
 
 
 def _with_results(batch: pa.RecordBatch, results: list[Outcome], schema: pa.Schema, parsed: Column) -> pa.RecordBatch:

@@ -38,14 +38,22 @@ from tokenmill.apps.pipeline import Progress, Summary, compute, stored
 from tokenmill.apps.runners import Unit, error_parts, sampling_dict
 from tokenmill.apps.store import Checkpoint, Outcome, SeenSet, content_key
 from tokenmill.errors import InvalidRequestError
-from tokenmill.queue.schemas import Embed, invalid_request_from
+from tokenmill.queue.schemas import Embed, Score, invalid_request_from
 from tokenmill.sampling_params import CONSTRAINT_CODES
 
 URLS = {"/v1/chat/completions": "chat.completion", "/v1/completions": "text_completion", "/v1/embeddings": "list"}
 EMBEDDINGS = "/v1/embeddings"
 LINE_FIELDS = ("custom_id", "method", "url", "body")
 BODY_FIELDS = {"model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "stop",
-               "seed", "n", "logprobs", "top_logprobs", "response_format", "user", "stream"}
+               "seed", "n", "logprobs", "top_logprobs", "response_format", "user", "stream", "tokenmill"}
+#: tokenmill's extension of a completions or chat completions body, under its `tokenmill` field (`extension`):
+#: `choice` (constrain the completion to one of these strings), `choice_probabilities` (with `choice`: each choice's
+#: probability, answered in the body's `tokenmill.choice_probabilities`), `score` (continuations: each one's
+#: log-likelihood given the prompt, answered in the body's `tokenmill.scores`; nothing is generated).
+EXTENSION = "tokenmill"
+EXTENSION_FIELDS = ("choice", "choice_probabilities", "score")
+#: The body fields a score request may have beside its prompt: it samples nothing.
+SCORE_FIELDS = {"model", "messages", "prompt", "user", EXTENSION}
 EMBEDDING_FIELDS = {"model", "input", "dimensions", "encoding_format", "user"}
 ENCODING_FORMATS = ("float", "base64")
 #: Inputs one embeddings request may hold (OpenAI's limit).
@@ -101,6 +109,7 @@ class Request:
     logprobs: int | None
     key: str
     encoding_format: str = "float"  # embeddings: how each vector is written
+    probabilities: bool = False  # `tokenmill.choice_probabilities`: the body's `tokenmill` carries them
 
 
 @dataclass
@@ -170,11 +179,15 @@ class Parser:
             raise InvalidRequestError(unknown[0], f"unsupported field (supported: {', '.join(sorted(BODY_FIELDS))})")
         if body.get("stream"):
             raise InvalidRequestError("stream", "streaming is not available in a batch")
+        extension = tokenmill_extension(body.get(EXTENSION))
         prompt, messages = self._prompt(url, body)
+        if "score" in extension:
+            return self._score(custom_id, url, body, prompt, messages, extension["score"])
         n = body.get("n", 1)
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 128:
             raise InvalidRequestError("n", f"must be an integer in [1, 128], got {n!r}")
         params, logprobs = self._sampling(url, body)
+        params.update(extension)
         try:
             base = sampling_dict(params)  # checked before the seed is offset per choice
         except InvalidRequestError as exc:
@@ -185,7 +198,19 @@ class Parser:
             choice = base if base["seed"] is None else sampling_dict(dict(base, seed=base["seed"] + index))
             key = content_key(model=self.model, prompt=prompt, messages=messages, sampling=choice, choice=index)
             units.append(Unit(key, prompt, messages, choice, label=custom_id, weight=1 / n))
-        return Request(custom_id, url, model, units, logprobs, content_key(custom_id=custom_id, units=[u.key for u in units]))
+        return Request(custom_id, url, model, units, logprobs, content_key(custom_id=custom_id, units=[u.key for u in units]),
+                       probabilities=bool(extension.get("choice_probabilities")))
+
+    def _score(self, custom_id: str, url: str, body: dict[str, Any], prompt: str | None,
+               messages: list[dict[str, str]] | None, continuations: list[str | list[int]]) -> Request:
+        """A score request (`tokenmill.score`): one unit scoring the continuations (`Unit.score`)."""
+        sampled = sorted(set(body) - SCORE_FIELDS)
+        if sampled:
+            raise InvalidRequestError(sampled[0], "not with tokenmill.score: a score samples nothing")
+        model = body.get("model") if isinstance(body.get("model"), str) else self.model
+        unit = Unit(content_key(model=self.model, prompt=prompt, messages=messages, score=continuations), prompt,
+                    messages, {}, label=custom_id, score=continuations)
+        return Request(custom_id, url, model, [unit], None, content_key(custom_id=custom_id, units=[unit.key]))
 
     def _embeddings(self, custom_id: str, body: dict[str, Any]) -> Request:
         """An embeddings request: one unit per input, each an embedding (`Unit.embed`)."""
@@ -253,6 +278,29 @@ class Parser:
         return count
 
 
+def tokenmill_extension(value: Any) -> dict[str, Any]:
+    """A body's `tokenmill` extension (`EXTENSION_FIELDS`), checked: its sampling fields as `SamplingParams` names
+    them, or `{"score": continuations}` alone. Raises `InvalidRequestError` naming `tokenmill.<field>`."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise InvalidRequestError(EXTENSION, f"must be an object of {', '.join(EXTENSION_FIELDS)}")
+    unknown = sorted(set(value) - set(EXTENSION_FIELDS))
+    if unknown:
+        raise InvalidRequestError(f"{EXTENSION}.{unknown[0]}",
+                                  f"unsupported field (supported: {', '.join(EXTENSION_FIELDS)})")
+    if "score" not in value:
+        return dict(value)
+    if len(value) > 1:
+        raise InvalidRequestError(f"{EXTENSION}.score", "not with choice or choice_probabilities")
+    try:
+        return {"score": Score(continuations=value["score"]).continuations}
+    except ValidationError as exc:
+        error = invalid_request_from(exc)
+        field = error.field.removeprefix("score.").removeprefix("continuations")
+        raise InvalidRequestError(f"{EXTENSION}.score{field}", error.message) from None
+
+
 def embedding_inputs(value: Any) -> list[str | list[int]]:
     """OpenAI's `input` of an embeddings request as its prompts: a string, token ids, or a list of either (at most
     `MAX_INPUTS`, none empty). Raises `InvalidRequestError` naming `input` (or `input[i]`)."""
@@ -307,6 +355,8 @@ def _body_param(field: str, body: dict[str, Any]) -> str:
         return "response_format.json_schema.schema" if field == "json_schema" else "response_format"
     if field == "max_tokens" and body.get("max_completion_tokens") is not None:
         return "max_completion_tokens"
+    if field in EXTENSION_FIELDS and isinstance(body.get(EXTENSION), dict) and field in body[EXTENSION]:
+        return f"{EXTENSION}.{field}"
     return field
 
 
@@ -520,6 +570,8 @@ def failure_line(request: Request, error: str) -> dict[str, Any]:
         param = "messages"  # the engine refuses the prompt the messages became
     if request.url == EMBEDDINGS:  # the job's field as the body named it
         param = {"prompt": "input", "prompt_token_ids": "input", "embed.dimensions": "dimensions"}.get(param, param)
+    if param is not None and param.startswith("continuations"):  # the engine's name of a score's continuation
+        param = f"{EXTENSION}.score{param.removeprefix('continuations')}"
     return refused_line(request.key, request.custom_id, status, code, message, param)
 
 
@@ -558,9 +610,22 @@ def result_line(request: Request, outcomes: list[Outcome]) -> dict[str, Any]:
         "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                   "total_tokens": prompt_tokens + completion_tokens},
         "system_fingerprint": None,
+        **extension_answer(request, outcomes),
     }
     response = {"status_code": 200, "request_id": f"req_{request.key[:24]}", "body": body}
     return {"id": f"batch_req_{request.key[:24]}", "custom_id": request.custom_id, "response": response, "error": None}
+
+
+def extension_answer(request: Request, outcomes: list[Outcome]) -> dict[str, Any]:
+    """The body's `tokenmill` field of a request that used the extension: `{"choice_probabilities": {choice:
+    probability}}` (the first choice's: they are the same for each) or `{"scores": [{"logprob", "is_greedy",
+    "num_tokens"}]}`; nothing otherwise, so a plain request's body is OpenAI's alone."""
+    first = outcomes[0]
+    if request.units[0].score is not None:
+        return {EXTENSION: {"scores": json.loads(first.scores or "[]")}}
+    if request.probabilities:
+        return {EXTENSION: {"choice_probabilities": json.loads(first.choice_probabilities or "{}")}}
+    return {}
 
 
 def embeddings_line(request: Request, outcomes: list[Outcome]) -> dict[str, Any]:

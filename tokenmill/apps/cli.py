@@ -40,6 +40,10 @@ def add_parsers(commands: Any) -> None:
                      "'embedding' column (Parquet: list<float32>) with 'prompt_tokens' and 'error'; no sampling options")
     ann.add_argument("--dimensions", type=int, default=None, metavar="N", help="with --embed: keep the first N "
                      "values of each vector, normalised (as OpenAI's dimensions)")
+    ann.add_argument("--score", metavar="A,B,...", help="score these comma-separated continuations given each "
+                     "rendered prompt instead of completing it (their log-likelihoods, as lm-eval-harness's "
+                     "loglikelihood; spaces kept: ' yes, no' scores ' yes' and ' no'): a 'scores' column of "
+                     "{continuation, logprob, is_greedy, num_tokens} with 'prompt_tokens' and 'error'; no sampling options")
     ann.add_argument("--id-column", help="column naming each row (default: its position)")
     ann.add_argument("--column", default="annotation", help="name of the completion text column (default: annotation)")
     ann.add_argument("--input-format", choices=["jsonl", "csv", "parquet"], help="override the input extension")
@@ -176,7 +180,7 @@ def _annotate(args: argparse.Namespace) -> Any:
         choice=[c.strip() for c in args.choice.split(",")] if args.choice else None, regex=args.regex,
         id_column=args.id_column, column=args.column, input_format=args.input_format, output_format=args.output_format,
         max_tokens=args.max_tokens, temperature=args.temperature, limit=args.limit, dry_run=args.dry_run,
-        embed=args.embed, dimensions=args.dimensions, **sampling,
+        embed=args.embed, dimensions=args.dimensions, score=args.score.split(",") if args.score else None, **sampling,
         **_shared(args),
     )
 

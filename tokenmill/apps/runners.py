@@ -31,7 +31,8 @@ _DRAIN_TIMEOUT = 5.0  # seconds to wait, after Ctrl-C, for the cancelled jobs' r
 @dataclass
 class Unit:
     """One completion to compute: `key` is its checkpoint key; `job_id` its queue id (idempotency key). With `embed`
-    (`Embed`'s fields), an embedding instead: `sampling` is empty, `prompt` a text or token ids."""
+    (`Embed`'s fields), an embedding instead: `sampling` is empty, `prompt` a text or token ids. With `score` (a
+    `Score`'s continuations), those continuations' scores instead, `sampling` empty too."""
 
     key: str
     prompt: str | list[int] | None
@@ -41,6 +42,7 @@ class Unit:
     label: str = ""  # the row or request it belongs to, for the worker's logs
     weight: float = 1.0  # the share of its row it stands for (an OpenAI request with n=2 has two units)
     embed: dict[str, Any] | None = None
+    score: list[str | list[int]] | None = None
 
 
 class EmbeddedRunner:
@@ -94,6 +96,8 @@ class EmbeddedRunner:
                 from tokenmill.engine.pooling import PoolingParams  # torch: only where the engine runs here
 
                 self.engine.add_request(request_id, prompt, pooling=PoolingParams(**unit.embed))
+            elif unit.score is not None:
+                self.engine.add_score_request(request_id, prompt, unit.score)
             else:
                 self.engine.add_request(request_id, prompt, params)
         except InvalidRequestError as exc:
@@ -141,7 +145,16 @@ def outcome_from_output(output: Any, params: SamplingParams) -> Outcome:
         created=int(output.finished_time or time.time()),
         choice_probabilities=_json(getattr(output, "choice_probabilities", None)),
         embedding=_json(getattr(output, "embedding", None)),
+        scores=_json(score_fields(output)),
     )
+
+
+def score_fields(output: Any) -> list[dict[str, Any]] | None:
+    """A score request's `RequestOutput.scores` as a result carries them (`ContinuationScore`'s fields); None for
+    any other request (a `choice_probabilities` one's scores are its choices', internal)."""
+    if getattr(output, "scores", None) is None or getattr(output, "choice_probabilities", None) is not None:
+        return None
+    return [{"logprob": s.logprob, "is_greedy": s.is_greedy, "num_tokens": len(s.token_ids)} for s in output.scores]
 
 
 def outcome_from_result(result: Any) -> Outcome:
@@ -162,6 +175,7 @@ def outcome_from_result(result: Any) -> Outcome:
         created=int(result.finished_at or time.time()),
         choice_probabilities=_json(getattr(result, "choice_probabilities", None)),
         embedding=_json(getattr(result, "embedding", None)),
+        scores=None if getattr(result, "scores", None) is None else _json([s.model_dump() for s in result.scores]),
     )
 
 
@@ -238,9 +252,10 @@ class QueueRunner:
             # the label names the row in the workers' logs: cut, so that no user string is copied whole into every job
             fields = {"id": unit.job_id, "sampling": unit.sampling, "metadata": {"row": unit.label[:LABEL_CHARS]}}
             fields.update({"messages": unit.messages} if unit.messages is not None else {"prompt": unit.prompt})
-            if unit.embed is not None:  # an embedding job: no sampling; token ids as such
-                fields.update(embed=unit.embed, sampling={})
-                if isinstance(unit.prompt, list):
+            if unit.embed is not None or unit.score is not None:  # an embedding or score job: no sampling
+                fields.update({"embed": unit.embed} if unit.embed is not None else {"score": {"continuations": unit.score}},
+                              sampling={})
+                if isinstance(unit.prompt, list):  # token ids as such
                     fields["prompt_token_ids"] = fields.pop("prompt")
             try:
                 group.append(self.client.prepare(fields))

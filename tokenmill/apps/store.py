@@ -38,6 +38,7 @@ class Outcome:
     created: int = 0  # unix time it finished: part of OpenAI batch output, so stored, not recomputed
     choice_probabilities: str | None = None  # JSON text {choice: probability}, when asked for
     embedding: str | None = None  # JSON text of an embedding's vector (a list of floats)
+    scores: str | None = None  # JSON text of a score's [{"logprob", "is_greedy", "num_tokens"}], one per continuation
 
     @property
     def ok(self) -> bool:

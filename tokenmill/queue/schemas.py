@@ -101,8 +101,42 @@ class Embed(BaseModel):
     pooling: PoolingMode | None = None
 
 
+#: Continuations one score job may hold (`Score.continuations`).
+MAX_CONTINUATIONS = 1024
+
+
+class Score(BaseModel):
+    """What a score job asks (`Job.score`): each continuation's log-likelihood given the prompt, as lm-eval-harness's
+    `loglikelihood`, instead of a completion. A text continuation is tokenized alone and appended to the prompt's
+    tokens (put the separating space in it: " Paris"); token ids are taken as they are."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    continuations: list[str | list[TokenId]] = Field(min_length=1, max_length=MAX_CONTINUATIONS)
+
+    @field_validator("continuations", mode="before")
+    @classmethod
+    def _check_continuations(cls, value: Any) -> Any:
+        """Each a non-empty string or a non-empty list of token ids, named `score.continuations[i]` otherwise."""
+        for index, item in enumerate(value if isinstance(value, list) else []):
+            tokens = isinstance(item, list) and all(type(t) is int and t >= 0 for t in item)
+            if not (isinstance(item, str) or tokens) or not item:
+                raise InvalidRequestError(f"score.continuations[{index}]",
+                                          "must be a non-empty string or a non-empty list of token ids")
+        return value
+
+
+class ContinuationScore(BaseModel):
+    """One continuation's score (`JobResult.scores`): `logprob`, the sum of its tokens' log-probabilities (no
+    temperature, no filter); `is_greedy`, whether each of its tokens is the most probable one; `num_tokens`."""
+
+    logprob: float
+    is_greedy: bool
+    num_tokens: int
+
+
 class Job(BaseModel):
-    """One prompt to complete, or to embed (`embed`).
+    """One prompt to complete, to embed (`embed`) or to score continuations of (`score`).
 
     Exactly one of `prompt`, `messages` or `prompt_token_ids`. Sampling parameters may be given nested
     (`sampling={...}`) or flat next to the prompt (`max_tokens=64`), the way `Client.submit` and
@@ -111,7 +145,8 @@ class Job(BaseModel):
     never recomputes a job whose result is already stored.
 
     With `embed` (`{}` for the checkpoint's choices), the result's `embedding` is the prompt's vector and nothing is
-    generated: a sampling parameter beside it is refused, naming it.
+    generated: a sampling parameter beside it is refused, naming it. With `score`, likewise: the result's `scores`
+    hold each continuation's `ContinuationScore`, in order.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -123,6 +158,7 @@ class Job(BaseModel):
     prompt_token_ids: list[TokenId] | None = Field(default=None, min_length=1)
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     embed: Embed | None = None
+    score: Score | None = None
     output: str | None = None
     metadata: dict[str, Any] = Field(default_factory=dict)
     submitted_at: float | None = None
@@ -185,8 +221,11 @@ class Job(BaseModel):
             raise InvalidRequestError(
                 given[-1] if given else "prompt", f"exactly one of prompt, messages, prompt_token_ids is required (got {got})"
             )
-        if self.embed is not None and (sampled := without_defaults(self.sampling.to_dict())):
-            raise InvalidRequestError(next(iter(sampled)), "an embedding job (embed) samples nothing: leave it out")
+        if self.embed is not None and self.score is not None:
+            raise InvalidRequestError("score", "a job embeds or scores, not both: leave out embed or score")
+        if (self.embed is not None or self.score is not None) and (sampled := without_defaults(self.sampling.to_dict())):
+            kind = "an embedding job (embed)" if self.score is None else "a score job (score)"
+            raise InvalidRequestError(next(iter(sampled)), f"{kind} samples nothing: leave it out")
         return self
 
     @property
@@ -340,8 +379,8 @@ class JobResult(BaseModel):
     """The final outcome of one job.
 
     When the job named an S3 destination, the full result is the JSON object at `output_uri` and the
-    copy in Redis is a stub without `text`, `token_ids`, `logprobs`, `parsed`, `choice_probabilities` and `embedding`, so
-    Redis does not hold large payloads twice; `read()` fetches the full result.
+    copy in Redis is a stub without `text`, `token_ids`, `logprobs`, `parsed`, `choice_probabilities`, `embedding` and
+    `scores`, so Redis does not hold large payloads twice; `read()` fetches the full result.
     """
 
     model_config = ConfigDict(extra="ignore")
@@ -368,6 +407,8 @@ class JobResult(BaseModel):
     choice_probabilities: dict[str, float] | None = None
     # `embed`: the prompt's vector (`text` is empty, `usage.completion_tokens` 0); optional as above
     embedding: list[float] | None = None
+    # `score`: each continuation's score, in order (`text` is empty, `usage.completion_tokens` 0); optional as above
+    scores: list[ContinuationScore] | None = None
     usage: Usage | None = None
     queued_at: Timestamp = None
     started_at: Timestamp = None
@@ -399,7 +440,8 @@ class JobResult(BaseModel):
     def stub(self, output_uri: str) -> JobResult:
         """The Redis copy of a result whose full JSON lives at `output_uri`."""
         return self.model_copy(update={"output_uri": output_uri, "text": None, "token_ids": None, "logprobs": None,
-                                       "parsed": None, "choice_probabilities": None, "embedding": None})
+                                       "parsed": None, "choice_probabilities": None, "embedding": None,
+                                       "scores": None})
 
     def to_wire(self) -> dict[str, Any]:
         return self.model_dump(mode="json")

@@ -13,7 +13,8 @@ it to drain; outputs finished in a step go back in one message right after that 
 
 Messages are JSON (`send_bytes`/`recv_bytes` of `multiprocessing.connection`), never pickle:
 
-    worker -> engine   {"op": "add", "id", "prompt" | "messages", "params" (not the defaults), "pooling" (an embedding)}
+    worker -> engine   {"op": "add", "id", "prompt" | "messages", "params" (not the defaults), "pooling" (an embedding)
+                        | "score" (a score job's continuations)}
                        | {"op": "add_many", "requests": [add, ...]}
                        | {"op": "abort", "id"} | {"op": "cancel", "id", "reason"} | {"op": "stop"}
     engine -> worker   {"op": "ready", "tokenizer", "max_prompt_chars", "max_model_len"} | {"op": "done", "outputs": [...]}
@@ -67,7 +68,7 @@ from typing import Any
 from tokenmill.engine.prompt_limits import check_prompt_chars
 from tokenmill.errors import InvalidRequestError, ModelLoadError
 from tokenmill.queue import fastjson
-from tokenmill.queue.schemas import Embed
+from tokenmill.queue.schemas import Embed, Score
 from tokenmill.sampling_params import SamplingParams, without_defaults
 
 log = logging.getLogger(__name__)
@@ -94,6 +95,7 @@ class EngineOutput:
     constraint_backend: str | None = None
     choice_probabilities: dict[str, float] | None = None
     embedding: list[float] | None = None
+    scores: list[dict[str, Any]] | None = None  # a score job's: {"logprob", "is_greedy", "num_tokens"} each
 
 
 @dataclass
@@ -190,7 +192,7 @@ class EngineProcess:
         """Queue a request; the future resolves to an `EngineOutput`, or raises `InvalidRequestError`."""
         return self.submit_many([(request_id, params, prompt, messages)])[0]
 
-    def submit_many(self, requests: list[tuple[str, SamplingParams | Embed, str | list[int] | None,
+    def submit_many(self, requests: list[tuple[str, SamplingParams | Embed | Score, str | list[int] | None,
                                                list[dict[str, str]] | None]]
                     ) -> list[Future]:
         """`send_many`, each request's answer as a future: its `EngineOutput`, or it raises (`InvalidRequestError`
@@ -199,11 +201,11 @@ class EngineProcess:
         self.send_many(requests, functools.partial(_settle, futures))
         return list(futures.values())
 
-    def send_many(self, requests: list[tuple[str, SamplingParams | Embed, str | list[int] | None,
+    def send_many(self, requests: list[tuple[str, SamplingParams | Embed | Score, str | list[int] | None,
                                              list[dict[str, str]] | None]],
                   sink: Sink, wait: bool = True) -> None:
-        """Queue (request id, params, prompt, messages) requests (params: `SamplingParams`, or an embedding job's
-        `Embed`) in one pipe message: a group's jobs pay one
+        """Queue (request id, params, prompt, messages) requests (params: `SamplingParams`, an embedding job's
+        `Embed` or a score job's `Score`) in one pipe message: a group's jobs pay one
         write here and one read in the engine process instead of one each; each one's answer goes to `sink`. Text
         prompts go as token ids when the engine sent its tokenizer; a prompt refused here is answered at once and not
         sent. A sink, not a future per request: the single-job intake hands every answer to its finisher's queue, and
@@ -226,6 +228,10 @@ class EngineProcess:
             if isinstance(params, Embed):  # an embedding: the engine's `PoolingParams`, nothing sampled
                 adds.append({"op": "add", "id": request_id, "prompt": prompt, "messages": messages, "params": {},
                              "pooling": params.model_dump()})
+                continue
+            if isinstance(params, Score):  # a score job: `add_score_request`, nothing sampled
+                adds.append({"op": "add", "id": request_id, "prompt": prompt, "messages": messages, "params": {},
+                             "score": params.continuations})
                 continue
             adds.append({"op": "add", "id": request_id, "prompt": prompt, "messages": messages,
                          "params": without_defaults(params.to_dict())})
@@ -608,6 +614,8 @@ class _Loop:
                 from tokenmill.engine.pooling import PoolingParams
 
                 self.engine.add_request(request_id, prompt, pooling=PoolingParams(**message["pooling"]))
+            elif "score" in message:  # a score job
+                self.engine.add_score_request(request_id, prompt, message["score"])
             else:
                 self.engine.add_request(request_id, prompt, params)
         except InvalidRequestError as exc:
@@ -722,6 +730,9 @@ def output_fields(output: Any) -> dict[str, Any]:
         fields["choice_probabilities"] = output.choice_probabilities
     if output.embedding is not None:
         fields["embedding"] = output.embedding
+    if output.scores is not None and output.choice_probabilities is None:  # a score request (choices' are internal)
+        fields["scores"] = [{"logprob": score.logprob, "is_greedy": score.is_greedy, "num_tokens": len(score.token_ids)}
+                            for score in output.scores]
     return fields
 
 

@@ -419,7 +419,8 @@ class WorkerService:
         for run in runs:
             job = run.job
             messages = [m.model_dump() for m in job.messages] if job.messages else None
-            params = job.sampling if job.embed is None else job.embed  # an embedding job: the engine pools, no sampling
+            # an embedding job: the engine pools; a score job: it scores the continuations; neither samples
+            params = job.embed if job.embed is not None else job.score if job.score is not None else job.sampling
             requests.append((f"{job.id}#{next(self._request_numbers)}", params, job.prompt or job.prompt_token_ids, messages))
         futures: list[Future | None] = [None] * len(requests)
         if requests and sink is not None:
@@ -606,6 +607,7 @@ def result_wire(job: Job, run: Attempt, output: Any, worker: str) -> dict[str, A
         "constraint_backend": output.constraint_backend,
         "choice_probabilities": output.choice_probabilities,
         "embedding": output.embedding,
+        "scores": output.scores,
         "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                   "total_tokens": prompt_tokens + completion_tokens},
         "queued_at": job.submitted_at,
