@@ -69,6 +69,7 @@ def main() -> int:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--runs", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--shares", type=int, default=0, help="queue the jobs in this many fair shares (0: none)")
     parser.add_argument("--max-tokens", type=int, default=32, help="jobs generate 8..max-tokens tokens")
     parser.add_argument("--visibility-timeout", type=float, default=3.0)
     parser.add_argument("--recovery", type=float, nargs="+", metavar="TIMEOUT",
@@ -102,7 +103,7 @@ def main() -> int:
             try:
                 run = run_with_faults(server, start_worker, jobs, workers=args.workers, kills=args.kills,
                                       restarts=args.restarts, seed=args.seed + run_index, timeout=1800,
-                                      cancels=args.cancels, cancel_burst=args.cancel_burst)
+                                      cancels=args.cancels, cancel_burst=args.cancel_burst, shares=args.shares)
             finally:
                 for worker in workers:
                     worker.close()

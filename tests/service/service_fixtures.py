@@ -564,15 +564,17 @@ class FaultRun:
 
 def run_with_faults(server: RedisServer, start_worker: Callable[..., Worker], jobs: list[dict[str, Any]], *,
                     workers: int, kills: int, restarts: int, seed: int, timeout: float,
-                    worker_options: dict[str, Any] | None = None, cancels: int = 0, cancel_burst: int = 200) -> FaultRun:
+                    worker_options: dict[str, Any] | None = None, cancels: int = 0, cancel_burst: int = 200,
+                    shares: int = 0) -> FaultRun:
     """Run `jobs` through `workers` workers while `kills` kill -9s (each with a replacement worker),
     `restarts` redis-server restarts (half SIGTERM, half kill -9; AOF with `appendfsync always`) and `cancels`
     bursts of cancels (up to `cancel_burst` unfinished jobs each, at once, as a Ctrl-C of a run sends) happen
-    at random points of the run (random fractions of the jobs finished).
+    at random points of the run (random fractions of the jobs finished). With `shares`, the jobs are queued in that
+    many fair shares of the queue (job i in share i mod `shares`), as runs and tenants queue them.
     """
     import random
 
-    from tokenmill.client import Client, JobTimeoutError
+    from tokenmill.client import Client, JobHandle, JobTimeoutError
     from tokenmill.queue.names import DELIVERIES_KEY
 
     rng = random.Random(seed)
@@ -582,7 +584,13 @@ def run_with_faults(server: RedisServer, start_worker: Callable[..., Worker], jo
         worker.wait_ready()
     client = Client(server.url)
     started = time.monotonic()
-    handles = client.submit_many(jobs)
+    if shares:
+        for share in range(shares):
+            with Client(server.url, share=f"soak-{share}") as publisher:
+                publisher.submit_many([{"id": f"job-{i}", **job} for i, job in enumerate(jobs) if i % shares == share])
+        handles = [JobHandle(f"job-{i}", client) for i in range(len(jobs))]
+    else:
+        handles = client.submit_many(jobs)
     keys = [client.app.backend.get_key_for_task(h.id) for h in handles]
     events = sorted((rng.uniform(0.05, 0.85), kind) for kind in ["kill"] * kills + ["restart"] * restarts
                     + ["cancel"] * cancels)
