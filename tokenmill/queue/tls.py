@@ -62,8 +62,17 @@ def redis_tls(url: str) -> tuple[str, dict[str, Any] | None]:
     return bare, options
 
 
-def redis_client(url: str, **options: Any) -> redis.Redis:
+def redis_client(url: str, max_connections: int | None = None, pool_timeout: float = 30.0,
+                 **options: Any) -> redis.Redis:
     """A redis-py client for `url` with the TLS options above and hiredis's packing (`tokenmill.queue.packing`), for
-    tokenmill's own keys beside Celery's."""
+    tokenmill's own keys beside Celery's. With `max_connections`, its pool holds at most that many and a call finding
+    them all taken waits for one, `pool_timeout` seconds at most, then raises `ConnectionError` (redis-py's
+    `BlockingConnectionPool`; its default pool raises `MaxConnectionsError` at once, past 100)."""
     bare, tls = redis_tls(url)
-    return redis.Redis.from_url(bare, **PACKER_OPTIONS, **(tls or {}), **options)
+    if max_connections is None:
+        return redis.Redis.from_url(bare, **PACKER_OPTIONS, **(tls or {}), **options)
+    pool = redis.BlockingConnectionPool.from_url(bare, max_connections=max_connections, timeout=pool_timeout,
+                                                 **PACKER_OPTIONS, **(tls or {}), **options)
+    client = redis.Redis(connection_pool=pool)
+    client.auto_close_connection_pool = True  # closed with the client, as `from_url`'s
+    return client

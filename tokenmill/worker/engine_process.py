@@ -347,7 +347,7 @@ class EngineProcess:
             payload, written = item
             try:
                 self._conn.send_bytes(payload)
-            except BaseException as exc:  # noqa: BLE001: the writer goes on for the writes queued after it
+            except BaseException as exc:  # noqa: BLE001 (the writer goes on for the writes queued after it)
                 if written is not None:
                     written.error = exc
             finally:

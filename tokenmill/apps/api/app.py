@@ -24,9 +24,11 @@ from tokenmill.apps.api.auth import Keys
 from tokenmill.apps.api.driver import Supervisor, file_object
 from tokenmill.apps.api.embeddings import CreateEmbedding, Waiting, create_embeddings
 from tokenmill.apps.api.errors import APIError, not_found
-from tokenmill.apps.api.files import new_file_id, open_store
+from tokenmill.apps.api.files import new_file_id, open_store, upload_size
 from tokenmill.apps.api.guard import RequestGuard
+from tokenmill.apps.api.quotas import check_queued, check_stored, input_usage
 from tokenmill.apps.api.records import FINAL, OUTPUT_EXPIRES_FIELD, Records, batch_key, now
+from tokenmill.apps.api.resources import Connections, bound_the_loop
 from tokenmill.apps.api.settings import ServeSettings
 from tokenmill.apps.api.webhooks import Deliverer
 from tokenmill.apps.batch import URLS
@@ -56,9 +58,11 @@ class Services:
         self.settings = settings
         self.keys = keys
         self.records = Records(settings.backend_url, webhooks=settings.webhook_url is not None,
-                               batch_expires=settings.batch_expires, socket_timeout=settings.redis_socket_timeout)
+                               batch_expires=settings.batch_expires, socket_timeout=settings.redis_socket_timeout,
+                               max_connections=settings.redis_connections)
+        self.connections = Connections(settings, self.records.redis)  # every Redis connection bounded (`resources`)
         self.store = open_store(settings.files_dir, s3_endpoint(settings.s3_endpoint_url))
-        self.supervisor = Supervisor(settings, self.records, self.store)
+        self.supervisor = Supervisor(settings, self.records, self.store, self.connections)
         self.embedding_requests = Waiting(settings.max_embedding_requests)
         self.deliverer = None if settings.webhook_url is None else Deliverer(
             self.records, settings.webhook_url, settings.webhook_secret or "", settings.webhook_timeout,
@@ -70,6 +74,7 @@ def create_app(settings: ServeSettings, keys: Keys) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        bound_the_loop(settings)  # request threads, accept failures logged once a second (`resources`)
         services.supervisor.start()  # takes over the batches of a server that died, at once
         if services.deliverer is not None:
             services.deliverer.start()  # and the webhook events it left undelivered
@@ -93,7 +98,7 @@ def create_app(settings: ServeSettings, keys: Keys) -> FastAPI:
     def embeddings(body: CreateEmbedding, tenant: Tenant) -> dict[str, Any]:
         """Answered once the inputs' embedding jobs are done (`api.embeddings`)."""
         with services.embedding_requests.slot(tenant):
-            return create_embeddings(body, tenant, settings, services.records.redis)
+            return create_embeddings(body, tenant, settings, services.connections)
 
     @app.get("/v1/models")
     def models(_: Tenant) -> dict[str, Any]:
@@ -117,13 +122,15 @@ def _file_routes(app: FastAPI, services: Services, Tenant: Any) -> None:
     @app.post("/v1/files")
     def upload(tenant: Tenant, file: Annotated[UploadFile, File()], purpose: Annotated[str, Form()]) -> dict[str, Any]:
         """The key and the body's size were checked before the body was read (`RequestGuard`); the file's own size
-        is checked as it is saved."""
+        and the tenant's stored files and bytes (`quotas`) before it is stored, its jobs and prompt bytes counted."""
         if purpose != "batch":
             raise APIError(400, f"purpose: only 'batch' is supported, got {purpose!r}", "purpose", "invalid_value")
+        check_stored(records.stored(tenant), upload_size(file.file, settings.max_upload_bytes), settings)
+        usage = input_usage(file.file)
         file_id = new_file_id()
         size = store.save(file_id, file.file, settings.max_upload_bytes)
         found = file_object(file_id, file.filename or "upload.jsonl", size, purpose, settings.file_expires)
-        records.add_file(tenant, found)
+        records.add_file(tenant, found, usage)
         return found
 
     @app.get("/v1/files")
@@ -176,13 +183,15 @@ def _batch_routes(app: FastAPI, services: Services, Tenant: Any) -> None:
             raise APIError(400, f"input_file_id: file {body.input_file_id} has purpose {source['purpose']!r}, "
                            "not 'batch'", "input_file_id", "invalid_value")
         output_expires = _output_expires(body.output_expires_after)
-        active = len(records.active_by_tenant().get(tenant, []))
-        if active >= services.settings.max_active_batches:
-            raise APIError(429, f"This key has {active} batches not finished yet, the most allowed "
+        mine = records.active_by_tenant().get(tenant, [])
+        if len(mine) >= services.settings.max_active_batches:
+            raise APIError(429, f"This key has {len(mine)} batches not finished yet, the most allowed "
                                 f"(TOKENMILL_MAX_ACTIVE_BATCHES); create more once some end.", None,
                            "too_many_active_batches")
+        usage = records.input_usage(body.input_file_id)
+        check_queued(records.queued(mine), usage, services.settings)
         batch = new_batch(body, window)
-        records.add_batch(tenant, batch)
+        records.add_batch(tenant, batch, usage)
         if output_expires is not None:
             records.set_field(batch["id"], OUTPUT_EXPIRES_FIELD, output_expires)
         services.supervisor.poked.set()

@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 
 from tokenmill.apps.api.files import FileStore
 from tokenmill.apps.api.records import FINAL, OUTPUT_EXPIRES_FIELD, Records, now, refused_key
+from tokenmill.apps.api.resources import Connections
 from tokenmill.apps.api.settings import ServeSettings
 from tokenmill.apps.batch import (FileProblem, Parser, Refused, Request, Source, check_lines, parse_requests,
                                   request_line)
@@ -105,12 +106,13 @@ class Driver(threading.Thread):
     """Drives one batch from where its record says it is to a final status."""
 
     def __init__(self, batch_id: str, token: str, settings: ServeSettings, records: Records, store: FileStore,
-                 stopping: threading.Event) -> None:
+                 stopping: threading.Event, connections: Connections | None = None) -> None:
         super().__init__(name=f"batch-{batch_id}", daemon=True)
         self.batch_id = batch_id
         self.token = token
         self.settings = settings
         self.records = records
+        self.connections = connections or Connections(settings, records.redis)
         self.store = store
         self.stopping = stopping
         self.handing_over = threading.Event()  # set by the supervisor: give the lease back at the next heartbeat
@@ -128,8 +130,7 @@ class Driver(threading.Thread):
             reference = uuid.uuid4().hex[:16]  # the tenant sees the reference; the log has the details under it
             log.exception("batch %s: failed (reference %s)", self.batch_id, reference)
             try:
-                with Client(self.settings.broker_url, result_backend=self.settings.result_backend,
-                            queue=self.settings.queue) as client:
+                with self.connections.client() as client:
                     client.cancel_run(self.batch_id)  # first: once it reads `failed`, none of its jobs runs any more
                 self._fail([{"code": "server_error", "message": f"The server had an error processing this batch "
                              f"(reference {reference}).", "line": None, "param": None}])
@@ -157,10 +158,12 @@ class Driver(threading.Thread):
             for choice, unit in enumerate(request.units):
                 unit.job_id = job_id(self.batch_id, request.custom_id, choice)
                 plan.models[unit.job_id] = request.model
-        with Client(self.settings.broker_url, result_backend=self.settings.result_backend,
-                    queue=self.settings.queue, share=tenant_share(self.records.tenant_of(self.batch_id))) as client:
+        with self.connections.client(tenant_share(self.records.tenant_of(self.batch_id))) as client:
             if batch["status"] == "in_progress":
-                self.publish(client, plan)
+                # a turn of the server's publishers (the lease renewed while it waits); the broker channels are closed
+                # after it, not held through the collecting
+                with self.connections.publishing(client, self.heartbeat, self.interval):
+                    self.publish(client, plan)
             outcomes = self.collect(client, plan)
         self.finish(plan, outcomes)
 
@@ -392,11 +395,13 @@ class Supervisor(threading.Thread):
     batch first, and a tenant with batches waiting and no driver here gets one back from the tenant holding the most
     (that batch goes on later from its record), so that one tenant's many batches cannot keep another's waiting."""
 
-    def __init__(self, settings: ServeSettings, records: Records, store: FileStore) -> None:
+    def __init__(self, settings: ServeSettings, records: Records, store: FileStore,
+                 connections: Connections | None = None) -> None:
         super().__init__(name="batch-supervisor", daemon=True)
         self.settings = settings
         self.records = records
         self.store = store
+        self.connections = connections or Connections(settings, records.redis)
         self.stopping = threading.Event()
         self.poked = threading.Event()
         self.token = uuid.uuid4().hex
@@ -424,7 +429,8 @@ class Supervisor(threading.Thread):
                 continue
             token = f"{self.token}:{uuid.uuid4().hex[:8]}"
             if self.records.take_lease(batch_id, token, self.settings.lease_seconds):
-                driver = Driver(batch_id, token, self.settings, self.records, self.store, self.stopping)
+                driver = Driver(batch_id, token, self.settings, self.records, self.store, self.stopping,
+                                self.connections)
                 self.drivers[batch_id] = driver
                 driver.start()
 

@@ -9,6 +9,7 @@ jobs are cancelled). The body's rules are a batch line's (`tokenmill.apps.batch.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -17,9 +18,10 @@ from pydantic import BaseModel, ConfigDict
 
 from tokenmill.apps.api.driver import tenant_share
 from tokenmill.apps.api.errors import APIError
+from tokenmill.apps.api.resources import Connections
 from tokenmill.apps.api.settings import ServeSettings
 from tokenmill.apps.batch import REFUSED_STATUS, embedding_body, embedding_inputs, embedding_options
-from tokenmill.client import Client, JobTimeoutError, embed_job
+from tokenmill.client import JobTimeoutError, embed_job
 from tokenmill.errors import InvalidRequestError
 from tokenmill.queue.schemas import JobResult
 from tokenmill.queue.served import served_models
@@ -67,7 +69,8 @@ class Waiting:
                     del self._by_tenant[tenant]
 
 
-def create_embeddings(body: CreateEmbedding, tenant: str, settings: ServeSettings, redis: Any) -> dict[str, Any]:
+def create_embeddings(body: CreateEmbedding, tenant: str, settings: ServeSettings,
+                      connections: Connections) -> dict[str, Any]:
     """OpenAI's `CreateEmbeddingResponse` for `body`; raises `APIError`: 400 for a body (or an input a worker's
     engine) refuses, 404 for a model no live worker serves, 504 past `embeddings_timeout`."""
     try:
@@ -75,26 +78,35 @@ def create_embeddings(body: CreateEmbedding, tenant: str, settings: ServeSetting
         embed, encoding = embedding_options(body.model_dump())
     except InvalidRequestError as exc:
         raise APIError(400, str(exc), exc.field, "invalid_request") from None
-    _check_model(body.model, settings, redis)
-    with Client(settings.broker_url, result_backend=settings.result_backend, queue=settings.queue,
-                share=tenant_share(tenant)) as client:
+    _check_model(body.model, settings, connections.redis)
+    deadline = time.monotonic() + settings.embeddings_timeout
+
+    def waiting() -> None:  # for a turn of the server's publishers: the same deadline
+        if time.monotonic() >= deadline:
+            raise _timed_out(settings)
+
+    with connections.client(tenant_share(tenant)) as client:
         try:
-            handles = client.submit_many([embed_job(text, embed) for text in inputs])
+            with connections.publishing(client, waiting, min(1.0, settings.embeddings_timeout)):
+                handles = client.submit_many([embed_job(text, embed) for text in inputs])
         except InvalidRequestError as exc:  # too big for a job: "jobs[i].prompt"
             index = exc.field.partition("]")[0].removeprefix("jobs[")
             raise APIError(400, exc.message, f"input[{index}]", "invalid_request") from None
         try:
-            results = client.results(handles, timeout=settings.embeddings_timeout)
+            results = client.results(handles, timeout=max(0.0, deadline - time.monotonic()))
         except JobTimeoutError:
             client.cancel(handles)
-            raise APIError(504, f"The embeddings were not computed within {settings.embeddings_timeout:g}s "
-                                "(TOKENMILL_EMBEDDINGS_TIMEOUT); the queue is busy or no worker serves it.",
-                           None, "timeout") from None
+            raise _timed_out(settings) from None
     for result in results:
         if not result.ok:
             raise _failure(result)
     tokens = sum(result.usage.prompt_tokens if result.usage else 0 for result in results)
     return embedding_body(body.model, [result.embedding or [] for result in results], tokens, encoding)
+
+
+def _timed_out(settings: ServeSettings) -> APIError:
+    return APIError(504, f"The embeddings were not computed within {settings.embeddings_timeout:g}s "
+                         "(TOKENMILL_EMBEDDINGS_TIMEOUT); the queue is busy or no worker serves it.", None, "timeout")
 
 
 def _check_model(model: str, settings: ServeSettings, redis: Any) -> None:

@@ -20,12 +20,14 @@ _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "inva
 class APIError(Exception):
     """An error answered in OpenAI's shape: the SDK raises its matching exception (`NotFoundError` for 404...)."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.headers = headers  # sent with it (`Retry-After` where waiting helps)
 
     def body(self) -> dict[str, Any]:
         kind = _TYPES.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error")
@@ -48,7 +50,7 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -2,10 +2,13 @@
 
 Keys (the API's own, beside the queue's):
 
-* `tokenmill:api:file:<id>`: a file's `FileObject` JSON plus its tenant; `tokenmill:api:files:<tenant>`: a
-  sorted set of the tenant's file ids, scored by creation order (cursor pagination);
+* `tokenmill:api:file:<id>`: a file's `FileObject` JSON plus its tenant (and an upload's `usage`: its jobs and
+  prompt bytes, `quotas.input_usage`); `tokenmill:api:files:<tenant>`: a sorted set of the tenant's file ids, scored
+  by creation order (cursor pagination); `tokenmill:api:stored:<tenant>`: a hash, the tenant's stored `files` and
+  `bytes`, changed with the file records (`add_file`, `delete_file`);
 * `tokenmill:api:batch:<id>`: a hash: `object` (the `Batch` JSON), `tenant`, `published` (jobs queued so
-  far), `cancel` (`cancel` or `expire` once asked); `tokenmill:api:batches:<tenant>`: the tenant's batches;
+  far), `cancel` (`cancel` or `expire` once asked), `jobs` and `prompt_bytes` (its input file's `usage`);
+  `tokenmill:api:batches:<tenant>`: the tenant's batches;
 * `tokenmill:api:active`: the batches not final yet, which some server process must drive;
 * `tokenmill:api:lease:<id>`: which server process drives that batch (a token, expiring unless renewed);
 * `tokenmill:api:refused:<id>`: jobs of the batch the client refused to queue, with the reason;
@@ -63,6 +66,10 @@ def refused_key(batch_id: str) -> str:
     return f"{PREFIX}refused:{batch_id}"
 
 
+def stored_key(tenant: str) -> str:
+    return f"{PREFIX}stored:{tenant}"
+
+
 def _index(kind: str, tenant: str) -> str:
     return f"{PREFIX}{kind}:{tenant}"
 
@@ -71,13 +78,14 @@ class Records:
     """The API's records on one Redis (the queue's result backend)."""
 
     def __init__(self, url: str, webhooks: bool = False, batch_expires: int = 30 * 86400,
-                 socket_timeout: float = 30.0) -> None:
+                 socket_timeout: float = 30.0, max_connections: int | None = None) -> None:
         # TLS verified as on every tokenmill connection (`tokenmill.queue.tls`). Every call has a bound
         # (`socket_timeout`, the settings' `redis_socket_timeout`): a call on a connection whose peer went silent is
         # retried once on a new connection and then raises, so no request thread, supervisor, driver or webhook thread
-        # waits on it for good.
+        # waits on it for good. With `max_connections` (the server's: `resources`), at most that many connections, a
+        # call finding all taken waiting for one (`socket_timeout` at most) instead of failing.
         self.redis = redis_client(
-            url,
+            url, max_connections=max_connections, pool_timeout=socket_timeout,
             retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=1),
             retry_on_error=[redis.ConnectionError, redis.TimeoutError],
             **socket_options(socket_timeout),
@@ -89,11 +97,21 @@ class Records:
 
     # -- files ----------------------------------------------------------------------------------
 
-    def add_file(self, tenant: str, file: dict[str, Any]) -> None:
-        order = self.redis.incr(SEQUENCE)
-        self.redis.pipeline().set(file_key(file["id"]), json.dumps({"tenant": tenant, "object": file})).zadd(
-            _index("files", tenant), {file["id"]: order}).zadd(EXPIRING, {_expiring("file", file["id"], tenant):
-                                                                          file["expires_at"]}).execute()
+    def add_file(self, tenant: str, file: dict[str, Any], usage: dict[str, int] | None = None) -> None:
+        """The file's record (with an upload's `usage`), counted in its tenant's stored files and bytes once, however
+        often it is added."""
+        order, key = self.redis.incr(SEQUENCE), file_key(file["id"])
+        record = json.dumps({"tenant": tenant, "object": file, "counted": True, **({"usage": usage} if usage else {})})
+
+        def attempt(pipe: Any) -> None:
+            new = not pipe.exists(key)
+            pipe.multi()
+            pipe.set(key, record).zadd(_index("files", tenant), {file["id"]: order}).zadd(
+                EXPIRING, {_expiring("file", file["id"], tenant): file["expires_at"]})
+            if new:
+                pipe.hincrby(stored_key(tenant), "files", 1).hincrby(stored_key(tenant), "bytes", file["bytes"])
+
+        self.redis.transaction(attempt, key)
 
     def file(self, tenant: str, file_id: str) -> dict[str, Any] | None:
         """The tenant's file; None for an unknown id or another tenant's."""
@@ -102,8 +120,29 @@ class Records:
         return record["object"] if record and record["tenant"] == tenant else None
 
     def delete_file(self, tenant: str, file_id: str) -> None:
-        self.redis.pipeline().delete(file_key(file_id)).zrem(_index("files", tenant), file_id).zrem(
-            EXPIRING, _expiring("file", file_id, tenant)).execute()
+        """The file's record gone, and off its tenant's stored files and bytes (once, whoever else deletes it)."""
+        key = file_key(file_id)
+
+        def attempt(pipe: Any) -> None:
+            raw = pipe.get(key)
+            record = json.loads(raw) if raw else {}
+            pipe.multi()
+            pipe.delete(key).zrem(_index("files", tenant), file_id).zrem(EXPIRING, _expiring("file", file_id, tenant))
+            if record.get("counted"):  # a record written before the totals were kept was never counted
+                pipe.hincrby(stored_key(tenant), "files", -1).hincrby(stored_key(tenant), "bytes",
+                                                                      -record["object"]["bytes"])
+
+        self.redis.transaction(attempt, key)
+
+    def stored(self, tenant: str) -> dict[str, int]:
+        """The tenant's stored `files` and `bytes`."""
+        files, size = self.redis.hmget(stored_key(tenant), ["files", "bytes"])
+        return {"files": int(files or 0), "bytes": int(size or 0)}
+
+    def input_usage(self, file_id: str) -> dict[str, int]:
+        """An uploaded file's `jobs` and `prompt_bytes` (none for a file uploaded before they were counted)."""
+        raw = self.redis.get(file_key(file_id))
+        return (json.loads(raw) if raw else {}).get("usage") or {"jobs": 0, "prompt_bytes": 0}
 
     def files(self, tenant: str, after: str | None, limit: int, newest_first: bool = True,
               purpose: str | None = None) -> tuple[list[dict], bool]:
@@ -123,10 +162,11 @@ class Records:
 
     # -- batches --------------------------------------------------------------------------------
 
-    def add_batch(self, tenant: str, batch: dict[str, Any]) -> None:
+    def add_batch(self, tenant: str, batch: dict[str, Any], usage: dict[str, int] | None = None) -> None:
+        """The batch's record, with its input file's `usage` (`queued` adds it up)."""
         order = self.redis.incr(SEQUENCE)
         self.redis.pipeline().hset(batch_key(batch["id"]), mapping={
-            "object": json.dumps(batch), "tenant": tenant, "published": 0}).zadd(
+            "object": json.dumps(batch), "tenant": tenant, "published": 0, **(usage or {})}).zadd(
             _index("batches", tenant), {batch["id"]: order}).sadd(ACTIVE, batch["id"]).execute()
 
     def batch(self, batch_id: str, tenant: str | None = None) -> dict[str, Any] | None:
@@ -199,6 +239,14 @@ class Records:
         """A final batch's record, index entry and refusals, gone (its files expire on their own)."""
         self.redis.pipeline().delete(batch_key(batch_id), refused_key(batch_id)).zrem(
             _index("batches", tenant), batch_id).execute()
+
+    def queued(self, batch_ids: list[str]) -> dict[str, int]:
+        """The `jobs` and `prompt_bytes` of these batches added up."""
+        pipe = self.redis.pipeline(transaction=False)
+        for batch_id in batch_ids:
+            pipe.hmget(batch_key(batch_id), ["jobs", "prompt_bytes"])
+        rows = pipe.execute()
+        return {"jobs": sum(int(jobs or 0) for jobs, _ in rows), "prompt_bytes": sum(int(b or 0) for _, b in rows)}
 
     def active(self) -> list[str]:
         return sorted(member.decode() for member in self.redis.smembers(ACTIVE))

@@ -19,8 +19,10 @@ EXIT_UNUSABLE = 2
 #: The settings `tokenmill serve` takes as flags too (the others, the webhook secret among them, as variables only).
 FLAGS = ("broker_url", "result_backend", "queue", "files_dir", "s3_endpoint_url", "api_keys", "api_keys_file",
          "max_upload_bytes", "max_batch_lines", "lease_seconds", "default_max_tokens", "max_completion_window",
-         "rate_limit", "rate_burst", "max_drivers", "max_active_batches", "file_expires", "batch_expires",
-         "openapi_schema", "webhook_url", "webhook_timeout", "embeddings_timeout", "max_embedding_requests")
+         "rate_limit", "rate_burst", "max_drivers", "max_active_batches", "max_queued_jobs",
+         "max_queued_prompt_bytes", "max_stored_files", "max_stored_bytes", "file_expires", "batch_expires",
+         "openapi_schema", "webhook_url", "webhook_timeout", "embeddings_timeout", "max_embedding_requests",
+         "request_threads", "redis_connections", "max_publishers", "max_http_connections")
 
 
 def add_parser(commands: Any) -> None:
@@ -72,7 +74,10 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from tokenmill.apps.api.app import create_app
+    from tokenmill.apps.api.resources import raise_open_files_limit
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    uvicorn.run(create_app(settings, keys), host=args.host, port=args.port, log_level=args.log_level)
+    raise_open_files_limit(settings)  # before anything opens a descriptor
+    uvicorn.run(create_app(settings, keys), host=args.host, port=args.port, log_level=args.log_level,
+                limit_concurrency=settings.max_http_connections)
     return 0

@@ -39,6 +39,18 @@ class ServeSettings(QueueSettings):
                              "and a queue client each); the others wait their turn, the tenants' in turn.")
     max_active_batches: int = Field(100, ge=1, description="Batches one tenant may have not final yet; past it "
                                     "`POST /v1/batches` answers 429.")
+    max_queued_jobs: int = Field(200_000, ge=1, description="Jobs (requests × `n`; an embeddings request: its inputs) "
+                                 "one tenant's batches not final yet may hold; a batch past it is a 429 with "
+                                 "Retry-After at `POST /v1/batches` (a 400 if its file alone is past it).")
+    max_queued_prompt_bytes: int = Field(512 * 1024 * 1024, ge=1, description="Prompt bytes one tenant's batches not "
+                                         "final yet may hold, estimated from above as each request line's whole size, "
+                                         "once per choice (serve has no tokenizer; a token of text is at least a "
+                                         "byte); past it as TOKENMILL_MAX_QUEUED_JOBS.")
+    max_stored_files: int = Field(10_000, ge=1, description="Files one tenant may store (uploads and its batches' "
+                                  "output files); past it `POST /v1/files` answers 400 until files are deleted or "
+                                  "expire.")
+    max_stored_bytes: int = Field(10 * 1024 ** 3, ge=1, description="Bytes of files one tenant may store (uploads and "
+                                  "outputs); past it `POST /v1/files` answers 400 until files are deleted or expire.")
     rate_limit: float = Field(1200.0, gt=0, description="Requests a minute one API key may make (per `tokenmill serve` "
                               "process); past it a 429 with Retry-After.")
     rate_burst: int = Field(120, ge=1, description="Requests a key may make at once before `rate_limit` paces it.")
@@ -47,6 +59,17 @@ class ServeSettings(QueueSettings):
     max_embedding_requests: int = Field(4, ge=1, description="`POST /v1/embeddings` requests one tenant may have "
                                         "waiting at once (per `tokenmill serve` process, which waits for them on "
                                         "threads every route shares); past it a 429.")
+    request_threads: int = Field(24, ge=1, description="Threads one `tokenmill serve` process runs request handlers "
+                                 "on (FastAPI's thread pool); more requests at once wait for one.")
+    redis_connections: int = Field(64, ge=2, description="Connections one `tokenmill serve` process opens to the "
+                                   "result backend's Redis (records, result reads, waits' subscriptions: one pool); a "
+                                   "call finding all taken waits, TOKENMILL_REDIS_SOCKET_TIMEOUT at most. Must exceed "
+                                   "max_drivers + request_threads.")
+    max_publishers: int = Field(8, ge=1, description="Queue clients of one `tokenmill serve` process publishing jobs "
+                                "at once (drivers queueing batches, embeddings requests), 2 broker connections each; "
+                                "the others wait their turn.")
+    max_http_connections: int = Field(512, ge=1, description="HTTP connections one `tokenmill serve` process serves at "
+                                      "once (uvicorn's limit_concurrency); a request past it is answered 503.")
     max_completion_window: int = Field(7 * 86400, ge=3600, description="Longest `completion_window` a batch may ask "
                                        "for, in seconds (OpenAI's is 24h); a longer one is refused with a 400.")
     openapi_schema: bool = Field(False, description="Serve the API's OpenAPI schema at /openapi.json (the "
@@ -59,6 +82,16 @@ class ServeSettings(QueueSettings):
     webhook_timeout: float = Field(10.0, gt=0, description="Seconds one webhook delivery may take.")
     webhook_max_attempts: int = Field(10, ge=1, description="Deliveries of one webhook event before it is given up "
                                       "(retried after 1, 2, 4 ... s, at most an hour apart).")
+
+    @model_validator(mode="after")
+    def _check_pools(self) -> "ServeSettings":
+        # each driver and request thread may hold one connection for a subscription while it waits for results: one
+        # more leaves the others' commands a connection (`tokenmill.apps.api.resources`)
+        if self.redis_connections <= self.max_drivers + self.request_threads:
+            raise ValueError(f"TOKENMILL_REDIS_CONNECTIONS ({self.redis_connections}) must exceed "
+                             f"TOKENMILL_MAX_DRIVERS + TOKENMILL_REQUEST_THREADS "
+                             f"({self.max_drivers} + {self.request_threads})")
+        return self
 
     @model_validator(mode="after")
     def _check_webhook(self) -> "ServeSettings":

@@ -1,0 +1,150 @@
+"""What one `tokenmill serve` process may hold, whatever the load (issue 57): threads, Redis connections, descriptors.
+
+Threads: the event loop's; the supervisor's and the webhook deliverer's; at most `max_drivers` drivers
+(`driver.Supervisor`); at most `request_threads` running request handlers (FastAPI's thread pool, `bound_the_loop`).
+
+Redis connections, at most `redis_connections + 2 * max_publishers`:
+
+* one pool of at most `redis_connections` on the result backend's Redis (`Records.redis`, redis-py's
+  `BlockingConnectionPool`), which every part of the server borrows from: the request handlers, the supervisor, the
+  webhook deliverer and the drivers (a command at a time), and every queue client of the server (`Connections.client`:
+  its result reads, cancels and run lists, and the pub/sub subscription each wait for results holds while it waits).
+  A thread that finds every connection taken waits for one, `redis_socket_timeout` seconds at most, where redis-py's
+  default pool raised `MaxConnectionsError` at once. The subscriptions are held by drivers and request threads only,
+  so `redis_connections` exceeds `max_drivers + request_threads` (the settings check it): a command always finds a
+  connection once one is given back.
+* the broker connections of the queue clients that are publishing: kombu's Redis channel holds two (its pool's, and
+  the one it pings when it opens). At most `max_publishers` clients publish at once (`Connections.publishing`), and a
+  client's channels are closed when its publishing ends.
+
+Descriptors: at start the soft RLIMIT_NOFILE is raised to the hard limit (`raise_open_files_limit`, logged); uvicorn
+answers 503 to a request past `max_http_connections` connections (`limit_concurrency`). Connections that send nothing
+still hold a descriptor each; when none is left, CPython's accept loop reports `socket.accept() out of system
+resource` once per connection waiting in the listen backlog at every retry (each second), and `AcceptErrors` logs it
+once a second instead, with the count.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import resource
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from tokenmill.apps.api.settings import ServeSettings
+from tokenmill.client import Client
+
+log = logging.getLogger(__name__)
+
+#: The message CPython's event loop reports an accept failing for want of descriptors (or memory) with.
+ACCEPT_FAILED = "socket.accept() out of system resource"
+
+
+class Connections:
+    """The server's queue clients: their result reads and waits on the records' bounded pool (`redis`), their
+    publishing `max_publishers` at a time."""
+
+    def __init__(self, settings: ServeSettings, redis: Any) -> None:
+        self.settings = settings
+        self.redis = redis
+        self._publishers = threading.BoundedSemaphore(settings.max_publishers)
+
+    def client(self, share: str | None = None) -> Client:
+        """A queue client (close it after use) whose results, cancels and subscriptions go through `redis`'s pool:
+        the Celery backend's own pool is never made."""
+        client = Client(self.settings.broker_url, result_backend=self.settings.result_backend,
+                        queue=self.settings.queue, share=share)
+        client.app.backend.client = self.redis  # both are on `backend_url`
+        return client
+
+    @contextmanager
+    def publishing(self, client: Client, waiting: Callable[[], None], interval: float) -> Iterator[None]:
+        """Publish with `client` inside: waits for one of the `max_publishers` turns, calling `waiting()` every
+        `interval` seconds meanwhile (it raises to give up: a driver's heartbeat, a request's deadline). On leaving,
+        the client's broker channels are closed (it publishes again on new ones, under another turn)."""
+        while not self._publishers.acquire(timeout=interval):
+            waiting()
+        try:
+            yield
+        finally:
+            try:
+                client.publisher.close()
+            finally:
+                self._publishers.release()
+
+
+def raise_open_files_limit(settings: ServeSettings) -> None:
+    """Raise the soft limit of open descriptors to the hard one, and log it (a warning when it is below what the
+    settings' bounds may take)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard
+    if hard == resource.RLIM_INFINITY:  # Linux refuses more than fs.nr_open
+        try:
+            target = int(Path("/proc/sys/fs/nr_open").read_text())
+        except (OSError, ValueError):
+            target = soft
+    if target > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError) as exc:
+            log.warning("could not raise the open files limit from %d to %d: %s", soft, target, exc)
+    needed = descriptors_needed(settings)
+    if soft < needed:
+        log.warning("open files limit %d (hard %d), below the %d the settings' bounds may take: past it new "
+                    "connections wait in the listen backlog (raise `ulimit -n`, or lower "
+                    "TOKENMILL_MAX_HTTP_CONNECTIONS)",
+                    soft, hard, needed)
+    else:
+        log.info("open files limit %d (hard %d); the settings' bounds take at most about %d", soft, hard, needed)
+
+
+def descriptors_needed(settings: ServeSettings) -> int:
+    """Descriptors the bounds allow the server: its HTTP connections and Redis connections, a file open by each
+    driver and request thread (two for a driver writing its output while it reads its input), and a margin for the
+    process's own (standard streams, the event loop's, the listening socket, the store's client)."""
+    return (settings.max_http_connections + settings.redis_connections + 2 * settings.max_publishers
+            + 2 * settings.max_drivers + settings.request_threads + 64)
+
+
+class AcceptErrors:
+    """The event loop's exception handler: `ACCEPT_FAILED` logged at most once every `interval` seconds, with how
+    many were not; anything else to the handler before it (or the loop's default)."""
+
+    def __init__(self, previous: Callable[[asyncio.AbstractEventLoop, dict[str, Any]], None] | None,
+                 interval: float = 1.0) -> None:
+        self.previous = previous
+        self.interval = interval
+        self._logged = float("-inf")
+        self._unlogged = 0
+
+    def __call__(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        if context.get("message") != ACCEPT_FAILED:
+            if self.previous is not None:
+                self.previous(loop, context)
+            else:
+                loop.default_exception_handler(context)
+            return
+        now = time.monotonic()
+        if now - self._logged < self.interval:
+            self._unlogged += 1
+            return
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        log.error("%s: %s (%d more since the last report); open files limit %d: new connections wait in the listen "
+                  "backlog until some close", ACCEPT_FAILED, context.get("exception"), self._unlogged, soft)
+        self._logged, self._unlogged = now, 0
+
+
+def bound_the_loop(settings: ServeSettings) -> None:
+    """In the server's event loop, at start: request handlers on at most `request_threads` threads, accept failures
+    logged once a second (`AcceptErrors`)."""
+    import anyio.to_thread
+
+    anyio.to_thread.current_default_thread_limiter().total_tokens = settings.request_threads
+    loop = asyncio.get_running_loop()
+    loop.set_exception_handler(AcceptErrors(loop.get_exception_handler()))
