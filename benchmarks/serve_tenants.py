@@ -23,6 +23,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import serve  # noqa: E402  (imports job_queue, which drops this folder from sys.path again)
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "service"))
+from service_fixtures import socket_ports  # noqa: E402
+
 job_queue = serve.job_queue
 
 import argparse  # noqa: E402
@@ -41,25 +44,6 @@ FINAL = ("completed", "failed", "cancelled", "expired")
 KEYS = {"alice": "sk-alice-bench", "bob": "sk-bob-bench"}
 
 
-def server_ports(pid: int) -> set[int]:
-    """The local TCP ports of the process's sockets."""
-    inodes = set()
-    for fd in Path(f"/proc/{pid}/fd").iterdir():
-        try:
-            target = os.readlink(fd)
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
-    ports = set()
-    for table in ("tcp", "tcp6"):
-        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
-            fields = line.split()
-            if fields[9] in inodes:
-                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
-    return ports
-
-
 class Sampler(threading.Thread):
     """The server's threads, descriptors and Redis connections every `interval` seconds."""
 
@@ -72,7 +56,7 @@ class Sampler(threading.Thread):
 
     def sample(self) -> dict[str, int]:
         clients = self.redis.client_list()
-        ports = server_ports(self.pid)
+        ports = socket_ports(self.pid)
         own = sum(1 for c in clients if int(c["addr"].rsplit(":", 1)[1]) in ports)
         active = self.redis.scard("tokenmill:api:active")
         return {"threads": len(os.listdir(f"/proc/{self.pid}/task")), "fds": len(os.listdir(f"/proc/{self.pid}/fd")),

@@ -73,6 +73,21 @@ def stopped(pid: int) -> Iterator[None]:
         os.kill(pid, signal.SIGCONT)
 
 
+def socket_ports(pid: int) -> set[int]:
+    """The local TCP ports of process `pid`'s sockets (from /proc: its descriptors, then /proc/<pid>/net/tcp*)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    rows = [line.split() for table in ("tcp", "tcp6")
+            for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]]
+    return {int(fields[1].rsplit(":", 1)[1], 16) for fields in rows if fields[9] in inodes}
+
+
 def queued_messages(broker: redis.Redis, queue: str = "tokenmill") -> list[bytes]:
     """The messages waiting on `queue`: on its own list and its fair shares' (`annotate --broker` runs and `serve`
     tenants queue in shares of their own; `tokenmill.queue.names.SHARE_LIST`), wake-up bells left out."""

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import redis
-from service_fixtures import KEYS, RedisServer, Server, wait_for
+from service_fixtures import KEYS, RedisServer, Server, socket_ports, wait_for
 
 from tokenmill.apps.api.records import Records
 from tokenmill.apps.api.resources import ACCEPT_FAILED
@@ -34,18 +34,8 @@ def _one_line(path: Path, content: str) -> Path:
 
 
 def _server_connections(pid: int, redis_server: RedisServer) -> int:
-    """The Redis clients whose address is a socket of process `pid` (its local port, from /proc/<pid>/net/tcp)."""
-    inodes = set()
-    for fd in Path(f"/proc/{pid}/fd").iterdir():
-        try:
-            target = os.readlink(fd)
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
-    rows = [line.split() for table in ("tcp", "tcp6")
-            for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]]
-    ports = {int(fields[1].rsplit(":", 1)[1], 16) for fields in rows if fields[9] in inodes}
+    """The Redis clients whose address is a socket of process `pid`."""
+    ports = socket_ports(pid)
     return sum(int(client["addr"].rsplit(":", 1)[1]) in ports for client in redis_server.client().client_list())
 
 
