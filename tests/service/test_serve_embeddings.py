@@ -140,3 +140,18 @@ def _expect_error(client: openai.OpenAI, errors: list[BaseException]) -> None:
         client.embeddings.create(model="builtin:tiny", input="first")
     except openai.APIError as exc:
         errors.append(exc)
+
+
+def test_waiting_embeddings_requests_are_bounded_in_all_too() -> None:
+    """Past half the request threads waiting in all, another tenant's request is a 429 too, so that waiting
+    embeddings never hold every thread the other routes need; a slot given back is taken again."""
+    from tokenmill.apps.api.embeddings import Waiting
+    from tokenmill.apps.api.errors import APIError
+
+    waiting = Waiting(limit=4, total=2)
+    with waiting.slot("alice"), waiting.slot("bob"):
+        with pytest.raises(APIError) as refused, waiting.slot("carol"):
+            pass
+        assert refused.value.status == 429 and "half of TOKENMILL_REQUEST_THREADS" in str(refused.value)
+    with waiting.slot("carol"), waiting.slot("carol"):
+        pass

@@ -414,7 +414,7 @@ class QoS(kombu_redis.QoS):
 
     def append(self, message: Any, delivery_tag: str) -> None:
         jobs = (message.headers or {}).get(JOBS_HEADER)
-        if isinstance(jobs, int) and jobs > 1:
+        if isinstance(jobs, int) and jobs > 1 and self.prefetch_count:  # no limit: nothing to count against
             self._jobs[delivery_tag] = jobs
         claimed = self.channel.claimed_tags
         if delivery_tag in claimed:  # recorded in Redis by the claim script: only the local record is left
@@ -562,7 +562,9 @@ class Channel(kombu_redis.Channel):
         if batch is not None:
             batch.add("lpush", key, kombu_redis.dumps(message))
             batch.add("sadd", index, share)
-            if not batch._buffered:  # the first message of each write: one bell a write
+            # one bell a write: on its first message, and on one that kombu's batch writes after a flush (it flushes
+            # first when this message's 3 commands would pass its size)
+            if not batch._buffered or batch._buffered + 3 > batch.max_size:
                 batch.add("lpush", queue, SHARE_BELL)
             return None
         with self.conn_or_acquire() as client:

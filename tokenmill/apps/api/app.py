@@ -63,7 +63,7 @@ class Services:
         self.connections = Connections(settings, self.records.redis)  # every Redis connection bounded (`resources`)
         self.store = open_store(settings.files_dir, s3_endpoint(settings.s3_endpoint_url))
         self.supervisor = Supervisor(settings, self.records, self.store, self.connections)
-        self.embedding_requests = Waiting(settings.max_embedding_requests)
+        self.embedding_requests = Waiting(settings.max_embedding_requests, max(1, settings.request_threads // 2))
         self.deliverer = None if settings.webhook_url is None else Deliverer(
             self.records, settings.webhook_url, settings.webhook_secret or "", settings.webhook_timeout,
             settings.webhook_max_attempts, self.supervisor.stopping)

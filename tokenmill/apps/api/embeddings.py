@@ -43,11 +43,11 @@ class CreateEmbedding(BaseModel):
 
 
 class Waiting:
-    """The `POST /v1/embeddings` requests each tenant has waiting: at most `limit` at once, so that one tenant's
-    requests cannot hold every thread the server's routes share."""
+    """The `POST /v1/embeddings` requests waiting, each on one of the threads every route shares: at most `limit` a
+    tenant and `total` in all (half the request threads), so that waiting embeddings never hold every thread."""
 
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
+    def __init__(self, limit: int, total: int) -> None:
+        self.limit, self.total = limit, total
         self._lock = threading.Lock()
         self._by_tenant: dict[str, int] = {}
 
@@ -58,6 +58,10 @@ class Waiting:
             if waiting >= self.limit:
                 raise APIError(429, f"This key has {waiting} embeddings requests waiting, the most allowed "
                                     "(TOKENMILL_MAX_EMBEDDING_REQUESTS); try again when one is answered.", None,
+                               "too_many_requests")
+            if sum(self._by_tenant.values()) >= self.total:
+                raise APIError(429, f"This server has {self.total} embeddings requests waiting, the most it lets "
+                                    "wait at once (half of TOKENMILL_REQUEST_THREADS); try again shortly.", None,
                                "too_many_requests")
             self._by_tenant[tenant] = waiting + 1
         try:
