@@ -136,7 +136,8 @@ def unknown(backend: Any, broker: Any, job_ids: Iterable[str], queues: Iterable[
     """Of `job_ids`, those no job is known by: no result, never delivered, and on none of `queues` nor their fair
     shares' lists (a single job's message names it in its headers, a group's in its body). None when a list holds
     more than `scan_limit` messages, so its tail was not read. A job taken by a worker this instant and not yet
-    recorded counts as unknown: the window is one Redis round trip. `backend`: a Celery Redis backend; `broker`: the broker's client."""
+    recorded counts as unknown: the window is one Redis round trip. `backend`: a Celery Redis backend; `broker`: the
+    broker's client."""
     ids = list(dict.fromkeys(job_ids))
     with backend.client.pipeline(transaction=False) as pipe:
         for job_id in ids:

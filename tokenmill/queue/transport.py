@@ -88,8 +88,8 @@ MALFORMED_KEEP = 100
 MALFORMED_BYTES = 64 * 1024
 
 # KEYS: unacked, unacked_index, malformed, then the processing lists a take moved items into, then the lists the take
-# took from (for a queue's shares, its share index). ARGV[1]: now, ARGV[2]: bytes of a set-aside copy, ARGV[3]: copies kept, ARGV[4]: how many of the KEYS
-# are lists taken from (m, the last m); then per processing list: how many taken items are to be recorded (n), then
+# took from (for a queue's shares, its share index). ARGV[1]: now, ARGV[2]: bytes of a set-aside copy, ARGV[3]: copies
+# kept, ARGV[4]: how many of the KEYS are lists taken from (m, the last m); then per processing list: how many taken items are to be recorded (n), then
 # per item, in the order taken: its delivery tag and the end of its unacked record (exchange and routing key as
 # JSON: kombu's record `[item, exchange, routing key]` is built here). The take pushed each item at its list's head,
 # and nothing else pushes there, so the n items are the list's first n, the last taken first: the items never cross
@@ -167,8 +167,7 @@ return codes
 # each take when there are shares, until the limit or every lane is empty; a share found empty leaves the index. Each
 # item moves, oldest first, from its list to its lane's processing list (what BLMOVE does for one, without blocking).
 # A wake-up bell (`SHARE_BELL`) is dropped, never taken. Nothing else runs while the script does, so a list found
-# empty stays empty. Returns source index (1..n: the
-# source list; n + j: queue j's shares), item, source index, item, ...
+# empty stays empty. Returns source index (1..n: the source list; n + j: queue j's shares), item, source index, ...
 _TAKE = """
 local limit, n, m, room = 2 * tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 local lanes = {{at = 1}}
@@ -593,8 +592,8 @@ class Channel(kombu_redis.Channel):
         block in BLMOVE for the first non-empty list in kombu's order (queues fairly cycled, then priority) instead:
         the first list when that take or record was just now (it checked them all), else the first
         `_choose_source` finds non-empty, unless a share holds messages (then a take). Under a trickle of jobs that
-        is a BLMOVE and a record per job, not a take, a check and a BLMOVE. A share's message reaches a consumer
-        blocked in BLMOVE at its next poll (`brpop_timeout`, 1 s)."""
+        is a BLMOVE and a record per job, not a take, a check and a BLMOVE. A consumer blocked in BLMOVE on the
+        queue's own list is woken for a share's message by the bell its write rang there (`_put`)."""
         if timeout is None:
             timeout = self.brpop_timeout
         if self._unread:
@@ -782,7 +781,8 @@ class Channel(kombu_redis.Channel):
             args.append(len(recorded))
             for _, _, payload, _ in recorded:
                 args += self._record_args(payload)
-        waiting_keys = [self._share_sources[source][1] if source in self._share_sources else source for source in sources]
+        # what the record counts as still holding messages: each list taken from; for a queue's shares, their index
+        waiting_keys = [self._share_sources.get(source, (None, source))[1] for source in sources]
         *codes, waiting = self._scripts["record"](
             keys=[self.unacked_key, self.unacked_index_key, MALFORMED_KEY, *by_list, *waiting_keys], args=args)
         results = list(zip([entry for entries in by_list.values() for entry in entries], codes))
