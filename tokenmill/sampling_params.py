@@ -21,7 +21,7 @@ MAX_INT = 2**31 - 1
 #: Seeds are unsigned 64-bit, like numpy's and vLLM's; the sampler folds them into its int64 tensors.
 MAX_SEED = 2**64 - 1
 #: Size limits of structured-output options, past which a grammar would take too long or too much memory to
-#: compile (20,000 short choices compile in ~15 s on one core and take ~48 MB): refused naming the field.
+#: compile (tens of thousands of short choices take seconds of a core and tens of megabytes): refused naming the field.
 MAX_CHOICES = 50_000
 MAX_CHOICE_CHARS = 1 << 20  # all choices together
 MAX_SCHEMA_BYTES = 256 << 10  # the schema as compact JSON
@@ -30,13 +30,13 @@ MAX_REGEX_LENGTH = 10_000
 #: would turn every probability into NaN, so a tiny temperature means "argmax", as its limit does.
 GREEDY_TEMPERATURE = 1e-5
 #: Deepest nesting accepted in a `json_schema` (JSON objects and arrays), in a `regex` (groups) and in a job's
-#: `metadata`. Checked before anything recursive touches the value: validating deeper input recursed past
-#: Python's limit (a RecursionError, not an error naming the field), and a schema 300 levels deep took
-#: xgrammar 7 s to compile. Real schemas nest a few levels.
+#: `metadata`. Checked before anything recursive touches the value: validating deeper input can recurse past
+#: Python's limit (a RecursionError, not an error naming the field), and a very deep schema takes xgrammar
+#: seconds to compile. Real schemas nest a few levels.
 MAX_NESTING = 64
 #: Most stop strings per request, and most characters in them all. The engine matches each one against every
-#: request's new text each step, on the step every other request waits for: 40,000 stop strings (an 829 KB job)
-#: slowed a neighbour 4.7x. OpenAI's API takes 4.
+#: request's new text each step, on the step every other request waits for: one job with many thousands of stop
+#: strings slows every neighbour several times. OpenAI's API takes 4.
 MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 4096
 #: `max_tokens` of a request that sets none, through every door (`LLM`, client jobs, generate, annotate, batch files,
@@ -403,7 +403,7 @@ _NO_DEFAULT = object()
 def without_defaults(values: dict[str, Any]) -> dict[str, Any]:
     """`values` (a checked instance's `to_dict()`) without the fields that hold their default, of its type: what a
     message carries (a job's to its worker, a request's to the engine process); `from_dict` fills them back in, so the
-    same parameters arrive (`benchmarks/job_queue.py`: 3 of 17 fields, a job's message body 284 bytes instead of 509)."""
+    same parameters arrive, in a smaller message (a typical job sets few of the fields; `benchmarks/job_queue.py`)."""
     kept = {}
     for name, value in values.items():
         default = _DEFAULTS.get(name, _NO_DEFAULT)

@@ -35,8 +35,8 @@ FORMATS = {".jsonl": "json", ".ndjson": "json", ".json": "json", ".csv": "csv", 
 #: Rows per record batch handed to the pipeline (Parquet; JSON/CSV batches follow their block size).
 BATCH_ROWS = 4096
 _BLOCK_BYTES = 1 << 20  # CSV/JSON read block
-#: Decoded bytes per record batch handed on (Parquet), whatever the rows per batch: a 58 KB file with one
-#: 200 KB dictionary value in 20,000 rows decoded 4096 rows (800 MB) at a time.
+#: Decoded bytes per record batch handed on (Parquet), whatever the rows per batch: a small file whose rows
+#: share one large dictionary value would otherwise decode to hundreds of megabytes per `BATCH_ROWS` rows.
 _BATCH_BYTES = 8 << 20
 #: The default of `max_row_bytes`: the largest row or line read whole (the queue's `max_job_bytes` too).
 MAX_ROW_BYTES = 1 << 20

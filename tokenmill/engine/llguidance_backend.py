@@ -29,7 +29,7 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ",", "key_separa
 
 
 class LLGuidanceVocab:
-    """The engine tokenizer as llguidance sees it (built once per engine: ~1 s for a 150k vocabulary)."""
+    """The engine tokenizer as llguidance sees it (built once per engine: slow for a large vocabulary)."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_ids: Sequence[int]) -> None:
         import llguidance.hf

@@ -1,6 +1,6 @@
 """The longest text prompt worth tokenizing: checked on every path into the engine, before the tokenizer runs.
 
-Tokenizing 16 MiB of text took 30 s and 3.3 GB only to refuse the prompt for `max_model_len`; counting its
+Tokenizing a huge text takes seconds and gigabytes only to refuse the prompt for `max_model_len`; counting its
 characters takes microseconds. The worker checks in its own process too (it tokenizes text prompts there), with
 the limit the engine process reports, so both refuse the same prompts with the same message.
 """

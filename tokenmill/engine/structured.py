@@ -64,11 +64,10 @@ if TYPE_CHECKING:
 
 #: Compact JSON separators (item, key), as `json.dumps(separators=...)`.
 JSON_SEPARATORS = (",", ":")
-# xgrammar first: its masks are precomputed per grammar state, llguidance's computed per step (benchmarks/
-# structured.py --backends, 32k-token BPE, 256 rows of one schema, CPU time, loaded 2-core machine: fill 1.4 vs 5.5
-# ms a step), and in a batch job one compile serves the whole dataset. llguidance compiles far faster (583 corpus
-# schemas: p50 0.65 vs 8.8 ms, p99 2.6 vs 166 ms), which pays only for a schema used for a few hundred row-steps
-# or less. llguidance where xgrammar cannot enforce the constraint in full: a pattern beside minLength/maxLength,
+# xgrammar first: its masks are precomputed per grammar state, llguidance's computed per step (a slower fill each
+# step; `benchmarks/structured.py --backends`), and in a batch job one compile serves the whole dataset. llguidance
+# compiles far faster, which pays only for a schema used for a few hundred row-steps or less.
+# llguidance where xgrammar cannot enforce the constraint in full: a pattern beside minLength/maxLength,
 # patternProperties (`xgrammar_gap`), or what xgrammar fails to compile.
 AUTO_ORDER = ("xgrammar", "llguidance")
 
@@ -101,8 +100,8 @@ class GrammarSpec:
             return cls(name, "json_object", '{"type": "object"}')
         if name == "regex":
             return cls(name, "regex", value)
-        # One C-speed dump of the whole list instead of one per choice (20,000 choices: 47 ms -> a few, in the
-        # engine loop's `add_request`). JSON escapes every control character inside a string, so a newline as
+        # One C-speed dump of the whole list instead of one per choice (a long list's dumps would hold
+        # the engine loop's `add_request`). JSON escapes every control character inside a string, so a newline as
         # the element separator occurs only between elements: the result is the choices' own dumps joined by
         # " | ". (`", "` as the separator was not: it is also the whole dump of the choice ", ".)
         dumped = json.dumps(list(dict.fromkeys(value)), ensure_ascii=False, separators=("\n", ":"))
@@ -128,7 +127,7 @@ class GrammarCache:
         self.vocab_size = vocab_size
         self.stop_ids = sorted(stop_ids)
         self.info, self.vocab = _tokenizer_info(xgr, tokenizer, vocab_size, self.stop_ids)
-        # xgrammar's own cache is unbounded (40 distinct 3,000-choice lists kept 1.2 GiB): ours is LRU by bytes.
+        # xgrammar's own cache is unbounded (a few dozen long choice lists fill gigabytes): ours is LRU by bytes.
         # One compiler thread per compile: on few cores more only compete with the engine loop.
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
         self.limit_bytes, self.total_bytes = limit_bytes, 0
@@ -438,8 +437,8 @@ class AllowedTokens:
 
 
 #: A row whose mask has at most this many nonzero 32-bit words (so at most 32x as many allowed tokens) is listed
-#: instead of masked, when the sampler can take it from the list. On the benchmark's schema 92% of row-steps
-#: allow at most 64 tokens (a quarter allow one): sampling among them skips the full-vocabulary noise.
+#: instead of masked, when the sampler can take it from the list. On a typical schema most row-steps allow
+#: only a few tokens: sampling among them skips the full-vocabulary noise.
 LISTED_WORDS = 16
 
 
@@ -511,8 +510,8 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, indices: list[int
     """-inf on the tokens whose bit is 0, in the rows `indices` (in place).
 
     On CPU as a bias: each byte of the bitmask selects its 8 biases (0 or -inf) from a 256 x 8 table, and the
-    biases are added to the logits. At 256 rows x 32k tokens, one thread: 3.7 ms against 14.7 ms for xgrammar's
-    CPU kernel, which tests bit by bit. On a GPU, xgrammar's kernel."""
+    biases are added to the logits: several times faster than xgrammar's CPU kernel, which tests bit by bit.
+    On a GPU, xgrammar's kernel."""
     if logits.device.type != "cpu":
         import xgrammar as xgr
 
@@ -591,9 +590,8 @@ def _after_lead_words(vocab: list[bytes], words: int) -> dict[int, torch.Tensor]
 
 def _lower_priority() -> None:
     """Compile threads yield the CPU to the engine loop: on Linux a thread has its own nice value (and the
-    threads xgrammar starts from it inherit it). Measured (benchmarks/structured.py --bystander, 2 cores at load
-    ~8.5): an 8-token bystander beside a 20,000-choice compile took 5.5x its time alone without this, 2.4-2.6x
-    with it and one compiler thread. Elsewhere a no-op."""
+    threads xgrammar starts from it inherit it). With it and one compiler thread, a short job beside a large compile
+    is slowed about half as much (`benchmarks/structured.py --bystander`). Elsewhere a no-op."""
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
     except (AttributeError, OSError):

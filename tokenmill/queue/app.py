@@ -32,7 +32,7 @@ Every setting below is chosen for "a crash loses nothing, a slow job is not run 
 * `socket_timeout` (broker, results and the worker's own client; `redis_socket_timeout`, 30 s), with keepalive and
   kombu's `health_check_interval` at most that: a connection whose peer went silent without closing it (a paused
   server, a dropped route) fails its call, which is retried on a new connection. Without it the worker's event loop
-  once waited for good on such a connection inside a sweep, and took no job again.
+  can wait for good on such a connection inside a sweep, and take no job again.
 * `broker_use_ssl`, `redis_backend_use_ssl`: for a `rediss://` URL, TLS with the server's certificate
   verified (`tokenmill.queue.tls`); without them kombu would connect to a `rediss://` URL in plaintext
   (its TLS switch is the transport's name, and ours is `BROKER_TRANSPORT`).

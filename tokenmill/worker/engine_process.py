@@ -2,8 +2,8 @@
 
 Why a process and not a thread of the worker: with a thread, the engine's Python (scheduler,
 sampling bookkeeping) and Celery's per-job Python (message handling, result writes, acks) share one
-GIL. Measured on builtin:tiny with 1000 short jobs on 2 cores, the engine's steps took 26 ms instead
-of 17 ms and the queue reached only ~0.5x the in-process throughput. In its own process the engine
+GIL, so the engine's steps run slower and the queue falls well short of the in-process throughput
+(figures: docs/benchmarks/queue.md). In its own process the engine
 has a core to itself and Celery's work runs beside it, not between its steps. (vLLM runs its engine
 core in a separate process for the same reason.) The worker process itself then never imports torch.
 
@@ -209,7 +209,7 @@ class EngineProcess:
         write here and one read in the engine process instead of one each; each one's answer goes to `sink`. Text
         prompts go as token ids when the engine sent its tokenizer; a prompt refused here is answered at once and not
         sent. A sink, not a future per request: the single-job intake hands every answer to its finisher's queue, and
-        a future's lifecycle (its `Condition`, done callback, `set_result`, `result`) cost it 3 µs a job.
+        a future's lifecycle (its `Condition`, done callback, `set_result`, `result`) cost more than the sink.
 
         `wait`: return once the message is written (the pipe may be full while the engine is in a step), and if the
         write fails, answer no request of it: the caller has the error, and nothing stays pending. Without `wait`
@@ -270,7 +270,7 @@ class EngineProcess:
                     texts[index] = prompt
                 except InvalidRequestError as exc:
                     out[index] = exc
-        if texts:  # in one call, without offsets: 6 us a short prompt instead of 15 one at a time
+        if texts:  # in one call, without offsets: far cheaper a prompt than one at a time
             encodings = self._tokenizer.encode_batch_fast(list(texts.values()), add_special_tokens=True)
             for index, encoding in zip(texts, encodings):
                 out[index] = encoding.ids
@@ -471,8 +471,8 @@ def freeze_startup_objects() -> None:
     """Move every object alive now (imported modules, the model, the tokenizer) out of the garbage
     collector's sight: they live as long as the process, yet a full collection walks them all.
 
-    Measured with builtin:tiny: the engine process tracks ~460,000 objects after loading, a full
-    collection took 168 ms and came every few thousand requests, stalling every request in the batch.
+    The engine process tracks hundreds of thousands of objects after loading; a full collection of them
+    is long and comes every few thousand requests, stalling every request in the batch.
     vLLM and SGLang freeze their engine processes' heaps after start-up for the same reason.
     """
     gc.collect()
@@ -561,8 +561,8 @@ class _Loop:
         self.engine = engine
         self.conn = conn
         self.outbox = outbox
-        # asked before every step whether a message came: `Connection.poll` builds a selector for each call, 7.3 us
-        # against 0.9 for one `poll` object kept (~0.3 ms of a lone 40-token job's decode steps)
+        # asked before every step whether a message came: `Connection.poll` builds a selector for each call, several
+        # times the cost of one `poll` object kept, and a lone job pays it on every decode step
         self._incoming = select.poll()
         self._incoming.register(conn.fileno(), select.POLLIN)
         self.live: set[str] = set()
@@ -705,8 +705,8 @@ def frontend_tokenizer(spec: str | None) -> Any:
 def output_fields(output: Any) -> dict[str, Any]:
     """A finished `RequestOutput` as the worker's `EngineOutput(**fields)` takes it. The fields that default to None
     there are left out when they are None (most requests ask for no logprobs and no structured output): an output's
-    JSON 293 -> 185 bytes, its decode and `EngineOutput` in the worker's reader 2.1 -> 1.3 µs; tested one by one here,
-    as a loop over their names took 0.46 µs an output against 0.28."""
+    JSON is smaller and its decode and `EngineOutput` in the worker's reader cheaper. Tested one by one here: a loop
+    over their names was slower."""
     fields = {
         "request_id": output.request_id,
         "num_prompt_tokens": len(output.prompt_token_ids),

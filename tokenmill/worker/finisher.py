@@ -1,8 +1,8 @@
 """One thread that finishes every single job the intake handed to the engine, whichever group admitted it.
 
-Why: each group of single jobs (`tokenmill.worker.intake`) used to keep a thread waiting for its own jobs. Jobs of
-different lengths end a few per engine step, spread over many groups, so every step woke a thread per group, and
-each completed, stored and acked its one or two jobs on its own (figures: docs/benchmarks/queue.md). Here the jobs that ended since the last turn, in every group, are completed together, and stored and their messages
+Why: not a thread per group of single jobs (`tokenmill.worker.intake`) waiting for its own jobs. Jobs of
+different lengths end a few per engine step, spread over many groups, so every step would wake a thread per group,
+each completing, storing and acking its one or two jobs on its own (figures: docs/benchmarks/queue.md). Here the jobs that ended since the last turn, in every group, are completed together, and stored and their messages
 acked in one script call; group threads only admit.
 
 The engine hands each answer straight to this thread's queue (a sink per run, `EngineProcess.send_many`), not through

@@ -326,7 +326,7 @@ class WorkerService:
     def claim(self, jobs: list[Job]) -> tuple[list[Job], list[tuple[Job, Future]]]:
         """Register `jobs` as running here; returns (jobs now mine; jobs already running here, with a future of that
         run's result). Only jobs now mine count as deliveries. A run's future is made only when a delivery joins it
-        (rare: a redelivery while it runs), not for every job (a future and its result cost ~4 us a job)."""
+        (rare: a redelivery while it runs), not for every job (a future and its result cost every job)."""
         mine, running = [], []
         with self._lock:
             for job in jobs:
@@ -579,7 +579,7 @@ class WorkerService:
 def result_wire(job: Job, run: Attempt, output: Any, worker: str) -> dict[str, Any]:
     """The job's `JobResult` from the engine's output, in its wire form (`JobResult.to_wire()`, the same keys in
     the same order): succeeded, or for a job the engine stopped early `cancelled` / failed `deadline_exceeded`,
-    or failed `constraint_incomplete` / `constraint_failed` (`constraint_problem`), with its text so far. Built as a dict, not validated by pydantic and dumped again (14 of a job's ~200 µs):
+    or failed `constraint_incomplete` / `constraint_failed` (`constraint_problem`), with its text so far. Built as a dict, not validated by pydantic and dumped again (a visible share of a job's worker CPU):
     every value comes from the engine's output as decoded from its pipe (JSON), from the checked job, or from
     here, and tests/test_result_wire.py holds it equal to the validated model's dump."""
     prompt_tokens, completion_tokens = output.num_prompt_tokens, len(output.token_ids)
