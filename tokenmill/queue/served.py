@@ -83,3 +83,11 @@ class Announcer(threading.Thread):
         self._stopping.set()
         if self.is_alive():
             self.join(timeout)
+
+
+def not_served(model: str, served: dict[str, list[str]], queue: str) -> str | None:
+    """Why no job of `model` should be queued on `queue` (None: it may be): live workers announce other models only.
+    With none live at all, a job waits for one, as any job does."""
+    if not served or model in served:
+        return None
+    return f"the model {model!r} is not served by any worker on queue {queue!r} (served: {', '.join(sorted(served))})"

@@ -34,7 +34,7 @@ from tokenmill.apps.datasets import MAX_ROW_BYTES, DatasetError
 from tokenmill.apps.runners import QueueRunner, Unit, error_text, outcome_from_result
 from tokenmill.apps.store import Outcome
 from tokenmill.client import Client
-from tokenmill.queue.served import served_models
+from tokenmill.queue.served import not_served, served_models
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -240,14 +240,10 @@ class Driver(threading.Thread):
         label) goes to whichever worker takes it. With no live worker at all every unit is queued: the jobs wait
         for workers, as any job does (and the completion window still ends the batch)."""
         served = served_models(self.records.redis, self.settings.queue)
-        if not served:
-            return units, {}
-        unserved = {u.job_id: plan.models[u.job_id] for u in units
-                    if plan.models[u.job_id] not in served and plan.models[u.job_id] != self.parser.model}
-        known = ", ".join(sorted(served))
-        return [u for u in units if u.job_id not in unserved], {
-            job: error_text("model_not_found", f"the model {model!r} is not served by any worker on queue "
-                            f"{self.settings.queue!r} (served: {known})", "model") for job, model in unserved.items()}
+        why = {u.job_id: not_served(plan.models[u.job_id], served, self.settings.queue) for u in units
+               if plan.models[u.job_id] != self.parser.model}
+        unserved = {job: error_text("model_not_found", reason, "model") for job, reason in why.items() if reason}
+        return [u for u in units if u.job_id not in unserved], unserved
 
     def collect(self, client: Client, plan: Plan) -> dict[str, Outcome]:
         """Every job's outcome, counting requests as they finish; a cancel or the deadline cancels the rest."""

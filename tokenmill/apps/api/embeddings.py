@@ -24,7 +24,7 @@ from tokenmill.apps.batch import REFUSED_STATUS, embedding_body, embedding_input
 from tokenmill.client import JobTimeoutError, embed_job
 from tokenmill.errors import InvalidRequestError
 from tokenmill.queue.schemas import JobResult
-from tokenmill.queue.served import served_models
+from tokenmill.queue.served import not_served, served_models
 
 #: A job's field as the embeddings body names it.
 _BODY_PARAMS = {"prompt": "input", "prompt_token_ids": "input", "embed.dimensions": "dimensions"}
@@ -115,10 +115,9 @@ def _timed_out(settings: ServeSettings) -> APIError:
 
 def _check_model(model: str, settings: ServeSettings, redis: Any) -> None:
     """404 for a model no live worker on the queue announces (with none live at all, the jobs wait for one)."""
-    served = served_models(redis, settings.queue)
-    if served and model not in served:
-        raise APIError(404, f"The model {model!r} is not served by any worker on queue {settings.queue!r} (served: "
-                            f"{', '.join(sorted(served))}).", "model", "model_not_found")
+    why = not_served(model, served_models(redis, settings.queue), settings.queue)
+    if why is not None:
+        raise APIError(404, f"{why[0].upper()}{why[1:]}.", "model", "model_not_found")
 
 
 def _failure(result: JobResult) -> APIError:
