@@ -11,6 +11,7 @@ import uuid
 import pytest
 from kombu import Connection, Consumer, Exchange, Producer, Queue
 from service_fixtures import RedisServer, wait_for
+from test_queue_transport import _consume
 
 from tokenmill.queue import transport as tm_transport
 from tokenmill.queue.app import BROKER_TRANSPORT
@@ -34,21 +35,10 @@ def _publish(server: RedisServer, queue: Queue, bodies: list[str], share: str | 
                              priority=priority)
 
 
-def _take_all(server: RedisServer, queue: Queue, count: int, prefetch: int = 64) -> list[str]:
-    received: list[str] = []
+def _take_all(server: RedisServer, queue: Queue, count: int) -> list[str]:
+    """The bodies of `count` messages, taken with room for more (so that a take also finds the lanes empty)."""
     with _connection(server) as connection:
-        def on_message(body: dict, message: object) -> None:
-            received.append(body["body"])
-            message.ack()
-
-        with Consumer(connection.channel(), [queue], callbacks=[on_message], prefetch_count=prefetch):
-            deadline = time.monotonic() + 30
-            while len(received) < count and time.monotonic() < deadline:
-                try:
-                    connection.drain_events(timeout=1)
-                except TimeoutError:
-                    pass
-    return received
+        return [body for body, _ in _consume(connection, queue, count, prefetch=64)]
 
 
 def test_a_take_serves_the_queue_and_each_share_in_turn(redis_server: RedisServer) -> None:

@@ -32,8 +32,10 @@ def _publish(server: RedisServer, queue: Queue, count: int) -> list[str]:
     return bodies
 
 
-def _consume(connection: Connection, queue: Queue, count: int, ack: bool = True, received: list | None = None) -> list:
-    """(body, message) of `count` messages, appended to `received` (if given) as they come."""
+def _consume(connection: Connection, queue: Queue, count: int, ack: bool = True, received: list | None = None,
+             prefetch: int | None = None) -> list:
+    """(body, message) of `count` messages, appended to `received` (if given) as they come; a prefetch of `count`
+    unless given."""
     received = [] if received is None else received
 
     def on_message(body: dict, message: object) -> None:
@@ -41,7 +43,7 @@ def _consume(connection: Connection, queue: Queue, count: int, ack: bool = True,
         if ack:
             message.ack()
 
-    with Consumer(connection.channel(), [queue], callbacks=[on_message], prefetch_count=count):
+    with Consumer(connection.channel(), [queue], callbacks=[on_message], prefetch_count=prefetch or count):
         deadline = time.monotonic() + 20
         while len(received) < count and time.monotonic() < deadline:
             try:
