@@ -38,11 +38,12 @@ def test_flat_batch_has_no_padding_and_logits_only_for_sampling_rows(impl: str) 
 def test_kv_pool_size_from_block_count_or_bytes() -> None:
     by_count = LLM("builtin:tiny", num_kv_blocks=37, block_size=8)
     k_cache, v_cache = by_count.engine.runner.kv_caches[0]
-    assert k_cache.shape == v_cache.shape == (37, 8, 2, 16)
+    assert k_cache.shape == v_cache.shape == (37 + 1, 8, 2, 16)  # and the scratch block of padded decode rows
+    assert by_count.engine.runner.scratch_block == 37 == by_count.engine.scheduler.block_manager.num_blocks
     block_bytes = by_count.engine.runner.block_bytes
     assert block_bytes == 2 * 2 * 8 * 2 * 16 * 4  # K and V, 2 layers, 8 tokens, 2 heads, dim 16, float32
     by_bytes = LLM("builtin:tiny", kv_cache_memory=block_bytes * 50 + 7, block_size=8)
-    assert by_bytes.engine.scheduler.block_manager.num_blocks == 50
+    assert by_bytes.engine.scheduler.block_manager.num_blocks == 49  # the scratch block is within the budget
 
 
 def test_saved_directory_loads_as_is(model_dirs: dict[str, Path]) -> None:

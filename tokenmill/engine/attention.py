@@ -30,6 +30,9 @@ class AttentionMetadata:
     max_seq_len: int
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: K and V [num_blocks, block_size, Hkv, D]
     backend: AttentionBackend
+    # A fixed-shape decode step (`padded_decode.py`): one query per row, rows of context 0 are padding, and
+    # attention goes through `backend.decode_attention`, which reads nothing back to the host.
+    padded_decode: bool = False
 
 
 def paged_attention_forward(

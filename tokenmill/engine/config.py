@@ -59,6 +59,9 @@ class EngineConfig:
     model_impl: str = _option("auto", "Model code: auto (tokenmill's native implementation where one covers the "
                               "checkpoint: Llama, Mistral, Qwen2, Qwen3; else transformers'), native, or transformers. "
                               "The choice is logged.", MODEL_IMPLS)
+    enforce_eager: bool = _option(True, "Run every step eagerly. False: decode steps of native models on CUDA replay "
+                                  "CUDA graphs captured at start, one per batch-size bucket (not yet verified on a "
+                                  "GPU, hence off by default).")
     seed: int = _option(0, "Engine seed (sampling of requests without a seed of their own).")
     grammar_compile_timeout: float = _option(60.0, "Seconds a new grammar may take to compile (off the engine loop) "
                                              "before its request fails naming the field.")

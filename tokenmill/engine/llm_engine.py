@@ -130,7 +130,7 @@ class LLMEngine:
         self.max_model_len = self._max_model_len()
         #: text prompts longer than this are refused before tokenizing (None: the tokenizer gives no bound)
         self.max_prompt_chars = max_prompt_chars(self.tokenizer, self.max_model_len)
-        self.runner = ModelRunner(loaded, self.config)
+        self.runner = ModelRunner(loaded, self.config, self.max_model_len)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=self.config.max_num_seqs,
             max_num_batched_tokens=self.config.max_num_batched_tokens,

@@ -4,7 +4,8 @@ No padding anywhere on the token path: the step's tokens are concatenated into a
 attention metadata (query boundaries, context lengths, block tables, cache slots) keeps sequences apart.
 Logits are computed only for the rows that sample (and score); the final hidden states of an embedding's pooled rows
 come out beside them (`pooling.py`). Host-side inputs come from persistent buffers
-(`step_inputs.py`) in one host-to-device copy; the sampler's token read-back is the step's only sync.
+(`step_inputs.py`) in one host-to-device copy; the sampler's token read-back is the step's only sync. Decode-only
+steps may instead run padded to fixed shapes, as CUDA graphs (`padded_decode.py`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from tokenmill.engine.attention import AttentionMetadata
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.loader import LoadedModel
 from tokenmill.engine.models import is_native
+from tokenmill.engine.padded_decode import PaddedDecode
 from tokenmill.engine.pooling import pool_rows
 from tokenmill.engine.sampler import Sampler, SampleResult, SamplingRow
 from tokenmill.engine.scoring import score_logits, score_rows
@@ -31,7 +33,10 @@ log = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
+    """The KV cache holds `num_blocks` blocks for the scheduler and one more, `scratch_block`, that no sequence owns:
+    padded decode rows write their K/V there."""
+
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, max_model_len: int | None = None) -> None:
         self.model = loaded.model
         self.native = is_native(self.model)
         self.device, self.dtype = loaded.device, loaded.dtype
@@ -44,9 +49,13 @@ class ModelRunner:
         self.backend = get_backend(config.attention_backend, self.device)
         self.sampler = Sampler()
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.decode: PaddedDecode | None = None  # set after the KV cache: the memory profile's step runs eagerly
         self.inputs = self._input_builder()
         self.num_blocks = self._num_kv_blocks()
         self.kv_caches = self._allocate_kv_caches(self.num_blocks)
+        self.scratch_block = self.num_blocks
+        if self.native and self.device.type == "cuda" and not config.enforce_eager:
+            self.decode = PaddedDecode(self, max_model_len or config.max_model_len or 2048, capture=True)
         log.info("KV cache: %d blocks of %d tokens (%.1f MiB), attention backend %s", self.num_blocks,
                  config.block_size, self.num_blocks * self.block_bytes / 2**20, self.backend.name)
 
@@ -57,7 +66,8 @@ class ModelRunner:
         return 2 * self.num_layers * self.config.block_size * self.num_kv_heads * self.head_dim * element
 
     def _allocate_kv_caches(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        shape = (num_blocks, self.config.block_size, self.num_kv_heads, self.head_dim)
+        """`num_blocks` blocks and the scratch block after them."""
+        shape = (num_blocks + 1, self.config.block_size, self.num_kv_heads, self.head_dim)
         return [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                  torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(self.num_layers)]
 
@@ -77,9 +87,9 @@ class ModelRunner:
             max_len = config.max_model_len or 2048
             budget = min(config.max_num_seqs * max_len // config.block_size * self.block_bytes,
                          config.cpu_kv_cache_cap)
-        blocks = budget // self.block_bytes
+        blocks = budget // self.block_bytes - 1  # the scratch block comes out of the budget too
         if blocks < 1:
-            raise ValueError(f"KV cache: {budget} bytes hold no block of {self.block_bytes} bytes")
+            raise ValueError(f"KV cache: {budget} bytes hold fewer than 2 blocks of {self.block_bytes} bytes")
         return int(blocks)
 
     def _profile_free_cuda_memory(self) -> int:
@@ -127,6 +137,8 @@ class ModelRunner:
         step's scoring rows (`scoring.score_rows`) get logits too, after the sampled ones: their scores are read
         back with the tokens and written into their sequences. The pooled rows' hidden states (`pooling.pool_rows`)
         are added into their sequences once the sampler has passed (a step rerun after its failure adds them once)."""
+        if self.decode is not None and self.decode.fits(batch):
+            return self.sampler(self.decode.forward(batch), rows)
         if not batch.scoring and not batch.pooling:
             return self.sampler(self.forward(self.inputs.build(batch)), rows)
         scoring, pooling = score_rows(batch), pool_rows(batch)

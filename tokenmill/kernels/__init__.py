@@ -11,6 +11,9 @@ Every backend offers the same two operations, so the engine never knows which on
   each sequence's whole context read through its block table row. ``seq_lens[i]`` counts
   the context including the new tokens; the queries are its last tokens (causal, aligned
   to the end). ``max_seqlen_q``/``max_seq_len`` are host-side ints the caller already has.
+- ``decode_attention(query, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale) -> [B, Hq, D]``:
+  ``paged_attention`` of a step of one query per row that reads nothing back to the host (a CUDA graph can
+  capture it); a row with ``seq_lens`` 0 is padding and gets zeros.
 
 and a decoder layer's elementwise parts (`tokenmill.kernels.layers`, the torch reference): ``add_rms_norm``,
 ``rotary`` and ``silu_and_mul``, one kernel each in the Triton backend.
@@ -38,6 +41,11 @@ class AttentionBackend(Protocol):
     def paged_attention(
         self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
         cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, scale: float, max_seqlen_q: int, max_seq_len: int,
+    ) -> torch.Tensor: ...
+
+    def decode_attention(
+        self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+        cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, scale: float,
     ) -> torch.Tensor: ...
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float

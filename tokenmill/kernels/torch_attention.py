@@ -66,6 +66,16 @@ class TorchBackend:
                 out[rows] = _prefill(query[rows], k_cache, v_cache, block_tables[i], kv_lens[i], scale)
         return out
 
+    def decode_attention(
+        self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+        cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+    ) -> torch.Tensor:
+        """One query per row, with no host read: every row reads its table's full width, keys past its context
+        masked; a padding row (context 0) gets zeros."""
+        out = self._decode(query, k_cache, v_cache, block_tables, seq_lens, scale,
+                           block_tables.shape[1] * k_cache.shape[1])
+        return out.masked_fill((seq_lens == 0)[:, None, None], 0.0)
+
     def _short_prefill(self, out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        block_tables: torch.Tensor, group: list[int], starts: list[int], q_lens: list[int],
                        kv_lens: list[int], scale: float) -> None:

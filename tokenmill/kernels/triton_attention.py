@@ -251,6 +251,15 @@ class TritonBackend:
         return out
 
 
+    def decode_attention(
+        self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+        cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+    ) -> torch.Tensor:
+        """`paged_attention` needs no host value: its grid follows the shapes. A row of context 0 reads no key
+        and gets zeros."""
+        return self.paged_attention(query, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, 1, 0)
+
+
 def _dot_types(dtype: torch.dtype) -> tuple[tl.dtype, str]:
     """Operand dtype and precision of the kernel's `tl.dot`s.
 

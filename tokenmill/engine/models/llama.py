@@ -184,9 +184,13 @@ class DecoderLayer(nn.Module):
         q, k = qk[:, :shape.num_heads], qk[:, shape.num_heads:]
         v = qkv[:, q_size + kv_size:].view(tokens, shape.num_kv_heads, shape.head_dim)
         k_cache, v_cache = meta.kv_caches[self.index]
-        meta.backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        attended = meta.backend.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.seq_lens,
-                                                self.scale, meta.max_seqlen_q, meta.max_seq_len)
+        ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if meta.padded_decode:
+            attended = ops.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.seq_lens,
+                                            self.scale)
+        else:
+            attended = ops.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.seq_lens,
+                                           self.scale, meta.max_seqlen_q, meta.max_seq_len)
         hidden = self.o_proj(attended.reshape(tokens, shape.num_heads * shape.head_dim))
         hidden, residual = self.post_attention_layernorm(hidden, residual, ops)
         return self.down_proj(ops.silu_and_mul(self.gate_up_proj(hidden))), residual
