@@ -50,20 +50,28 @@ if [ -x .gpu/redis-server ] && ! command -v redis-server > /dev/null; then
 fi
 
 stage parity 90 python3 benchmarks/gpu_parity.py --json /tmp/gpu_parity.json
-stage throughput-qwen 140 python3 benchmarks/gpu_throughput.py --models qwen2.5-0.5b --deadline 100 \
+# CUDA graphs of the decode step: each bucket's replay against the same step run eagerly, bit for bit; then greedy
+# tokens and time with and without graphs.
+stage graphs 100 python3 benchmarks/gpu_graphs.py
+# tokenmill eager and with CUDA graphs (`tokenmill-graphs`), transformers' static batches and continuous batching.
+stage throughput-qwen 200 python3 benchmarks/gpu_throughput.py --models qwen2.5-0.5b --deadline 150 \
     --json /tmp/gpu_throughput_qwen.json
 stage kernels 110 python3 benchmarks/kernels_gpu.py --deadline 75
+# The queue stages below run only while their limit fits in the session's 570 s (`timely`): the engine stages come first.
+timely() {  # timely LIMIT: whether a stage of LIMIT seconds still fits
+    [ "$1" -le $(( 570 - ($(date +%s) - START) )) ]
+}
 # 60 lone-job probes: on the H200 they took ~70 s, and the benchmark prints nothing until it ends.
-stage queue ${QUEUE_LIMIT:-90} python3 benchmarks/job_queue.py --rounds 1 --probe-jobs ${PROBE_JOBS:-60}
+timely ${QUEUE_LIMIT:-90} && stage queue ${QUEUE_LIMIT:-90} python3 benchmarks/job_queue.py --rounds 1 --probe-jobs ${PROBE_JOBS:-60}
 # Three rounds (a few seconds each; starting the worker is most of the stage): the worker's CPU per one-token job by
 # thread, whose goal of 0.2 ms the H200 host missed (0.220-0.227 ms, 2026-12-04), is the median round's.
-stage queue-intake ${QUEUE_LIMIT:-70} python3 benchmarks/job_queue.py --intake --rounds 3
+timely ${QUEUE_LIMIT:-70} && stage queue-intake ${QUEUE_LIMIT:-70} python3 benchmarks/job_queue.py --intake --rounds 3
 # A lone job's decode steps, step by step, in the worker's engine process and in-process: on 2026-12-04's H200 they
 # took ~10% longer in the engine process (+11 ms over 40 steps), cause not found. The order alternates, the GPU's SM
 # clock during each path's jobs is printed, and each job runs a third time in a spawned child process (the same engine
 # as in-process): as slow there, the cause is being a child process; as fast, the engine process's own setup or loop.
 # 40 jobs: three runs each now where there were two runs of 60.
-stage queue-steps ${QUEUE_LIMIT:-75} python3 benchmarks/lone_job_hops.py --steps --max-tokens 40 --jobs 40
+timely ${QUEUE_LIMIT:-75} && stage queue-steps ${QUEUE_LIMIT:-75} python3 benchmarks/lone_job_hops.py --steps --max-tokens 40 --jobs 40
 # With what time is left: the engine process on a CPU of its own (`--engine-cpus auto`) beside an unpinned worker, side
 # by side; on the 2-core machine it cut a lone job's decode steps and cost the one-token ceiling, here 16 cores share.
 left=$(( 570 - ($(date +%s) - START) ))

@@ -9,6 +9,8 @@ tokens and 256 output tokens each (greedy, EOS ignored), in one run:
               the device (host clocks around the real engine methods), plus GPU kernel time over a few
               decode steps from torch.profiler; the native model where one covers the shape;
   tokenmill-hf  the same engine on transformers' modeling code (`model_impl="transformers"`): before/after;
+  tokenmill-graphs  the same engine with decode steps replayed as CUDA graphs (`enforce_eager=False`; on CPU the
+              padded decode path is not attached and this is the eager engine again);
   static      the same model object, `model.generate` over static batches (SDPA, no padding: equal prompts);
   hf-cb       the same model object, transformers continuous batching (the manager `generate_batch` runs,
               built once and warmed up outside the timed region, with its own defaults: CUDA graphs and
@@ -61,7 +63,7 @@ QUICK_SHAPES = {
     "llama-3-8b": dict(SHAPES["llama-3-8b"], hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, vocab_size=512, max_position_embeddings=1024),
 }
-SYSTEMS = ("tokenmill", "tokenmill-hf", "static", "hf-cb")
+SYSTEMS = ("tokenmill", "tokenmill-graphs", "tokenmill-hf", "static", "hf-cb")
 
 
 @dataclass
@@ -195,7 +197,8 @@ def _gpu_busy(engine, steps: int) -> float:  # noqa: ANN001
 
 
 def run_tokenmill(name: str, model_dir: str, prompts: list[list[int]], max_tokens: int,
-                  args: argparse.Namespace, impl: str = "auto") -> tuple[Row, list[list[int]], object]:
+                  args: argparse.Namespace, impl: str = "auto", graphs: bool = False
+                  ) -> tuple[Row, list[list[int]], object]:
     from tokenmill import LLM, SamplingParams
 
     reset_memory()
@@ -203,7 +206,7 @@ def run_tokenmill(name: str, model_dir: str, prompts: list[list[int]], max_token
     llm = LLM(model_dir, dtype=dtype, load_format="dummy", max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, gpu_memory_utilization=args.gpu_memory_utilization,
               max_model_len=len(prompts[0]) + max_tokens + 16, seed=args.seed, model_impl=impl,
-              **({} if on_cuda() else {"num_kv_blocks": 4096}))
+              enforce_eager=not graphs, **({} if on_cuda() else {"num_kv_blocks": 4096}))
     engine = llm.engine
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     llm.generate([[5, 6, 7]] * 4, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)
@@ -225,7 +228,8 @@ def run_tokenmill(name: str, model_dir: str, prompts: list[list[int]], max_token
     clock.restore()
     steps = engine.stats().num_steps - steps_before
     ordered = [outputs[str(i)] for i in range(len(prompts))]
-    row = Row(name, "tokenmill" if impl == "auto" else "tokenmill-hf", len(prompts), sum(map(len, ordered)), wall)
+    system = "tokenmill-graphs" if graphs else "tokenmill" if impl == "auto" else "tokenmill-hf"
+    row = Row(name, system, len(prompts), sum(map(len, ordered)), wall)
     row.tokens_per_s = row.output_tokens / wall
     memory(row)
     row.detail = {
@@ -235,6 +239,7 @@ def run_tokenmill(name: str, model_dir: str, prompts: list[list[int]], max_token
         "host_ms_per_step": {k: round(1e3 * v / max(steps, 1), 3) for k, v in clock.seconds.items()},
         "gpu_busy_fraction_5_profiled_steps": busy,
         "attention_backend": engine.runner.backend.name,
+        "cuda_graphs": sorted(engine.runner.decode.graphs) if engine.runner.decode is not None else None,
     }
     return row, ordered, llm
 
@@ -414,13 +419,16 @@ def main(argv: list[str] | None = None) -> int:
         reference, llm = None, None
         with tempfile.TemporaryDirectory() as model_dir:
             write_model_dir(model_dir, shape)
-            for impl, system in (("auto", "tokenmill"), ("transformers", "tokenmill-hf")):
+            for impl, system in (("auto", "tokenmill"), ("auto", "tokenmill-graphs"), ("transformers", "tokenmill-hf")):
                 if system not in systems and (system != "tokenmill" or reference is not None):
                     continue  # tokenmill always runs: its tokens are the baselines' reference
                 try:  # tokenmill on transformers' modules builds the model the baselines reuse (dummy weights)
                     llm = None
                     reset_memory()
-                    row, tokens, llm = run_tokenmill(name, model_dir, prompts, args.output_tokens, args, impl)
+                    row, tokens, llm = run_tokenmill(name, model_dir, prompts, args.output_tokens, args, impl,
+                                                     graphs=system == "tokenmill-graphs")
+                    if reference is not None:
+                        row.agreement = agreement(reference, tokens)
                     reference = reference or tokens
                     if system in systems:
                         emit(row, rows, args.json)
