@@ -271,6 +271,6 @@ def from_transformers(model: nn.Module) -> LlamaFamily:
         if can_pack(weight):
             for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
                 setattr(mine, name, PackedLinear(getattr(mine, name)))
-    if can_pack(weight) and not native.shape.tied:  # a packed tied head would be a second copy of the embedding
+    if can_pack(weight):  # tied too: a second copy of the embedding, but the head is a decode step's largest matmul
         native.lm_head = PackedLinear(native.lm_head)
     return native.eval()
