@@ -1,6 +1,6 @@
 """Fair shares benchmark: how long a small job waits behind another run's backlog, first in first out and in shares.
 
-    python benchmarks/fair_shares.py [--backlog 3000] [--max-tokens 64] [--probes 5] [--rounds 2]
+    python benchmarks/fair_shares.py [--backlog 3000] [--max-tokens 64] [--probes 5] [--rounds 2] [--groups 32] [--varied]
 
 Starts its own redis-server and one `tokenmill worker` on builtin:tiny (benchmarks/job_queue.py's `QueuePath`),
 then, in one run, times a small job (one prompt, 16 tokens) from submit to result:
@@ -11,8 +11,13 @@ then, in one run, times a small job (one prompt, 16 tokens) from submit to resul
 * behind the same backlog queued in a share of its own (`Client(share=...)`, as `annotate --broker` runs and
   `serve` tenants queue), the small job from a plain client and from a client of another share.
 
+`--groups N` queues the backlog as `annotate --broker` queues its rows (group messages of N jobs, `QueueRunner`);
+`--varied` spreads its jobs' lengths evenly over 1..`--max-tokens` (outputs ending at EOS), where the default, every
+job `--max-tokens` long, makes the running sequences end together, the longest wait for a free sequence slot.
+
 Each backlog is cancelled once its probe is back, and the queue drained, before the next. Prints the median of
-`--probes` probes per case (the two backlog layouts alternate over `--rounds`) and each case's ratio to alone.
+`--probes` probes per case (the two backlog layouts alternate over `--rounds`), each case's ratio to alone, and
+where the probe's time went (`PHASES`, from its result's stamps).
 
 With `--serve-lines N`, also through a `tokenmill serve` subprocess with two tenants (benchmarks/serve.py's
 `through_serve`, the `openai` SDK polling every 0.2 s): tenant bob's one-line batch alone, and while tenant
@@ -42,23 +47,57 @@ def _job(tag: str, index: int, max_tokens: int) -> dict:
             "ignore_eos": True, "temperature": 0.0}
 
 
-def probe(client: Client) -> float:
-    """Seconds from submitting one small job to its result."""
+def _length(index: int, max_tokens: int, varied: bool) -> int:
+    """A backlog job's tokens: `max_tokens` each, or (`varied`) spread evenly over 1..`max_tokens` in a fixed
+    shuffled order, as outputs that end at their EOS are."""
+    return 1 + (index * 7919) % max_tokens if varied else max_tokens
+
+
+def _queue_backlog(producer: Client, tag: str, backlog: int, max_tokens: int, varied: bool, groups: int
+                   ) -> list[str]:
+    """Queue the backlog in `producer`'s share: single-job messages, or (`groups` > 0) group messages of `groups`
+    jobs as `annotate --broker` queues its rows (`QueueRunner`). Returns the job ids in queue order."""
+    jobs = [_job(tag, i, _length(i, max_tokens, varied)) for i in range(backlog)]
+    if not groups:
+        return [handle.id for handle in producer.submit_many(jobs)]
+    from tokenmill.apps.runners import QueueRunner, Unit
+
+    units = [Unit(key=job["id"], prompt=job["prompt"], messages=None, job_id=job["id"],
+                  sampling={k: job[k] for k in ("max_tokens", "ignore_eos", "temperature")}) for job in jobs]
+    QueueRunner(producer, rows_per_message=groups, run_id=tag).submit(units)
+    return [unit.job_id for unit in units]
+
+
+#: Where a probe's time went, from its result's stamps (wall clock, worker and client on one host).
+PHASES = ("queue", "engine queue", "decode", "result")
+
+
+def probe(client: Client, phases: dict[str, list[float]] | None = None) -> float:
+    """Seconds from submitting one small job to its result; with `phases`, each phase's seconds appended to it: in
+    the queue (submit to the worker taking it), in the engine's queue (to its first token), decode (to its last) and
+    the result's way back (to the client having it)."""
+    submitted = time.time()
     started = time.perf_counter()
     handle = client.submit(_job(f"probe-{uuid.uuid4().hex[:8]}", 0, 16))
-    handle.result(timeout=600)
-    return time.perf_counter() - started
+    result = handle.result(timeout=600)
+    seconds = time.perf_counter() - started
+    if phases is not None:
+        stamps = [submitted, result.started_at, result.first_token_at, result.finished_at, submitted + seconds]
+        for name, begin, end in zip(PHASES, stamps, stamps[1:]):
+            phases.setdefault(name, []).append(end - begin)
+    return seconds
 
 
-def behind_backlog(path: job_queue.QueuePath, backlog: int, max_tokens: int, share: str | None,
-                   prober: Client) -> float:
-    """A small job's time to result, submitted once the worker runs a backlog queued by another client."""
+def behind_backlog(path: job_queue.QueuePath, args: argparse.Namespace, share: str | None, prober: Client,
+                   phases: dict[str, list[float]] | None = None) -> float:
+    """A small job's time to result, submitted once the worker runs a backlog queued by another client (`probe`'s
+    `phases`)."""
     tag = f"backlog-{uuid.uuid4().hex[:8]}"
     with Client(path.broker, share=share) as producer:
-        handles = producer.submit_many(_job(tag, i, max_tokens) for i in range(backlog))
-        first = [DELIVERIES_KEY.format(job_id=h.id) for h in handles[:8]]
+        handles = _queue_backlog(producer, tag, args.backlog, args.max_tokens, args.varied, args.groups)
+        first = [DELIVERIES_KEY.format(job_id=h) for h in handles[:8]]
         job_queue.wait_until(lambda: all(path.pinged.mget(first)), 120, "the backlog running")
-        seconds = probe(prober)
+        seconds = probe(prober, phases)
         producer.cancel(handles)
         producer.results(handles, timeout=600)
     return seconds
@@ -108,8 +147,13 @@ def main() -> None:
     parser.add_argument("--probes", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--serve-lines", type=int, default=0, help="also through tokenmill serve (0: not)")
+    parser.add_argument("--varied", action="store_true",
+                        help="backlog jobs of 1..--max-tokens tokens, spread evenly (outputs ending at EOS)")
+    parser.add_argument("--groups", type=int, default=0,
+                        help="the backlog in group messages of this many jobs, as annotate --broker queues (0: single)")
     args = parser.parse_args()
     cases: dict[str, list[float]] = {"alone": [], "fifo": [], "shares, plain client": [], "shares, another share": []}
+    phases: dict[str, dict[str, list[float]]] = {name: {} for name in cases}
     with tempfile.TemporaryDirectory() as directory:
         path = job_queue.QueuePath(Path(directory), args.max_num_seqs, 1, None)
         other = Client(path.broker, share="probe-share")
@@ -118,24 +162,27 @@ def main() -> None:
                 probe(path.client)  # warm
             for round_ in range(args.rounds):
                 for _ in range(args.probes):
-                    cases["alone"].append(probe(path.client))
+                    cases["alone"].append(probe(path.client, phases["alone"]))
                 layouts = [("fifo", None, path.client), ("shares, plain client", "run-big", path.client),
                            ("shares, another share", "run-big", other)]
                 for name, share, prober in layouts[:: 1 if round_ % 2 == 0 else -1]:
                     for _ in range(max(1, args.probes // args.rounds)):
-                        cases[name].append(behind_backlog(path, args.backlog, args.max_tokens, share, prober))
+                        cases[name].append(behind_backlog(path, args, share, prober, phases[name]))
             if args.serve_lines:
                 served = serve_cases(path, Path(directory), args.serve_lines, args.max_tokens, args.probes)
         finally:
             other.close()
             path.close()
     alone = statistics.median(cases["alone"])
-    print(f"| a 16-token job ({args.backlog} jobs x {args.max_tokens} tokens queued just before it) | median s | "
-          f"probes | / alone |")
-    print("|---|---|---|---|")
+    backlog = (f"{args.backlog} jobs x {'1-' if args.varied else ''}{args.max_tokens} tokens"
+               f"{f' in groups of {args.groups}' if args.groups else ''}")
+    print(f"| a 16-token job ({backlog} queued just before it) | median s | "
+          f"probes | / alone | {' | '.join(f'{phase} (median s)' for phase in PHASES)} |")
+    print("|---|---|---|---|" + "---|" * len(PHASES))
     for name, seconds in cases.items():
         median = statistics.median(seconds)
-        print(f"| {name} | {median:.3f} | {len(seconds)} | {median / alone:.1f}x |")
+        split = " | ".join(f"{statistics.median(phases[name][phase]):.3f}" for phase in PHASES)
+        print(f"| {name} | {median:.3f} | {len(seconds)} | {median / alone:.1f}x | {split} |")
     if args.serve_lines:
         alone = statistics.median(served["serve: one-line batch alone"])
         for name, seconds in served.items():

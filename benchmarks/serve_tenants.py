@@ -11,8 +11,9 @@ own file and creates `--bob-batches` batches, and both poll until every batch is
 
 Meanwhile the server process is sampled every `--sample` seconds: its threads (/proc/<pid>/task), open descriptors
 (/proc/<pid>/fd) and Redis connections: every client of `CLIENT LIST` and the server's own (those whose address is a
-socket of the server process, from /proc/<pid>/net/tcp). Prints the peaks, the figures when alice held the most
-active batches, whether every bob batch completed and how long each took from its creation, and alice's completion.
+socket of the server process, from /proc/<pid>/net/tcp), and of those the subscribed ones. Prints the peaks, the
+figures when alice held the most active batches, whether every bob batch completed and how long each took from its
+creation, and alice's completion.
 """
 
 from __future__ import annotations
@@ -57,10 +58,11 @@ class Sampler(threading.Thread):
     def sample(self) -> dict[str, int]:
         clients = self.redis.client_list()
         ports = socket_ports(self.pid)
-        own = sum(1 for c in clients if int(c["addr"].rsplit(":", 1)[1]) in ports)
+        own = [c for c in clients if int(c["addr"].rsplit(":", 1)[1]) in ports]
         active = self.redis.scard("tokenmill:api:active")
         return {"threads": len(os.listdir(f"/proc/{self.pid}/task")), "fds": len(os.listdir(f"/proc/{self.pid}/fd")),
-                "redis_clients": len(clients), "server_redis": own, "active": active}
+                "redis_clients": len(clients), "server_redis": len(own),
+                "server_subscribed": sum(int(c["sub"]) > 0 for c in own), "active": active}
 
     def run(self) -> None:
         while not self.stopping.is_set():
@@ -156,8 +158,8 @@ def main() -> None:
     print(f"server at rest: {idle['threads']} threads, {idle['fds']} fds, {idle['server_redis']} Redis connections "
           f"({idle['redis_clients']} clients on the Redis)")
     print(f"peak ({len(samples)} samples every {args.sample:g} s): {peak['threads']} threads, {peak['fds']} fds, "
-          f"{peak['server_redis']} Redis connections of the server ({peak['redis_clients']} clients on the Redis), "
-          f"{peak['active']} active batches")
+          f"{peak['server_redis']} Redis connections of the server ({peak['redis_clients']} clients on the Redis; "
+          f"{peak['server_subscribed']} of the server's subscribed), {peak['active']} active batches")
     print(f"at the most active batches ({busiest['active']}): {busiest['threads']} threads, {busiest['fds']} fds, "
           f"{busiest['server_redis']} server Redis connections")
     print(f"bob: {bob_ok}/{args.bob_batches} completed"

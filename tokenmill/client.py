@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import json
 import logging
+import queue
 import threading
 import time
+import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -124,17 +126,21 @@ class Client:
         queue: str | None = None,
         max_payload_bytes: int | None = None,
         share: str | None = None,
+        subscription: SharedSubscription | None = None,
     ) -> None:
         """`max_payload_bytes`: largest encoded job; default `max_job_bytes` of the settings (1 MiB), the
         limit workers apply too. `share`: the fair share this client's jobs wait in (a run, a tenant; 1 to 64 of
         `A-Z a-z 0-9 . _ -`): workers take from each share of the queue in turn, so another share's backlog does
-        not hold these jobs behind it (`tokenmill.queue.names.SHARE_HEADER`); None: the queue's own list."""
+        not hold these jobs behind it (`tokenmill.queue.names.SHARE_HEADER`); None: the queue's own list.
+        `subscription`: the result waits' pub/sub connection, shared with other clients (on the same result backend;
+        closing this client leaves it open); None: this client's own connections."""
         overrides = {"broker_url": broker_url, "result_backend": result_backend, "queue": queue}
         self.settings = QueueSettings(**{k: v for k, v in overrides.items() if v is not None})
         self.app = queue_app(self.settings)
         self.queue = self.settings.queue
         self.max_payload_bytes = max_payload_bytes or self.settings.max_job_bytes
-        self._subscriptions = _Subscriptions()
+        self._subscriptions: _Subscriptions | SharedSubscription = subscription or _Subscriptions()
+        self._own_subscriptions = subscription is None
         self.publisher = Publisher(self.app, self.queue, share)
 
     # -- submitting ----------------------------------------------------------------------------
@@ -346,7 +352,8 @@ class Client:
         return len(chosen), missing
 
     def close(self) -> None:
-        self._subscriptions.close()
+        if self._own_subscriptions:
+            self._subscriptions.close()
         self.publisher.close()
         self.app.close()
 
@@ -385,12 +392,13 @@ class _Subscriptions:
                 _close(pubsub)
         return client.pubsub(ignore_subscribe_messages=True)
 
-    def give_back(self, pubsub: Any, channels: int) -> None:
-        """Keep `pubsub` for the next wait, which unsubscribes it from these channels first, or close it (broken, too
+    def give_back(self, pubsub: Any, broken: bool = False) -> None:
+        """Keep `pubsub` for the next wait, which unsubscribes it from its channels first, or close it (`broken`, too
         many channels to unsubscribe cheaply, enough kept already). Not unsubscribed here, which would hold up a lone
         job's `result()`: a finished wait's channels get no more messages (a result is announced once, when it is
         stored)."""
-        if pubsub.connection is not None and channels <= _REUSED_MAX_CHANNELS:
+        channels = len(pubsub.channels) + len(pubsub.pending_unsubscribe_channels)
+        if not broken and pubsub.connection is not None and channels <= _REUSED_MAX_CHANNELS:
             with self._lock:
                 if len(self._idle) < _IDLE_SUBSCRIPTIONS:
                     self._idle.append(pubsub)
@@ -404,6 +412,181 @@ class _Subscriptions:
             _close(pubsub)
 
 
+class SharedSubscription:
+    """One pub/sub connection for the result waits of every client given it (`Client(subscription=...)`), where each
+    wait otherwise holds one of its own: a process with many waits at once (`tokenmill serve`'s batch drivers and
+    request threads) holds one connection for all of them.
+
+    The connection is taken from `redis`'s pool at the first wait and held until `close`; one thread reads it and
+    hands each announcement of a result to the waits subscribed to its key. A wait's `subscribe` returns once Redis
+    has confirmed it (a PING sent after it is answered), so a sweep of its keys after that misses no announcement.
+    On each (re)connect every key some wait still waits for is subscribed again; what was announced while the
+    connection was down, the waits' sweeps read. Thread-safe; RESP3 (redis-py's default) or RESP2.
+    """
+
+    #: Subscribed for as long as the connection lives, so that with RESP2 it stays in pub/sub mode (a PING's answer
+    #: always `[pong, token]` there).
+    ANCHOR = b"tokenmill:results-subscription"
+
+    def __init__(self, redis_client: redis.Redis, confirm_timeout: float = 10.0) -> None:
+        self.redis = redis_client
+        self.confirm_timeout = confirm_timeout
+        self._lock = threading.RLock()  # the routes, the confirmations and every write, in one order
+        self._routes: dict[bytes, set[_SharedFeed]] = {}  # key -> the waits for it
+        self._confirms: dict[bytes, threading.Event] = {}  # PING token -> its wait's subscribe, until answered
+        self._connection: Any = None
+        self._closed = threading.Event()
+
+    def take(self, _client: Any = None) -> _SharedFeed:
+        """A wait's feed (`_Subscriptions.take`'s counterpart): subscribe it to keys, read their announcements."""
+        with self._lock:
+            if self._closed.is_set():
+                raise redis.ConnectionError("the shared results subscription is closed")
+            if self._connection is None:
+                self._open()
+        return _SharedFeed(self)
+
+    def give_back(self, feed: _SharedFeed, broken: bool = False) -> None:
+        """The wait is over: its keys are unsubscribed unless another wait still waits for them."""
+        with self._lock:
+            gone = []
+            for key in feed.keys:
+                waits = self._routes.get(key)
+                if waits is not None:
+                    waits.discard(feed)
+                    if not waits:
+                        del self._routes[key]
+                        gone.append(key)
+            feed.keys.clear()
+            try:
+                self._send("UNSUBSCRIBE", gone)
+            except (redis.RedisError, OSError):
+                pass  # the reader connects again, subscribing only the keys still waited for
+
+    def close(self) -> None:
+        """Stop the reader and give the connection back to the pool (disconnected: it was in pub/sub mode)."""
+        self._closed.set()
+        with self._lock:
+            connection, self._connection = self._connection, None
+            for confirmed in self._confirms.values():
+                confirmed.set()
+        if connection is not None:
+            connection.deregister_connect_callback(self._on_connect)
+            connection.disconnect()
+            self.redis.connection_pool.release(connection)
+
+    @property
+    def keys(self) -> int:
+        """How many keys are subscribed for waits now."""
+        return len(self._routes)
+
+    def _subscribe(self, feed: _SharedFeed, keys: Iterable[bytes | str]) -> None:
+        """Route `keys`' announcements to `feed`, subscribe those no other wait has, and wait for Redis's confirmation
+        (`redis.TimeoutError` after `confirm_timeout`; `redis.ConnectionError` while the connection is down)."""
+        token, confirmed = uuid.uuid4().hex.encode(), threading.Event()
+        with self._lock:
+            fresh = []
+            for key in keys:
+                key = key.encode() if isinstance(key, str) else key
+                feed.keys.add(key)
+                if key not in self._routes:
+                    self._routes[key] = set()
+                    fresh.append(key)
+                self._routes[key].add(feed)
+            if self._connection is None or not self._connection.is_connected:
+                raise redis.ConnectionError("the shared results subscription is reconnecting")
+            self._confirms[token] = confirmed
+            try:
+                self._send("SUBSCRIBE", fresh)
+                self._connection.send_command("PING", token, check_health=False)
+            except BaseException:
+                del self._confirms[token]
+                raise
+        if not confirmed.wait(self.confirm_timeout):
+            with self._lock:
+                self._confirms.pop(token, None)
+            raise redis.TimeoutError(f"Redis did not confirm a subscription within {self.confirm_timeout:g}s")
+
+    def _send(self, command: str, keys: list[bytes]) -> None:
+        """`command` for `keys`, in writes of at most `_PUBLISH_BATCH` keys (under the lock, connected)."""
+        if self._connection is None or not self._connection.is_connected:
+            return
+        for start in range(0, len(keys), _PUBLISH_BATCH):
+            self._connection.send_command(command, *keys[start : start + _PUBLISH_BATCH], check_health=False)
+
+    def _open(self) -> None:
+        """Take the connection (under the lock) and start its reader."""
+        connection = self.redis.connection_pool.get_connection()
+        connection.register_connect_callback(self._on_connect)
+        self._connection = connection
+        self._on_connect(connection)
+        threading.Thread(target=self._read, name="results-subscription", daemon=True).start()
+
+    def _on_connect(self, connection: Any) -> None:
+        """On every connect: the anchor and every key waited for subscribed again, waits' confirmations asked again."""
+        with self._lock:
+            connection.send_command("SUBSCRIBE", self.ANCHOR, check_health=False)
+            self._send("SUBSCRIBE", list(self._routes))
+            for token in self._confirms:
+                connection.send_command("PING", token, check_health=False)
+
+    def _read(self) -> None:
+        """The reader's loop: each reply dispatched; a failed connection connected again, at most twice a second."""
+        while not self._closed.is_set():
+            try:
+                with self._lock:
+                    connection = self._connection
+                    if connection is None:
+                        return
+                    if not connection.is_connected:
+                        connection.connect()  # `_on_connect` subscribes again
+                if connection.can_read(timeout=1.0):
+                    self._dispatch(connection.read_response(disable_decoding=True, push_request=True))
+            except (redis.RedisError, OSError) as exc:
+                if self._closed.is_set():
+                    return
+                log.warning("the shared results subscription failed (%r); connecting again", exc)
+                with self._lock:
+                    if self._connection is not None:
+                        self._connection.disconnect()
+                self._closed.wait(0.5)
+
+    def _dispatch(self, reply: Any) -> None:
+        """A result's announcement to the waits for its key; a PING's answer (its token: RESP3, `[pong, token]`:
+        RESP2) to the subscribe waiting for it; (un)subscribe confirmations dropped."""
+        if isinstance(reply, list) and len(reply) == 3 and reply[0] == b"message":
+            with self._lock:
+                waits = list(self._routes.get(reply[1], ()))
+            for feed in waits:
+                feed.inbox.put({"type": "message", "channel": reply[1], "data": reply[2]})
+            return
+        token = reply[1] if isinstance(reply, list) and len(reply) == 2 and reply[0] == b"pong" else reply
+        if isinstance(token, bytes):
+            with self._lock:
+                confirmed = self._confirms.pop(token, None)
+            if confirmed is not None:
+                confirmed.set()
+
+
+class _SharedFeed:
+    """One wait's part of a `SharedSubscription`, used as that wait's pub/sub connection (`_ResultWatch`)."""
+
+    def __init__(self, shared: SharedSubscription) -> None:
+        self.shared = shared
+        self.keys: set[bytes] = set()
+        self.inbox: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
+
+    def subscribe(self, *keys: bytes | str) -> None:
+        self.shared._subscribe(self, keys)
+
+    def get_message(self, timeout: float = 0.0) -> dict[str, Any] | None:
+        """The next announcement for this wait's keys, waiting `timeout` seconds at most; None if none came."""
+        try:
+            return self.inbox.get(timeout=max(0.0, timeout))
+        except queue.Empty:
+            return None
+
+
 def _close(pubsub: Any) -> None:
     try:
         pubsub.close()
@@ -414,7 +597,8 @@ def _close(pubsub: Any) -> None:
 class _ResultWatch:
     """Waits for many results: pub/sub notifications, plus a periodic MGET sweep as a safety net."""
 
-    def __init__(self, backend: Any, subscriptions: _Subscriptions, ids: list[str], timeout: float | None,
+    def __init__(self, backend: Any, subscriptions: _Subscriptions | SharedSubscription, ids: list[str],
+                 timeout: float | None,
                  tick: float | None = None) -> None:
         self.backend = backend
         self.subscriptions = subscriptions
@@ -459,12 +643,8 @@ class _ResultWatch:
     def _unsubscribe(self, broken: bool = False) -> None:
         """Done with the pub/sub connection: kept for the next wait unless it failed (`broken`)."""
         pubsub, self.pubsub = self.pubsub, None
-        if pubsub is None:
-            return
-        if broken:
-            _close(pubsub)
-        else:
-            self.subscriptions.give_back(pubsub, len(pubsub.channels) + len(pubsub.pending_unsubscribe_channels))
+        if pubsub is not None:
+            self.subscriptions.give_back(pubsub, broken)
 
     def _listen(self, wait: float) -> Iterator[JobResult]:
         """Results announced on pub/sub within `wait` seconds; reconnects if Redis went away."""

@@ -339,3 +339,61 @@ def test_score_through_a_worker_equals_the_engine_s_scores(redis_server: RedisSe
         assert max(abs(s.logprob - e.logprob) for s, e in zip(scores, expected)) <= 1e-5
     assert result.text == "" and not result.token_ids and result.usage.completion_tokens == 0
     assert abs(result.scores[0].logprob - llm.score(prompt, [" Paris"])[0].logprob) <= 1e-5
+
+
+def test_clients_sharing_a_subscription_wait_on_one_connection_and_ride_out_a_restart(
+        redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nine waits at once, from two clients given one `SharedSubscription`: Redis sees one subscribed connection
+    where each wait held its own; every wait gets its own results, announced on pub/sub (the waits' sweeps, after
+    the first, are 60 s apart here), a key two waits wait for reaches both; each key is unsubscribed once its waits
+    end; after a Redis restart the keys still waited for are subscribed again and their results announced."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from service_fixtures import wait_for
+
+    import tokenmill.client
+    from tokenmill.client import SharedSubscription
+    from tokenmill.queue.schemas import JobResult
+    from tokenmill.queue.tls import redis_client
+
+    shared = SharedSubscription(redis_client(redis_server.url, max_connections=4, pool_timeout=5), confirm_timeout=5)
+    clients = [Client(redis_server.url, subscription=shared) for _ in range(2)]
+    worker = Client(redis_server.url).app.backend
+    redis = redis_server.client()
+
+    def store(job_id: str) -> None:
+        worker.store_result(job_id, JobResult(id=job_id, status="succeeded", text=job_id, token_ids=[1]).to_wire(),
+                            "SUCCESS")
+
+    monkeypatch.setattr(tokenmill.client, "_SWEEP_INTERVAL", 60.0)
+    groups = [[f"job-{g}-{i}" for i in range(20)] for g in range(8)]
+    groups.append(groups[0][:5])  # a second wait for five of the first wait's keys
+    try:
+        with ThreadPoolExecutor(len(groups)) as pool:
+            waits = [pool.submit(clients[n % 2].results, ids, 30) for n, ids in enumerate(groups)]
+            wait_for(lambda: shared.keys == 160, 10, "every wait subscribed")
+            assert sum(int(client["sub"]) > 0 for client in redis.client_list()) == 1
+            time.sleep(0.2)  # past each wait's first sweep
+            for job_id in (job_id for ids in groups[:8] for job_id in ids):
+                store(job_id)
+            got = [[result.id for result in wait.result(timeout=30)] for wait in waits]
+        assert got == groups
+        assert shared.keys == 0
+        key = worker.get_key_for_task(groups[0][0])
+        assert redis.pubsub_numsub(key) == [(key, 0)]
+
+        with ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(clients[0].results, ["after-restart"], 60)
+            key = worker.get_key_for_task("after-restart")
+            wait_for(lambda: redis.pubsub_numsub(key) == [(key, 1)], 10, "the wait subscribed")
+            redis_server.stop()
+            redis_server.start()
+            redis = redis_server.client()
+            wait_for(lambda: redis.pubsub_numsub(key) == [(key, 1)], 20, "the key subscribed again")
+            store("after-restart")
+            assert [result.id for result in waiting.result(timeout=30)] == ["after-restart"]
+    finally:
+        for client in clients:
+            client.close()
+        shared.close()

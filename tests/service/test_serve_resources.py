@@ -33,10 +33,11 @@ def _one_line(path: Path, content: str) -> Path:
     return path
 
 
-def _server_connections(pid: int, redis_server: RedisServer) -> int:
-    """The Redis clients whose address is a socket of process `pid`."""
+def _server_connections(pid: int, redis_server: RedisServer, subscribed: bool = False) -> int:
+    """The Redis clients whose address is a socket of process `pid` (`subscribed`: those subscribed to a channel)."""
     ports = socket_ports(pid)
-    return sum(int(client["addr"].rsplit(":", 1)[1]) in ports for client in redis_server.client().client_list())
+    return sum(int(client["addr"].rsplit(":", 1)[1]) in ports and (not subscribed or int(client["sub"]) > 0)
+               for client in redis_server.client().client_list())
 
 
 def _threads(pid: int) -> int:
@@ -55,9 +56,10 @@ def _status(port: int, key: str | None = None) -> int:
 
 def test_one_tenant_s_many_batches_hold_bounded_connections_and_threads_and_another_s_complete(
         redis_server: RedisServer, start_worker, tmp_path: Path) -> None:
-    """Alice's 40 batches with no worker (each driven one holds a wait's subscription): the server's Redis connections
-    stay within `redis_connections + 2 * max_publishers` and its threads within the drivers, the request threads and
-    its own; then a worker, and every one of bob's batches (and alice's) completes, none failed for a connection."""
+    """Alice's 40 batches with no worker (each driven one waits for its results): the server's Redis connections stay
+    within `redis_connections + 2 * max_publishers`, the drivers' waits on one subscription (one connection each
+    before), and its threads within the drivers, the request threads and its own; then a worker, and every one of
+    bob's batches (and alice's) completes, none failed for a connection."""
     flags = {"max-drivers": 4, "request-threads": 4, "redis-connections": 9, "max-publishers": 1,
              "max-active-batches": 50, "rate-limit": 100000, "rate-burst": 10000}
     server = Server(redis_server.url, tmp_path / "files", tmp_path / "serve.log", **flags)
@@ -65,12 +67,13 @@ def test_one_tenant_s_many_batches_hold_bounded_connections_and_threads_and_anot
         pid = server.process.pid
         alice, bob = server.client(), server.client("bob")
         file_id = alice.files.create(file=_one_line(tmp_path / "a.jsonl", "alice").open("rb"), purpose="batch").id
-        peaks = {"connections": 0, "threads": 0}
+        peaks = {"connections": 0, "subscribed": 0, "threads": 0}
         sampling = threading.Event()
 
         def sample() -> None:
             while not sampling.is_set():
                 peaks["connections"] = max(peaks["connections"], _server_connections(pid, redis_server))
+                peaks["subscribed"] = max(peaks["subscribed"], _server_connections(pid, redis_server, subscribed=True))
                 peaks["threads"] = max(peaks["threads"], _threads(pid))
                 sampling.wait(0.05)
 
@@ -87,7 +90,9 @@ def test_one_tenant_s_many_batches_hold_bounded_connections_and_threads_and_anot
             sampling.set()
             sampler.join()
         assert peaks["connections"] <= 9 + 2 * 1, peaks
-        assert peaks["threads"] <= 4 + 4 + 3, peaks  # drivers, request threads; the loop's, the supervisor's, one more
+        assert peaks["subscribed"] == 1, peaks  # the four drivers' waits share it
+        assert peaks["threads"] <= 4 + 4 + 4, peaks  # drivers, request threads; the loop's, the supervisor's, the results
+        # subscription's reader, one more
         start_worker(redis_server.url).wait_ready()
         bob_file = bob.files.create(file=_one_line(tmp_path / "b.jsonl", "bob").open("rb"), purpose="batch").id
         theirs = [bob.batches.create(input_file_id=bob_file, endpoint="/v1/chat/completions",
@@ -178,6 +183,40 @@ def test_out_of_descriptors_the_accept_failure_is_logged_once_a_second_and_the_s
         finally:
             for sock in sockets:
                 sock.close()
+        wait_for(lambda: _status(server.port, KEYS["alice"]) == 200, 20, "the server answering again")
+    finally:
+        server.close()
+
+
+def _cpu_seconds(pid: int) -> float:
+    """The process's CPU time so far, user and system, all threads."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_out_of_descriptors_the_server_pauses_accepting_instead_of_spinning_and_serves_again(
+        redis_server: RedisServer, tmp_path: Path) -> None:
+    """With 64 descriptors and 150 connections waiting to be accepted, the server's CPU stays near its idle level
+    (CPython's accept loop retried every waiting connection each second, ~2,000 failed accepts, exception handler
+    calls and timers a second with uvicorn's backlog); once the connections close it serves again."""
+    server = Server(redis_server.url, tmp_path / "files", tmp_path / "serve.log")
+    pid = server.process.pid
+    try:
+        time.sleep(1)  # settled after start
+        before = _cpu_seconds(pid)
+        time.sleep(4)
+        idle = _cpu_seconds(pid) - before
+        resource.prlimit(pid, resource.RLIMIT_NOFILE, (64, 64))
+        sockets = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(150)]
+        try:
+            time.sleep(1)  # every descriptor taken, the rest waiting in the listen backlog
+            before = _cpu_seconds(pid)
+            time.sleep(4)
+            exhausted = _cpu_seconds(pid) - before
+        finally:
+            for sock in sockets:
+                sock.close()
+        assert exhausted <= idle + 0.08, (exhausted, idle)  # 2% of the 4 s, over idle
         wait_for(lambda: _status(server.port, KEYS["alice"]) == 200, 20, "the server answering again")
     finally:
         server.close()

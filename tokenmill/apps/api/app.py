@@ -80,6 +80,7 @@ def create_app(settings: ServeSettings, keys: Keys) -> FastAPI:
             services.deliverer.start()  # and the webhook events it left undelivered
         yield
         services.supervisor.stop()
+        services.connections.close()
 
     app = FastAPI(title="tokenmill", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url="/openapi.json" if settings.openapi_schema else None)

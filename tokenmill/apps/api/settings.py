@@ -85,8 +85,8 @@ class ServeSettings(QueueSettings):
 
     @model_validator(mode="after")
     def _check_pools(self) -> "ServeSettings":
-        # each driver and request thread may hold one connection for a subscription while it waits for results: one
-        # more leaves the others' commands a connection (`tokenmill.apps.api.resources`)
+        # each driver and request thread may hold a connection for a command at once, and the waits for results share
+        # one more (`tokenmill.apps.api.resources`): then no thread waits for a connection held by a wait
         if self.redis_connections <= self.max_drivers + self.request_threads:
             raise ValueError(f"TOKENMILL_REDIS_CONNECTIONS ({self.redis_connections}) must exceed "
                              f"TOKENMILL_MAX_DRIVERS + TOKENMILL_REQUEST_THREADS "
