@@ -15,7 +15,7 @@ as a CUDA graph and `forward` replays it; elsewhere the same padded forward runs
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import logging
 import time
@@ -24,10 +24,10 @@ import numpy as np
 import torch
 
 from tokenmill.engine.attention import AttentionMetadata
+from tokenmill.engine.config import EngineConfig
+from tokenmill.engine.step_inputs import StepInputBuilder
+from tokenmill.kernels import AttentionBackend
 from tokenmill.scheduler.scheduler import ScheduledBatch
-
-if TYPE_CHECKING:
-    from tokenmill.engine.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +36,18 @@ def decode_buckets(max_num_seqs: int) -> list[int]:
     """1, 2, 4, 8, then steps of 8 up to 64 and of 16 beyond, ending with `max_num_seqs` itself."""
     steps = [1, 2, 4, *range(8, 64, 8), *range(64, max_num_seqs, 16)]
     return [b for b in steps if b < max_num_seqs] + [max_num_seqs]
+
+
+class Runner(Protocol):
+    """What this path reads of its `ModelRunner`, at each step (the runner may swap its caches)."""
+
+    model: torch.nn.Module
+    device: torch.device
+    config: EngineConfig
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    backend: AttentionBackend
+    inputs: StepInputBuilder  # its block-table mirror: the rows of the step's sequences
+    scratch_block: int
 
 
 @dataclass
@@ -60,7 +72,7 @@ class PaddedDecode:
     tables of padded rows keep whatever block ids earlier steps left there: never read past a row's context length.
     """
 
-    def __init__(self, runner: ModelRunner, max_model_len: int, capture: bool) -> None:
+    def __init__(self, runner: Runner, max_model_len: int, capture: bool) -> None:
         self.runner = runner
         self.device, self.block_size = runner.device, runner.config.block_size
         self.buckets = decode_buckets(runner.config.max_num_seqs)
