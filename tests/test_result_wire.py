@@ -1,10 +1,12 @@
-"""The worker builds a job's result as a dict (`result_wire`), not through pydantic: it must be, key for key and in
-the same order, what validating it as a `JobResult` and dumping that gives. And a content hash sent in a message's
-header is taken only in the form of one (`is_content_hash`; the worker's use of it: tests/service)."""
+"""The worker builds a job's result as a dict (`tokenmill.worker.output.result_wire`), not through pydantic: it must
+be, key for key and in the same order, what validating it as a `JobResult` and dumping that gives, and its bytes for a
+fixed job and output are pinned. And a content hash sent in a message's header is taken only in the form of one
+(`is_content_hash`; the worker's use of it: tests/service)."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from types import SimpleNamespace
 from typing import Any
 
@@ -13,8 +15,8 @@ from hypothesis import strategies as st
 
 from tokenmill.queue import fastjson
 from tokenmill.queue.schemas import Job, JobResult, content_hash, is_content_hash
-from tokenmill.worker.engine_process import EngineOutput, output_fields
-from tokenmill.worker.service import Attempt, result_wire
+from tokenmill.worker.output import EngineOutput, output_fields, result_wire
+from tokenmill.worker.service import Attempt
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**63), 2**63) | st.floats(allow_nan=False, allow_infinity=False)
@@ -129,3 +131,34 @@ def test_a_score_job_s_wire_is_its_validated_dump() -> None:
     wire = result_wire(job, Attempt(job, 1.0, 1), output, "w")
     dumped = JobResult.model_validate(wire).to_wire()
     assert wire == dumped and list(wire) == list(dumped) and wire["scores"] == scores
+
+
+PINNED = [
+    ('{"version":1,"id":"j1","status":"succeeded","text":"ab","token_ids":[7,8],"finish_reason":"length",'
+     '"logprobs":[{"7":-0.5},{"8":-1.0}],"parsed":null,"constraint_satisfied":null,"constraint_error":null,'
+     '"constraint_backend":null,"choice_probabilities":null,"embedding":null,"scores":null,'
+     '"usage":{"prompt_tokens":3,"completion_tokens":2,"total_tokens":5},"queued_at":1.5,"started_at":2.0,'
+     '"first_token_at":2.25,"finished_at":2.5,"output_uri":null,"error":null,"attempt":3,"worker":"w1",'
+     '"metadata":{"k":[1]},"job_hash":"' + "a" * 64 + '"}'),
+    ('{"version":1,"id":"j3","status":"failed","text":"y","token_ids":[1],"finish_reason":"length","logprobs":null,'
+     '"parsed":null,"constraint_satisfied":false,"constraint_error":null,"constraint_backend":"xgrammar",'
+     '"choice_probabilities":{"yes":0.75,"no":0.25},"embedding":null,"scores":null,'
+     '"usage":{"prompt_tokens":2,"completion_tokens":1,"total_tokens":3},"queued_at":null,"started_at":2.0,'
+     '"first_token_at":2.1,"finished_at":2.2,"output_uri":null,'
+     '"error":{"code":"constraint_incomplete","message":"max_tokens 4 reached inside the choice","field":"max_tokens"},'
+     '"attempt":2,"worker":"w1","metadata":{},"job_hash":"' + "c" * 64 + '"}'),
+]
+
+
+def test_the_wire_is_pinned() -> None:
+    """A succeeded and a failed result, to the byte: fails on any change of a key, its place or its value."""
+    job = Job.from_wire({"id": "j1", "prompt": "hi", "max_tokens": 4, "logprobs": 1, "submitted_at": 1.5,
+                         "metadata": {"k": [1]}})
+    output = EngineOutput("j1#0", 3, [7, 8], "ab", "length", first_token_time=2.25, finished_time=2.5,
+                          logprobs=[{"7": -0.5}, {"8": -1.0}])
+    succeeded = result_wire(job, Attempt(job, 2.0, 3, job_hash="a" * 64), output, "w1")
+    job = Job.from_wire({"id": "j3", "prompt": "hi", "choice": ["yes", "no"]})
+    output = EngineOutput("j3#2", 2, [1], "y", "length", 2.1, 2.2, constraint_satisfied=False,
+                          constraint_backend="xgrammar", choice_probabilities={"yes": 0.75, "no": 0.25})
+    failed = result_wire(job, Attempt(job, 2.0, 2, job_hash="c" * 64), output, "w1")
+    assert [json.dumps(wire, separators=(",", ":")) for wire in (succeeded, failed)] == PINNED

@@ -1,20 +1,16 @@
 """The `tokenmill.generate_batch` task: several jobs in one queue message, each with its own id and result.
 
-Why: on short completions a worker spends more time on Celery, kombu and Redis per message than the engine
-spends per job (figures: docs/benchmarks/annotate.md). `tokenmill annotate --broker` therefore sends rows in groups. Inside a group every job keeps the
-guarantees of a single `tokenmill.generate` job:
+Why: on short completions a worker spends more time on Celery, kombu and Redis per message than the engine spends per
+job (figures: docs/benchmarks/annotate.md); `tokenmill annotate --broker` therefore sends rows in groups. Inside a
+group every job keeps the guarantees of a single `tokenmill.generate` job:
 
-* its id is its idempotency key: a job whose final result is already stored is not run again (a redelivered
-  group runs only the jobs that have no result yet); a stored result of different content under its id is a
-  conflict, logged and counted, and the stored result is kept;
+* it is admitted as a single job is (`tokenmill.worker.admission`), its delivery counted unless it already runs
+  here (as a single job or in another group): a redelivered group runs only the jobs without a result yet;
 * it gets exactly one result, under its own Celery result key, so `Client.get`/`as_completed` read it like
   any job's. Results are written with `SET NX` (never overwriting a stored one) and announced on the key's
   pub/sub channel as Celery does, in one script call per group. (After a broker outage a group may
   run on two workers at once, as a single job may; `SET NX` still keeps exactly one result per job);
-* deliveries are counted per job, through the same `WorkerService` methods as a single job: only when
-  the job starts on a worker that does not already run it (as a single job or in another group); a job
-  started more than `max_deliveries` times is dead-lettered; ids must match the job-id pattern, and a
-  repeated id in a group runs once;
+* ids must match the job-id pattern, and a repeated id in a group runs once;
 * any failure of the group requeues it with its unfinished jobs aborted and its finished results stored;
 * the message is acknowledged only after all of its results are stored (late ack); at shutdown, past the
   grace period, finished jobs' results are stored and the group is requeued for the rest.
@@ -38,6 +34,7 @@ from celery.exceptions import Reject
 from tokenmill.errors import InvalidRequestError
 from tokenmill.queue.cancels import encode_result, result_meta
 from tokenmill.queue.names import BATCH_TASK_NAME
+from tokenmill.worker.admission import Attempt, Run
 
 if TYPE_CHECKING:
     from tokenmill.queue.schemas import Job
@@ -131,26 +128,19 @@ class BatchRun:
             self._store(done)  # whatever finished, also when the rest is requeued
         return len(todo)
 
-    def _check_in(self, jobs: list[Job], done: dict[str, dict[str, Any]]) -> list[Any]:
+    def _check_in(self, jobs: list[Job], done: dict[str, dict[str, Any]]) -> list[Attempt]:
         """Count a delivery of each job; returns the `Attempt`s to run. Jobs found stored are settled; cancelled and
         dead-lettered ones get their results in `done`."""
-        from tokenmill.worker.service import Admission, Attempt, admission, stored_job_hash
-
-        key = self.backend.get_key_for_task
-        checked = self.service.check_in([job.id for job in jobs], [key(job.id) for job in jobs])
+        runs = [Attempt(job, self.started_at, 0, job_hash=self.sent_hash(job.id)) for job in jobs]
+        decisions = self.service.admit(runs, [self.backend.get_key_for_task(job.id) for job in jobs])
         todo, stored = [], []
-        for job, check in zip(jobs, checked):
-            run = Attempt(job, self.started_at, check.attempt, job_hash=self.sent_hash(job.id))
-            decision = admission(check, run.job_hash, self.service.settings.max_deliveries)
-            if decision in (Admission.STORED, Admission.CONFLICT):
-                self.service.skip_stored(job, stored_job_hash(check.stored), run.job_hash)
-                stored.append(job.id)
-            elif decision is Admission.CANCELLED:
-                done[job.id] = self.service.cancelled_before_start(run)
-            elif decision is Admission.DEAD_LETTER:
-                done[job.id] = self.service.dead_letter(job, check.attempt, self.started_at)
-            else:
+        for run, decision in zip(runs, decisions):
+            if isinstance(decision, Run):
                 todo.append(run)
+            elif (result := self.service.settle(run, decision)) is None:
+                stored.append(run.job.id)
+            else:
+                done[run.job.id] = result
         if stored:
             self.settled(stored, {})  # acked together
         return todo
@@ -185,7 +175,7 @@ class BatchRun:
                 failed[job_id] = refused
         return jobs, failed
 
-    def _generate(self, runs: list[Any], done: dict[str, dict[str, Any]]) -> None:
+    def _generate(self, runs: list[Attempt], done: dict[str, dict[str, Any]]) -> None:
         """Submit every job to the engine at once (they join its running batch), then wait for all.
 
         On any error, or when the shutdown grace runs out, the unfinished requests are aborted and the group
@@ -227,7 +217,7 @@ class BatchRun:
                 self.service.engine.abort(futures[future][1])
             self.service.metrics.jobs_in_flight.dec(len(runs))
 
-    def _submit(self, runs: list[Any]) -> dict[Future, tuple[Any, str]]:
+    def _submit(self, runs: list[Attempt]) -> dict[Future, tuple[Attempt, str]]:
         """Hand `runs` to the engine in one message; returns each one's engine future -> (its `Attempt`, its engine
         request id). The caller owes `jobs_in_flight` a decrement per run."""
         futures = {future: (run, request_id) for run, (future, request_id) in zip(runs, self.service.submit_many(runs))}
@@ -235,7 +225,7 @@ class BatchRun:
         self.service.metrics.jobs_in_flight.inc(len(runs))
         return futures
 
-    def _complete(self, run: Any, answer: Any) -> dict[str, Any]:
+    def _complete(self, run: Attempt, answer: Any) -> dict[str, Any]:
         """The final result of a job from the engine's answer (`engine_process.Answer`: an output, or an exception,
         raised here unless it is a refusal)."""
         try:
@@ -246,9 +236,8 @@ class BatchRun:
             return self.service.complete(run, error=exc)
 
     def _finished(self, finishing: queue.SimpleQueue[Future], pending: int, timeout: float) -> set[Future]:
-        """The futures resolved since the last call: all `pending` ones, or those resolved within `timeout`. A queue
-        fed by each future's callback: `concurrent.futures.wait` added and removed a waiter on every pending future
-        at each call, work per wave that grew with the group."""
+        """The futures resolved since the last call: all `pending` ones, or those resolved within `timeout` (from a
+        queue each future's callback feeds, so a call's work does not grow with the group)."""
         finished: set[Future] = set()
         end = time.monotonic() + timeout
         while len(finished) < pending:

@@ -1,11 +1,8 @@
 """The engine in its own process, driven by its own loop; the Celery worker talks to it through a pipe.
 
-Why a process and not a thread of the worker: with a thread, the engine's Python (scheduler,
-sampling bookkeeping) and Celery's per-job Python (message handling, result writes, acks) share one
-GIL, so the engine's steps run slower and the queue falls well short of the in-process throughput
-(figures: docs/benchmarks/queue.md). In its own process the engine
-has a core to itself and Celery's work runs beside it, not between its steps. (vLLM runs its engine
-core in a separate process for the same reason.) The worker process itself then never imports torch.
+A process, not a thread of the worker, so that the engine's Python (scheduler, sampling bookkeeping) and Celery's
+per-job Python (messages, result writes, acks) share no GIL: Celery's work runs beside the engine's steps, not between
+them (figures: docs/benchmarks/queue.md), and the worker process never imports torch.
 
 The engine is not thread-safe; here only the loop in the child process touches it. Requests arrive on
 the pipe and are admitted between two steps, so new jobs join the running batch instead of waiting for
@@ -32,9 +29,7 @@ Neither side blocks on a write while the other cannot read. Here, every pipe wri
 (`_write_out`), in the order queued; no caller holds a lock across a write, and only a `send_many` that asks to
 (`wait=True`) waits for its own. The reader hands each answer to its sink (which must not block): it drains the
 engine's answers whatever the writes wait for. In the engine process every write goes through one writer thread
-(`_Outbox`) too, so the loop keeps reading requests and cancels, and stepping, while the worker is slow to read. (A
-cancel listener once blocked on a full pipe holding the lock the reader needed, while the engine blocked writing its
-outputs: both pipes full, the worker wedged.)
+(`_Outbox`) too, so the loop keeps reading requests and cancels, and stepping, while the worker is slow to read.
 
 The reader also marks when it last heard from the engine, which reports between steps at least every
 `_STATS_INTERVAL`: an engine that holds requests and is silent for `stall_timeout` seconds (frozen, stuck in a step,
@@ -70,32 +65,12 @@ from tokenmill.errors import InvalidRequestError, ModelLoadError
 from tokenmill.queue import fastjson
 from tokenmill.queue.schemas import Embed, Score
 from tokenmill.sampling_params import SamplingParams, without_defaults
+from tokenmill.worker.output import EngineOutput, output_fields
 
 log = logging.getLogger(__name__)
 
 _IDLE_WAIT = 0.5  # seconds the engine process blocks on the pipe when it has nothing to run
 _STATS_INTERVAL = 0.5
-
-
-@dataclass
-class EngineOutput:
-    """A finished request, as the worker receives it (the fields of the engine's `RequestOutput` it uses)."""
-
-    request_id: str
-    num_prompt_tokens: int
-    token_ids: list[int]
-    text: str
-    finish_reason: str
-    first_token_time: float | None
-    finished_time: float
-    logprobs: list[Any] | None = None
-    parsed: Any = None
-    constraint_satisfied: bool | None = None
-    constraint_error: str | None = None
-    constraint_backend: str | None = None
-    choice_probabilities: dict[str, float] | None = None
-    embedding: list[float] | None = None
-    scores: list[dict[str, Any]] | None = None  # a score job's: {"logprob", "is_greedy", "num_tokens"} each
 
 
 @dataclass
@@ -208,8 +183,7 @@ class EngineProcess:
         `Embed` or a score job's `Score`) in one pipe message: a group's jobs pay one
         write here and one read in the engine process instead of one each; each one's answer goes to `sink`. Text
         prompts go as token ids when the engine sent its tokenizer; a prompt refused here is answered at once and not
-        sent. A sink, not a future per request: the single-job intake hands every answer to its finisher's queue, and
-        a future's lifecycle (its `Condition`, done callback, `set_result`, `result`) cost more than the sink.
+        sent. A sink, not a future per request: the single-job intake hands every answer to its finisher's queue.
 
         `wait`: return once the message is written (the pipe may be full while the engine is in a step), and if the
         write fails, answer no request of it: the caller has the error, and nothing stays pending. Without `wait`
@@ -700,40 +674,6 @@ def frontend_tokenizer(spec: str | None) -> Any:
     tokenizer.no_padding()
     tokenizer.encode_special_tokens = False
     return tokenizer
-
-
-def output_fields(output: Any) -> dict[str, Any]:
-    """A finished `RequestOutput` as the worker's `EngineOutput(**fields)` takes it. The fields that default to None
-    there are left out when they are None (most requests ask for no logprobs and no structured output): an output's
-    JSON is smaller and its decode and `EngineOutput` in the worker's reader cheaper. Tested one by one here: a loop
-    over their names was slower."""
-    fields = {
-        "request_id": output.request_id,
-        "num_prompt_tokens": len(output.prompt_token_ids),
-        "token_ids": list(output.token_ids),
-        "text": output.text,
-        "finish_reason": output.finish_reason,
-        "first_token_time": output.first_token_time,
-        "finished_time": output.finished_time,
-    }
-    if output.logprobs is not None:
-        fields["logprobs"] = output.logprobs
-    if output.parsed is not None:
-        fields["parsed"] = output.parsed
-    if output.constraint_satisfied is not None:
-        fields["constraint_satisfied"] = output.constraint_satisfied
-    if output.constraint_error is not None:
-        fields["constraint_error"] = output.constraint_error
-    if output.constraint_backend is not None:
-        fields["constraint_backend"] = output.constraint_backend
-    if output.choice_probabilities is not None:
-        fields["choice_probabilities"] = output.choice_probabilities
-    if output.embedding is not None:
-        fields["embedding"] = output.embedding
-    if output.scores is not None and output.choice_probabilities is None:  # a score request (choices' are internal)
-        fields["scores"] = [{"logprob": score.logprob, "is_greedy": score.is_greedy, "num_tokens": len(score.token_ids)}
-                            for score in output.scores]
-    return fields
 
 
 def _plain(value: Any) -> Any:

@@ -10,25 +10,17 @@ Per job, in order:
    `output` is outside `output_prefixes` as a failed result (`invalid_request`, field `output`).
 2. If the same job id is already running in this process (delivered again while it runs here),
    wait for that run instead of starting a second one; this is not counted as a delivery.
-3. Idempotency: if a final result for this job id is already stored (the job was finished but its
-   ack was lost, a recovery requeued it, or a producer sent it twice), acknowledge without running
-   it again or rewriting it. Each result carries its job's content hash (`Job.content_hash`; for a
-   single job taken by the intake, the one its sender put in the `JOB_HASH_HEADER` header, if any): a
-   stored result of *different* content under the same id is a conflict (the id was reused), logged
-   and counted (`jobs_failed{code="conflict"}`), never run over the stored result; the producer's
-   `Client` sees its handle's hash differ and gets a failed `conflict` result.
-4. Count the delivery (`INCR tokenmill:deliveries:<id>`, in the same round trip as step 3): a
-   delivery is counted only when the job starts running on a worker that does not already run it.
-   A job started more than `max_deliveries` times has killed every worker that ran it: it is
-   dead-lettered (pushed on the bounded Redis list `tokenmill:dead_letter`, see
-   `tokenmill.queue.dead_letters`; final result failed with code `dead_letter`).
-5. Generate. A request the engine refuses (`InvalidRequestError`) ends as a failed result
+3. Admission (`tokenmill.worker.admission`): one script call counts the delivery and reads the job's stored result
+   and cancel mark; a job whose final result is stored (its own, or another content's: a conflict) is acknowledged
+   without running, a cancelled one gets its `cancelled` result, one started more than `max_deliveries` times is
+   dead-lettered, and the rest run.
+4. Generate. A request the engine refuses (`InvalidRequestError`) ends as a failed result
    (`invalid_request`, naming the field); the engine and the other jobs go on.
-6. With an S3 destination, write the full result there, retrying while S3 is down; Redis then gets a
+5. With an S3 destination, write the full result there, retrying while S3 is down; Redis then gets a
    stub holding `output_uri`.
-7. Return the result; Celery stores it in Redis, then acks the message.
+6. Return the result; Celery stores it in Redis, then acks the message.
 
-Steps 3-5 and the result write are shared with the other jobs that reach them at the same moment (one Redis
+Steps 3-4 and the result write are shared with the other jobs that reach them at the same moment (one Redis
 script or engine-process message for all, see `tokenmill.queue.batching`); each job's outcome is its own.
 
 On SIGTERM Celery stops taking jobs and waits for the running ones; they get `shutdown_grace`
@@ -38,7 +30,6 @@ worker always exits and nothing is lost.
 
 from __future__ import annotations
 
-import enum
 import json
 import logging
 import os
@@ -48,7 +39,6 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
 from typing import Any
 
 import redis
@@ -61,17 +51,19 @@ from tokenmill.errors import InvalidRequestError
 from tokenmill.queue import dead_letters
 from tokenmill.queue.app import socket_options
 from tokenmill.queue.batching import Coalescer, HeldScript
-from tokenmill.queue.cancels import encode_result, is_final
+from tokenmill.queue.cancels import encode_result
 from tokenmill.queue.names import CANCEL_KEY, DEAD_LETTER_KEY, DELIVERIES_KEY
-from tokenmill.queue.schemas import SCHEMA_VERSION, Job, JobResult, is_job_id
+from tokenmill.queue.schemas import Job, JobResult, is_job_id
 from tokenmill.queue.served import Announcer
 from tokenmill.queue.tls import redis_client
 from tokenmill.queue.transport import hand_back_held
-from tokenmill.sampling_params import constraint_problem
+from tokenmill.worker.admission import (CHECK_IN, Attempt, Cancelled, CheckIn, Conflict, DeadLetter, Decision, Run,
+                                        Stored, admission, settled_by)
 from tokenmill.worker.cancel_listener import CancelListener
 from tokenmill.worker.cpus import format_cpu_list, pin_process, placement
 from tokenmill.worker.engine_process import EngineProcess, Sink
 from tokenmill.worker.metrics import WorkerMetrics
+from tokenmill.worker.output import EngineOutput, result_wire
 from tokenmill.worker.settings import WorkerSettings
 from tokenmill.worker.sinks import OutputWriteError, RetryPolicy, S3Sink, WriteAbandoned, output_refusal
 
@@ -85,22 +77,6 @@ HAND_BACK_TIMEOUT = 10.0  # seconds a stalled worker tries to requeue its held m
 EXIT_WATCHDOG_SECONDS = HAND_BACK_TIMEOUT + 5.0
 CHECK_IN_LIMIT = 500  # single jobs per check-in script call (Redis runs a script alone) and per engine message
 STORE_LIMIT = 8  # groups' result stores per script call (each at most a group's jobs; Redis runs a script alone)
-
-# KEYS: n result keys, the n jobs' delivery-count keys, then their cancel marks; ARGV[1]: the counts' expiry
-# in seconds. Returns, per job, its stored result (nil if none), its delivery number after this one and
-# whether it was cancelled (1/0). One script with `tokenmill.queue.cancels.cancel`'s: a cancel either finds
-# the delivery counted (and is announced to this worker) or is seen here.
-_CHECK_IN = """
-local n = #KEYS / 3
-local replies = {}
-for i = 1, n do
-  replies[3 * i - 2] = redis.call('GET', KEYS[i])
-  replies[3 * i - 1] = redis.call('INCR', KEYS[n + i])
-  redis.call('EXPIRE', KEYS[n + i], ARGV[1])
-  replies[3 * i] = redis.call('EXISTS', KEYS[2 * n + i])
-end
-return replies
-"""
 
 # KEYS: n result keys, then pairs of unacked hash and unacked index. ARGV[1]: the results' expiry in seconds,
 # ARGV[2]: n, ARGV[2 + i]: the encoded result for KEYS[i]; then per pair a count and that many delivery tags.
@@ -129,61 +105,6 @@ return new
 """
 
 
-@dataclass
-class Attempt:
-    job: Job
-    started_at: float
-    attempt: int
-    time_limit: float | None = None  # Celery's time_limit / soft_time_limit of the message, if any
-    job_hash: str = ""
-
-    def __post_init__(self) -> None:
-        self.job_hash = self.job_hash or self.job.content_hash()
-
-    @property
-    def deadline(self) -> float | None:
-        """When (time.time()) the job must end, from `Job.deadline_s` or else the message's time limit."""
-        limit = self.job.deadline_s or self.time_limit
-        return None if limit is None else self.started_at + limit
-
-
-@dataclass
-class CheckIn:
-    """What a job's check-in found: its stored result, this delivery's number, whether it was cancelled."""
-
-    stored: bytes | None
-    attempt: int
-    cancelled: bool
-
-
-class Admission(enum.Enum):
-    """What becomes of a job its check-in counted a delivery of (`admission`)."""
-
-    STORED = "stored"  # its own final result is stored (a repeated delivery or submission): acknowledged, not run
-    CONFLICT = "conflict"  # another content's final result holds its id: that one is kept, this job acknowledged
-    CANCELLED = "cancelled"  # cancelled before it started: its `cancelled` result is stored, nothing runs
-    DEAD_LETTER = "dead_letter"  # delivered more than `max_deliveries` times: set aside, its failure stored
-    RUN = "run"
-
-
-def admission(check: CheckIn, job_hash: str | None, max_deliveries: int) -> Admission:
-    """The one decision every path (single jobs, the intake, groups) takes from a check-in, in this order: a final
-    result stored under the id settles the job; else a cancel; else a delivery past `max_deliveries`; else it runs."""
-    if is_final(check.stored):
-        return Admission.CONFLICT if is_conflict(stored_job_hash(check.stored), job_hash) else Admission.STORED
-    if check.cancelled:
-        return Admission.CANCELLED
-    if check.attempt > max_deliveries:
-        return Admission.DEAD_LETTER
-    return Admission.RUN
-
-
-def is_conflict(stored_hash: str | None, job_hash: str | None) -> bool:
-    """Whether a result carrying `stored_hash` belongs to other content than the job hashed `job_hash` (a reused id).
-    A result without a hash (an older worker's) is taken as the job's own."""
-    return stored_hash is not None and stored_hash != job_hash
-
-
 class WorkerService:
     """One per worker process; thread-safe `run_job`."""
 
@@ -201,7 +122,7 @@ class WorkerService:
             retry_on_error=[redis.ConnectionError, redis.TimeoutError],
             **socket_options(settings.redis_socket_timeout),
         )
-        self._check_in_script = HeldScript(self.redis, _CHECK_IN)
+        self._check_in_script = HeldScript(self.redis, CHECK_IN)
         self._store_script = HeldScript(self.redis, _STORE)
         self._running: dict[str, Future | None] = {}  # job id -> the future a joining delivery waits on
         self._engine_ids: dict[str, str] = {}  # job id -> its engine request id, while it generates
@@ -213,7 +134,7 @@ class WorkerService:
         self.cancels = CancelListener(self.redis, self.running_ids, self.cancel_running)
         self.announcer = Announcer(self.redis, self.hostname, settings.model, settings.queues or [settings.queue])
         # single jobs' check-ins and engine requests: one call of each for all the pool threads that need one at once
-        self._admits: Coalescer[tuple[Attempt, bytes], tuple[CheckIn, tuple[Future, str] | None]] = Coalescer(
+        self._admits: Coalescer[tuple[Attempt, bytes], tuple[Decision, tuple[Future, str] | None]] = Coalescer(
             self._admit_many, limit=CHECK_IN_LIMIT)
         # results stored by several groups at once (jobs of different groups finishing in one engine step): one call
         self._stores: Coalescer[tuple[dict[bytes, bytes], Sequence[tuple[str, str, str]]], None] = Coalescer(
@@ -371,35 +292,28 @@ class WorkerService:
             self.engine.cancel(request_id, "cancelled")
 
     def _run_once(self, run: Attempt, result_key: bytes) -> dict[str, Any]:
-        """Steps 3-7 for a job that is not already running in this process."""
-        job = run.job
-        check, submitted = self._admits.call((run, result_key))
-        decision = admission(check, run.job_hash, self.settings.max_deliveries)
-        if decision in (Admission.STORED, Admission.CONFLICT):
-            self.skip_stored(job, stored_job_hash(check.stored), run.job_hash)
-            raise Ignore()
-        if decision is Admission.CANCELLED:
-            return self.cancelled_before_start(run)
-        if decision is Admission.DEAD_LETTER:
-            return self.dead_letter(job, run.attempt, run.started_at)
-        assert submitted is not None  # `_admit_many` submitted every job that gets here
+        """Steps 3-6 for a job that is not already running in this process."""
+        decision, submitted = self._admits.call((run, result_key))
+        if not isinstance(decision, Run):
+            result = self.settle(run, decision)
+            if result is None:
+                raise Ignore()
+            return result
+        assert submitted is not None  # `_admit_many` submitted every job to run
         self.metrics.jobs_in_flight.inc()
         try:
             return self._execute(run, *submitted)
         finally:
             self.metrics.jobs_in_flight.dec()
 
-    def _admit_many(self, items: list[tuple[Attempt, bytes]]) -> list[tuple[CheckIn, tuple[Future, str] | None]]:
+    def _admit_many(self, items: list[tuple[Attempt, bytes]]) -> list[tuple[Decision, tuple[Future, str] | None]]:
         """Check in single jobs (one script call) and hand those to run to the engine (one pipe message): the
-        threads of jobs taken together wake once, each with its check-in and, if it runs, its engine request."""
-        checks = self.check_in([run.job.id for run, _ in items], [key for _, key in items])
-        runnable = []
-        for (run, _), check in zip(items, checks):
-            run.attempt = check.attempt
-            if admission(check, run.job_hash, self.settings.max_deliveries) is Admission.RUN:
-                runnable.append(run)
+        threads of jobs taken together wake once, each with its admission and, if it runs, its engine request."""
+        runs = [run for run, _ in items]
+        decisions = self.admit(runs, [key for _, key in items])
+        runnable = [run for run, decision in zip(runs, decisions) if isinstance(decision, Run)]
         submitted = dict(zip((id(run) for run in runnable), self.submit_many(runnable))) if runnable else {}
-        return [(check, submitted.get(id(run))) for (run, _), check in zip(items, checks)]
+        return [(decision, submitted.get(id(run))) for run, decision in zip(runs, decisions)]
 
     def _execute(self, run: Attempt, future: Future, request_id: str) -> dict[str, Any]:
         try:
@@ -434,34 +348,44 @@ class WorkerService:
             self.engine.cancel(request_id, "cancelled")
         return [(future, request[0]) for future, request in zip(futures, requests)]
 
-    def cancelled_before_start(self, run: Attempt) -> dict[str, Any]:
-        """The result of a job found cancelled at its check-in: it never reaches the engine."""
-        log.info("job %r was cancelled before it started; not running it", run.job.id)
-        self.metrics.jobs_cancelled.inc()
-        return JobResult.cancelled(run.job.id, "cancelled before it started", attempt=run.attempt, worker=self.hostname,
-                                   metadata=run.job.metadata, job_hash=run.job_hash, **_times(run.job, run)).to_wire()
+    def settle(self, run: Attempt, decision: Decision) -> dict[str, Any] | None:
+        """The result of a job its admission keeps from the engine (`Cancelled`, `DeadLetter`), or None for one whose
+        final result is stored already (`Stored`, `Conflict`: nothing is stored again)."""
+        match decision:
+            case Cancelled():
+                log.info("job %r was cancelled before it started; not running it", run.job.id)
+                self.metrics.jobs_cancelled.inc()
+                return JobResult.cancelled(run.job.id, "cancelled before it started", attempt=run.attempt,
+                                           worker=self.hostname, metadata=run.job.metadata, job_hash=run.job_hash,
+                                           **_times(run.job, run)).to_wire()
+            case DeadLetter(deliveries):
+                return self.dead_letter(run.job, deliveries, run.started_at)
+            case Stored() | Conflict():
+                self.skip_stored(run.job, decision, run.job_hash)
+                return None
+        raise ValueError(f"job {run.job.id} is to run, not to settle")
 
     def joined_another(self, job: Job, result: dict[str, Any]) -> bool:
         """Whether the run `job` joined (the result it gave) was another job under this id: a conflict, logged
         and counted as `skip_stored` does."""
         job_hash = job.content_hash()
-        if not is_conflict(result.get("job_hash"), job_hash):
-            return False
-        self.skip_stored(job, result.get("job_hash"), job_hash)
-        return True
+        settled = settled_by(result.get("job_hash"), job_hash)
+        if isinstance(settled, Conflict):
+            self.skip_stored(job, settled, job_hash)
+        return isinstance(settled, Conflict)
 
-    def skip_stored(self, job: Job, stored_hash: str | None, job_hash: str) -> None:
-        """A final result is stored under `job.id` (or another run of it finishes here): say whether it is this
-        job's (`job_hash`: a repeated delivery or submission, idempotent) or another content's (the id was reused: a
-        conflict)."""
-        if is_conflict(stored_hash, job_hash):
+    def skip_stored(self, job: Job, settled: Stored | Conflict, job_hash: str) -> None:
+        """A final result is stored under `job.id` (or another run of it finishes here): this job's (a repeated
+        delivery or submission, idempotent), or another content's (the id was reused: a conflict, counted)."""
+        if isinstance(settled, Conflict):
             self.metrics.jobs_failed.labels(code="conflict").inc()
             log.warning("job %s not run: its id holds the result of a job with different content (%s, this job %s); "
-                        "that result is kept", job.id, stored_hash[:12], job_hash[:12])
+                        "that result is kept", job.id, settled.stored_hash[:12], job_hash[:12])
         else:
             log.info("job %s already has a result; acknowledging without running it again", job.id)
 
-    def complete(self, run: Attempt, output: Any = None, error: InvalidRequestError | None = None) -> dict[str, Any]:
+    def complete(self, run: Attempt, output: EngineOutput | None = None, error: InvalidRequestError | None = None
+                 ) -> dict[str, Any]:
         """The job's final result from the engine's output (or its refusal), written to S3 if asked."""
         job = run.job
         if error is not None:
@@ -516,13 +440,16 @@ class WorkerService:
 
     # -- bookkeeping ---------------------------------------------------------------------------
 
-    def check_in(self, job_ids: list[str], result_keys: list[bytes]) -> list[CheckIn]:
-        """One script call for all: each job's stored result (if any), this delivery's number (INCR) and
-        whether the job was cancelled."""
+    def admit(self, runs: list[Attempt], result_keys: list[bytes]) -> list[Decision]:
+        """Count a delivery of each run's job (one check-in script call for all) and decide its admission; each
+        run's `attempt` becomes its delivery number."""
+        job_ids = [run.job.id for run in runs]
         keys = [*result_keys, *(DELIVERIES_KEY.format(job_id=job_id) for job_id in job_ids),
                 *(CANCEL_KEY.format(job_id=job_id) for job_id in job_ids)]
-        replies = self._check_in_script(keys, [int(self.settings.result_expires)])
-        return [CheckIn(replies[i], int(replies[i + 1]), bool(replies[i + 2])) for i in range(0, len(replies), 3)]
+        checks = CheckIn.from_replies(self._check_in_script(keys, [int(self.settings.result_expires)]))
+        for run, check in zip(runs, checks):
+            run.attempt = check.attempt
+        return [admission(check, run.job_hash, self.settings.max_deliveries) for run, check in zip(runs, checks)]
 
     def store_results(self, encoded: dict[bytes, bytes], acks: Sequence[tuple[str, str, str]] = ()) -> None:
         """Store each encoded Celery result under its key unless one is there already, and announce the new
@@ -576,62 +503,8 @@ class WorkerService:
         return result.to_wire()
 
 
-def result_wire(job: Job, run: Attempt, output: Any, worker: str) -> dict[str, Any]:
-    """The job's `JobResult` from the engine's output, in its wire form (`JobResult.to_wire()`, the same keys in
-    the same order): succeeded, or for a job the engine stopped early `cancelled` / failed `deadline_exceeded`,
-    or failed `constraint_incomplete` / `constraint_failed` (`constraint_problem`), with its text so far. Built as a dict, not validated by pydantic and dumped again (a visible share of a job's worker CPU):
-    every value comes from the engine's output as decoded from its pipe (JSON), from the checked job, or from
-    here, and tests/test_result_wire.py holds it equal to the validated model's dump."""
-    prompt_tokens, completion_tokens = output.num_prompt_tokens, len(output.token_ids)
-    status, error = "succeeded", None
-    if output.finish_reason == "cancelled":
-        status, error = "cancelled", {"code": "cancelled", "message": "cancelled while running", "field": None}
-    elif output.finish_reason == "deadline":
-        limit = job.deadline_s or run.time_limit
-        status = "failed"
-        error = {"code": "deadline_exceeded", "message": f"still running after its deadline of {limit:g}s", "field": None}
-    elif (problem := constraint_problem(job.sampling, output.finish_reason, output.constraint_satisfied,
-                                        output.constraint_error)) is not None:
-        status, error = "failed", dict(zip(("code", "message", "field"), problem))
-    return {
-        "version": SCHEMA_VERSION,
-        "id": job.id,
-        "status": status,
-        "text": output.text,
-        "token_ids": list(output.token_ids),
-        "finish_reason": output.finish_reason,
-        "logprobs": output.logprobs if job.sampling.logprobs is not None else None,
-        "parsed": output.parsed,
-        "constraint_satisfied": output.constraint_satisfied,
-        "constraint_error": output.constraint_error,
-        "constraint_backend": output.constraint_backend,
-        "choice_probabilities": output.choice_probabilities,
-        "embedding": output.embedding,
-        "scores": output.scores,
-        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                  "total_tokens": prompt_tokens + completion_tokens},
-        "queued_at": job.submitted_at,
-        "started_at": run.started_at,
-        "first_token_at": output.first_token_time,
-        "finished_at": output.finished_time or time.time(),
-        "output_uri": None,
-        "error": error,
-        "attempt": run.attempt,
-        "worker": worker,
-        "metadata": dict(job.metadata),
-        "job_hash": run.job_hash,
-    }
-
-
 def _times(job: Job, run: Attempt) -> dict[str, Any]:
     return {"queued_at": job.submitted_at, "started_at": run.started_at, "finished_at": time.time()}
-
-
-def stored_job_hash(stored: bytes) -> str | None:
-    """The content hash in a stored Celery result's `JobResult`; None for a result without one."""
-    result = json.loads(stored).get("result")
-    value = result.get("job_hash") if isinstance(result, dict) else None
-    return value if isinstance(value, str) else None
 
 
 def _safe_id(raw: dict[str, Any], task_id: str) -> str:

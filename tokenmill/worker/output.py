@@ -1,0 +1,120 @@
+"""A finished request from the engine process to the job's wire result: one type, `EngineOutput`, in two forms.
+
+`output_fields` (in the engine process) is its pipe message, made of the engine's `RequestOutput`; `result_wire` (in
+the worker) the job's `JobResult.to_wire()`, built as a dict with the contract's keys in its order, not validated and
+dumped again (tests/test_result_wire.py holds it to the validated dump, and to fixed bytes)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from tokenmill.queue.schemas import SCHEMA_VERSION, Job
+from tokenmill.sampling_params import constraint_problem
+
+if TYPE_CHECKING:
+    from tokenmill.worker.admission import Attempt
+
+
+@dataclass
+class EngineOutput:
+    """A finished request as the worker receives it: the fields of the engine's `RequestOutput` a result needs."""
+
+    request_id: str
+    num_prompt_tokens: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    first_token_time: float | None
+    finished_time: float
+    logprobs: list[Any] | None = None
+    parsed: Any = None
+    constraint_satisfied: bool | None = None
+    constraint_error: str | None = None
+    constraint_backend: str | None = None
+    choice_probabilities: dict[str, float] | None = None
+    embedding: list[float] | None = None
+    scores: list[dict[str, Any]] | None = None  # a score job's: {"logprob", "is_greedy", "num_tokens"} each
+
+
+def output_fields(output: Any) -> dict[str, Any]:
+    """A finished `RequestOutput` as `EngineOutput(**fields)` takes it. The fields that default to None there are left
+    out when None (most requests ask for no logprobs and no structured output), each tested by name: a smaller message,
+    cheaper to decode."""
+    fields = {
+        "request_id": output.request_id,
+        "num_prompt_tokens": len(output.prompt_token_ids),
+        "token_ids": list(output.token_ids),
+        "text": output.text,
+        "finish_reason": output.finish_reason,
+        "first_token_time": output.first_token_time,
+        "finished_time": output.finished_time,
+    }
+    if output.logprobs is not None:
+        fields["logprobs"] = output.logprobs
+    if output.parsed is not None:
+        fields["parsed"] = output.parsed
+    if output.constraint_satisfied is not None:
+        fields["constraint_satisfied"] = output.constraint_satisfied
+    if output.constraint_error is not None:
+        fields["constraint_error"] = output.constraint_error
+    if output.constraint_backend is not None:
+        fields["constraint_backend"] = output.constraint_backend
+    if output.choice_probabilities is not None:
+        fields["choice_probabilities"] = output.choice_probabilities
+    if output.embedding is not None:
+        fields["embedding"] = output.embedding
+    if output.scores is not None and output.choice_probabilities is None:  # a score request (choices' are internal)
+        fields["scores"] = [{"logprob": score.logprob, "is_greedy": score.is_greedy, "num_tokens": len(score.token_ids)}
+                            for score in output.scores]
+    return fields
+
+
+def result_wire(job: Job, run: Attempt, output: EngineOutput, worker: str) -> dict[str, Any]:
+    """The `JobResult.to_wire()` of `run` (of `job`) ending with `output`: every value from the output as decoded from
+    the pipe (JSON), from the checked job, or from here; no list shared with the job or the output."""
+    status, error = _outcome(job, run, output)
+    prompt_tokens, completion_tokens = output.num_prompt_tokens, len(output.token_ids)
+    return {
+        "version": SCHEMA_VERSION,
+        "id": job.id,
+        "status": status,
+        "text": output.text,
+        "token_ids": list(output.token_ids),
+        "finish_reason": output.finish_reason,
+        "logprobs": output.logprobs if job.sampling.logprobs is not None else None,
+        "parsed": output.parsed,
+        "constraint_satisfied": output.constraint_satisfied,
+        "constraint_error": output.constraint_error,
+        "constraint_backend": output.constraint_backend,
+        "choice_probabilities": output.choice_probabilities,
+        "embedding": output.embedding,
+        "scores": output.scores,
+        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                  "total_tokens": prompt_tokens + completion_tokens},
+        "queued_at": job.submitted_at,
+        "started_at": run.started_at,
+        "first_token_at": output.first_token_time,
+        "finished_at": output.finished_time or time.time(),
+        "output_uri": None,
+        "error": error,
+        "attempt": run.attempt,
+        "worker": worker,
+        "metadata": dict(job.metadata),
+        "job_hash": run.job_hash,
+    }
+
+
+def _outcome(job: Job, run: Attempt, output: EngineOutput) -> tuple[str, dict[str, Any] | None]:
+    """(status, error): succeeded; for a job the engine stopped early `cancelled`, or failed `deadline_exceeded`; for
+    a constrained one cut inside its constraint or failing its final check, failed (`constraint_problem`)."""
+    if output.finish_reason == "cancelled":
+        return "cancelled", {"code": "cancelled", "message": "cancelled while running", "field": None}
+    if output.finish_reason == "deadline":
+        limit = job.deadline_s or run.time_limit
+        return "failed", {"code": "deadline_exceeded", "message": f"still running after its deadline of {limit:g}s",
+                          "field": None}
+    problem = constraint_problem(job.sampling, output.finish_reason, output.constraint_satisfied,
+                                 output.constraint_error)
+    return ("succeeded", None) if problem is None else ("failed", dict(zip(("code", "message", "field"), problem)))
