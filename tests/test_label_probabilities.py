@@ -23,6 +23,7 @@ from model_fixtures import random_prompts  # noqa: E402
 from tokenmill import LLM, SamplingParams  # noqa: E402
 from tokenmill.engine import transfer  # noqa: E402
 from tokenmill.engine.llm_engine import LLMEngine  # noqa: E402
+from tokenmill.engine.scoring import ScoreGroup  # noqa: E402
 from tokenmill.errors import InvalidRequestError  # noqa: E402
 from tokenmill.queue.schemas import Job, JobResult, message_wire  # noqa: E402
 from tokenmill.scheduler.scheduler import Scheduler, SchedulerConfig  # noqa: E402
@@ -31,6 +32,8 @@ from tokenmill.worker.engine_process import EngineOutput, output_fields  # noqa:
 from tokenmill.worker.service import Attempt, result_wire  # noqa: E402
 
 TOLERANCE = 1e-5
+# A sum of log-probabilities is as exact as float32 makes its magnitude: a choice's total of -32 is off by ~1e-5.
+LOGPROB_REL = 1e-6
 LABELS = ["positive", "negative", "neutral"]
 
 
@@ -86,7 +89,7 @@ def test_choice_logprobs_equal_transformers(model_dirs, reference, random_seed: 
         assert out.finish_reason == "stop" and out.error is None
         assert list(out.choice_logprobs) == labels == list(out.choice_probabilities)
         for label, total, probability in zip(labels, totals, probabilities):
-            assert out.choice_logprobs[label] == pytest.approx(total, abs=TOLERANCE)
+            assert out.choice_logprobs[label] == pytest.approx(total, abs=TOLERANCE, rel=LOGPROB_REL)
             assert out.choice_probabilities[label] == pytest.approx(probability, abs=TOLERANCE)
         assert math.fsum(out.choice_probabilities.values()) == pytest.approx(1.0, abs=1e-12)
         best = max(labels, key=out.choice_probabilities.__getitem__)
@@ -127,21 +130,81 @@ def test_in_a_batch_with_generating_requests(model_dirs) -> None:
 
 @pytest.mark.parametrize(("block_size", "budget"), [(16, 4096), (1, 4096), (16, 48), (7, 5)])
 def test_the_prompt_is_computed_once(model_dirs, block_size: int, budget: int) -> None:
-    """The prompt is computed once, even chunked over several steps; then each choice computes its own tokens but
-    the last, from the prompt's K/V (its full blocks shared, its partial last block copied)."""
+    """The prompt is computed once, even chunked over several steps, and with it the first choice's tokens but the
+    last; then each other choice computes its own tokens but the last, from the prompt's K/V (its full blocks
+    shared, its partial last block copied)."""
     llm = llama(model_dirs, block_size=block_size, max_num_batched_tokens=budget)
     prompt = random_prompts(1, 100, 100, seed=4)[0]
     labels = ["alpha", "beta", "gamma", "delta", "epsilon", "z"]
     out = llm.generate([prompt], SamplingParams(choice=labels, choice_probabilities=True), use_tqdm=False)[0]
     stats = llm.engine.stats()
-    forked = [label for label in labels if len(label) > 1]  # a one-token choice is scored by the prompt's row
+    forked = [label for label in labels[1:] if len(label) > 1]  # a one-token choice is scored by the prompt's row
     assert stats.num_prefix_hit_tokens == len(forked) * len(prompt) == out.num_cached_tokens
-    assert stats.num_prompt_tokens == len(prompt) + sum(len(prompt) + len(label) - 1 for label in forked)
+    assert stats.num_prompt_tokens == len(prompt) + len(labels[0]) - 1 + sum(len(prompt) + len(label) - 1
+                                                                            for label in forked)
     computed = stats.num_prompt_tokens - stats.num_prefix_hit_tokens
-    assert computed == len(prompt) + sum(len(label) - 1 for label in forked)
+    assert computed == len(prompt) + sum(len(label) - 1 for label in labels)
     assert stats.num_generated_tokens == 0  # nothing sampled
     if budget >= len(prompt):
         assert stats.num_steps == 2  # the prompt, then every continuation
+
+
+SHARED = ["pos", "pose", "positive", "postal", "negative", "neg", "p", "neutral"]
+
+
+def proper_prefixes(labels: list[str]) -> set[str]:
+    return {label[:end] for label in labels for end in range(1, len(label))}
+
+
+@pytest.mark.parametrize(("block_size", "budget", "max_num_seqs"), [(16, 4096, 256), (1, 4096, 256), (7, 5, 256),
+                                                                   (16, 4096, 2)])
+def test_shared_prefixes_are_computed_once(model_dirs, reference, block_size: int, budget: int,
+                                           max_num_seqs: int) -> None:
+    """Labels sharing prefixes, one a prefix of others, one a single token: each distinct proper prefix is computed
+    once (`max_num_seqs=2`: the forks queue and recompute the prefix cache's partial block), and every label's
+    probability is transformers' own."""
+    llm = llama(model_dirs, block_size=block_size, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs)
+    prompt = random_prompts(1, 40, 40, seed=11)[0]
+    out = llm.generate([prompt], SamplingParams(choice=SHARED, choice_probabilities=True), use_tqdm=False)[0]
+    totals, probabilities = expected_distribution(reference, prompt, [encode(llm, label) for label in SHARED])
+    assert list(out.choice_logprobs.values()) == pytest.approx(totals, abs=TOLERANCE, rel=LOGPROB_REL)
+    assert list(out.choice_probabilities.values()) == pytest.approx(probabilities, abs=TOLERANCE)
+    stats = llm.engine.stats()
+    if max_num_seqs > 2:
+        assert stats.num_prompt_tokens - stats.num_prefix_hit_tokens == len(prompt) + len(proper_prefixes(SHARED))
+    scheduler = llm.engine.scheduler
+    assert scheduler.block_manager.num_free_blocks == scheduler.block_manager.num_blocks
+    assert scheduler.num_reserved == 0 and not llm.engine._groups
+
+
+def test_forks_find_the_slots_kept_for_them(model_dirs) -> None:
+    """More rows than running slots: a request starts only with slots for its forks, so none queues and recomputes
+    the prompt's partial block from the prefix cache."""
+    llm = llama(model_dirs, max_num_seqs=7)
+    prompts = random_prompts(8, 30, 60, seed=12)
+    labels = ["alpha", "beta", "gamma"]
+    llm.generate(prompts, SamplingParams(choice=labels, choice_probabilities=True), use_tqdm=False)
+    stats = llm.engine.stats()
+    computed = stats.num_prompt_tokens - stats.num_prefix_hit_tokens
+    assert computed == sum(map(len, prompts)) + len(prompts) * sum(len(label) - 1 for label in labels)
+
+
+def test_the_trie_is_split_into_forked_paths() -> None:
+    """The prompt's sequence follows the first computed child down the trie; each other computed child at its nodes
+    forks from it at that node, and goes on the same way."""
+    group = ScoreGroup("r", [9, 9], [[1, 2, 3], [1, 4, 5, 6], [7, 8], [1, 2], [7]], None, 0.0)
+    assert [(seq.token_ids, seq.fork_at, seq.targets) for seq in group.sequences] == [
+        ([9, 9, 1, 2], 0, ((1, 7), (2, 4), (3,))),
+        ([9, 9, 7], 2, ((8,),)),
+        ([9, 9, 1, 4, 5], 3, ((5,), (6,))),
+    ]
+    assert list(group.prompt.forks) == group.sequences[1:] and group.prompt.num_forks == 2
+    for seq, value in zip(group.sequences, (-1.0, -2.0, -3.0)):
+        seq.logprobs = [[value * (k + 1) - index for index in range(len(tokens))]
+                        for k, tokens in enumerate(seq.targets)]
+        seq.greedy = [(True,) * len(tokens) for tokens in seq.targets]
+    assert [score.token_logprobs for score in group.scores()] == [
+        [-1.0, -2.0, -3.0], [-1.0, -3.0, -3.0, -6.0], [-2.0, -2.0], [-1.0, -2.0], [-2.0]]
 
 
 def test_score_equals_transformers_with_greedy_flags(model_dirs, reference) -> None:
@@ -156,7 +219,7 @@ def test_score_equals_transformers_with_greedy_flags(model_dirs, reference) -> N
         tokens = encode(llm, continuation) if isinstance(continuation, str) else continuation
         logprobs, is_greedy = reference(prompt, tokens)
         assert score.token_ids == tokens and score.is_greedy == is_greedy
-        assert score.logprob == pytest.approx(math.fsum(logprobs), abs=TOLERANCE)
+        assert score.logprob == pytest.approx(math.fsum(logprobs), abs=TOLERANCE, rel=LOGPROB_REL)
         assert score.token_logprobs == pytest.approx(logprobs, abs=TOLERANCE)
 
 
@@ -241,6 +304,34 @@ def test_fork_shares_full_blocks_and_copies_the_partial_one() -> None:
     assert scheduler.block_manager.num_free_blocks == 8
 
 
+def test_forks_to_come_keep_their_slots_and_fork_at_their_length() -> None:
+    """A sequence with forks to come is admitted only with slots for them (alone, always); a fork takes the parent's
+    K/V up to its own length: the full blocks before it shared, the partial one copied."""
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, block_size=4, num_blocks=16))
+    params = SamplingParams(max_tokens=1)
+    first = Sequence("a", list(range(10)), params, num_scored_tokens=1, num_forks=2)
+    second = Sequence("b", list(range(20, 30)), params, num_scored_tokens=1, num_forks=2)
+    scheduler.add(first)
+    scheduler.add(second)
+    batch = scheduler.schedule()
+    assert batch.seqs == [first] and scheduler.num_reserved == 2  # the second needs 3 slots: 1 is left
+    scheduler.update(batch, [])
+    children = [Sequence("a", list(range(10)) + [40, 41], params, num_scored_tokens=2),
+                Sequence("a", list(range(5)) + [42, 43], params, num_scored_tokens=2)]
+    copies = scheduler.fork(first, children, [10, 5])
+    assert scheduler.num_reserved == 0 and [child.num_computed_tokens for child in children] == [10, 5]
+    assert copies == [(first.block_table[2], children[0].block_table[2]),
+                      (first.block_table[1], children[1].block_table[1])]
+    assert children[0].block_table[:2] == first.block_table[:2] and children[1].block_table[:1] == first.block_table[:1]
+    scheduler.finish(first, "stop")
+    assert scheduler.schedule().seqs == children  # 2 running + 3 for the second > 4
+    for child in children:
+        scheduler.finish(child, "stop")
+    alone = Scheduler(SchedulerConfig(max_num_seqs=2, block_size=4, num_blocks=16))
+    alone.add(Sequence("c", list(range(6)), params, num_scored_tokens=1, num_forks=5))
+    assert len(alone.schedule().seqs) == 1 and alone.num_reserved == 5
+
+
 def test_each_step_reads_the_device_once(model_dirs) -> None:
     """Scores come back in the sampler's one read-back, also in steps that sample nothing."""
     engine = llama(model_dirs, max_num_batched_tokens=32).engine
@@ -271,7 +362,7 @@ def test_the_benchmark_runs(tmp_path: Path) -> None:
                           capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert [line.split("|")[1:3] for line in done.stdout.splitlines() if line.startswith("| tiny")] == [
-        [" tiny ", " 3 "], [" tiny ", " 10 "]]
+        [" tiny ", " 3 "], [" tiny ", " 10 "], [" tiny ", " 10 nested "]]
 
 
 def test_a_step_scores_at_most_max_num_seqs_positions() -> None:

@@ -286,19 +286,21 @@ class LLMEngine:
         return ids
 
     def _add_group(self, group: ScoreGroup) -> None:
-        """Queue a scoring request's prompt (`scoring.py`); its continuations are checked now and start from the
-        prompt's K/V when it is computed (`_fork`)."""
+        """Queue a scoring request's first sequence (`scoring.py`); the others are checked now and start from the
+        K/V of the one they fork from when it is computed (`_fork`)."""
         for seq in group.sequences:
             self.scheduler.check(seq)
         self.scheduler.add(group.prompt)
+        group.prompt.started = True
         self._groups[group.request_id] = group
         self._totals["prompt"] += sum(seq.num_tokens for seq in group.sequences)
 
-    def _fork(self, group: ScoreGroup) -> None:
-        """Start the continuations of a request whose prompt is now computed, from its K/V (`Scheduler.fork`)."""
-        children = [child for child in group.children if child is not None]
-        self.runner.copy_blocks(self.scheduler.fork(group.prompt, children))  # type: ignore[arg-type]
-        group.forked = True
+    def _fork(self, seq: ScoredSequence) -> None:
+        """Start the forks of a scoring sequence now computed, from its K/V (`Scheduler.fork`)."""
+        pairs = self.scheduler.fork(seq, seq.forks, [fork.fork_at for fork in seq.forks])  # type: ignore[arg-type]
+        self.runner.copy_blocks(pairs)
+        for fork in seq.forks:
+            fork.started = True
 
     def _admit(self, request_id: str, token_ids: list[int], params: SamplingParams, arrival: float | None = None,
                spec: GrammarSpec | None = None) -> None:
@@ -423,8 +425,8 @@ class LLMEngine:
         """Take a scoring request out of `_groups` and finish its sequences in the scheduler."""
         group = self._groups.pop(request_id, None)
         if group is not None:
-            for seq in group.sequences if group.forked else [group.prompt]:
-                if not seq.is_finished:
+            for seq in group.sequences:
+                if seq.started and not seq.is_finished:
                     self._end_scored(seq, reason)
         return group
 
@@ -487,15 +489,15 @@ class LLMEngine:
         return finished
 
     def _finish_scored(self, scoring: list[Sequence], now: float) -> list[RequestOutput]:
-        """Finish the step's scoring sequences that are now computed whole (a prompt forks its continuations first);
+        """Finish the step's scoring sequences that are now computed whole (each forks its `forks` first);
         the outputs of the requests that have none left."""
         outputs = []
         for seq in scoring:
             if seq.num_computed_tokens < seq.num_tokens:
                 continue
             group = seq.group  # type: ignore[attr-defined]  # `_add_group` adds only `ScoredSequence`s
-            if seq is group.prompt:
-                self._fork(group)
+            if seq.forks:  # type: ignore[attr-defined]
+                self._fork(seq)  # type: ignore[arg-type]
             self._end_scored(seq, "stop")  # type: ignore[arg-type]
             group.remaining -= 1
             if group.remaining == 0:

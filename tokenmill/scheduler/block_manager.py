@@ -69,19 +69,19 @@ class BlockManager:
             seq.block_table.append(block_id)
         seq.num_computed_tokens = seq.num_cached_tokens = len(seq.block_table) * self.block_size
 
-    def fork(self, parent: Sequence, child: Sequence) -> tuple[int, int] | None:
-        """Give `child`, whose tokens begin with `parent`'s computed ones, their K/V: parent's full blocks, shared,
-        and for a partial last block a new block (the caller checked one is free) returned as (parent's, new) for
-        the runner to copy the K/V into before the child's next step writes the rest of it."""
-        computed = parent.num_computed_tokens
-        full = computed // self.block_size
+    def fork(self, parent: Sequence, child: Sequence, length: int) -> tuple[int, int] | None:
+        """Give `child`, whose first `length` tokens are `parent`'s and computed there, their K/V: parent's full blocks
+        among them, shared, and for a partial last block a new block (the caller checked one is free) returned as
+        (parent's, new) for the runner to copy the K/V into; the child's next step overwrites the copy from
+        `length` on before it reads it."""
+        full = length // self.block_size
         for block_id in parent.block_table[:full]:
             self._take(block_id)
         child.block_table = parent.block_table[:full]
-        child.num_computed_tokens = child.num_cached_tokens = computed
-        if computed == full * self.block_size:
+        child.num_computed_tokens = child.num_cached_tokens = length
+        if length == full * self.block_size:
             return None
-        self.allocate(child, computed)
+        self.allocate(child, length)
         return parent.block_table[full], child.block_table[full]
 
     def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:

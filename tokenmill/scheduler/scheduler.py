@@ -7,8 +7,9 @@ than what is left of the budget is split and continues next step from its cached
 A scoring sequence (`Sequence.num_scored_tokens`) is planned as a prompt that never decodes: it samples nothing,
 and its chunk is cut so that the step's scored rows stay within `max_num_seqs` (the logits rows the engine's memory
 profile allows for). Continuations of a computed sequence start from its K/V (`fork`): running at once, sharing its
-full blocks, with a copy of its partial last block; without a free slot or block they queue as new sequences and
-find the full blocks in the prefix cache. A pooling sequence (`Sequence.pooling`, an embedding) is planned as a
+full blocks, with a copy of a partial last block; a sequence with forks to come (`Sequence.num_forks`) is admitted
+only with running slots kept for them. Without a free slot or block they queue as new sequences and find the full
+blocks in the prefix cache. A pooling sequence (`Sequence.pooling`, an embedding) is planned as a
 scoring one that reads no logits: its chunks are cut by the budget alone.
 """
 
@@ -103,6 +104,8 @@ class Scheduler:
         # in O(1) wherever it is: removing from a list scans half of it on average, and short jobs finish dozens
         # a step.
         self.running: dict[Sequence, None] = {}
+        # Running slots kept for the forks still to come of running sequences (the sum of their `num_forks`)
+        self.num_reserved = 0
         # Prompt tokens served from the prefix cache so far, counted as each sequence is admitted (a sequence that
         # waits at the head of the queue matches its prefix again at every step until it fits)
         self.num_prefix_hit_tokens = 0
@@ -219,7 +222,7 @@ class Scheduler:
         return True
 
     def _admit(self, batch: ScheduledBatch) -> None:
-        while self.waiting and batch.budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and batch.budget > 0 and self._has_slots(self.waiting[0]):
             seq = self.waiting[0]
             self.block_manager.match_prefix(seq)
             count = min(seq.num_uncomputed_tokens, batch.budget)
@@ -232,33 +235,50 @@ class Scheduler:
             self.block_manager.cache_full_blocks(seq, seq.num_computed_tokens + count)
             self.waiting.popleft()
             self.num_prefix_hit_tokens += seq.num_cached_tokens
-            seq.status = SequenceStatus.RUNNING
-            self.running[seq] = None
+            self._run(seq)
             batch.add(seq, count)
 
-    def fork(self, parent: Sequence, children: list[Sequence]) -> list[tuple[int, int]]:
-        """Start `children`, whose tokens begin with all of `parent`'s (computed, still running), from its K/V:
-        running, as newly admitted (`BlockManager.fork`). Returns the (source, copy) block pairs whose K/V the
-        runner copies before the next step. A child without a free slot, or a free block for its copy, is queued
-        at the front instead (it finds the full blocks in the prefix cache)."""
+    def _has_slots(self, seq: Sequence) -> bool:
+        """Whether `seq` and its forks to come fit the running slots left (a sequence alone always fits)."""
+        return (len(self.running) + self.num_reserved + 1 + seq.num_forks <= self.config.max_num_seqs
+                or not self.running)
+
+    def _run(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.RUNNING
+        self.running[seq] = None
+        self.num_reserved += seq.num_forks
+
+    def _stop(self, seq: Sequence) -> None:
+        del self.running[seq]
+        self.num_reserved -= seq.num_forks
+
+    def fork(self, parent: Sequence, children: list[Sequence],
+             lengths: list[int] | None = None) -> list[tuple[int, int]]:
+        """Start `children` from the K/V of `parent` (computed, still running): child i's first `lengths[i]` tokens
+        (default: all of parent's) are parent's. Each runs as newly admitted (`BlockManager.fork`), in a slot that
+        `parent.num_forks` kept for it, which drops to 0. Returns the (source, copy) block pairs whose K/V the runner
+        copies before the next step. A child without a free slot, or a free block for its copy, is queued at the front
+        instead (it finds the full blocks in the prefix cache)."""
+        self.num_reserved -= parent.num_forks
+        parent.num_forks = 0
         copies, queued = [], []
-        needs_copy = parent.num_computed_tokens % self.config.block_size != 0
-        for child in children:
-            if len(self.running) >= self.config.max_num_seqs or self.block_manager.num_free_blocks < needs_copy:
+        for child, length in zip(children, lengths or [parent.num_computed_tokens] * len(children)):
+            needs_copy = length % self.config.block_size != 0
+            if (len(self.running) + self.num_reserved + 1 + child.num_forks > self.config.max_num_seqs
+                    or self.block_manager.num_free_blocks < needs_copy):
                 queued.append(child)
                 continue
-            pair = self.block_manager.fork(parent, child)
+            pair = self.block_manager.fork(parent, child, length)
             if pair is not None:
                 copies.append(pair)
             self.num_prefix_hit_tokens += child.num_cached_tokens
-            child.status = SequenceStatus.RUNNING
-            self.running[child] = None
+            self._run(child)
         self.waiting.extendleft(reversed(queued))
         return copies
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
         """Free `seq`'s blocks and requeue it at the front: it recomputes prompt and outputs later."""
-        del self.running[seq]
+        self._stop(seq)
         batch.remove(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
@@ -284,7 +304,7 @@ class Scheduler:
     def finish(self, seq: Sequence, reason: str) -> None:
         """Release a finished (or aborted) sequence's blocks at once, wherever it is."""
         if seq.status is SequenceStatus.RUNNING:
-            del self.running[seq]
+            self._stop(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         self.block_manager.free(seq)

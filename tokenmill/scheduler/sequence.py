@@ -33,6 +33,9 @@ class Sequence:
     Those positions are always computed (never served from the prefix cache); it ends once all are computed.
     A pooling sequence (`pooling` set: "last", "mean" or "cls") is a scoring sequence whose read positions give their
     final hidden states instead of logits (the engine pools them into an embedding): the last one, or all of them.
+
+    `num_forks` counts the sequences still to be forked from this one once it is computed (and from those in turn):
+    the scheduler keeps that many running slots free for them while it runs (`Scheduler.fork`).
     """
 
     request_id: str
@@ -47,6 +50,7 @@ class Sequence:
     finish_reason: str | None = None
     num_scored_tokens: int = 0
     pooling: str | None = None
+    num_forks: int = 0
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.token_ids)
