@@ -14,11 +14,10 @@ as a CUDA graph and `forward` replays it; elsewhere the same padded forward runs
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
-
 import logging
 import time
+from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -69,7 +68,7 @@ class PaddedDecode:
     The buffer's layout does not depend on the bucket: ids, positions and slots (int64, `max` rows each), then the
     context lengths (int32, `max` rows) and the block tables (int32, `max` x `width`). A step writes its rows and
     copies the prefix that covers its bucket's rows of the tables. Columns of a table past a row's context and the
-    tables of padded rows keep whatever block ids earlier steps left there: never read past a row's context length.
+    tables of padded rows keep whatever block ids earlier steps left there: valid ids, and masked by the context length.
     """
 
     def __init__(self, runner: Runner, max_model_len: int, capture: bool) -> None:
