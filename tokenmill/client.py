@@ -427,6 +427,7 @@ class SharedSubscription:
     #: Subscribed for as long as the connection lives, so that with RESP2 it stays in pub/sub mode (a PING's answer
     #: always `[pong, token]` there).
     ANCHOR = b"tokenmill:results-subscription"
+    _LOG_EVERY = 30.0  # seconds between two warnings of a connection that keeps failing
 
     def __init__(self, redis_client: redis.Redis, confirm_timeout: float = 10.0) -> None:
         self.redis = redis_client
@@ -531,7 +532,9 @@ class SharedSubscription:
                 connection.send_command("PING", token, check_health=False)
 
     def _read(self) -> None:
-        """The reader's loop: each reply dispatched; a failed connection connected again, at most twice a second."""
+        """The reader's loop: each reply dispatched; a failed connection connected again, at most twice a second,
+        logged at its first failure and then once every `_LOG_EVERY` seconds while it keeps failing."""
+        failures, logged_at = 0, float("-inf")
         while not self._closed.is_set():
             try:
                 with self._lock:
@@ -540,12 +543,17 @@ class SharedSubscription:
                         return
                     if not connection.is_connected:
                         connection.connect()  # `_on_connect` subscribes again
+                        failures = 0
                 if connection.can_read(timeout=1.0):
                     self._dispatch(connection.read_response(disable_decoding=True, push_request=True))
             except (redis.RedisError, OSError) as exc:
                 if self._closed.is_set():
                     return
-                log.warning("the shared results subscription failed (%r); connecting again", exc)
+                failures += 1
+                if time.monotonic() - logged_at >= self._LOG_EVERY:
+                    logged_at = time.monotonic()
+                    log.warning("the shared results subscription failed (%r, %d time(s) in a row); connecting again",
+                                exc, failures)
                 with self._lock:
                     if self._connection is not None:
                         self._connection.disconnect()
