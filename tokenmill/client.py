@@ -421,7 +421,9 @@ class SharedSubscription:
     hands each announcement of a result to the waits subscribed to its key. A wait's `subscribe` returns once Redis
     has confirmed it (a PING sent after it is answered), so a sweep of its keys after that misses no announcement.
     On each (re)connect every key some wait still waits for is subscribed again; what was announced while the
-    connection was down, the waits' sweeps read. Thread-safe; RESP3 (redis-py's default) or RESP2.
+    connection was down, the waits' sweeps read. The reader connects again outside the lock (a connect may block for
+    the socket timeout): meanwhile writes are skipped and a subscribe fails at once, as while the connection is down.
+    Thread-safe; RESP3 (redis-py's default) or RESP2.
     """
 
     #: Subscribed for as long as the connection lives, so that with RESP2 it stays in pub/sub mode (a PING's answer
@@ -436,6 +438,7 @@ class SharedSubscription:
         self._routes: dict[bytes, set[_SharedFeed]] = {}  # key -> the waits for it
         self._confirms: dict[bytes, threading.Event] = {}  # PING token -> its wait's subscribe, until answered
         self._connection: Any = None
+        self._connecting = False  # the reader is connecting `_connection` again, outside the lock
         self._closed = threading.Event()
 
     def take(self, _client: Any = None) -> _SharedFeed:
@@ -471,10 +474,15 @@ class SharedSubscription:
             connection, self._connection = self._connection, None
             for confirmed in self._confirms.values():
                 confirmed.set()
-        if connection is not None:
-            connection.deregister_connect_callback(self._on_connect)
-            connection.disconnect()
-            self.redis.connection_pool.release(connection)
+            connecting = self._connecting
+        if connection is not None and not connecting:  # else the reader gives it back once its connect ends
+            self._release(connection)
+
+    def _release(self, connection: Any) -> None:
+        """Give the connection back to the pool, disconnected: it was in pub/sub mode."""
+        connection.deregister_connect_callback(self._on_connect)
+        connection.disconnect()
+        self.redis.connection_pool.release(connection)
 
     @property
     def keys(self) -> int:
@@ -494,7 +502,7 @@ class SharedSubscription:
                     self._routes[key] = set()
                     fresh.append(key)
                 self._routes[key].add(feed)
-            if self._connection is None or not self._connection.is_connected:
+            if not self._writable():
                 raise redis.ConnectionError("the shared results subscription is reconnecting")
             self._confirms[token] = confirmed
             try:
@@ -508,12 +516,14 @@ class SharedSubscription:
                 self._confirms.pop(token, None)
             raise redis.TimeoutError(f"Redis did not confirm a subscription within {self.confirm_timeout:g}s")
 
+    def _writable(self) -> bool:
+        """Whether the connection takes writes now (under the lock): connected, and not being connected again."""
+        return self._connection is not None and not self._connecting and self._connection.is_connected
+
     def _send(self, command: str, keys: list[bytes]) -> None:
-        """`command` for `keys`, in writes of at most `_PUBLISH_BATCH` keys (under the lock, connected)."""
-        if self._connection is None or not self._connection.is_connected:
-            return
-        for start in range(0, len(keys), _PUBLISH_BATCH):
-            self._connection.send_command(command, *keys[start : start + _PUBLISH_BATCH], check_health=False)
+        """`command` for `keys` on the connection if it is writable (under the lock)."""
+        if self._writable():
+            _write(self._connection, command, keys)
 
     def _open(self) -> None:
         """Take the connection (under the lock) and start its reader."""
@@ -527,7 +537,7 @@ class SharedSubscription:
         """On every connect: the anchor and every key waited for subscribed again, waits' confirmations asked again."""
         with self._lock:
             connection.send_command("SUBSCRIBE", self.ANCHOR, check_health=False)
-            self._send("SUBSCRIBE", list(self._routes))
+            _write(connection, "SUBSCRIBE", list(self._routes))
             for token in self._confirms:
                 connection.send_command("PING", token, check_health=False)
 
@@ -541,9 +551,11 @@ class SharedSubscription:
                     connection = self._connection
                     if connection is None:
                         return
-                    if not connection.is_connected:
-                        connection.connect()  # `_on_connect` subscribes again
-                        failures = 0
+                    connecting = self._connecting = not connection.is_connected
+                if connecting:
+                    if not self._connect(connection):  # `_on_connect` subscribes again
+                        return  # closed meanwhile
+                    failures = 0
                 if connection.can_read(timeout=1.0):
                     self._dispatch(connection.read_response(disable_decoding=True, push_request=True))
             except (redis.RedisError, OSError) as exc:
@@ -558,6 +570,18 @@ class SharedSubscription:
                     if self._connection is not None:
                         self._connection.disconnect()
                 self._closed.wait(0.5)
+
+    def _connect(self, connection: Any) -> bool:
+        """Connect again outside the lock. False: `close` let go of the connection meanwhile, given back here."""
+        try:
+            connection.connect()
+        finally:
+            with self._lock:
+                self._connecting = False
+                let_go = self._connection is not connection
+            if let_go:
+                self._release(connection)
+        return not let_go
 
     def _dispatch(self, reply: Any) -> None:
         """A result's announcement to the waits for its key; a PING's answer (its token: RESP3, `[pong, token]`:
@@ -574,6 +598,12 @@ class SharedSubscription:
                 confirmed = self._confirms.pop(token, None)
             if confirmed is not None:
                 confirmed.set()
+
+
+def _write(connection: Any, command: str, keys: list[bytes]) -> None:
+    """`command` for `keys` on `connection`, in writes of at most `_PUBLISH_BATCH` keys."""
+    for start in range(0, len(keys), _PUBLISH_BATCH):
+        connection.send_command(command, *keys[start : start + _PUBLISH_BATCH], check_health=False)
 
 
 class _SharedFeed:
