@@ -28,8 +28,8 @@ from tokenmill.errors import InvalidRequestError  # noqa: E402
 from tokenmill.queue.schemas import Job, JobResult, message_wire  # noqa: E402
 from tokenmill.scheduler.scheduler import Scheduler, SchedulerConfig  # noqa: E402
 from tokenmill.scheduler.sequence import Sequence  # noqa: E402
-from tokenmill.worker.engine_process import EngineOutput, output_fields  # noqa: E402
-from tokenmill.worker.service import Attempt, result_wire  # noqa: E402
+from tokenmill.worker.admission import Attempt  # noqa: E402
+from tokenmill.worker.output import EngineOutput, output_fields, result_wire  # noqa: E402
 
 TOLERANCE = 1e-5
 # A sum of log-probabilities is as exact as float32 makes its magnitude: a choice's total of -32 is off by ~1e-5.

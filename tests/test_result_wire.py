@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 
 from tokenmill.queue import fastjson
 from tokenmill.queue.schemas import Job, JobResult, content_hash, is_content_hash
+from tokenmill.worker.admission import Attempt
 from tokenmill.worker.output import EngineOutput, output_fields, result_wire
-from tokenmill.worker.service import Attempt
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**63), 2**63) | st.floats(allow_nan=False, allow_infinity=False)
