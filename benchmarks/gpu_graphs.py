@@ -121,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         prompts = [[rng.randrange(3, shape["vocab_size"]) for _ in range(rng.randint(16, 512))] for _ in range(requests)]
         graph_tokens, graph_s, graph_steps = greedy(with_graphs, prompts, 128)
         with_graphs = None
-        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
         eager_tokens, eager_s, eager_steps = greedy(engine(model_dir, False, args), prompts, 128)
         same = sum(a == b for a, b in zip(graph_tokens, eager_tokens))
         print(f"greedy, {requests} requests x 128 tokens: identical {same}/{requests}; graphs {graph_s:.2f} s "
