@@ -417,12 +417,13 @@ class SharedSubscription:
     wait otherwise holds one of its own: a process with many waits at once (`tokenmill serve`'s batch drivers and
     request threads) holds one connection for all of them.
 
-    The connection is taken from `redis`'s pool at the first wait and held until `close`; one thread reads it and
-    hands each announcement of a result to the waits subscribed to its key. A wait's `subscribe` returns once Redis
+    The first wait starts one reader thread, which takes the connection from `redis`'s pool and holds it until `close`,
+    and hands each announcement of a result to the waits subscribed to its key. A wait's `subscribe` returns once Redis
     has confirmed it (a PING sent after it is answered), so a sweep of its keys after that misses no announcement.
     On each (re)connect every key some wait still waits for is subscribed again; what was announced while the
-    connection was down, the waits' sweeps read. The reader connects again outside the lock (a connect may block for
-    the socket timeout): meanwhile writes are skipped and a subscribe fails at once, as while the connection is down.
+    connection was down, the waits' sweeps read. The reader takes and connects the connection outside the lock (a
+    pool with none free, or a connect, may block for its timeout): meanwhile writes are skipped and a subscribe fails
+    at once, as while the connection is down.
     Thread-safe; RESP3 (redis-py's default) or RESP2.
     """
 
@@ -438,16 +439,23 @@ class SharedSubscription:
         self._routes: dict[bytes, set[_SharedFeed]] = {}  # key -> the waits for it
         self._confirms: dict[bytes, threading.Event] = {}  # PING token -> its wait's subscribe, until answered
         self._connection: Any = None
-        self._connecting = False  # the reader is connecting `_connection` again, outside the lock
+        self._connecting = False  # the reader is connecting, or taking `_connection` from the pool, outside the lock
+        self._reader: threading.Thread | None = None
+        self._first_try = threading.Event()  # the reader's first connect has succeeded or failed
         self._closed = threading.Event()
 
     def take(self, _client: Any = None) -> _SharedFeed:
-        """A wait's feed (`_Subscriptions.take`'s counterpart): subscribe it to keys, read their announcements."""
+        """A wait's feed (`_Subscriptions.take`'s counterpart): subscribe it to keys, read their announcements. The
+        first take starts the reader, which takes the connection from the pool; takes wait for its first try (at
+        most `confirm_timeout`), outside the lock."""
         with self._lock:
             if self._closed.is_set():
                 raise redis.ConnectionError("the shared results subscription is closed")
-            if self._connection is None:
-                self._open()
+            if self._reader is None:
+                self._connecting = True
+                self._reader = threading.Thread(target=self._read, name="results-subscription", daemon=True)
+                self._reader.start()
+        self._first_try.wait(self.confirm_timeout)
         return _SharedFeed(self)
 
     def give_back(self, feed: _SharedFeed, broken: bool = False) -> None:
@@ -470,6 +478,7 @@ class SharedSubscription:
     def close(self) -> None:
         """Stop the reader and give the connection back to the pool (disconnected: it was in pub/sub mode)."""
         self._closed.set()
+        self._first_try.set()
         with self._lock:
             connection, self._connection = self._connection, None
             for confirmed in self._confirms.values():
@@ -525,14 +534,6 @@ class SharedSubscription:
         if self._writable():
             _write(self._connection, command, keys)
 
-    def _open(self) -> None:
-        """Take the connection (under the lock) and start its reader."""
-        connection = self.redis.connection_pool.get_connection()
-        connection.register_connect_callback(self._on_connect)
-        self._connection = connection
-        self._on_connect(connection)
-        threading.Thread(target=self._read, name="results-subscription", daemon=True).start()
-
     def _on_connect(self, connection: Any) -> None:
         """On every connect: the anchor and every key waited for subscribed again, waits' confirmations asked again."""
         with self._lock:
@@ -549,16 +550,16 @@ class SharedSubscription:
             try:
                 with self._lock:
                     connection = self._connection
-                    if connection is None:
-                        return
-                    connecting = self._connecting = not connection.is_connected
+                    connecting = self._connecting = connection is None or not connection.is_connected
                 if connecting:
-                    if not self._connect(connection):  # `_on_connect` subscribes again
+                    connection = self._connect(connection)  # `_on_connect` subscribes again
+                    if connection is None:
                         return  # closed meanwhile
                     failures = 0
                 if connection.can_read(timeout=1.0):
                     self._dispatch(connection.read_response(disable_decoding=True, push_request=True))
             except (redis.RedisError, OSError) as exc:
+                self._first_try.set()
                 if self._closed.is_set():
                     return
                 failures += 1
@@ -571,17 +572,27 @@ class SharedSubscription:
                         self._connection.disconnect()
                 self._closed.wait(0.5)
 
-    def _connect(self, connection: Any) -> bool:
-        """Connect again outside the lock. False: `close` let go of the connection meanwhile, given back here."""
+    def _connect(self, connection: Any) -> Any:
+        """Connect outside the lock: the pool's connection the first time (then subscribed by `_on_connect`, as on
+        every connect after), else `connection` again. None: closed meanwhile (the connection given back here)."""
+        first = connection is None
         try:
-            connection.connect()
+            if first:
+                connection = self.redis.connection_pool.get_connection()
+                connection.register_connect_callback(self._on_connect)
+            else:
+                connection.connect()
         finally:
             with self._lock:
                 self._connecting = False
-                let_go = self._connection is not connection
+                if first and connection is not None and not self._closed.is_set():
+                    self._connection = connection
+                    self._on_connect(connection)  # the pool connected it before the callback was registered
+                let_go = connection is not None and self._connection is not connection
             if let_go:
                 self._release(connection)
-        return not let_go
+        self._first_try.set()
+        return None if let_go else connection
 
     def _dispatch(self, reply: Any) -> None:
         """A result's announcement to the waits for its key; a PING's answer (its token: RESP3, `[pong, token]`:

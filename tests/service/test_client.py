@@ -402,3 +402,58 @@ def test_clients_sharing_a_subscription_wait_on_one_connection_and_ride_out_a_re
         for client in clients:
             client.close()
         shared.close()
+
+
+def test_a_shared_subscription_connects_outside_its_lock(redis_server: RedisServer) -> None:
+    """The first wait's connect is the reader's, outside the lock: with the pool exhausted, a take returns within
+    `confirm_timeout` (the wait then sweeps), a subscribe fails at once instead of queueing behind the connect, and
+    `close` returns at once; once a connection frees, the subscription connects and announcements arrive; a close
+    during the connect gives its connection back to the pool."""
+    import time
+
+    import redis
+    from service_fixtures import wait_for
+
+    from tokenmill.client import SharedSubscription
+    from tokenmill.queue.schemas import JobResult
+    from tokenmill.queue.tls import redis_client
+
+    worker = Client(redis_server.url).app.backend
+    client = redis_client(redis_server.url, max_connections=1, pool_timeout=3)
+    pool = client.connection_pool
+    held = pool.get_connection()
+    shared = SharedSubscription(client, confirm_timeout=0.5)
+    try:
+        started = time.monotonic()
+        feed = shared.take()
+        assert time.monotonic() - started < 1.5
+        started = time.monotonic()
+        with pytest.raises(redis.ConnectionError):
+            feed.subscribe(worker.get_key_for_task("first"))
+        assert time.monotonic() - started < 0.5
+        pool.release(held)
+
+        def subscribed() -> bool:
+            try:
+                feed.subscribe(worker.get_key_for_task("first"))
+                return True
+            except redis.ConnectionError:
+                return False
+
+        wait_for(subscribed, 10, "the subscription connected")
+        worker.store_result("first", JobResult(id="first", status="succeeded", text="x", token_ids=[1]).to_wire(),
+                            "SUCCESS")
+        message = feed.get_message(timeout=10)
+        assert message is not None and message["channel"] == worker.get_key_for_task("first")
+    finally:
+        shared.close()
+
+    held = pool.get_connection()  # the subscription's connection is back in the pool
+    closing = SharedSubscription(client, confirm_timeout=0.5)
+    closing.take()
+    started = time.monotonic()
+    closing.close()
+    assert time.monotonic() - started < 0.5
+    pool.release(held)
+    wait_for(lambda: pool.pool.qsize() == pool.max_connections, 10, "the reader gave its connection back")
+    client.close()
