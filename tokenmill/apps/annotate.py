@@ -8,10 +8,7 @@ with its input columns unchanged plus the result columns, in input order.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
-import sys
 import time
 import traceback
 from collections.abc import Iterator
@@ -25,8 +22,9 @@ from pydantic import ValidationError
 
 from tokenmill.apps.arrow_schema import Column, parsed_column
 from tokenmill.apps.datasets import MAX_ROW_BYTES, Dataset, DatasetError, Writer, format_of, open_dataset
-from tokenmill.apps.pipeline import Progress, Summary, compute, stored
-from tokenmill.apps.runners import EmbeddedRunner, QueueRunner, Unit, sampling_dict
+from tokenmill.apps.options import RunOptions, run_options
+from tokenmill.apps.pipeline import Summary, compute_all, open_checkpoint, stored
+from tokenmill.apps.runners import Unit, make_runner, sampling_dict
 from tokenmill.apps.store import Checkpoint, KeyHasher, Outcome
 from tokenmill.errors import InvalidRequestError
 from tokenmill.queue.schemas import Embed, Score, invalid_request_from
@@ -34,7 +32,6 @@ from tokenmill.queue.schemas import Embed, Score, invalid_request_from
 #: The result columns after the text column, with their Parquet types (all nullable: a failed row has nulls).
 RESULT_COLUMNS = {"parsed": pa.string(), "finish_reason": pa.string(), "prompt_tokens": pa.int64(),
                   "completion_tokens": pa.int64(), "error": pa.string()}
-DEFAULT_WINDOW = {"embedded": 1024, "queue": 4096}
 #: The column of each row's probability per choice, with `--probabilities`.
 PROBABILITIES = "probabilities"
 #: The column of each row's generated tokens with their logprobs and top alternatives, with `--logprobs N`: in
@@ -133,6 +130,7 @@ def annotate(
     *,
     system: str | None = None,
     chat: bool = False,
+    options: RunOptions | None = None,
     model: str | None = None,
     broker: str | None = None,
     queue: str | None = None,
@@ -165,8 +163,9 @@ def annotate(
 ) -> Summary:
     """Annotate every row of `input` into `output`; returns the run's `Summary` (also printed unless `quiet`).
 
-    Embedded (default): the engine runs here (`model`, required, with `engine_options`; or pass a loaded
-    `tokenmill.LLM` as `llm`). Distributed: `broker="redis://..."` sends rows to queue workers, as
+    The run options (`RunOptions`' fields, shared with `batch`) come as keywords or as one `options` value, not
+    both (`InvalidRequestError`). Embedded (default): the engine runs here (`model`, required, with
+    `engine_options`; or pass a loaded `tokenmill.LLM` as `llm`). Distributed: `broker="redis://..."` sends rows to queue workers, as
     the run printed at the start (`tokenmill cancel --run RUN` stops it); Ctrl-C cancels the rows in flight
     (after asking, at a terminal) unless `detach`, and the same call again computes them; a resume skips rows
     cancelled with `tokenmill cancel` unless `retry_cancelled` (`retry_failed`: the same for rows that failed).
@@ -181,20 +180,20 @@ def annotate(
     `{continuation, logprob, is_greedy, num_tokens}` per continuation, in order, beside `prompt_tokens` and `error`.
     Raises `InvalidRequestError` (bad option or template) or `DatasetError` (unusable input/output) before any work; a row that fails gets its error in the output instead.
     """
+    run = run_options(options, locals())
     started = time.perf_counter()
     structured = {"json_schema": json_schema, "choice": choice, "regex": regex}
     embedding = embed_options(embed, dimensions, {**sampling, **structured})
     continuations = score_options(score, embed, {**sampling, **structured})
     params = {} if embedding is not None or continuations is not None else sampling_dict(
         {"temperature": 0.0, **sampling, **{k: v for k, v in structured.items() if v is not None}})
-    mode = "queue" if broker else "embedded"
-    if mode == "embedded" and not model and llm is None:
+    if run.mode == "embedded" and not run.model and run.llm is None:
         raise InvalidRequestError("model", "required without a broker: a local directory, a Hugging Face hub id, or "
                                            "builtin:tiny (random weights, for tests)")
     if limit is not None and limit < 1:
         raise InvalidRequestError("limit", f"must be >= 1, got {limit}")
-    prompter = Prompter(template, system, chat, model_label(model, llm, broker, queue), params, embedding, continuations)
-    dataset = open_dataset(input, input_format, s3_endpoint_url, max_row_bytes, input_compression)
+    prompter = Prompter(template, system, chat, run.model_label, params, embedding, continuations)
+    dataset = open_dataset(input, input_format, run.s3_endpoint_url, run.max_row_bytes, run.input_compression)
     if limit is not None:
         dataset = LimitedDataset(dataset, limit)
     schema = dataset.schema
@@ -207,30 +206,20 @@ def annotate(
         _check_columns(schema, id_column, column, out_format, tuple(_extra_columns(params)))
     prompter.check_columns(schema.names)
     if dry_run:
-        print_plan(dataset, prompter, id_column, input, output, model_label(model, llm, broker, queue), broker)
+        print_plan(dataset, prompter, id_column, input, output, run.model_label, run.broker)
         return Summary(output=output)
     total = dataset.count_rows()
-    checkpoint = Checkpoint(os.path.join(state_dir or default_state_dir(output), "checkpoint.sqlite"),
-                            checkpoint_interval)
+    checkpoint = open_checkpoint(run, output)
     summary = Summary(output=output)
     try:
-        runner = make_runner(mode, model, llm, engine_options, broker, queue, window, rows_per_message, checkpoint.run,
-                             detach)
+        runner = make_runner(run, checkpoint.run)
         runner.check(params)
-        progress = Progress(total, "annotate", quiet)
-        try:
-            compute(_units(dataset, prompter, id_column), checkpoint, runner, progress, summary, retry_failed,
-                    retry_cancelled)
-        finally:
-            progress.close()
-        summary.prefix_hit_rate = runner.prefix_hit_rate()
-        _write(dataset, schema, prompter, id_column, column, checkpoint, Writer(output, out_format, s3_endpoint_url), summary)
+        compute_all("annotate", total, _units(dataset, prompter, id_column), checkpoint, runner, summary, run)
+        writer = Writer(output, out_format, run.s3_endpoint_url)
+        _write(dataset, schema, prompter, id_column, column, checkpoint, writer, summary)
     finally:
         checkpoint.close()
-    summary.wall_s = time.perf_counter() - started
-    if not quiet:
-        summary.print()
-    return summary
+    return summary.finish(started, run.quiet)
 
 
 class LimitedDataset:
@@ -289,23 +278,6 @@ def print_plan(dataset: Dataset | LimitedDataset, prompter: Prompter, id_column:
           f"{max_tokens * (rows - failing):,} completion (max_tokens {max_tokens} x {rows - failing} rows)")
 
 
-def model_label(model: str | None, llm: Any, broker: str | None, queue: str | None) -> str:
-    """The model's name in result keys. Distributed without `--model`, the queue stands for the workers' model."""
-    if model:
-        return model
-    if llm is not None:
-        return llm.engine.config.model
-    return f"queue:{queue or 'tokenmill'}" if broker else "builtin:tiny"
-
-
-def default_state_dir(output: str) -> str:
-    """Next to a local output; for an S3 output, under ~/.cache/tokenmill (one directory per output URI)."""
-    if output.startswith("s3://"):
-        name = hashlib.sha256(output.encode()).hexdigest()[:16]
-        return os.path.join(os.path.expanduser("~/.cache/tokenmill/state"), name)
-    return os.path.abspath(output) + ".tokenmill-state"
-
-
 def _check_columns(schema: pa.Schema, id_column: str | None, column: str, out_format: str,
                    extra: tuple[str, ...] = (), results: tuple[str, ...] = tuple(RESULT_COLUMNS)) -> None:
     if out_format == "csv":
@@ -349,27 +321,6 @@ def score_options(score: list[str] | None, embed: bool, sampling: dict[str, Any]
     except ValidationError as exc:
         error = invalid_request_from(exc)
         raise InvalidRequestError(error.field.removeprefix("score.").replace("continuations", "score"), error.message) from None
-
-
-def make_runner(mode: str, model: str | None, llm: Any, engine_options: dict[str, Any] | None, broker: str | None,
-                queue: str | None, window: int | None, rows_per_message: int, run: str, detach: bool = False) -> Any:
-    """The engine here, or the queue's workers for `run` (the checkpoint's run id; printed, for `tokenmill cancel`)."""
-    window = window or DEFAULT_WINDOW[mode]
-    if mode == "queue":
-        from tokenmill.client import Client
-
-        client = Client(broker, queue=queue, share=run[:12])  # each run its fair share of the queue
-        client.ping()  # an unreachable broker is one line before the run is announced
-        runner = QueueRunner(client, window, rows_per_message, run[:12], detach)
-        print(f"tokenmill: run {runner.run_id} (tokenmill cancel --run {runner.run_id} stops it)", file=sys.stderr)
-        return runner
-    if llm is None:
-        from tokenmill.engine.llm import LLM
-
-        if not model:
-            raise InvalidRequestError("model", "required for the embedded engine")
-        llm = LLM(model, **(engine_options or {}))
-    return EmbeddedRunner(llm, window)
 
 
 Row = tuple[str, dict[str, Any], str | None]  # (row id, columns, why it could not be read)

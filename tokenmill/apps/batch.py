@@ -32,10 +32,10 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from tokenmill.apps.annotate import default_state_dir, make_runner, model_label
 from tokenmill.apps.datasets import MAX_ROW_BYTES, TooLong, Writer, read_lines, too_long
-from tokenmill.apps.pipeline import Progress, Summary, compute, stored
-from tokenmill.apps.runners import Unit, error_parts, sampling_dict
+from tokenmill.apps.options import RunOptions, run_options
+from tokenmill.apps.pipeline import Summary, compute_all, open_checkpoint, stored
+from tokenmill.apps.runners import Unit, error_parts, make_runner, sampling_dict
 from tokenmill.apps.store import Checkpoint, Outcome, SeenSet, content_key
 from tokenmill.errors import InvalidRequestError
 from tokenmill.queue.schemas import Embed, Score, invalid_request_from
@@ -381,6 +381,7 @@ def batch(
     output: str,
     *,
     errors: str | None = None,
+    options: RunOptions | None = None,
     model: str | None = None,
     broker: str | None = None,
     queue: str | None = None,
@@ -402,35 +403,25 @@ def batch(
     """Run an OpenAI Batch API input file; returns the `Summary` (`failed`: the lines of the errors file).
     `errors` defaults to `<output>` with `.errors.jsonl` in place of its extension. Raises `InvalidRequestError`,
     before the model loads, for a file unusable as a whole (`check_lines`; a line over `max_row_bytes`,
-    decompressed, is one). Run ids, Ctrl-C, `detach` and `retry_cancelled` as in `annotate`."""
+    decompressed, is one). Run ids, Ctrl-C, `detach` and `retry_cancelled` as in `annotate`, and as there the run
+    options (`RunOptions`' fields) come as keywords or as one `options` value, not both."""
+    run = run_options(options, locals())
     started = time.perf_counter()
     errors = errors or os.path.splitext(output)[0] + ".errors.jsonl"
-    mode = "queue" if broker else "embedded"
-    label = model_label(model, llm, broker, queue)
-    source = Source(input, s3_endpoint_url, max_row_bytes, input_compression)
+    source = Source(input, run.s3_endpoint_url, run.max_row_bytes, run.input_compression)
     total = check_file(source)
-    checkpoint = Checkpoint(os.path.join(state_dir or default_state_dir(output), "checkpoint.sqlite"),
-                            checkpoint_interval)
+    checkpoint = open_checkpoint(run, output)
     summary = Summary(output=output, errors_output=errors)
     try:
-        runner = make_runner(mode, model, llm, engine_options, broker, queue, window, rows_per_message, checkpoint.run,
-                             detach)
-        parser = Parser(label, default_max_tokens)
-        progress = Progress(total, "batch", quiet)
-        try:
-            compute((r.units for _, r in parse_requests(source, parser)),
-                    checkpoint, runner, progress, summary, retry_failed, retry_cancelled)
-        finally:
-            progress.close()
-        summary.prefix_hit_rate = runner.prefix_hit_rate()
-        _write(source, parser, checkpoint, Writer(output, "json", s3_endpoint_url), Writer(errors, "json", s3_endpoint_url),
-               summary)
+        runner = make_runner(run, checkpoint.run)
+        parser = Parser(run.model_label, default_max_tokens)
+        compute_all("batch", total, (r.units for _, r in parse_requests(source, parser)), checkpoint, runner, summary,
+                    run)
+        _write(source, parser, checkpoint, Writer(output, "json", run.s3_endpoint_url),
+               Writer(errors, "json", run.s3_endpoint_url), summary)
     finally:
         checkpoint.close()
-    summary.wall_s = time.perf_counter() - started
-    if not quiet:
-        summary.print()
-    return summary
+    return summary.finish(started, run.quiet)
 
 
 @dataclass

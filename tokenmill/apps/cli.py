@@ -10,7 +10,11 @@ import argparse
 import json
 import os
 import sys
-from typing import Any
+import typing
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tokenmill.apps.options import RunOptions
 
 EXIT_ROWS_FAILED = 1
 EXIT_UNUSABLE = 2
@@ -59,39 +63,32 @@ def add_parsers(commands: Any) -> None:
                      "those)")
     ann.add_argument("--dry-run", action="store_true", help="print the first rendered prompts and the run's plan "
                      "(rows, estimated tokens), then stop: no model is loaded, nothing is written")
-    _common(ann)
+    add_run_flags(ann)
     bat = commands.add_parser("batch", help="run an OpenAI Batch API input file")
     bat.add_argument("-i", "--input", required=True, help="requests JSONL (local or s3://)")
     bat.add_argument("-o", "--output", required=True, help="results JSONL (local or s3://)")
     bat.add_argument("--errors", help="failed requests JSONL (default: <output>.errors.jsonl)")
     bat.add_argument("--max-tokens", type=int, default=None, help="for requests that set neither max_tokens nor "
                      "max_completion_tokens: " + MAX_TOKENS_HELP)
-    _common(bat)
+    add_run_flags(bat)
 
 
-def _common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=os.environ.get("TOKENMILL_MODEL") or None,
-                        help="model of the embedded engine, required without --broker: a local directory, a Hugging "
-                        "Face hub id, or builtin:tiny (random weights, for tests); with --broker the workers' model "
-                        "runs and this only names it [env TOKENMILL_MODEL]")
-    parser.add_argument("--broker", help="redis://... : distributed mode, rows go to queue workers")
-    parser.add_argument("--queue", help="queue name (default: tokenmill)")
-    parser.add_argument("--state-dir", help="checkpoint directory (default: <output>.tokenmill-state)")
-    parser.add_argument("--checkpoint-interval", type=float, default=2.0, metavar="SECONDS",
-                        help="commit finished rows to the checkpoint at least this often (0: after every row)")
-    parser.add_argument("--retry-failed", action="store_true", help="recompute rows that ended in error")
-    parser.add_argument("--retry-cancelled", action="store_true",
-                        help="recompute rows cancelled with `tokenmill cancel` (a Ctrl-C's rows are recomputed anyway)")
-    parser.add_argument("--detach", action="store_true",
-                        help="distributed: on Ctrl-C leave the queued rows running (default: cancel them)")
-    parser.add_argument("--s3-endpoint-url", default=None, help="S3-compatible endpoint (MinIO...) [env TOKENMILL_S3_ENDPOINT_URL]")
-    parser.add_argument("--window", type=int, help="rows in flight at most (default 1024 embedded, 4096 distributed)")
-    parser.add_argument("--rows-per-message", type=int, default=32, help="rows per queue message (distributed)")
-    parser.add_argument("--max-row-bytes", type=int, default=1 << 20, metavar="BYTES",
-                        help="a row or line longer than this (decompressed) is not read: it fails alone (default 1 MiB)")
-    parser.add_argument("--input-compression", choices=["none", "gzip", "bz2", "zstd", "lz4"],
-                        help="decompress the JSONL/CSV input with this codec (default: by suffix, .gz .bz2 .zst .lz4)")
-    parser.add_argument("--quiet", action="store_true", help="no progress bar, no summary table")
+def add_run_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per `RunOptions` field that has a help (the same help, default and type whichever subcommand), then
+    one per engine option (`_engine_flags`): declared once for `annotate` and `batch`."""
+    from tokenmill.apps.options import RunOptions, flag_fields
+    from tokenmill.queue.settings import flag_type
+
+    hints = typing.get_type_hints(RunOptions)
+    for spec in flag_fields():  # not `llm` (Python's alone) nor `engine_options` (the engine's own flags)
+        flag, meta = f"--{spec.name.replace('_', '-')}", spec.metadata
+        kind, choices = flag_type(hints[spec.name])
+        if kind is bool:  # every switch is off by default
+            parser.add_argument(flag, action="store_true", help=meta["help"])
+            continue
+        default = (os.environ.get(meta["env"]) or None) if meta["env"] else spec.default
+        parser.add_argument(flag, type=None if kind is str else kind, choices=choices, default=default,
+                            metavar=meta["metavar"], help=meta["help"])
     _engine_flags(parser)
 
 
@@ -108,6 +105,14 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
         default = f" (default: {option.default})" if option.default is not None else ""
         add_flag(parser, [flag], f"engine_{option.name}", option.kind, option.choices,
                  f"embedded engine: {option.help[0].lower()}{option.help[1:]}{default}", metavar=option.name.upper())
+
+
+def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine options `_engine_flags` were given (unset ones left to the engine's defaults)."""
+    from tokenmill.engine.config import ENGINE_OPTIONS
+
+    given = {option.name: getattr(args, f"engine_{option.name}") for option in ENGINE_OPTIONS}
+    return {name: value for name, value in given.items() if value is not None}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -139,23 +144,18 @@ def run(args: argparse.Namespace) -> int:
     return EXIT_ROWS_FAILED if summary.failed else 0
 
 
-def _shared(args: argparse.Namespace) -> dict[str, Any]:
+def options_from(args: argparse.Namespace) -> RunOptions:
+    """The run's options from the flags `add_run_flags` declared, the same for `annotate` and `batch`. Raises
+    `InvalidRequestError` ("model") with neither --model nor --broker."""
+    from tokenmill.apps.options import RunOptions, flag_fields
     from tokenmill.errors import InvalidRequestError
 
-    from tokenmill.engine.config import ENGINE_OPTIONS
-
-    options = {o.name: getattr(args, f"engine_{o.name}") for o in ENGINE_OPTIONS
-               if getattr(args, f"engine_{o.name}") is not None}
     if not args.model and not args.broker:
         raise InvalidRequestError("model", "required without --broker: pass --model (or set TOKENMILL_MODEL) to a "
                                   "local directory or a Hugging Face hub id (builtin:tiny names the random-weight test "
                                   "model)")
-    return {"model": args.model, "broker": args.broker, "queue": args.queue, "engine_options": options,
-            "state_dir": args.state_dir, "checkpoint_interval": args.checkpoint_interval,
-            "retry_failed": args.retry_failed, "retry_cancelled": args.retry_cancelled, "detach": args.detach,
-            "s3_endpoint_url": args.s3_endpoint_url,
-            "window": args.window, "rows_per_message": args.rows_per_message, "max_row_bytes": args.max_row_bytes,
-            "input_compression": args.input_compression, "quiet": args.quiet}
+    flagged = {spec.name: getattr(args, spec.name) for spec in flag_fields()}
+    return RunOptions(**flagged, engine_options=_engine_options(args))
 
 
 def _annotate(args: argparse.Namespace) -> Any:
@@ -181,7 +181,7 @@ def _annotate(args: argparse.Namespace) -> Any:
         id_column=args.id_column, column=args.column, input_format=args.input_format, output_format=args.output_format,
         max_tokens=args.max_tokens, temperature=args.temperature, limit=args.limit, dry_run=args.dry_run,
         embed=args.embed, dimensions=args.dimensions, score=args.score.split(",") if args.score else None, **sampling,
-        **_shared(args),
+        options=options_from(args),
     )
 
 
@@ -197,4 +197,5 @@ def text_or_file(value: str) -> str:
 def _batch(args: argparse.Namespace) -> Any:
     from tokenmill.apps.batch import batch
 
-    return batch(args.input, args.output, errors=args.errors, default_max_tokens=args.max_tokens, **_shared(args))
+    return batch(args.input, args.output, errors=args.errors, default_max_tokens=args.max_tokens,
+                 options=options_from(args))

@@ -9,6 +9,8 @@ window of rows, so memory does not grow with the dataset.
 
 from __future__ import annotations
 
+import hashlib
+import os
 import sys
 import time
 from collections.abc import Iterable, Iterator
@@ -17,6 +19,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from tokenmill.apps.options import RunOptions
 from tokenmill.apps.runners import Unit
 from tokenmill.apps.store import INTERRUPTED, Checkpoint, Outcome
 from tokenmill.sampling_params import CONSTRAINT_CODES
@@ -80,6 +83,13 @@ class Summary:
 
         Console(file=sys.stderr).print(self.table())
 
+    def finish(self, started: float, quiet: bool) -> Summary:
+        """This run's summary, with its wall time since `started` (`time.perf_counter()`); printed unless `quiet`."""
+        self.wall_s = time.perf_counter() - started
+        if not quiet:
+            self.print()
+        return self
+
 
 class Progress:
     """A live bar: rows done / total, generated tokens per second, ETA (tqdm's). Off with `quiet`."""
@@ -137,6 +147,32 @@ def compute(rows: Iterable[list[Unit]], checkpoint: Checkpoint, runner: Any, pro
         raise
     finally:
         checkpoint.flush()
+
+
+def default_state_dir(output: str) -> str:
+    """Next to a local output; for an S3 output, under ~/.cache/tokenmill (one directory per output URI)."""
+    if output.startswith("s3://"):
+        name = hashlib.sha256(output.encode()).hexdigest()[:16]
+        return os.path.join(os.path.expanduser("~/.cache/tokenmill/state"), name)
+    return os.path.abspath(output) + ".tokenmill-state"
+
+
+def open_checkpoint(options: RunOptions, output: str) -> Checkpoint:
+    """The checkpoint of the run writing `output`: in `options.state_dir`, else `default_state_dir(output)`."""
+    return Checkpoint(os.path.join(options.state_dir or default_state_dir(output), "checkpoint.sqlite"),
+                      options.checkpoint_interval)
+
+
+def compute_all(what: str, total: int, rows: Iterable[list[Unit]], checkpoint: Checkpoint, runner: Any,
+                summary: Summary, options: RunOptions) -> None:
+    """Pass 1 (`compute`) of `total` rows under a progress bar named `what` (none with `options.quiet`), retrying
+    as `options` say; then the runner's prefix-cache hit rate into `summary`."""
+    progress = Progress(total, what, options.quiet)
+    try:
+        compute(rows, checkpoint, runner, progress, summary, options.retry_failed, options.retry_cancelled)
+    finally:
+        progress.close()
+    summary.prefix_hit_rate = runner.prefix_hit_rate()
 
 
 def _retried(outcome: Outcome, retry_failed: bool, retry_cancelled: bool) -> bool:

@@ -18,6 +18,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from tokenmill.apps.options import RunOptions
 from tokenmill.apps.store import Outcome
 from tokenmill.errors import InvalidRequestError
 from tokenmill.sampling_params import CONSTRAINT_CODES, SamplingParams, constraint_problem
@@ -25,6 +26,8 @@ from tokenmill.sampling_params import CONSTRAINT_CODES, SamplingParams, constrai
 _FIELD = re.compile(r" \(field: ([^()]*)\)\Z")  # the end of an `error_text`
 #: Characters of a unit's label (its row id or custom_id) a job carries in its metadata, for the workers' logs.
 LABEL_CHARS = 64
+#: Rows in flight at most, by mode, where the run's options leave `window` unset.
+DEFAULT_WINDOW = {"embedded": 1024, "queue": 4096}
 _DRAIN_TIMEOUT = 5.0  # seconds to wait, after Ctrl-C, for the cancelled jobs' results (the rest are collected on resume)
 
 
@@ -43,6 +46,28 @@ class Unit:
     weight: float = 1.0  # the share of its row it stands for (an OpenAI request with n=2 has two units)
     embed: dict[str, Any] | None = None
     score: list[str | list[int]] | None = None
+
+
+def make_runner(options: RunOptions, run: str) -> EmbeddedRunner | QueueRunner:
+    """The runner `options` ask for: the engine here (`llm`, else `model` loaded with `engine_options`), or the
+    queue's workers for `run` (the checkpoint's run id; printed, for `tokenmill cancel`)."""
+    window = options.window or DEFAULT_WINDOW[options.mode]
+    if options.mode == "queue":
+        from tokenmill.client import Client
+
+        client = Client(options.broker, queue=options.queue, share=run[:12])  # each run its fair share of the queue
+        client.ping()  # an unreachable broker is one line before the run is announced
+        runner = QueueRunner(client, window, options.rows_per_message, run[:12], options.detach)
+        print(f"tokenmill: run {runner.run_id} (tokenmill cancel --run {runner.run_id} stops it)", file=sys.stderr)
+        return runner
+    llm = options.llm
+    if llm is None:
+        from tokenmill.engine.llm import LLM
+
+        if not options.model:
+            raise InvalidRequestError("model", "required for the embedded engine")
+        llm = LLM(options.model, **(options.engine_options or {}))
+    return EmbeddedRunner(llm, window)
 
 
 class EmbeddedRunner:
