@@ -20,7 +20,7 @@ from tokenmill.queue.names import DEFAULT_QUEUE, TASK_NAME
 from tokenmill.queue.settings import QueueSettings
 from tokenmill.worker.app import create_app
 from tokenmill.worker import intake
-from tokenmill.worker.intake import IntakeRun
+from tokenmill.worker.intake import Intake, IntakeRun
 
 JOBS = 20
 
@@ -50,7 +50,8 @@ def test_requeues_with_redis_down_stop_at_one_deadline_per_run(redis_server: Red
                 message.reject(requeue=requeue)
             return on_reject
 
-        run = IntakeRun.__new__(IntakeRun)  # the run's requests only: what `_requeue_rest` reads
+        run = IntakeRun.__new__(IntakeRun)  # the run's requests and intake only: what `_requeue_rest` reads
+        run.intake = Intake()  # attached to no consumer's loop: what it is left to release, it releases at once
         run.requests = {m.headers["id"]: Request(
             m, app=app, task=app.tasks[TASK_NAME], on_reject=rejecter(m),
             connection_errors=connection.connection_errors) for m in messages}

@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import pytest
 from kombu.transport import virtual
 
 from tokenmill.worker.finisher import Finisher
@@ -280,3 +281,36 @@ def test_slots_of_messages_the_store_acked_are_freed_at_the_loops_next_turn_whil
     assert acked == ["4"]
     intake._ack_at_turn()  # nothing waits: nothing done
     assert scheduled == []
+
+
+def _service(intake: Intake | None = None, single_job_intake: bool = True) -> Any:
+    """A `WorkerService` with no engine (never used here); it connects to nothing until asked to."""
+    from prometheus_client import CollectorRegistry
+
+    from tokenmill.worker.metrics import WorkerMetrics
+    from tokenmill.worker.service import WorkerService
+    from tokenmill.worker.settings import WorkerSettings
+
+    settings = WorkerSettings(broker_url="redis://127.0.0.1:1/0", model="builtin:tiny",
+                              single_job_intake=single_job_intake)
+    return WorkerService(settings, engine=None, metrics=WorkerMetrics(CollectorRegistry()), sink=None, intake=intake)
+
+
+def test_the_service_owns_its_intake_and_finisher_and_an_intake_made_before_it_is_served_by_it() -> None:
+    """The service makes its intake and finisher, or takes on the intake Celery was handed before it existed (plain
+    `celery worker`: the first job builds the service, through the intake's `start_service`). An intake serves one
+    service; with `single_job_intake` off it hands every job to the pool."""
+    own = _service()
+    assert own.intake.enabled is True and own.finisher is not _service().finisher
+
+    built = []
+    early = Intake(start_service=lambda: built.append(_service(early)))
+    assert early.enabled is None  # not known until the service exists
+    assert early._worker_service() is built[0] and built[0].intake is early and early.enabled is True
+    assert early._worker_service() is built[0] and len(built) == 1  # built once
+    with pytest.raises(RuntimeError):
+        _service(early)  # an intake serves one service
+
+    assert _service(single_job_intake=False).intake._worker_service() is None
+    orphan = Intake()  # no service and none to start: every job takes the pool path
+    assert orphan._worker_service() is None and orphan.enabled is False

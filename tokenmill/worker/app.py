@@ -32,17 +32,16 @@ worker's own settings, each chosen for "a crash loses nothing, a slow job is not
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import Any
 
-from celery import Celery
+from celery import Celery, Task
 
 from tokenmill.queue.app import celery_config, queue_app
-from tokenmill.queue.names import TASK_NAME
+from tokenmill.queue.names import BATCH_TASK_NAME, TASK_NAME
 from tokenmill.queue.names import TASK_ROUTES as TASK_ROUTES  # public here too: `from tokenmill.worker.app import ...`
 from tokenmill.queue.settings import QueueSettings
 from tokenmill.worker import control  # noqa: F401  (tokenmill's revoke, refusals of what cannot work)
-from tokenmill.worker.batch_task import register as register_batch_task
-from tokenmill.worker.intake import IntakeDrain
 from tokenmill.worker.leases import LeaseRenewal
 from tokenmill.worker.results import BACKEND_OVERRIDES
 
@@ -75,26 +74,42 @@ def create_app(settings: QueueSettings | None = None) -> Celery:
     new.conf.update(WORKER_CONFIG)
     new.loader.override_backends = {**new.loader.override_backends, **BACKEND_OVERRIDES}  # results in batches
     new.steps["consumer"].add(LeaseRenewal)
-    new.steps["consumer"].add(IntakeDrain)
+    # Celery loads these by name, in the worker only: the runtime holds the process's service (see `_runtime`)
+    new.steps["consumer"].add("tokenmill.worker.runtime:IntakeDrain")
     new.task(
         name=TASK_NAME, bind=True, acks_late=True, reject_on_worker_lost=True, resultrepr_maxsize=RESULT_REPR_MAXSIZE,
-        Strategy="tokenmill.worker.intake:strategy",  # single jobs in groups on one thread (see that module)
+        Strategy="tokenmill.worker.runtime:strategy",  # single jobs in groups on one thread (`tokenmill.worker.intake`)
     )(_generate)
-    register_batch_task(new)  # tokenmill.generate_batch: several jobs per message (tokenmill annotate --broker)
+    # tokenmill.generate_batch: several jobs per message (tokenmill annotate --broker). `ignore_result`: the group's own
+    # return value (counts, for the log) is no one's result; each job's is stored under the job's id. (A message's
+    # `ignore_result` header overrides this; `QueueRunner` sets it too.)
+    new.task(name=BATCH_TASK_NAME, bind=True, acks_late=True, reject_on_worker_lost=True,
+             resultrepr_maxsize=RESULT_REPR_MAXSIZE, ignore_result=True)(_generate_batch)
     return new
 
 
-def _generate(self: Any, *args: Any, **fields: Any) -> dict[str, Any] | None:
+def _generate(self: Task, *args: Any, **fields: Any) -> dict[str, Any] | None:
     """Run one job on this worker's engine; returns the `JobResult` as a JSON-ready dict.
 
     Accepts the job as one dict (what `Client` sends, positional or `job=`) or as keyword fields
     (`generate.delay(prompt=...)`). The signature takes anything, so a wrong shape (`args=["a prompt"]`,
     `job=[1, 2, 3]`) reaches `run_job` and ends as a failed `JobResult` instead of a bare TypeError.
-    The heavy service is imported here, not at module level, so producers never load it.
     """
-    from tokenmill.worker.runtime import run_job
+    return _runtime().run_job(self, args, fields)
 
-    return run_job(self, args, fields)
+
+def _generate_batch(self: Task, batch: dict[str, Any] | None = None, **fields: Any) -> dict[str, Any]:
+    """Run a group of jobs (`tokenmill.worker.batch_task`); returns counts for the log (each job's result is stored
+    under its own id)."""
+    return _runtime().run_batch(self, batch, fields)
+
+
+def _runtime() -> ModuleType:
+    """`tokenmill.worker.runtime`, the owner of this worker process's service, which the task bodies run on. Imported
+    at the first job, not with this module: producers import the app (`generate.delay`) and never load the service."""
+    import tokenmill.worker.runtime as runtime
+
+    return runtime
 
 
 app = create_app()

@@ -15,8 +15,8 @@ group every job keeps the guarantees of a single `tokenmill.generate` job:
 * the message is acknowledged only after all of its results are stored (late ack); at shutdown, past the
   grace period, finished jobs' results are stored and the group is requeued for the rest.
 
-The message body is `[[{"jobs": [job, ...]}], {}, {}]`: each job in `Job`'s wire format. Torch-free (the
-worker service is imported when a group arrives).
+The message body is `[[{"jobs": [job, ...]}], {}, {}]`: each job in `Job`'s wire format. The task itself is
+registered by `tokenmill.worker.app.create_app`; its body is `tokenmill.worker.runtime.run_batch`. Torch-free.
 """
 
 from __future__ import annotations
@@ -24,46 +24,82 @@ from __future__ import annotations
 import functools
 import logging
 import queue
+import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from celery import states
 from celery.exceptions import Reject
 
 from tokenmill.errors import InvalidRequestError
 from tokenmill.queue.cancels import encode_result, result_meta
-from tokenmill.queue.names import BATCH_TASK_NAME
-from tokenmill.worker.admission import Attempt, Run
+from tokenmill.queue.schemas import Job, JobResult, check_size, is_job_id
+from tokenmill.worker.admission import Attempt, Decision, Run
 
 if TYPE_CHECKING:
-    from tokenmill.queue.schemas import Job
+    from celery.backends.base import KeyValueStoreBackend
+
+    from tokenmill.worker.engine_process import Answer, EngineProcess, Sink
+    from tokenmill.worker.metrics import WorkerMetrics
+    from tokenmill.worker.output import EngineOutput
+    from tokenmill.worker.settings import WorkerSettings
 
 log = logging.getLogger("tokenmill.worker")
 
-
-def register(app: Any) -> None:
-    """Add the task to a Celery app (called by `create_app`).
-
-    `ignore_result`: the group's own return value (counts, for the log) is no one's result; each job's is
-    stored under the job's id. Storing it cost Celery a GET, a SET and a PUBLISH per message, and a key per
-    group kept for `result_expires`. (A message's `ignore_result` header overrides this; `QueueRunner` sets
-    it too.)
-    """
-    app.task(name=BATCH_TASK_NAME, bind=True, acks_late=True, reject_on_worker_lost=True, resultrepr_maxsize=64,
-             ignore_result=True)(_generate_batch)
+#: Seconds between checks of the shutdown grace while a job or a group waits for the engine.
+SHUTDOWN_CHECK_INTERVAL = 2.0
 
 
-def _generate_batch(self: Any, batch: dict[str, Any] | None = None, **fields: Any) -> dict[str, Any]:
-    from tokenmill.worker.runtime import current
+class JobService(Protocol):
+    """What a run needs of the worker's service: `tokenmill.worker.service.WorkerService`, which owns the intake that
+    imports this module (hence a protocol here, not an import of the class)."""
 
-    return BatchRun(current(), self.request.id, self.backend).run((batch or fields).get("jobs"))
+    settings: WorkerSettings
+    engine: EngineProcess
+    metrics: WorkerMetrics
+    #: Set once the shutdown grace has run out: unfinished jobs are requeued.
+    grace_expired: threading.Event
+
+    def claim(self, jobs: list[Job]) -> tuple[list[Job], list[tuple[Job, Future]]]:
+        """Register `jobs` as running here; (those claimed, those already running with that run's future)."""
+
+    def release(self, jobs: list[Job], results: dict[str, Any] | None = None, error: BaseException | None = None
+                ) -> None:
+        """The claimed `jobs` end: a delivery waiting on one gets its result (or `error`)."""
+
+    def admit(self, runs: list[Attempt], result_keys: list[bytes]) -> list[Decision]:
+        """Count a delivery of each run's job (one script call) and decide its admission."""
+
+    def settle(self, run: Attempt, decision: Decision) -> dict[str, Any] | None:
+        """The result of a job its admission keeps from the engine, or None when one is stored already."""
+
+    def joined_another(self, job: Job, result: dict[str, Any]) -> bool:
+        """Whether the run `job` joined was another job's under its id (a conflict, counted)."""
+
+    def refuse_output(self, job: Job, started_at: float) -> dict[str, Any] | None:
+        """The failed result of a job whose S3 destination is refused, or None."""
+
+    def failed(self, result: JobResult) -> dict[str, Any]:
+        """Count a failed result and return its wire form."""
+
+    def submit_many(self, runs: list[Attempt], sink: Sink | None = None, wait: bool = True
+                    ) -> list[tuple[Future | None, str]]:
+        """Hand jobs to the engine in one message; each one's future (None with `sink`) and engine request id."""
+
+    def complete(self, run: Attempt, output: EngineOutput | None = None, error: InvalidRequestError | None = None
+                 ) -> dict[str, Any]:
+        """The job's final result from the engine's output or refusal."""
+
+    def store_results(self, encoded: dict[bytes, bytes], acks: Sequence[tuple[str, str, str]] = ()) -> None:
+        """Store encoded results unless stored already (and ack these messages), in one script call."""
 
 
 class BatchRun:
     """One delivery of one group on one worker."""
 
-    def __init__(self, service: Any, task_id: str, backend: Any) -> None:
+    def __init__(self, service: JobService, task_id: str, backend: KeyValueStoreBackend) -> None:
         self.service = service
         self.task_id = task_id
         self.backend = backend
@@ -147,8 +183,6 @@ class BatchRun:
 
     def _parse(self, raw_jobs: list[dict[str, Any]]) -> tuple[list[Job], dict[str, dict[str, Any]]]:
         """The group's jobs, each checked as a single job is; a bad one gets its failed result, if its id is usable."""
-        from tokenmill.queue.schemas import Job, JobResult, check_size, is_job_id
-
         jobs, failed, seen = [], {}, set()
         for raw in raw_jobs:
             job_id = raw.get("id")
@@ -182,8 +216,6 @@ class BatchRun:
         is requeued (finished results are stored by the caller; a redelivered group runs only the rest). A job
         past its deadline is stopped in the engine and ends `deadline_exceeded`; the others go on.
         """
-        from tokenmill.worker.service import SHUTDOWN_CHECK_INTERVAL
-
         futures = self._submit(runs)
         deadlines = {future: run.deadline for future, (run, _) in futures.items() if run.deadline is not None}
         pending = set(futures)
@@ -225,7 +257,7 @@ class BatchRun:
         self.service.metrics.jobs_in_flight.inc(len(runs))
         return futures
 
-    def _complete(self, run: Attempt, answer: Any) -> dict[str, Any]:
+    def _complete(self, run: Attempt, answer: Answer | BaseException) -> dict[str, Any]:
         """The final result of a job from the engine's answer (`engine_process.Answer`: an output, or an exception,
         raised here unless it is a refusal)."""
         try:

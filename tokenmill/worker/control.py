@@ -18,13 +18,19 @@ requests the event dispatcher only while it sends task events (`tokenmill.worker
 from __future__ import annotations
 
 import logging
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
 
 from celery.signals import worker_init
 from celery.utils.functional import maybe_list
 from celery.worker.control import Panel, control_command, nok, ok
 
 from tokenmill.queue import cancels
+
+if TYPE_CHECKING:
+    from celery import Celery
+    from celery.events.dispatcher import EventDispatcher
+    from celery.worker.consumer import Consumer
 
 log = logging.getLogger("tokenmill.worker")
 
@@ -36,7 +42,20 @@ STATE_CHANGING = ("shutdown", "pool_grow", "pool_shrink", "pool_restart", "autos
 _celery_handlers = {name: Panel.data[name] for name in STATE_CHANGING}
 
 
-def _cancel(state: Any, task_ids: Any) -> dict[str, str]:
+class ControlState(Protocol):
+    """What a command reads of the state Celery hands each remote-control command (its pidbox's)."""
+
+    app: Celery
+    consumer: Consumer
+
+
+#: What a command answers (`ok` or `nok`).
+Reply = dict[str, str]
+#: A remote-control command's handler, as Celery's `Panel` registers it.
+Command = Callable[..., Reply]
+
+
+def _cancel(state: ControlState, task_ids: str | list[str] | None) -> Reply:
     app = state.app
     outcomes = cancels.cancel(app.backend, [str(i) for i in maybe_list(task_ids) or []], int(app.conf.result_expires))
     log.info("remote cancel of %d jobs: %s", len(outcomes), outcomes)
@@ -44,19 +63,20 @@ def _cancel(state: Any, task_ids: Any) -> dict[str, str]:
 
 
 @control_command(variadic="task_id", signature="[id1 [id2 [... [idN]]]]")
-def revoke(state: Any, task_id: Any, terminate: bool = False, signal: Any = None, **kwargs: Any) -> dict[str, str]:
+def revoke(state: ControlState, task_id: str | list[str] | None, terminate: bool = False, signal: str | None = None,
+           **kwargs: Any) -> Reply:
     """Cancel jobs by id (terminate or not: a running job always stops, keeping its partial text)."""
     return _cancel(state, task_id)
 
 
 @control_command(args=[("signal", str), ("task_id", str)], signature="<signal> <task_id>")
-def terminate(state: Any, signal: Any, task_id: Any, **kwargs: Any) -> dict[str, str]:
+def terminate(state: ControlState, signal: str | None, task_id: str | list[str] | None, **kwargs: Any) -> Reply:
     """Cancel a running job (the signal is not used: the engine stops the job, not a process)."""
     return _cancel(state, task_id)
 
 
 @control_command(args=[("task_name", str), ("rate_limit", str)], signature="<task_name> <rate_limit (e.g., 5/s)>")
-def rate_limit(state: Any, task_name: str, rate_limit: str, **kwargs: Any) -> dict[str, str]:
+def rate_limit(state: ControlState, task_name: str, rate_limit: str, **kwargs: Any) -> Reply:
     """Refused: tokenmill workers take jobs as fast as the engine has room (rate limits are off)."""
     return nok("rate limits are not supported by tokenmill workers (they take jobs as the engine has room); "
                "limit what producers submit instead")
@@ -64,32 +84,33 @@ def rate_limit(state: Any, task_name: str, rate_limit: str, **kwargs: Any) -> di
 
 @control_command(args=[("task_name", str), ("soft", float), ("hard", float)],
                  signature="<task_name> <soft_secs> [hard_secs]")
-def time_limit(state: Any, task_name: str | None = None, hard: Any = None, soft: Any = None, **kwargs: Any) -> dict[str, str]:
+def time_limit(state: ControlState, task_name: str | None = None, hard: float | None = None, soft: float | None = None,
+               **kwargs: Any) -> Reply:
     """Refused: per-task time limits cannot be changed remotely; each job carries its own."""
     return nok("time limits cannot be set remotely on tokenmill workers: give each job deadline_s "
                "(or apply_async(time_limit=...)); it then ends deadline_exceeded with its partial text")
 
 
-def _refused(name: str) -> Any:
-    def refuse(state: Any, *args: Any, **kwargs: Any) -> dict[str, str]:
+def _refused(name: str) -> Command:
+    def refuse(state: ControlState, *args: Any, **kwargs: Any) -> Reply:
         return nok(f"'{name}' is disabled on this tokenmill worker: commands that change a worker's state are off "
                    "unless it runs with --remote-control-writes (TOKENMILL_REMOTE_CONTROL_WRITES=true)")
     return refuse
 
 
-def sends_task_events(dispatcher: Any) -> bool:
+def sends_task_events(dispatcher: EventDispatcher | None) -> bool:
     """Whether Celery's event dispatcher sends task events: with `-E`, or once `enable_events` has turned them on. A
     worker's dispatcher is on for its heartbeats even without, but then drops task events."""
     return bool(dispatcher is not None and dispatcher.enabled and (not dispatcher.groups or "task" in dispatcher.groups))
 
 
-def _switching_events(name: str) -> Any:
+def _switching_events(name: str) -> Command:
     """Celery's `name` command, then the consumer's task strategies rebuilt if task events went on or off: a strategy
     reads the dispatcher's state once, as it is built (Celery's default one then builds each message's `task-received`
     event and hands it to the dispatcher, which drops it while task events are off)."""
     switch = _celery_switches[name]
 
-    def command(state: Any, **kwargs: Any) -> Any:
+    def command(state: ControlState, **kwargs: Any) -> Reply:
         consumer = state.consumer
         was_on = sends_task_events(consumer.event_dispatcher)
         reply = switch(state, **kwargs)
@@ -112,8 +133,9 @@ def allow_state_changes(allowed: bool, explicit: bool = True) -> None:
 
 
 @worker_init.connect
-def _from_environment(**_: Any) -> None:
-    """`celery -A tokenmill.worker.app worker`: the setting comes from TOKENMILL_REMOTE_CONTROL_WRITES."""
+def _from_environment(**_: object) -> None:
+    """`celery -A tokenmill.worker.app worker`: the setting comes from TOKENMILL_REMOTE_CONTROL_WRITES (the settings are
+    imported here, in a worker only: producers import the app)."""
     from tokenmill.worker.settings import WorkerSettings
 
     allow_state_changes(WorkerSettings().remote_control_writes, explicit=False)

@@ -58,7 +58,7 @@ from collections.abc import Callable
 from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tokenmill.engine.prompt_limits import check_prompt_chars
 from tokenmill.errors import InvalidRequestError, ModelLoadError
@@ -66,6 +66,12 @@ from tokenmill.queue import fastjson
 from tokenmill.queue.schemas import Embed, Score
 from tokenmill.sampling_params import SamplingParams, without_defaults
 from tokenmill.worker.output import EngineOutput, output_fields
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerBase
+
+    from tokenmill.engine.llm_engine import LLMEngine
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +144,7 @@ class EngineProcess:
         self._heard = time.monotonic()  # when the reader last got a message from the engine
         self._unusable: str | None = None  # why the engine could not load its model, if it could not
         self._ready = threading.Event()
-        self._tokenizer: Any = None  # a `tokenizers.Tokenizer`, once the engine has sent it
+        self._tokenizer: Tokenizer | None = None  # once the engine has sent it
         self._prompt_limits: tuple[int | None, int] = (None, 0)  # (max_prompt_chars, max_model_len)
         self._reader = threading.Thread(target=self._read, name="tokenmill-engine-reader", daemon=True)
         self._last_stats: tuple[float, int, int] | None = None
@@ -531,7 +537,7 @@ class _Outbox:
 
 
 class _Loop:
-    def __init__(self, engine: Any, conn: Connection, outbox: _Outbox) -> None:
+    def __init__(self, engine: LLMEngine, conn: Connection, outbox: _Outbox) -> None:
         self.engine = engine
         self.conn = conn
         self.outbox = outbox
@@ -643,7 +649,7 @@ _TOKENIZER_PROBES = ("Hello, world!", " leading and trailing spaces ", "tabs\tan
                      "digits 1234567890 and symbols {\"a\": [1, 2.5e-3]} <|x|>", "a" * 300)
 
 
-def tokenizer_for_frontend(tokenizer: Any) -> str | None:
+def tokenizer_for_frontend(tokenizer: PreTrainedTokenizerBase) -> str | None:
     """The tokenizer as `tokenizers` JSON for the worker to encode prompts with, or None where the worker
     could not encode exactly as `tokenizer.encode(text, add_special_tokens=True)` does here: a tokenizer
     without a `tokenizers` backend, or one whose probe texts (and special tokens written as text) encode
@@ -662,7 +668,7 @@ def tokenizer_for_frontend(tokenizer: Any) -> str | None:
     return spec
 
 
-def frontend_tokenizer(spec: str | None) -> Any:
+def frontend_tokenizer(spec: str | None) -> Tokenizer | None:
     """A `tokenizers.Tokenizer` from its JSON, set up as transformers encodes (no truncation, no padding,
     special tokens written as text matched as special tokens)."""
     if spec is None:

@@ -17,8 +17,11 @@ import functools
 import logging
 import queue
 import threading
-from collections.abc import Callable
-from typing import Any, Protocol
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from tokenmill.worker.engine_process import Answer
 
 log = logging.getLogger("tokenmill.worker")
 
@@ -26,14 +29,24 @@ log = logging.getLogger("tokenmill.worker")
 CHECK_INTERVAL = 1.0
 
 
+class Storing(Protocol):
+    """What the finisher needs of the worker's service (`tokenmill.worker.service.WorkerService`)."""
+
+    #: Set once the shutdown grace has run out: the runs still in the engine are abandoned.
+    grace_expired: threading.Event
+
+    def store_results(self, encoded: dict[bytes, bytes], acks: Sequence[tuple[str, str, str]] = ()) -> None:
+        """Store the encoded results (never over a stored one) and ack these messages, in one script call."""
+
+
 class Finishing(Protocol):
     """What the finisher needs of a run (`tokenmill.worker.intake.IntakeRun`)."""
 
-    service: Any
+    service: Storing
     #: Whether answers may still come for the run: True until it ends or is abandoned (then they are dropped).
     accepting: bool
 
-    def finish(self, answers: list[tuple[str, Any]], turn: dict[Any, Any]
+    def finish(self, answers: list[tuple[str, Answer]], turn: dict[object, dict[str, Any]]
                ) -> tuple[dict[bytes, bytes], list[tuple[str, str, str]]]:
         """Complete the jobs of these (engine request id, answer) pairs (`engine_process.Answer`); every result not
         stored yet, encoded by key, and the messages the store acks (`WorkerService.store_results`). `turn`: shared by
@@ -49,18 +62,19 @@ class Finishing(Protocol):
 class Finisher:
     """The thread (started with the first run) and the queue of engine answers it takes from."""
 
-    def __init__(self, settling: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext) -> None:
+    def __init__(self, settling: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext
+                 ) -> None:
         """`settling`: a context the runs of a turn settle in (`Intake.holding_acks`: their acks wake the consumer's
         loop once a turn, not once a run)."""
         self._settling = settling
         # (run, engine request id, answer), or (run, None, None) when `watch` hands the run over
-        self._resolved: queue.SimpleQueue[tuple[Finishing, str | None, Any]] = queue.SimpleQueue()
+        self._resolved: queue.SimpleQueue[tuple[Finishing, str | None, Answer | None]] = queue.SimpleQueue()
         self._runs: set[Finishing] = set()  # runs with jobs in the engine: this thread's only
-        self._early: list[tuple[Finishing, str, Any]] = []  # answers of runs not handed over yet
+        self._early: list[tuple[Finishing, str, Answer]] = []  # answers of runs not handed over yet
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
 
-    def sink(self, run: Finishing) -> Callable[[str, Any], None]:
+    def sink(self, run: Finishing) -> Callable[[str, Answer], None]:
         """Where the engine answers `run`'s requests (`EngineProcess.send_many`'s sink), from before `watch`: an
         answer that comes first (a prompt refused as it is sent, a job done within the admission) waits for it."""
         return functools.partial(self._put, run)
@@ -73,7 +87,7 @@ class Finisher:
                 self._thread.start()
         self._resolved.put((run, None, None))
 
-    def _put(self, run: Finishing, request_id: str, answer: Any) -> None:
+    def _put(self, run: Finishing, request_id: str, answer: Answer) -> None:
         self._resolved.put((run, request_id, answer))
 
     def _serve(self) -> None:
@@ -91,7 +105,7 @@ class Finisher:
         for run, request_id, _ in resolved:
             if request_id is None:
                 self._runs.add(run)
-        by_run: dict[Finishing, list[tuple[str, Any]]] = {}
+        by_run: dict[Finishing, list[tuple[str, Answer]]] = {}
         early, self._early = self._early, []
         for item in (*early, *resolved):
             run, request_id, answer = item
@@ -129,7 +143,7 @@ class Finisher:
             log.warning("single jobs: a group's jobs were not finished when the shutdown grace ran out; requeueing them")
             self._abandon(run, "worker shutting down")
 
-    def _take(self) -> list[tuple[Finishing, str | None, Any]]:
+    def _take(self) -> list[tuple[Finishing, str | None, Answer | None]]:
         try:
             taken = [self._resolved.get(timeout=CHECK_INTERVAL)]
         except queue.Empty:

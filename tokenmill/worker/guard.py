@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 from celery import signals
 from celery.exceptions import InvalidTaskError, NotRegistered
@@ -40,6 +40,10 @@ from celery.worker.consumer import Consumer
 from tokenmill.queue import dead_letters
 from tokenmill.queue.names import BATCH_TASK_NAME, TASK_NAME
 from tokenmill.queue.schemas import JOB_ID_PATTERN, is_job_id
+from tokenmill.worker import runtime
+
+if TYPE_CHECKING:
+    from kombu.message import Message
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +82,7 @@ def snapshot_request_sets() -> None:
         requests.__class__ = _SnapshotWeakSet
 
 
-def result_id(message: Any) -> str | None:
+def result_id(message: Message) -> str | None:
     """The id a refusal of `message` can be stored under, or None: a non-empty string of sane length."""
     headers = message.headers if isinstance(message.headers, dict) else {}
     task_id = headers.get("id")
@@ -89,7 +93,7 @@ def result_id(message: Any) -> str | None:
 _NO_TIME_LIMITS = [None, None]
 
 
-def protocol_problem(message: Any) -> str | None:
+def protocol_problem(message: Message) -> str | None:
     """Why `message` is not a usable Celery protocol-2 task message, or None if it is.
 
     Bodies that cannot be decoded at all (pickle, non-JSON) are left to Celery, which refuses them
@@ -131,10 +135,10 @@ class GuardedConsumer(Consumer):
         snapshot_request_sets()
         super().__init__(*args, **kwargs)
 
-    def create_task_handler(self, *args: Any, **kwargs: Any) -> Any:
+    def create_task_handler(self, *args: Any, **kwargs: Any) -> Callable[[Message], None]:
         handle = super().create_task_handler(*args, **kwargs)
 
-        def on_task_received(message: Any) -> Any:
+        def on_task_received(message: Message) -> None:
             problem = protocol_problem(message)
             if problem is not None:
                 return self.on_invalid_task(None, message, InvalidTaskError(problem))
@@ -145,25 +149,25 @@ class GuardedConsumer(Consumer):
 
         return on_task_received
 
-    def on_invalid_task(self, body: Any, message: Any, exc: Exception) -> None:
+    def on_invalid_task(self, body: Any, message: Message, exc: Exception) -> None:
         log.error("discarded an invalid task message %s: %s", _describe(message), exc)
         message.reject_log_error(log, self.connection_errors)
         self.answer_refusal(message, str(exc))
         signals.task_rejected.send(sender=self, message=message, exc=exc)
 
-    def on_decode_error(self, message: Any, exc: Exception) -> None:
+    def on_decode_error(self, message: Message, exc: Exception) -> None:
         log.error("discarded a task message whose body cannot be decoded %s: %s", _describe(message), type(exc).__name__)
         message.ack()
         self.answer_refusal(message, f"its body cannot be decoded ({type(exc).__name__}, content type "
                                      f"{message.content_type!r}; only JSON is accepted)")
 
-    def on_unknown_message(self, body: Any, message: Any) -> None:
+    def on_unknown_message(self, body: Any, message: Message) -> None:
         log.warning("discarded a message that is not a Celery task %s", _describe(message))
         message.reject_log_error(log, self.connection_errors)
         self.answer_refusal(message, "not a Celery task message")
         signals.task_rejected.send(sender=self, message=message, exc=None)
 
-    def answer_refusal(self, message: Any, reason: str) -> None:
+    def answer_refusal(self, message: Message, reason: str) -> None:
         """Store a FAILURE naming the id and `reason` under the message's id, or set the message aside when its
         id cannot name a result. Best effort: Redis being down must not stop the consumer (the message is gone
         either way)."""
@@ -177,7 +181,7 @@ class GuardedConsumer(Consumer):
         except Exception as exc:  # noqa: BLE001: whatever the store raises, the consumer goes on
             log.error("could not record the refusal of %s: %s", _describe(message), type(exc).__name__)
 
-    def on_unknown_task(self, body: Any, message: Any, exc: Exception) -> None:
+    def on_unknown_task(self, body: Any, message: Message, exc: Exception) -> None:
         """As Celery does (reject, mark the task failed with NotRegistered), minus the body in the log."""
         headers = message.headers if isinstance(message.headers, dict) else {}
         task_id, name = headers.get("id"), headers.get("task")
@@ -190,7 +194,7 @@ class GuardedConsumer(Consumer):
         signals.task_unknown.send(sender=self, message=message, exc=exc, name=name, id=task_id)
 
 
-def _request(message: Any) -> Bunch:
+def _request(message: Message) -> Bunch:
     """What Celery's backend reads of a request when it stores a failure (no chord, no errbacks)."""
     headers = message.headers if isinstance(message.headers, dict) else {}
     properties = message.properties if isinstance(message.properties, dict) else {}
@@ -199,19 +203,19 @@ def _request(message: Any) -> Bunch:
                  correlation_id=properties.get("correlation_id"), reply_to=properties.get("reply_to"))
 
 
-def _set_aside(message: Any, reason: str) -> None:
-    """A refused message whose id cannot name a result, in the dead-letter list: its envelope, never its body."""
-    from tokenmill.worker.runtime import current  # the worker's service: its Redis client and dead-letter limits
+def _set_aside(message: Message, reason: str) -> None:
+    """A refused message whose id cannot name a result, in the dead-letter list: its envelope, never its body (with
+    the worker's service's Redis client and dead-letter limits)."""
 
     headers = message.headers if isinstance(message.headers, dict) else {}
     refused = {"task": headers.get("task"), "id": repr(headers.get("id"))[:200], "content_type": message.content_type,
                "bytes": len(message.body or b"")}
-    service = current()
+    service = runtime.current()
     dead_letters.push(service.redis, {dead_letters.REFUSED_FIELD: refused}, f"refused by the worker without a usable "
                       f"task id: {reason}", 1, service.settings.dead_letter_max_len, service.settings.dead_letter_expires)
 
 
-def _describe(message: Any) -> str:
+def _describe(message: Message) -> str:
     """Identify a message for the log by id, task name, type and size: never by its content."""
     headers = message.headers if isinstance(message.headers, dict) else {}
     return (

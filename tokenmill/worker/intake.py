@@ -35,10 +35,10 @@ import queue
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Protocol
 
-from celery import bootsteps, states
+from celery import states
 from celery.exceptions import Reject
 from celery.utils.saferepr import saferepr
 from celery.worker.state import task_accepted, task_ready, total_count
@@ -49,9 +49,23 @@ from tokenmill.queue.cancels import result_meta
 from tokenmill.queue.names import JOB_HASH_HEADER
 from tokenmill.queue.schemas import is_content_hash, job_payload
 from tokenmill.queue.transport import ack_records, acked_by_script, acks_together
-from tokenmill.worker.batch_task import BatchRun
+from tokenmill.worker.batch_task import BatchRun, JobService
 from tokenmill.worker.control import sends_task_events
 from tokenmill.worker.finisher import Finisher
+
+if TYPE_CHECKING:
+    from concurrent.futures import Future
+
+    from celery import Celery
+    from celery.app.task import Task
+    from celery.events.dispatcher import EventDispatcher
+    from celery.worker.consumer import Consumer
+    from celery.worker.request import Request
+    from kombu.asynchronous import Hub
+
+    from tokenmill.queue.schemas import Job
+    from tokenmill.worker.admission import Attempt
+    from tokenmill.worker.engine_process import Answer
 
 log = logging.getLogger("tokenmill.worker")
 
@@ -71,9 +85,24 @@ LOOP_ADMISSION_MAX_BYTES = 16 * 1024
 REQUEUE_SECONDS = 30.0
 
 
-def strategy(task: Any, app: Any, consumer: Any, **options: Any) -> Any:
-    """Celery's default strategy for the task, whose requests go to `INTAKE` (or to the pool when they need it)."""
-    INTAKE.attach(consumer.on_task_request, getattr(consumer, "hub", None))
+class IntakeService(JobService, Protocol):
+    """What the intake needs of the worker's service (`tokenmill.worker.service.WorkerService`, which owns it)."""
+
+    #: Finishes the jobs of every group the intake admits (the service's one `Finisher`).
+    finisher: Finisher
+
+    @property
+    def shutting_down(self) -> bool:
+        """SIGTERM (or a stop) reached the worker: the consumer's loop has ended or is ending."""
+
+
+#: What a task's strategy returns: Celery's handler of each of the task's messages.
+MessageHandler = Callable[..., None]
+
+
+def strategy(intake: Intake, task: Task, app: Celery, consumer: Consumer, **options: Any) -> MessageHandler:
+    """Celery's default strategy for the task, whose requests go to `intake` (or to the pool when they need it)."""
+    intake.attach(consumer.on_task_request, getattr(consumer, "hub", None))
     # Celery's handler asks the app, per message, whether it uses UTC, looking `timezone.utc` up anew each time, for
     # an answer fixed once the app's `timezone`, a cached property, has been read
     uses_utc = app.uses_utc_timezone()
@@ -82,14 +111,15 @@ def strategy(task: Any, app: Any, consumer: Any, **options: Any) -> Any:
     # while task events are off (the default): given no dispatcher then, it builds none, nor do its
     # requests. `enable_events` and `disable_events` rebuild the strategies (`tokenmill.worker.control`).
     dispatcher = consumer.event_dispatcher
-    return default(task, app, _Routed(consumer, INTAKE.offer, dispatcher if sends_task_events(dispatcher) else None),
+    return default(task, app, _Routed(consumer, intake.offer, dispatcher if sends_task_events(dispatcher) else None),
                    **options)
 
 
 class _Routed:
     """The consumer as Celery's strategy sees it, but for where a request goes and the event dispatcher it sends to."""
 
-    def __init__(self, consumer: Any, on_task_request: Any, event_dispatcher: Any) -> None:
+    def __init__(self, consumer: Consumer, on_task_request: Callable[[Request], None],
+                 event_dispatcher: EventDispatcher | None) -> None:
         self._consumer = consumer
         self.on_task_request = on_task_request
         self.event_dispatcher = event_dispatcher
@@ -98,7 +128,7 @@ class _Routed:
         return getattr(self._consumer, name)
 
 
-def job_fields(request: Any) -> dict[str, Any] | None:
+def job_fields(request: Request) -> dict[str, Any] | None:
     """The job a `tokenmill.generate` request carries, as `run_job` reads it; None when the intake leaves it to
     the pool path (see the module docstring)."""
     if any(request.time_limits) or request.task.time_limit or request.task.soft_time_limit:
@@ -124,33 +154,50 @@ class Intake:
     One group is being admitted at a time: the request that finds none in progress has a group thread started
     on the consumer's loop, once the rest of its take is waiting too (a lone job with no group running is admitted
     by the loop itself, `_next_group`); the requests that come meanwhile wait until that group's jobs are in the
-    engine, when the next group is started for all of them. The group thread is then free; `FINISHER` finishes
-    the jobs. A group counts as running (`drain`) until each of its jobs is stored or requeued.
+    engine, when the next group is started for all of them. The group thread is then free; the service's finisher
+    finishes the jobs. A group counts as running (`drain`) until each of its jobs is stored or requeued.
+
+    The service that owns the intake binds itself once (`serve`). Celery may build the task's strategy, and so hand
+    requests to the intake, before that service exists (under plain `celery worker` the first job builds it):
+    `start_service` then builds it, once, on a group thread.
     """
 
-    def __init__(self) -> None:
-        self._waiting: list[tuple[Any, dict[str, Any]]] = []
-        self._to_ack: list[Any] = []  # requests stored by groups, acked at the loop's next turn
-        self._acked: list[Any] = []  # requests acked in Redis with their results, their slots freed at that turn
+    def __init__(self, start_service: Callable[[], object] | None = None) -> None:
+        self._start_service = start_service
+        self._waiting: list[tuple[Request, dict[str, Any]]] = []
+        self._to_ack: list[Request] = []  # requests stored by groups, acked at the loop's next turn
+        self._acked: list[Request] = []  # requests acked in Redis with their results, their slots freed at that turn
         self._ack_scheduled = False  # a turn of the loop for `_ack_waiting` is asked for
         self._cond = threading.Condition()
         self._admitting = False
         self._groups = 0  # groups running
         self._threads = _Threads("tokenmill-intake-group")
         self._holding = threading.local()  # `acks`: inside `holding_acks` on this thread
-        self._to_pool: Any = None
-        self._service: Any = None
-        self.call_soon: Any = None
+        self._to_pool: Callable[[Request], None] = _unattached
+        self._service: IntakeService | None = None
+        self.call_soon: Callable[..., object] | None = None
         self.enabled: bool | None = None  # known once the worker's service exists
 
-    def attach(self, on_task_request: Any, hub: Any) -> None:
+    def serve(self, service: IntakeService) -> None:
+        """The worker's service takes the intake on, once, as it is built: from now on the intake's groups run on it."""
+        if self._service is not None and self._service is not service:
+            raise RuntimeError("the intake is served by another worker service already")
+        self._service = service
+        self.enabled = service.settings.single_job_intake
+
+    def attach(self, on_task_request: Callable[[Request], None], hub: Hub | None) -> None:
         """The consumer's hand-off to its pool and its event loop (a new consumer after a reconnect brings its own)."""
         self._to_pool = on_task_request
         self.call_soon = hub.call_soon if hub is not None else None
         if hub is not None:
             hub.on_tick.add(self._ack_at_turn)  # a set: the same bound method once, whatever the reconnects
 
-    def offer(self, request: Any) -> None:
+    @property
+    def hand_off(self) -> Callable[[Request], None]:
+        """The consumer's hand-off of a request to its pool (the pool path)."""
+        return self._to_pool
+
+    def offer(self, request: Request) -> None:
         raw = None if self.enabled is False else job_fields(request)
         if raw is None:
             self._to_pool(request)
@@ -167,7 +214,7 @@ class Intake:
         a take of many messages becomes one group."""
         self.soon(self._next_group)
 
-    def soon(self, call: Any, *args: Any) -> None:
+    def soon(self, call: Callable[..., object], *args: Any) -> None:
         """`call(*args)` on the consumer's event loop; at once where there is no loop, or it has ended (the worker
         is shutting down: the loop waits for the intake to drain)."""
         if self._loop_running():
@@ -179,7 +226,7 @@ class Intake:
         service = self._service
         return self.call_soon is not None and not (service is not None and service.shutting_down)
 
-    def ack_soon(self, requests: list[Any], by_script: list[Any] | None = None) -> None:
+    def ack_soon(self, requests: list[Request], by_script: list[Request] | None = None) -> None:
         """Ack these requests' messages on the consumer's loop, as Celery acks, with whatever other groups stored
         before the loop's turn: one pipeline and one wake-up for them all. The wake-up makes the loop take more
         messages at once as prefetch slots free (an ack from a group thread left it asleep until its next timer).
@@ -259,7 +306,7 @@ class Intake:
                 self._to_pool(request)
             self._next_group()
 
-    def _run(self, taken: list[tuple[Any, dict[str, Any]]], on_loop: bool = False) -> None:
+    def _run(self, taken: list[tuple[Request, dict[str, Any]]], on_loop: bool = False) -> None:
         run = None
         try:
             service = self._worker_service()
@@ -267,7 +314,7 @@ class Intake:
                 for request, _ in taken:
                     self._to_pool(request)
                 return
-            run = IntakeRun(service, taken, self._to_pool, self._start_soon, self._ended, on_loop)
+            run = IntakeRun(service, self, taken, self._start_soon, self._ended, on_loop)
             run.admit()
         finally:
             if run is None:  # no run reached admission (the intake is off, or setting the run up failed)
@@ -277,22 +324,18 @@ class Intake:
     def _service_up(self) -> bool:
         """Whether the worker's service is up with the intake on; never builds it (under plain `celery worker` the
         first job does, loading the model: on a group thread, not on the consumer's loop)."""
-        if self.enabled is None:
-            from tokenmill.worker.runtime import installed
-
-            if installed() is not None:
-                self._worker_service()
         return self.enabled is True
 
-    def _worker_service(self) -> Any:
+    def _worker_service(self) -> IntakeService | None:
         """The worker's service, or None when the intake is off (or no service can start: the pool path then
         meets, and reports, that failure job by job)."""
         if self.enabled is None:
-            from tokenmill.worker.runtime import current
-
             try:
-                self._service = current()  # under plain `celery worker`, the first job builds it (loads the model)
-                self.enabled = self._service.settings.single_job_intake
+                if self._start_service is None:
+                    raise RuntimeError("no worker service serves the intake")
+                self._start_service()  # under plain `celery worker`, the first job builds it (loads the model)
+                if self._service is None:
+                    raise RuntimeError("the worker service started without taking the intake on")
             except Exception:
                 log.exception("single jobs: no worker service; every job takes the pool path")
                 self.enabled = False
@@ -323,11 +366,11 @@ class _Threads:
 
     def __init__(self, name: str) -> None:
         self._name = name
-        self._calls: queue.SimpleQueue[tuple[Any, tuple[Any, ...]]] = queue.SimpleQueue()
+        self._calls: queue.SimpleQueue[tuple[Callable[..., object], tuple[Any, ...]]] = queue.SimpleQueue()
         self._idle = 0
         self._lock = threading.Lock()
 
-    def run(self, call: Any, *args: Any) -> None:
+    def run(self, call: Callable[..., object], *args: Any) -> None:
         """`call(*args)` on an idle thread, else on a new one (RuntimeError when none can be started)."""
         with self._lock:
             start = self._idle == 0
@@ -347,38 +390,44 @@ class _Threads:
                 self._idle += 1
 
 
-INTAKE = Intake()
+def _unattached(request: Request) -> None:
+    raise RuntimeError("the intake is not attached to a Celery consumer")
 
 
 class IntakeRun(BatchRun):
     """One group of single jobs: admitted here (`BatchRun`'s parse, claim, check-in and one engine message), then
-    finished by `FINISHER` with every other group's jobs, each job's message acked once its result is stored."""
+    finished by the service's finisher with every other group's jobs, each job's message acked (through `intake`)
+    once its result is stored."""
 
-    def __init__(self, service: Any, taken: list[tuple[Any, dict[str, Any]]], to_pool: Any, admitted: Any,
-                 ended: Any, on_loop: bool = False) -> None:
+    service: IntakeService
+
+    def __init__(self, service: IntakeService, intake: Intake, taken: list[tuple[Request, dict[str, Any]]],
+                 admitted: Callable[[], object], ended: Callable[[], object], on_loop: bool = False) -> None:
         super().__init__(service, "single jobs", taken[0][0].task.backend)
+        self.intake = intake
         # admitted on the consumer's loop (`Intake._next_group`): its engine message is queued, never waited for
         # (the engine's pipe is full while it is in a step); a group thread waits for its write, so the next group
         # gathers the requests that come meanwhile
         self.on_loop = on_loop
-        self.requests: dict[str, Any] = {}
+        self.requests: dict[str, Request] = {}
         self.raw: list[dict[str, Any]] = []
-        self.to_pool = to_pool
-        self._on_admitted = admitted  # called once, when the jobs are in the engine (or the run ended before)
-        self._on_ended = ended  # called once, when every job is stored or requeued
+        self.to_pool = intake.hand_off
+        # each called once: when the jobs are in the engine (or the run ended before); when each is stored or requeued
+        self._on_admitted: Callable[[], object] | None = admitted
+        self._on_ended: Callable[[], object] | None = ended
         self.done: dict[str, dict[str, Any]] = {}  # job id -> final result
         self._acked_by_store: dict[str, tuple[str, str, str]] = {}  # job id -> its message's ack, in the next store
-        self.in_engine: dict[str, Any] = {}  # engine request id -> its Attempt
+        self.in_engine: dict[str, Attempt] = {}  # engine request id -> its Attempt
         self.accepting = True  # `Finishing.accepting`: until the run ends or is abandoned
         for request, raw in taken:
             if request.id in self.requests:  # the same job twice in one take: the pool path waits for this run
-                to_pool(request)
+                self.to_pool(request)
                 continue
             self.requests[request.id] = request
             self.raw.append(raw)
 
     def admit(self) -> None:
-        """Parse, claim, check in, store the results known already, and hand the rest to the engine and `FINISHER`.
+        """Parse, claim, check in, store the results known already, and hand the rest to the engine and the finisher.
         Any failure requeues the unfinished jobs' messages."""
         try:
             _accept(self.requests.values())
@@ -398,18 +447,18 @@ class IntakeRun(BatchRun):
         finally:
             self.submitted()
         if self.in_engine:
-            FINISHER.watch(self)
+            self.service.finisher.watch(self)
         else:
             self._end()
 
-    def _send(self, runs: list[Any]) -> None:
-        """Hand `runs` to the engine in one message, their answers to `FINISHER`'s queue (it takes them once `watch`
+    def _send(self, runs: list[Attempt]) -> None:
+        """Hand `runs` to the engine in one message, their answers to the finisher's queue (it takes them once `watch`
         hands it the run: `in_engine` is complete by then)."""
-        submitted = self.service.submit_many(runs, FINISHER.sink(self), wait=not self.on_loop)
+        submitted = self.service.submit_many(runs, self.service.finisher.sink(self), wait=not self.on_loop)
         self.in_engine = {request_id: run for run, (_, request_id) in zip(runs, submitted)}
         self.service.metrics.jobs_in_flight.inc(len(runs))
 
-    def finish(self, answers: list[tuple[str, Any]], turn: dict[Any, Any]
+    def finish(self, answers: list[tuple[str, Answer]], turn: dict[object, dict[str, Any]]
                ) -> tuple[dict[bytes, bytes], list[tuple[str, str, str]]]:
         """`Finishing.finish`: each answered job's result; every result of the run not stored yet, encoded, and
         the records of their jobs' messages, acked by the same script. Celery's meta of the results is made once per
@@ -491,15 +540,15 @@ class IntakeRun(BatchRun):
         value = headers.get(JOB_HASH_HEADER)
         return value if is_content_hash(value) else ""
 
-    def joined(self, running: list[tuple[Any, Any]]) -> None:
+    def joined(self, running: list[tuple[Job, Future]]) -> None:
         for job, _ in running:  # the pool path waits for that run (and names a conflict)
             self.to_pool(self.requests.pop(job.id))
 
     def settled(self, job_ids: list[str], results: dict[str, dict[str, Any]]) -> None:
         acked, self._acked_by_store = self._acked_by_store, {}
         settled = [job_id for job_id in job_ids if job_id in self.requests]
-        INTAKE.ack_soon([self.requests[job_id] for job_id in settled if job_id not in acked],
-                        [self.requests[job_id] for job_id in settled if job_id in acked])
+        self.intake.ack_soon([self.requests[job_id] for job_id in settled if job_id not in acked],
+                             [self.requests[job_id] for job_id in settled if job_id in acked])
         requests = [(self.requests.pop(job_id), results.get(job_id)) for job_id in settled]
         now = time.time()
         for request, result in requests:
@@ -529,15 +578,12 @@ class IntakeRun(BatchRun):
         if left:
             log.warning("single jobs: %d messages not requeued within %.0fs; the visibility timeout requeues them",
                         len(left), REQUEUE_SECONDS)
-            INTAKE.soon(_release, left)
+            self.intake.soon(_release, left)
         log.info("single jobs: %d requeued (%s)", len(self.requests) - len(left), reason)
         self.requests.clear()
 
 
-FINISHER = Finisher(settling=INTAKE.holding_acks)
-
-
-def _release(requests: list[Any]) -> None:
+def _release(requests: list[Request]) -> None:
     """Drop these messages' local records, their unacked records left in Redis: their prefetch slots free and their
     leases are no longer renewed, so the visibility timeout requeues them (a requeue that could not reach Redis)."""
     for request in requests:
@@ -546,26 +592,26 @@ def _release(requests: list[Any]) -> None:
             request.acknowledged = True
 
 
-def _sends_task_events(request: Any) -> bool:
+def _sends_task_events(request: Request) -> bool:
     """Whether `Request.send_event` would send a task event (`sends_task_events`; a request made while they were off
     has no dispatcher), asked before `send_event` builds the event's fields for a dispatcher that would drop it."""
     return request.task.send_events and sends_task_events(request.eventer)
 
 
-def _has_room(request: Any) -> bool:
+def _has_room(request: Request) -> bool:
     """Whether the consumer that delivered `request` can take more messages with its slot still held (it is then, or
     soon, waiting in a take that returns by itself); read from another thread, as a hint."""
     qos = getattr(getattr(request.message, "channel", None), "qos", None)
     return qos is not None and bool(qos.can_consume())
 
 
-def _ack_all(requests: list[Any]) -> None:
+def _ack_all(requests: list[Request]) -> None:
     with acks_together():
         for request in requests:
             _acknowledge(request)
 
 
-def _acknowledge(request: Any, by_script: bool = False) -> None:
+def _acknowledge(request: Request, by_script: bool = False) -> None:
     """`Request.acknowledge`, but in the calling thread: Celery's `on_ack` schedules each ack on the consumer's event
     loop on its own, one round trip per message; here the acks of a wave share one (`acks_together`). `by_script`:
     the store script acked the message in Redis already; only its slot is freed."""
@@ -577,7 +623,7 @@ def _acknowledge(request: Any, by_script: bool = False) -> None:
         request.acknowledged = True
 
 
-def _accept(requests: Iterable[Any]) -> None:
+def _accept(requests: Iterable[Request]) -> None:
     """What Celery's pool does as a job starts: `active` in `celery inspect`, the `task-started` event. The count per
     task name (`celery inspect stats`' `total`) is added once per group: `task_accepted` adds each job's `{name: 1}`
     through `Counter.update`, a Python call that checks its argument's type each time."""
@@ -594,23 +640,3 @@ def _accept(requests: Iterable[Any]) -> None:
 
 def _counted_below(count: dict[str, int]) -> None:
     """`task_accepted`'s count of one job, which `_accept` adds for its whole group at once."""
-
-
-class IntakeDrain(bootsteps.StartStopStep):
-    """Consumer bootstep: at the worker's shutdown, wait for the intake's jobs (as Celery waits for its pool's)
-    before the broker connection closes. Not at a consumer restart (a broker reconnect): those jobs go on."""
-
-    requires = ("celery.worker.consumer.tasks:Tasks",)
-
-    def stop(self, parent: Any) -> None:
-        from tokenmill.worker.runtime import installed
-
-        service = installed()
-        if service is None:
-            return
-        if parent.blueprint.state == bootsteps.CLOSE:  # the consumer stops for good; a remote `shutdown` or
-            service.begin_shutdown()                   # `WorkController.stop()` sends no signal: the grace starts here
-        if service.shutting_down:
-            INTAKE.drain()
-
-    shutdown = stop

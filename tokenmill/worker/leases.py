@@ -21,11 +21,15 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from celery import bootsteps
 
 from tokenmill.queue.transport import held_deliveries
+
+if TYPE_CHECKING:
+    from celery.worker.consumer import Consumer
+    from kombu.transport.redis import Channel
 
 log = logging.getLogger(__name__)
 
@@ -35,24 +39,24 @@ class LeaseRenewal(bootsteps.StartStopStep):
 
     requires = ("celery.worker.consumer.tasks:Tasks",)
 
-    def __init__(self, parent: Any, **kwargs: Any) -> None:
+    def __init__(self, parent: Consumer, **kwargs: Any) -> None:
         super().__init__(parent, **kwargs)
         self._timer_entry = None
 
-    def start(self, parent: Any) -> None:
+    def start(self, parent: Consumer) -> None:
         options = parent.app.conf.broker_transport_options or {}
         # 1/8: a worker whose loop stalls for up to 7/8 of the timeout keeps its jobs
         interval = max(0.1, float(options.get("visibility_timeout", 3600)) / 8)
         self._timer_entry = parent.timer.call_repeatedly(interval, self.renew, (parent,), priority=0)
 
-    def stop(self, parent: Any) -> None:
+    def stop(self, parent: Consumer) -> None:
         if self._timer_entry is not None:
             self._timer_entry.cancel()
             self._timer_entry = None
 
     shutdown = stop
 
-    def renew(self, parent: Any) -> int:
+    def renew(self, parent: Consumer) -> int:
         """Re-stamp every message held by this worker; returns how many were renewed."""
         channel = getattr(getattr(parent, "task_consumer", None), "channel", None)
         if channel is None or not hasattr(channel, "conn_or_acquire"):  # not connected yet, or not Redis
@@ -64,7 +68,7 @@ class LeaseRenewal(bootsteps.StartStopStep):
             return 0
 
 
-def _restamp(channel: Any, held: dict[str, list[str]]) -> int:
+def _restamp(channel: Channel, held: dict[str, list[str]]) -> int:
     if not held:
         return 0
     now = time.time()

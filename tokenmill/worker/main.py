@@ -21,7 +21,6 @@ import redis
 from tokenmill.worker import control, runtime
 from tokenmill.worker.app import app, configure
 from tokenmill.worker.engine_process import freeze_startup_objects
-from tokenmill.worker.service import WorkerService
 from tokenmill.worker.settings import WorkerSettings
 
 log = logging.getLogger("tokenmill.worker")
@@ -106,8 +105,7 @@ def run_worker(settings: WorkerSettings) -> int:
     configure(app, settings)
     app.conf.broker_transport_options = {**app.conf.broker_transport_options, "take_at_least": settings.take_at_least}
     control.allow_state_changes(settings.remote_control_writes)
-    service = WorkerService.start(settings)
-    runtime.install(service)
+    service = runtime.start(settings)  # the process's one service (`tokenmill.worker.runtime`)
     capacity = settings.in_flight_capacity
     log.info(
         "worker ready: model=%s queues=%s concurrency=%d visibility_timeout=%.1fs metrics_port=%s",

@@ -14,6 +14,7 @@ from tokenmill.queue.schemas import SCHEMA_VERSION, Job
 from tokenmill.sampling_params import constraint_problem
 
 if TYPE_CHECKING:
+    from tokenmill.engine.llm_engine import RequestOutput
     from tokenmill.worker.admission import Attempt
 
 
@@ -38,7 +39,7 @@ class EngineOutput:
     scores: list[dict[str, Any]] | None = None  # a score job's: {"logprob", "is_greedy", "num_tokens"} each
 
 
-def output_fields(output: Any) -> dict[str, Any]:
+def output_fields(output: RequestOutput) -> dict[str, Any]:
     """A finished `RequestOutput` as `EngineOutput(**fields)` takes it. The fields that default to None there are left
     out when None (most requests ask for no logprobs and no structured output), each tested by name: a smaller message,
     cheaper to decode."""

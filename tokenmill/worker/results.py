@@ -11,7 +11,7 @@ PUBLISH on the key's channel). Keys, values, expiry and the announcement are Cel
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from celery import states
 from celery.backends.redis import RedisBackend
@@ -21,6 +21,10 @@ from kombu.utils.encoding import bytes_to_str
 from tokenmill.queue.batching import Coalescer
 from tokenmill.queue.cancels import result_meta
 from tokenmill.queue.packing import PACKER_OPTIONS
+
+if TYPE_CHECKING:
+    from celery.app.task import Context
+    from redis.commands.core import Script
 
 #: The worker app's backends by URL scheme (`celery.app.backends.by_name` aliases).
 BACKEND_OVERRIDES = {scheme: f"{__name__}:CoalescingRedisBackend" for scheme in ("redis", "rediss")}
@@ -62,24 +66,24 @@ class CoalescingRedisBackend(RedisBackend):
         self.thread_safe = True
         self.connparams.update(PACKER_OPTIONS)  # its pool's connections pack with hiredis alone
         self._stores: Coalescer[tuple[str, bytes, int], None] = Coalescer(self._store_many, limit=self.STORE_LIMIT)
-        self._store_script: Any = None
+        self._store_script: Script | None = None
         self._task_key_prefix: bytes = self._get_key_for(self.task_keyprefix, "")
 
-    def get_key_for_task(self, task_id: Any, key: Any = "") -> bytes:
+    def get_key_for_task(self, task_id: str | bytes, key: str | bytes = "") -> bytes:
         """Celery's key; a text id is joined to the prefix encoded once (Celery encodes each part anew)."""
         if task_id and key == "" and task_id.__class__ is str:
             return self._task_key_prefix + task_id.encode()
         return super().get_key_for_task(task_id, key)
 
-    def _get_result_meta(self, result: Any, state: str, traceback: Any, request: Any, format_date: bool = True,
-                         encode: bool = False) -> dict[str, Any]:
+    def _get_result_meta(self, result: Any, state: str, traceback: str | None, request: Context | None,
+                         format_date: bool = True, encode: bool = False) -> dict[str, Any]:
         """Celery's meta; without a request (every job's result: its fields are the job's own), `result_meta`'s."""
         if request is not None or not format_date:
             return super()._get_result_meta(result, state, traceback, request, format_date, encode)
         return {**result_meta(self, state), "result": result, "traceback": traceback}
 
-    def _store_result(self, task_id: str, result: Any, state: str, traceback: Any = None, request: Any = None,
-                      **kwargs: Any) -> Any:
+    def _store_result(self, task_id: str, result: Any, state: str, traceback: str | None = None,
+                      request: Context | None = None, **kwargs: Any) -> Any:
         meta = self._get_result_meta(result=result, state=state, traceback=traceback, request=request)
         meta["task_id"] = bytes_to_str(task_id)
         value = self.encode(meta)

@@ -1,47 +1,85 @@
-"""The worker process's one `WorkerService`, found by the Celery task at run time.
+"""The one place a Celery worker process keeps its `WorkerService`: the entry point of everything Celery calls.
 
-`tokenmill worker` installs the service it built from its flags before Celery starts. Under a plain
-`celery -A tokenmill.worker.app worker --pool threads`, the first job builds one from `TOKENMILL_*`
-variables instead (loading the model then), so the task works with Celery's own command line too.
+Celery builds and calls the task bodies (`run_job`, `run_batch`), the `tokenmill.generate` strategy (`strategy`), the
+consumer's steps (`IntakeDrain`), the consumer that refuses bad messages (`tokenmill.worker.guard`) and its signals
+with no way to pass them a service: they reach it here, and only here. The service owns the rest (its engine process,
+intake and finisher) and hands them out; nothing else in the worker is kept per process.
+
+`tokenmill worker` builds the service from its flags (`start`) before Celery starts. Under a plain
+`celery -A tokenmill.worker.app worker --pool threads`, the first job builds one from `TOKENMILL_*` variables instead
+(`current`, loading the model then), so the tasks work with Celery's own command line too. Celery builds the
+strategy, and hands it requests, before that: the process's intake exists from then on (`intake`), and is handed to
+the service when it is built.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
+from celery import bootsteps
 from celery.signals import worker_shutting_down
 
 from tokenmill.errors import InvalidRequestError
 from tokenmill.queue.schemas import JobResult, check_size, job_payload
+from tokenmill.worker.batch_task import BatchRun
+from tokenmill.worker.intake import Intake, MessageHandler
+from tokenmill.worker.intake import strategy as intake_strategy
 from tokenmill.worker.service import WorkerService
 from tokenmill.worker.settings import WorkerSettings
 
+if TYPE_CHECKING:
+    from celery import Celery
+    from celery.app.task import Task
+    from celery.worker.consumer import Consumer
+
 _service: WorkerService | None = None
-_lock = threading.Lock()
+_intake: Intake | None = None  # made before the service, for it (`intake`)
+_lock = threading.Lock()  # held while the service is built (the model loads meanwhile)
+_intake_lock = threading.Lock()
 
 
-def install(service: WorkerService) -> None:
-    global _service
-    _service = service
-
-
-def installed() -> WorkerService | None:
-    """The service, if one was installed or built already (never builds one)."""
-    return _service
-
-
-def current() -> WorkerService:
+def start(settings: WorkerSettings) -> WorkerService:
+    """Build this process's service from `settings` (`tokenmill worker`, before Celery starts)."""
     global _service
     with _lock:
-        if _service is None:
-            _service = WorkerService.start(WorkerSettings())
+        if _service is not None:
+            raise RuntimeError("this process has its worker service already")
+        _service = WorkerService.start(settings, intake())
         return _service
 
 
-def run_job(task: Any, args: tuple[Any, ...], fields: dict[str, Any]) -> dict[str, Any]:
-    """Entry point of the `tokenmill.generate` task body.
+def current() -> WorkerService:
+    """The service, built from `TOKENMILL_*` variables by the first caller when none was (plain `celery worker`)."""
+    global _service
+    with _lock:
+        if _service is None:
+            _service = WorkerService.start(WorkerSettings(), intake())
+        return _service
+
+
+def intake() -> Intake:
+    """The service's single-job intake. Celery asks for it (building the task's strategy) before the first job builds
+    the service under plain `celery worker`: it is made here then, and the service is built with it."""
+    global _intake
+    service = _service
+    if service is not None:
+        return service.intake
+    with _intake_lock:
+        if _intake is None:
+            _intake = Intake(start_service=current)
+        return _intake
+
+
+def strategy(task: Task, app: Celery, consumer: Consumer, **options: Any) -> MessageHandler:
+    """The `tokenmill.generate` task's Celery `Strategy`: `tokenmill.worker.intake.strategy` on the process's intake."""
+    return intake_strategy(intake(), task, app, consumer, **options)
+
+
+def run_job(task: Task, args: tuple[Any, ...], fields: dict[str, Any]) -> dict[str, Any]:
+    """Body of the `tokenmill.generate` task (on the pool path).
 
     Before the service parses anything: the job must be one object (positional or `job=`) and/or keyword
     fields, and its encoding must fit `max_job_bytes`, the client's limit (a job sent with plain Celery
@@ -57,15 +95,38 @@ def run_job(task: Any, args: tuple[Any, ...], fields: dict[str, Any]) -> dict[st
     return service.run_job(task_id, payload, fields, task.backend, time_limit=_time_limit(task.request.timelimit))
 
 
-def _time_limit(timelimit: Any) -> float | None:
+def run_batch(task: Task, batch: dict[str, Any] | None, fields: dict[str, Any]) -> dict[str, Any]:
+    """Body of the `tokenmill.generate_batch` task: the group's jobs (`batch["jobs"]` or `jobs=`) on the service."""
+    return BatchRun(current(), task.request.id, task.backend).run((batch or fields).get("jobs"))
+
+
+def _time_limit(timelimit: Sequence[float | None] | None) -> float | None:
     """The shorter of Celery's (time_limit, soft_time_limit) of `apply_async`, if either is set. (The threads
     pool enforces neither: the worker ends the job at that point itself, as `deadline_exceeded`.)"""
     limits = [float(limit) for limit in (timelimit or ()) if limit]
     return min(limits) if limits else None
 
 
+class IntakeDrain(bootsteps.StartStopStep):
+    """Consumer bootstep: at the worker's shutdown, wait for the intake's jobs (as Celery waits for its pool's)
+    before the broker connection closes. Not at a consumer restart (a broker reconnect): those jobs go on."""
+
+    requires = ("celery.worker.consumer.tasks:Tasks",)
+
+    def stop(self, parent: Consumer) -> None:
+        service = _service
+        if service is None:
+            return
+        if parent.blueprint.state == bootsteps.CLOSE:  # the consumer stops for good; a remote `shutdown` or
+            service.begin_shutdown()                   # `WorkController.stop()` sends no signal: the grace starts here
+        if service.shutting_down:
+            service.intake.drain()
+
+    shutdown = stop
+
+
 @worker_shutting_down.connect
-def _on_shutting_down(**_: Any) -> None:
+def _on_shutting_down(**_: object) -> None:
     """SIGTERM/SIGINT reached Celery: start the shutdown grace period of the running jobs."""
     if _service is not None:
         _service.begin_shutdown()

@@ -1,8 +1,10 @@
 """What a worker does with one job, from its Celery message to its written result.
 
-`WorkerService` owns the engine process, the S3 sink, the metrics and a Redis client for bookkeeping.
-Celery runs `run_job` in one of its pool threads per job; the thread hands the request to the engine
-process and waits, so up to `concurrency` jobs share the engine's running batch.
+`WorkerService` owns the engine process, the S3 sink, the metrics, a Redis client for bookkeeping, and the single-job
+intake and its finisher (`tokenmill.worker.intake`, `tokenmill.worker.finisher`), which it hands to whoever needs them;
+the Celery worker process keeps its one service in `tokenmill.worker.runtime`. Celery runs `run_job` in one of its pool
+threads per job; the thread hands the request to the engine process and waits, so up to `concurrency` jobs share the
+engine's running batch.
 
 Per job, in order:
 
@@ -39,7 +41,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
 from celery.exceptions import Ignore, Reject
@@ -59,18 +61,23 @@ from tokenmill.queue.tls import redis_client
 from tokenmill.queue.transport import hand_back_held
 from tokenmill.worker.admission import (CHECK_IN, Attempt, Cancelled, CheckIn, Conflict, DeadLetter, Decision, Run,
                                         Stored, admission, settled_by)
+from tokenmill.worker.batch_task import SHUTDOWN_CHECK_INTERVAL
 from tokenmill.worker.cancel_listener import CancelListener
 from tokenmill.worker.cpus import format_cpu_list, pin_process, placement
 from tokenmill.worker.engine_process import EngineProcess, Sink
+from tokenmill.worker.finisher import Finisher
+from tokenmill.worker.intake import Intake
 from tokenmill.worker.metrics import WorkerMetrics
 from tokenmill.worker.output import EngineOutput, result_wire
 from tokenmill.worker.settings import WorkerSettings
 from tokenmill.worker.sinks import OutputWriteError, RetryPolicy, S3Sink, WriteAbandoned, output_refusal
 
+if TYPE_CHECKING:
+    from celery.backends.base import KeyValueStoreBackend
+
 log = logging.getLogger("tokenmill.worker")
 
 FATAL_EXIT_CODE = 70  # EX_SOFTWARE: the engine failed; a supervisor restarts the worker
-SHUTDOWN_CHECK_INTERVAL = 2.0  # seconds
 HAND_BACK_TIMEOUT = 10.0  # seconds a stalled worker tries to requeue its held messages before it exits anyway
 #: Seconds after which a worker exiting for its engine exits even if what comes before the exit (logging, the hand-back)
 #: has not returned: a timer thread calls `os._exit` with the same code (`_exit_watchdog`).
@@ -106,9 +113,11 @@ return new
 
 
 class WorkerService:
-    """One per worker process; thread-safe `run_job`."""
+    """One per worker process; thread-safe `run_job`. Owns its `intake` and `finisher`: `intake` given is one Celery
+    handed requests to before this service existed (`tokenmill.worker.runtime`); it is served by this service alone."""
 
-    def __init__(self, settings: WorkerSettings, engine: EngineProcess, metrics: WorkerMetrics, sink: S3Sink | None) -> None:
+    def __init__(self, settings: WorkerSettings, engine: EngineProcess, metrics: WorkerMetrics, sink: S3Sink | None,
+                 intake: Intake | None = None) -> None:
         self.settings = settings
         self.engine = engine
         self.metrics = metrics
@@ -139,10 +148,14 @@ class WorkerService:
         # results stored by several groups at once (jobs of different groups finishing in one engine step): one call
         self._stores: Coalescer[tuple[dict[bytes, bytes], Sequence[tuple[str, str, str]]], None] = Coalescer(
             self._store_many, limit=STORE_LIMIT)
+        # single jobs in groups: the finisher settles each turn's runs inside the intake's `holding_acks`
+        self.intake = intake if intake is not None else Intake()
+        self.finisher = Finisher(settling=self.intake.holding_acks)
+        self.intake.serve(self)
 
     @classmethod
-    def start(cls, settings: WorkerSettings) -> WorkerService:
-        """Start the metrics endpoint, then the engine process (the model loads there, once).
+    def start(cls, settings: WorkerSettings, intake: Intake | None = None) -> WorkerService:
+        """Start the metrics endpoint, then the engine process (the model loads there, once). `intake`: see the class.
 
         The endpoint first: a port problem then fails the start before an engine process exists.
         """
@@ -167,7 +180,7 @@ class WorkerService:
             RetryPolicy(max_delay=settings.s3_retry_max_delay),
             on_retry=metrics.output_retries.inc,
         )
-        service = cls(settings, engine, metrics, sink)
+        service = cls(settings, engine, metrics, sink, intake)
         service.cancels.start()
         service.announcer.start()  # the model is loaded: `tokenmill serve` may send it jobs
         return service
@@ -196,8 +209,8 @@ class WorkerService:
 
     # -- one job -------------------------------------------------------------------------------
 
-    def run_job(self, task_id: str, payload: dict[str, Any] | None, fields: dict[str, Any], backend: Any,
-                time_limit: float | None = None) -> dict[str, Any]:
+    def run_job(self, task_id: str, payload: dict[str, Any] | None, fields: dict[str, Any],
+                backend: KeyValueStoreBackend, time_limit: float | None = None) -> dict[str, Any]:
         """Everything between a delivered message and the result Celery stores (see module docstring).
 
         `backend` is the task's Celery result backend; `time_limit` the message's Celery time limit (the job's
