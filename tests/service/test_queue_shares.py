@@ -138,33 +138,63 @@ def test_a_job_queued_behind_another_runs_backlog_is_taken_at_once(redis_server:
 def test_a_consumers_prefetch_counts_the_jobs_a_message_carries(redis_server: RedisServer) -> None:
     """Messages of 4 jobs each (`JOBS_HEADER`, as a group message carries it) and a prefetch of 8 jobs: the consumer
     holds 2 of them, not 8, and takes one more as one is acked."""
+    queue = _group_messages(redis_server, 6, 4)
+    held: list = []
+    with _connection(redis_server) as connection, Consumer(
+            connection.channel(), [queue], callbacks=[lambda body, message: held.append(message)], prefetch_count=8):
+        _drain(connection, 2.0)
+        assert len(held) == 2
+        held[0].ack()
+        _drain(connection, 2.0)
+        assert len(held) == 3
+        for message in held[1:]:
+            message.ack()
+        _drain(connection, 2.0)
+        assert len(held) == 5
+
+
+def _group_messages(redis_server: RedisServer, count: int, jobs: int) -> Queue:
+    """A new queue holding `count` messages of `jobs` jobs each (`JOBS_HEADER`), Celery task ids group-0, group-1..."""
     from tokenmill.queue.names import JOBS_HEADER
 
     queue = Queue(f"q-{uuid.uuid4().hex[:8]}", EXCHANGE, routing_key="q")
     with _connection(redis_server) as connection:
         producer = Producer(connection.channel(), exchange=EXCHANGE)
-        for i in range(6):
-            producer.publish({"body": f"group-{i}"}, routing_key=queue.name, declare=[queue], headers={JOBS_HEADER: 4})
+        for i in range(count):
+            producer.publish({"body": f"group-{i}"}, routing_key=queue.name, declare=[queue],
+                             headers={JOBS_HEADER: jobs, "id": f"group-{i}"})
+    return queue
+
+
+def _drain(connection: Connection, seconds: float) -> None:
+    """Let the consumer on `connection` take and deliver messages for `seconds`."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            connection.drain_events(timeout=0.2)
+        except TimeoutError:
+            pass
+
+
+def test_a_group_messages_ended_jobs_free_their_prefetch_room(redis_server: RedisServer) -> None:
+    """Messages of 4 jobs, a prefetch of 8 jobs: the consumer holds 2; once 3 jobs of the first have ended
+    (`transport.jobs_ended`, as the group task reports them) it takes one more while both are still held; a message
+    counts one job until acked, however many ended."""
+    from tokenmill.queue import transport
+
+    queue = _group_messages(redis_server, 6, 4)
     held: list = []
     with _connection(redis_server) as connection, Consumer(
             connection.channel(), [queue], callbacks=[lambda body, message: held.append(message)], prefetch_count=8):
-        def drain(seconds: float) -> None:
-            deadline = time.monotonic() + seconds
-            while time.monotonic() < deadline:
-                try:
-                    connection.drain_events(timeout=0.2)
-                except TimeoutError:
-                    pass
-
-        drain(2.0)
-        assert len(held) == 2
-        held[0].ack()
-        drain(2.0)
-        assert len(held) == 3
-        for message in held[1:]:
-            message.ack()
-        drain(2.0)
-        assert len(held) == 5
+        _drain(connection, 1.0)
+        assert [m.headers["id"] for m in held] == ["group-0", "group-1"]
+        transport.jobs_ended("group-0", 3)
+        transport.jobs_ended("not-held", 4)
+        _drain(connection, 1.0)
+        assert len(held) == 3 and not any(m.acknowledged for m in held)
+        transport.jobs_ended("group-1", 9)  # more than it carries: it still counts one
+        _drain(connection, 1.0)
+        assert len(held) == 4  # room 2 (held: 1 + 1 + 4 jobs): one more message, and no room after it
 
 
 def test_a_consumer_blocked_on_the_queue_wakes_for_a_shares_message(redis_server: RedisServer) -> None:
@@ -199,3 +229,28 @@ def test_a_consumer_blocked_on_the_queue_wakes_for_a_shares_message(redis_server
     client = redis_server.client()
     assert all(SHARE_BELL.encode() not in client.lrange(key, 0, -1)
                for key in [queue.name, *client.hkeys(tm_transport.CONSUMERS_KEY)])
+
+
+def test_a_groups_ended_jobs_let_the_worker_take_more_while_its_long_job_runs(redis_server: RedisServer,
+                                                                             start_worker) -> None:
+    """A real worker (prefetch 5 jobs) holds two group messages of 4 jobs, each with one long job: once their short
+    jobs end, a single job queued after them is taken and finishes while both long jobs still run. (With the groups
+    counting all 4 jobs until acked, it waited for a long job to end; a group's results are stored at its end.)"""
+    from tokenmill.client import Client
+    from tokenmill.queue.names import BATCH_TASK_NAME, JOBS_HEADER
+    from tokenmill.queue.schemas import message_wire
+
+    start_worker(redis_server.url, max_num_seqs=4, num_kv_blocks=512).wait_ready()
+    with Client(redis_server.url) as client:
+        groups = [[{"id": f"g{g}-long", "prompt": "long", "max_tokens": 1500, "ignore_eos": True}]
+                  + [{"id": f"g{g}-short-{i}", "prompt": "short", "max_tokens": 2} for i in range(3)]
+                  for g in range(2)]
+        for group in groups:
+            client.publisher.publish(BATCH_TASK_NAME, uuid.uuid4().hex, [{"jobs": [message_wire(j) for j in group]}],
+                                     "[<4 jobs>]", {JOBS_HEADER: 4}, ignore_result=True)
+        wait_for(lambda: redis_server.client().llen(client.queue) == 0, 60, "both groups taken")
+        probe = client.submit(prompt="a lone job", max_tokens=4)
+        assert probe.result(timeout=120).status == "succeeded"
+        assert client.get("g0-long") is None and client.get("g1-long") is None, "a long job ended before the probe"
+        ids = [job["id"] for group in groups for job in group]
+        assert [result.status for result in client.results(ids, 300)] == ["succeeded"] * 8

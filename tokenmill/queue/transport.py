@@ -301,6 +301,16 @@ def acked_by_script(message: Any) -> None:
     message._state = "ACK"  # kombu's `Message.ack` marks it so
 
 
+def jobs_ended(task_id: str, count: int) -> None:
+    """A group message (`JOBS_HEADER`) held by this process, Celery task `task_id`, has `count` more jobs ended: the
+    consumer counts them against its prefetch no more, so it takes more work as a group's short jobs end, not only
+    once its longest one has (the message is still acked after all its results are stored). Any thread; the room
+    shows at the consumer loop's next turn."""
+    for qos in list(_live_qos):
+        if qos.jobs_ended(task_id, count):
+            return
+
+
 def held_deliveries() -> dict[str, list[str]]:
     """Delivery tags held (delivered, not acked) by this process, by `unacked_index` key."""
     held: dict[str, list[str]] = {}
@@ -388,20 +398,33 @@ class QoS(kombu_redis.QoS):
         _live_qos.add(self)
         self._acks: Coalescer[str, None] = Coalescer(self._ack_many, limit=1000)
         self._jobs: dict[str, int] = {}  # delivery tag -> the jobs of a held message carrying more than one
+        self._jobs_lock = threading.Lock()  # `jobs_ended` writes `_jobs` from the threads running groups
 
     def can_consume_max_estimate(self) -> int | None:
-        """Free prefetch slots, in jobs: a message counts its `JOBS_HEADER` jobs (a group's), any other one. Only the
-        consumer's loop thread appends; a tag acked meanwhile is dropped here."""
+        """Free prefetch slots, in jobs: a message counts its `JOBS_HEADER` jobs (a group's) less those ended
+        (`jobs_ended`), any other one. Only the consumer's loop thread appends; a tag acked meanwhile is dropped here."""
         room = super().can_consume_max_estimate()
         if room is None or not self._jobs:
             return room
         held, dirty = self._delivered, self._dirty
-        for tag, jobs in list(self._jobs.items()):
-            if tag in held and tag not in dirty:
-                room -= jobs - 1
-            else:
-                del self._jobs[tag]
+        with self._jobs_lock:
+            for tag, jobs in list(self._jobs.items()):
+                if tag in held and tag not in dirty:
+                    room -= jobs - 1
+                else:
+                    del self._jobs[tag]
         return room
+
+    def jobs_ended(self, task_id: str, count: int) -> bool:
+        """`count` more jobs of the held message of Celery task `task_id` ended: they hold no prefetch room, the message
+        one until acked. False if no such message is held here."""
+        with self._jobs_lock:
+            for tag, jobs in self._jobs.items():
+                message = self._delivered.get(tag)
+                if message is not None and (message.headers or {}).get("id") == task_id:
+                    self._jobs[tag] = max(1, jobs - count)
+                    return True
+        return False
 
     def can_consume(self) -> bool:
         """As kombu, but with `Channel.take_at_least` free prefetch slots (at most a take's `TAKE_MAX`), once the worker

@@ -13,7 +13,8 @@ group every job keeps the guarantees of a single `tokenmill.generate` job:
 * ids must match the job-id pattern, and a repeated id in a group runs once;
 * any failure of the group requeues it with its unfinished jobs aborted and its finished results stored;
 * the message is acknowledged only after all of its results are stored (late ack); at shutdown, past the
-  grace period, finished jobs' results are stored and the group is requeued for the rest.
+  grace period, finished jobs' results are stored and the group is requeued for the rest. Its jobs count against
+  the worker's prefetch (`JOBS_HEADER`) only while they run: each that ends frees its room (`transport.jobs_ended`).
 
 The message body is `[[{"jobs": [job, ...]}], {}, {}]`: each job in `Job`'s wire format. The task itself is
 registered by `tokenmill.worker.app.create_app`; its body is `tokenmill.worker.runtime.run_batch`. Torch-free.
@@ -36,6 +37,7 @@ from celery.exceptions import Reject
 from tokenmill.errors import InvalidRequestError
 from tokenmill.queue.cancels import encode_result, result_meta
 from tokenmill.queue.schemas import Job, JobResult, check_size, is_job_id
+from tokenmill.queue.transport import jobs_ended
 from tokenmill.worker.admission import Attempt, Decision, Run
 
 if TYPE_CHECKING:
@@ -139,6 +141,7 @@ class BatchRun:
         jobs, done = self._parse(raw_jobs)
         # A job already running here (as a single job or in another group) is that run's to finish and store.
         mine, running = self.service.claim(jobs)
+        self._ended(len(raw_jobs) - len(mine))
         self._mine = {job.id: job for job in mine}  # until stored (`_store` releases them)
         self.joined(running)
         try:
@@ -158,11 +161,21 @@ class BatchRun:
     def _run_mine(self, jobs: list[Job], done: dict[str, dict[str, Any]]) -> int:
         """Check in, dead-letter or run, store; returns how many ran."""
         todo = self._check_in(jobs, done)
+        self._ended(len(jobs) - len(todo))
         try:
             self._generate(todo, done)
         finally:
             self._store(done)  # whatever finished, also when the rest is requeued
         return len(todo)
+
+    def _ended(self, count: int) -> None:
+        """`count` more of the message's jobs hold no engine slot: its prefetch room no longer counts them, so the
+        worker takes more work as a group's short jobs end (the message is still acked once all results are stored)."""
+        if count > 0:
+            jobs_ended(self.task_id, count)
+
+    def _one_ended(self, _: Future) -> None:
+        self._ended(1)
 
     def _check_in(self, jobs: list[Job], done: dict[str, dict[str, Any]]) -> list[Attempt]:
         """Count a delivery of each job; returns the `Attempt`s to run. Jobs found stored are settled; cancelled and
@@ -222,6 +235,7 @@ class BatchRun:
         finishing: queue.SimpleQueue[Future] = queue.SimpleQueue()  # each future once, as it resolves
         for future in futures:
             future.add_done_callback(finishing.put)
+            future.add_done_callback(self._one_ended)
         try:
             while pending:
                 # one wake-up when all are done, else each check interval or at the next deadline
