@@ -33,8 +33,8 @@ from tokenmill.worker.output import EngineOutput, output_fields, result_wire  # 
 
 TOLERANCE = 1e-5
 # A log-probability is as exact as float32 makes its magnitude: the engine's order of computation (paged, chunked,
-# forked attention) is not transformers', so a value or a sum of them may differ by some 32 float32 ulps of itself
-# (a token's -8.4 or a choice's total of -32 can be off by more than 1e-5).
+# forked attention) is not transformers', so a value or a sum of them may differ by 32 to 64 float32 ulps of itself,
+# a relative 32 * 2**-23 (a token's -8.4 or a choice's total of -32 can be off by more than 1e-5).
 LOGPROB_REL = 32 * 2**-23
 LABELS = ["positive", "negative", "neutral"]
 

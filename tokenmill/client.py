@@ -423,7 +423,8 @@ class SharedSubscription:
     On each (re)connect every key some wait still waits for is subscribed again; what was announced while the
     connection was down, the waits' sweeps read. The reader takes and connects the connection outside the lock (a
     pool with none free, or a connect, may block for its timeout): meanwhile writes are skipped and a subscribe fails
-    at once, as while the connection is down.
+    at once, as while the connection is down. Only the reader gives the connection back, as it exits, so the pool
+    never hands out a connection it still reads; a reader that died is replaced at the next take.
     Thread-safe; RESP3 (redis-py's default) or RESP2.
     """
 
@@ -440,6 +441,7 @@ class SharedSubscription:
         self._confirms: dict[bytes, threading.Event] = {}  # PING token -> its wait's subscribe, until answered
         self._connection: Any = None
         self._connecting = False  # the reader is connecting, or taking `_connection` from the pool, outside the lock
+        self._held: Any = None  # the pool's connection until given back (`_give_back`): `_connection` or a closed one's
         self._reader: threading.Thread | None = None
         self._first_try = threading.Event()  # the reader's first connect has succeeded or failed
         self._closed = threading.Event()
@@ -451,7 +453,7 @@ class SharedSubscription:
         with self._lock:
             if self._closed.is_set():
                 raise redis.ConnectionError("the shared results subscription is closed")
-            if self._reader is None:
+            if self._reader is None or not self._reader.is_alive():  # the first take, or the reader died
                 self._connecting = True
                 self._reader = threading.Thread(target=self._read, name="results-subscription", daemon=True)
                 self._reader.start()
@@ -476,22 +478,28 @@ class SharedSubscription:
                 pass  # the reader connects again, subscribing only the keys still waited for
 
     def close(self) -> None:
-        """Stop the reader and give the connection back to the pool (disconnected: it was in pub/sub mode)."""
+        """Stop the reader, which gives the connection back to the pool as it exits (within a second: the reader alone
+        uses it, so it is never back in the pool while read); with no reader left, give it back here."""
         self._closed.set()
         self._first_try.set()
         with self._lock:
-            connection, self._connection = self._connection, None
+            self._connection = None
             for confirmed in self._confirms.values():
                 confirmed.set()
-            connecting = self._connecting
-        if connection is not None and not connecting:  # else the reader gives it back once its connect ends
-            self._release(connection)
+            reader = self._reader
+        if reader is None or not reader.is_alive():
+            self._give_back()
 
-    def _release(self, connection: Any) -> None:
-        """Give the connection back to the pool, disconnected: it was in pub/sub mode."""
-        connection.deregister_connect_callback(self._on_connect)
-        connection.disconnect()
-        self.redis.connection_pool.release(connection)
+    def _give_back(self) -> None:
+        """Give the held connection back to the pool, disconnected (it was in pub/sub mode); once, whoever calls."""
+        with self._lock:
+            connection, self._held = self._held, None
+            if self._connection is connection:
+                self._connection = None
+        if connection is not None:
+            connection.deregister_connect_callback(self._on_connect)
+            connection.disconnect()
+            self.redis.connection_pool.release(connection)
 
     @property
     def keys(self) -> int:
@@ -543,19 +551,32 @@ class SharedSubscription:
                 connection.send_command("PING", token, check_health=False)
 
     def _read(self) -> None:
-        """The reader's loop: each reply dispatched; a failed connection connected again, at most twice a second,
-        logged at its first failure and then once every `_LOG_EVERY` seconds while it keeps failing."""
+        """The reader thread: reads until `close`, then gives the connection back (also if it dies of a bug: the next
+        take starts another reader)."""
+        try:
+            self._read_until_closed()
+        except Exception:
+            log.exception("the shared results subscription's reader failed; the next wait starts another")
+        finally:
+            self._first_try.set()
+            self._give_back()
+
+    def _read_until_closed(self) -> None:
+        """Each reply dispatched; a failed connection connected again, at most twice a second, logged at its first
+        failure and then once every `_LOG_EVERY` seconds while it keeps failing."""
         failures, logged_at = 0, float("-inf")
         while not self._closed.is_set():
             try:
                 with self._lock:
+                    if self._closed.is_set():
+                        return
                     connection = self._connection
                     connecting = self._connecting = connection is None or not connection.is_connected
                 if connecting:
-                    connection = self._connect(connection)  # `_on_connect` subscribes again
-                    if connection is None:
+                    if not self._connect(connection):  # `_on_connect` subscribes again
                         return  # closed meanwhile
                     failures = 0
+                    continue
                 if connection.can_read(timeout=1.0):
                     self._dispatch(connection.read_response(disable_decoding=True, push_request=True))
             except (redis.RedisError, OSError) as exc:
@@ -572,27 +593,25 @@ class SharedSubscription:
                         self._connection.disconnect()
                 self._closed.wait(0.5)
 
-    def _connect(self, connection: Any) -> Any:
+    def _connect(self, connection: Any) -> bool:
         """Connect outside the lock: the pool's connection the first time (then subscribed by `_on_connect`, as on
-        every connect after), else `connection` again. None: closed meanwhile (the connection given back here)."""
-        first = connection is None
+        every connect after), else `connection` again. False: closed meanwhile (the reader then gives it back)."""
         try:
-            if first:
+            if connection is None:
                 connection = self.redis.connection_pool.get_connection()
-                connection.register_connect_callback(self._on_connect)
+                with self._lock:
+                    self._held = connection
+                    connection.register_connect_callback(self._on_connect)
+                    if not self._closed.is_set():
+                        self._connection = connection
+                        self._on_connect(connection)  # the pool connected it before the callback was registered
             else:
                 connection.connect()
         finally:
             with self._lock:
                 self._connecting = False
-                if first and connection is not None and not self._closed.is_set():
-                    self._connection = connection
-                    self._on_connect(connection)  # the pool connected it before the callback was registered
-                let_go = connection is not None and self._connection is not connection
-            if let_go:
-                self._release(connection)
         self._first_try.set()
-        return None if let_go else connection
+        return not self._closed.is_set()
 
     def _dispatch(self, reply: Any) -> None:
         """A result's announcement to the waits for its key; a PING's answer (its token: RESP3, `[pong, token]`:

@@ -457,3 +457,51 @@ def test_a_shared_subscription_connects_outside_its_lock(redis_server: RedisServ
     pool.release(held)
     wait_for(lambda: pool.pool.qsize() == pool.max_connections, 10, "the reader gave its connection back")
     client.close()
+
+
+def test_a_shared_subscriptions_reader_that_dies_gives_its_connection_back_and_is_replaced(
+        redis_server: RedisServer) -> None:
+    """A reader killed by an unexpected error gives its connection back to the pool; the next take starts a new
+    reader, whose subscription gets announcements again."""
+    from service_fixtures import wait_for
+
+    from tokenmill.client import SharedSubscription
+    from tokenmill.queue.schemas import JobResult
+    from tokenmill.queue.tls import redis_client
+
+    worker = Client(redis_server.url).app.backend
+    client = redis_client(redis_server.url, max_connections=1, pool_timeout=5)
+    shared = SharedSubscription(client, confirm_timeout=5)
+
+    def store(job_id: str) -> None:
+        worker.store_result(job_id, JobResult(id=job_id, status="succeeded", text="x", token_ids=[1]).to_wire(),
+                            "SUCCESS")
+
+    def broken(reply: object) -> None:
+        raise RuntimeError("a bug in the reader")
+
+    try:
+        feed = shared.take()
+        feed.subscribe(worker.get_key_for_task("first"))
+        shared._dispatch, dispatch = broken, shared._dispatch
+        store("first")
+        wait_for(lambda: client.connection_pool.pool.qsize() == 1, 10, "the dead reader's connection back in the pool")
+        shared._dispatch = dispatch
+        feed = shared.take()
+        wait_for(lambda: _subscribed(feed, worker.get_key_for_task("second")), 10, "a new reader subscribed")
+        store("second")
+        message = feed.get_message(timeout=10)
+        assert message is not None and message["channel"] == worker.get_key_for_task("second")
+    finally:
+        shared.close()
+        client.close()
+
+
+def _subscribed(feed: object, key: bytes) -> bool:
+    import redis
+
+    try:
+        feed.subscribe(key)
+        return True
+    except redis.ConnectionError:
+        return False

@@ -84,8 +84,9 @@ class RunOptions:
 
 def run_options(options: RunOptions | None, keywords: Mapping[str, Any]) -> RunOptions:
     """The options of a run given either as `options` or as keyword arguments (`keywords`: the caller's own, read by
-    field name, e.g. its `locals()`); both at once raises `InvalidRequestError` ("options"), as a keyword would
-    otherwise be silently ignored."""
+    field name, e.g. its `locals()`, so every field must be a keyword of the caller); a keyword away from its default
+    beside `options` raises `InvalidRequestError` ("options"), as it would otherwise be ignored (one at its default
+    cannot be told from one left out)."""
     given = RunOptions(**{spec.name: keywords[spec.name] for spec in fields(RunOptions)})
     if options is None:
         return given

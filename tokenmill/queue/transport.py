@@ -305,10 +305,13 @@ def jobs_ended(task_id: str, count: int) -> None:
     """A group message (`JOBS_HEADER`) held by this process, Celery task `task_id`, has `count` more jobs ended: the
     consumer counts them against its prefetch no more, so it takes more work as a group's short jobs end, not only
     once its longest one has (the message is still acked after all its results are stored). Any thread; the room
-    shows at the consumer loop's next turn."""
-    for qos in list(_live_qos):
-        if qos.jobs_ended(task_id, count):
-            return
+    shows at the consumer loop's next turn. Never raises: a failure is logged, and the message's ack frees its room."""
+    try:
+        for qos in list(_live_qos):
+            if qos.jobs_ended(task_id, count):
+                return
+    except Exception:  # noqa: BLE001: bookkeeping of the prefetch room never fails a group; its ack frees all
+        log.exception("could not count %d ended jobs of %r against the prefetch", count, task_id)
 
 
 def held_deliveries() -> dict[str, list[str]]:
@@ -417,9 +420,10 @@ class QoS(kombu_redis.QoS):
 
     def jobs_ended(self, task_id: str, count: int) -> bool:
         """`count` more jobs of the held message of Celery task `task_id` ended: they hold no prefetch room, the message
-        one until acked. False if no such message is held here."""
+        one until acked. The newest delivery of the task if this consumer holds two (a message queued twice: the second
+        ends at once, its jobs running in the first). False if no such message is held here."""
         with self._jobs_lock:
-            for tag, jobs in self._jobs.items():
+            for tag, jobs in reversed(list(self._jobs.items())):
                 message = self._delivered.get(tag)
                 if message is not None and (message.headers or {}).get("id") == task_id:
                     self._jobs[tag] = max(1, jobs - count)
@@ -437,7 +441,8 @@ class QoS(kombu_redis.QoS):
     def append(self, message: Any, delivery_tag: str) -> None:
         jobs = (message.headers or {}).get(JOBS_HEADER)
         if isinstance(jobs, int) and jobs > 1 and self.prefetch_count:  # no limit: nothing to count against
-            self._jobs[delivery_tag] = jobs
+            with self._jobs_lock:
+                self._jobs[delivery_tag] = jobs
         claimed = self.channel.claimed_tags
         if delivery_tag in claimed:  # recorded in Redis by the claim script: only the local record is left
             claimed.discard(delivery_tag)
