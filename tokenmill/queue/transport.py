@@ -301,6 +301,10 @@ def acked_by_script(message: Any) -> None:
     message._state = "ACK"  # kombu's `Message.ack` marks it so
 
 
+def _take_turn() -> None:
+    """Nothing: called on the consumer's loop, the turn it runs takes when the consumer has room."""
+
+
 def jobs_ended(task_id: str, count: int) -> None:
     """A group message (`JOBS_HEADER`) held by this process, Celery task `task_id`, has `count` more jobs ended: the
     consumer counts them against its prefetch no more, so it takes more work as a group's short jobs end, not only
@@ -422,13 +426,21 @@ class QoS(kombu_redis.QoS):
         """`count` more jobs of the held message of Celery task `task_id` ended: they hold no prefetch room, the message
         one until acked. The newest delivery of the task if this consumer holds two (a message queued twice: the second
         ends at once, its jobs running in the first). False if no such message is held here."""
+        could = self.can_consume()
         with self._jobs_lock:
-            for tag, jobs in reversed(list(self._jobs.items())):
-                message = self._delivered.get(tag)
-                if message is not None and (message.headers or {}).get("id") == task_id:
-                    self._jobs[tag] = max(1, jobs - count)
-                    return True
-        return False
+            found = next((tag for tag in reversed(list(self._jobs)) if (
+                getattr(self._delivered.get(tag), "headers", None) or {}).get("id") == task_id), None)
+            if found is not None:
+                self._jobs[found] = max(1, self._jobs[found] - count)
+        if found is not None and not could and self.can_consume():
+            self._wake_loop()  # the loop registers no take while the consumer has no room: it would sleep on
+        return found is not None
+
+    def _wake_loop(self) -> None:
+        """A turn of the consumer's loop now, from another thread: it takes when it has room (`can_consume`)."""
+        loop = getattr(self.channel.connection, "event_loop", None)
+        if loop is not None:
+            loop.call_soon(_take_turn)
 
     def can_consume(self) -> bool:
         """As kombu, but with `Channel.take_at_least` free prefetch slots (at most a take's `TAKE_MAX`), once the worker
@@ -948,9 +960,12 @@ class Transport(kombu_redis.Transport):
         super().__init__(*args, **kwargs)
         #: Delivery tags the claim script recorded, between the claim and kombu's `QoS.append`.
         self.claimed_tags: set[str] = set()
+        #: The consumer's event loop (kombu's `Hub`), once registered: `QoS.jobs_ended` wakes it from other threads.
+        self.event_loop: Any = None
 
     def register_with_event_loop(self, connection: Any, loop: Any) -> None:
         super().register_with_event_loop(connection, loop)
+        self.event_loop = loop
         cycle = self.cycle
         old = getattr(cycle, "_heartbeat_tref", None)
         if old is not None:
