@@ -29,10 +29,11 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING, Any, Protocol
 
 from celery import states
-from celery.exceptions import Reject
+from celery.exceptions import Ignore, Reject
 
 from tokenmill.errors import InvalidRequestError
 from tokenmill.queue.cancels import encode_result, result_meta
@@ -74,6 +75,9 @@ class JobService(Protocol):
     def admit(self, runs: list[Attempt], result_keys: list[bytes]) -> list[Decision]:
         """Count a delivery of each run's job (one script call) and decide its admission."""
 
+    def admit_one(self, run: Attempt, result_key: bytes) -> tuple[Decision, tuple[Future | None, str] | None]:
+        """Admit a pool thread's job with the others admitted at the same moment, handing it to the engine if it runs."""
+
     def settle(self, run: Attempt, decision: Decision) -> dict[str, Any] | None:
         """The result of a job its admission keeps from the engine, or None when one is stored already."""
 
@@ -99,12 +103,19 @@ class JobService(Protocol):
 
 
 class BatchRun:
-    """One delivery of one group on one worker."""
+    """One delivery of one group on one worker: parse, claim, admit, submit, complete, store. A lone job on Celery's
+    pool is a group of one (`PoolRun`); the intake's groups of single jobs hand their completion to the finisher
+    (`tokenmill.worker.intake.IntakeRun`)."""
 
-    def __init__(self, service: JobService, task_id: str, backend: KeyValueStoreBackend) -> None:
+    #: Any failure of the run requeues it (its finished results stored); False: the error reaches the caller as raised.
+    requeue_on_error = True
+
+    def __init__(self, service: JobService, task_id: str, backend: KeyValueStoreBackend,
+                 time_limit: float | None = None) -> None:
         self.service = service
         self.task_id = task_id
         self.backend = backend
+        self.time_limit = time_limit  # the message's Celery time limit: each job's deadline unless it sets its own
         self.started_at = time.time()
         self._stored: set[str] = set()
         self._mine: dict[str, Job] = {}  # claimed by this run (`WorkerService.claim`) until stored or released
@@ -139,9 +150,16 @@ class BatchRun:
             log.error("group %r discarded: 'jobs' must be a list of job objects", self.task_id)
             return {"jobs": 0, "ran": 0, "error": "'jobs' must be a list of job objects"}
         jobs, done = self._parse(raw_jobs)
-        # A job already running here (as a single job or in another group) is that run's to finish and store.
+        self._free_room(len(raw_jobs) - len(jobs))
+        ran = self.run_jobs(jobs, done)
+        return {"jobs": len(raw_jobs), "ran": ran, "skipped": len(jobs) - ran}
+
+    def run_jobs(self, jobs: list[Job], done: dict[str, dict[str, Any]]) -> int:
+        """Claim, admit, generate and store parsed `jobs` (`done`: results known already, such as parse failures,
+        then every result); returns how many ran. A job already running here (as a single job or in another group)
+        is that run's to finish and store (`joined`)."""
         mine, running = self.service.claim(jobs)
-        self._ended(len(raw_jobs) - len(mine))
+        self._free_room(len(jobs) - len(mine))
         self._mine = {job.id: job for job in mine}  # until stored (`_store` releases them)
         self.joined(running)
         try:
@@ -150,7 +168,7 @@ class BatchRun:
             self._release_mine(done, exc)
             raise
         self._release_mine(done)
-        return {"jobs": len(raw_jobs), "ran": ran, "skipped": len(jobs) - ran}
+        return ran
 
     def _release_mine(self, done: dict[str, dict[str, Any]], error: BaseException | None = None) -> None:
         """The run's jobs still registered as running here end: a delivery of one waiting on this run gets its result
@@ -160,28 +178,29 @@ class BatchRun:
 
     def _run_mine(self, jobs: list[Job], done: dict[str, dict[str, Any]]) -> int:
         """Check in, dead-letter or run, store; returns how many ran."""
-        todo = self._check_in(jobs, done)
-        self._ended(len(jobs) - len(todo))
+        todo = self._check_in(jobs, done) if jobs else []
+        self._free_room(len(jobs) - len(todo))
         try:
-            self._generate(todo, done)
+            if todo:
+                self._generate(todo, done)
         finally:
             self._store(done)  # whatever finished, also when the rest is requeued
         return len(todo)
 
-    def _ended(self, count: int) -> None:
+    def _free_room(self, count: int) -> None:
         """`count` more of the message's jobs hold no engine slot: its prefetch room no longer counts them, so the
         worker takes more work as a group's short jobs end (the message is still acked once all results are stored)."""
         if count > 0:
             jobs_ended(self.task_id, count)
 
-    def _one_ended(self, _: Future) -> None:
-        self._ended(1)
+    def _job_ended(self, _: Future) -> None:
+        self._free_room(1)
 
     def _check_in(self, jobs: list[Job], done: dict[str, dict[str, Any]]) -> list[Attempt]:
         """Count a delivery of each job; returns the `Attempt`s to run. Jobs found stored are settled; cancelled and
         dead-lettered ones get their results in `done`."""
-        runs = [Attempt(job, self.started_at, 0, job_hash=self.sent_hash(job.id)) for job in jobs]
-        decisions = self.service.admit(runs, [self.backend.get_key_for_task(job.id) for job in jobs])
+        runs = [Attempt(job, self.started_at, 0, self.time_limit, self.sent_hash(job.id)) for job in jobs]
+        decisions = self._admit(runs)
         todo, stored = [], []
         for run, decision in zip(runs, decisions):
             if isinstance(decision, Run):
@@ -193,6 +212,10 @@ class BatchRun:
         if stored:
             self.settled(stored, {})  # acked together
         return todo
+
+    def _admit(self, runs: list[Attempt]) -> list[Decision]:
+        """Count a delivery of each run's job and decide its admission (one script call for the group)."""
+        return self.service.admit(runs, [self.backend.get_key_for_task(run.job.id) for run in runs])
 
     def _parse(self, raw_jobs: list[dict[str, Any]]) -> tuple[list[Job], dict[str, dict[str, Any]]]:
         """The group's jobs, each checked as a single job is; a bad one gets its failed result, if its id is usable."""
@@ -235,7 +258,7 @@ class BatchRun:
         finishing: queue.SimpleQueue[Future] = queue.SimpleQueue()  # each future once, as it resolves
         for future in futures:
             future.add_done_callback(finishing.put)
-            future.add_done_callback(self._one_ended)
+            future.add_done_callback(self._job_ended)
         try:
             while pending:
                 # one wake-up when all are done, else each check interval or at the next deadline
@@ -255,6 +278,8 @@ class BatchRun:
         except Reject:
             raise
         except Exception as exc:
+            if not self.requeue_on_error:
+                raise
             log.exception("group %r failed (%s); requeueing it for its %d unfinished jobs", self.task_id,
                           type(exc).__name__, len(pending))
             raise Reject(f"group failed: {type(exc).__name__}", requeue=True) from exc
@@ -266,10 +291,14 @@ class BatchRun:
     def _submit(self, runs: list[Attempt]) -> dict[Future, tuple[Attempt, str]]:
         """Hand `runs` to the engine in one message; returns each one's engine future -> (its `Attempt`, its engine
         request id). The caller owes `jobs_in_flight` a decrement per run."""
-        futures = {future: (run, request_id) for run, (future, request_id) in zip(runs, self.service.submit_many(runs))}
+        futures = {future: (run, request_id) for run, (future, request_id) in zip(runs, self._hand_over(runs))}
         self.submitted()
         self.service.metrics.jobs_in_flight.inc(len(runs))
         return futures
+
+    def _hand_over(self, runs: list[Attempt]) -> list[tuple[Future | None, str]]:
+        """Hand `runs` to the engine in one message: each one's engine future and request id."""
+        return self.service.submit_many(runs)
 
     def _complete(self, run: Attempt, answer: Answer | BaseException) -> dict[str, Any]:
         """The final result of a job from the engine's answer (`engine_process.Answer`: an output, or an exception,
@@ -328,3 +357,65 @@ class BatchRun:
         self._stored.update(new)
         self.service.release([self._mine.pop(job_id) for job_id in new if job_id in self._mine], results)
         self.settled(new, results)
+
+
+class PoolRun(BatchRun):
+    """A single `tokenmill.generate` job on Celery's pool (`WorkerService.run_job`): a group of one, with what the pool
+    needs. Its result goes back to Celery's tracer, which stores it, applies chords and linked tasks, and acks, except a
+    cancelled one: stored here as REVOKED, Celery told to store nothing (`Ignore`, as for a result stored already). A
+    delivery of a job running here waits for that run. Its admission and engine message are shared with the pool
+    threads admitting at the same moment (`JobService.admit_one`); an error other than a refusal reaches Celery."""
+
+    requeue_on_error = False
+
+    def __init__(self, service: JobService, task_id: str, backend: KeyValueStoreBackend,
+                 time_limit: float | None = None) -> None:
+        super().__init__(service, task_id, backend, time_limit)
+        self._joined: Future | None = None  # the run in progress this delivery joined
+        self._handed: tuple[Future | None, str] | None = None  # the engine request `_admit` made
+
+    def run_one(self, job: Job) -> dict[str, Any]:
+        """The job's result, for Celery to store; `Ignore` when there is none to store."""
+        done: dict[str, dict[str, Any]] = {}
+        self.run_jobs([job], done)
+        result = self._wait_joined(job) if self._joined is not None else done.get(job.id)
+        if result is None or result["status"] == "cancelled":  # stored already, or by this run
+            raise Ignore()
+        if self._joined is not None and self.service.joined_another(job, result):
+            raise Ignore()
+        return result
+
+    def joined(self, running: list[tuple[Job, Future]]) -> None:
+        if running:  # not a new delivery to count: the run in progress answers it
+            log.info("job %s is already running here; waiting for that run", running[0][0].id)
+            self._joined = running[0][1]
+
+    def _wait_joined(self, job: Job) -> dict[str, Any] | None:
+        """The joined run's result (None: it found one stored), or its error; requeued once the shutdown grace is over."""
+        assert self._joined is not None
+        while True:
+            try:
+                return self._joined.result(timeout=SHUTDOWN_CHECK_INTERVAL)
+            except FutureTimeout:
+                if self.service.grace_expired.is_set():
+                    log.warning("job %s not finished when the shutdown grace ran out; requeueing it", job.id)
+                    raise Reject("worker shutting down", requeue=True) from None
+
+    def _admit(self, runs: list[Attempt]) -> list[Decision]:
+        (run,) = runs
+        decision, self._handed = self.service.admit_one(run, self.backend.get_key_for_task(run.job.id))
+        return [decision]
+
+    def _hand_over(self, runs: list[Attempt]) -> list[tuple[Future | None, str]]:
+        assert self._handed is not None  # `admit_one` handed every job it admitted to the engine
+        return [self._handed]
+
+    def _free_room(self, count: int) -> None:
+        """A single job's message holds one prefetch slot until acked: nothing to free early."""
+
+    def _store(self, results: dict[str, dict[str, Any]]) -> None:
+        """Only a cancelled result is stored here (REVOKED); Celery stores the rest from `run_one`'s return."""
+        cancelled = {self.backend.get_key_for_task(job_id): encode_result(self.backend, result)
+                     for job_id, result in results.items() if result["status"] == "cancelled"}
+        if cancelled:
+            self.service.store_results(cancelled)

@@ -100,22 +100,18 @@ Answer = EngineOutput | Exception
 #: Called once per request sent with `send_many`, with its id and its answer: on the reader thread, or on the caller's
 #: for a prompt refused before sending and for an abort. It must not block, and must not call back into the engine.
 Sink = Callable[[str, Answer], None]
+#: One request for the engine: (request id, params: `SamplingParams`, an embedding job's `Embed` or a score job's
+#: `Score`, prompt: text or token ids, chat messages).
+EngineRequest = tuple[str, SamplingParams | Embed | Score, str | list[int] | None, list[dict[str, str]] | None]
 
 
 class EngineProcess:
     """Worker-side handle of the engine process: `submit` returns a future of an `EngineOutput`; `send_many` hands
     each answer to a sink instead."""
 
-    def __init__(
-        self,
-        model: str,
-        options: dict[str, Any],
-        on_fatal: Callable[[BaseException], None] | None = None,
-        on_stats: Callable[[EngineStatus], None] | None = None,
-        cpus: set[int] | None = None,
-        on_stall: Callable[[str], None] | None = None,
-        stall_timeout: float | None = None,
-    ) -> None:
+    def __init__(self, model: str, options: dict[str, Any], on_fatal: Callable[[BaseException], None] | None = None,
+                 on_stats: Callable[[EngineStatus], None] | None = None, cpus: set[int] | None = None,
+                 on_stall: Callable[[str], None] | None = None, stall_timeout: float | None = None) -> None:
         """`cpus`: the CPUs the engine process runs on (`tokenmill.worker.cpus`); None: wherever this process may.
         `on_stall(why)`: called once, on the watchdog thread, when the engine held requests and sent nothing for
         `stall_timeout` seconds (None: no watchdog); the engine process is killed first, and no request still pending
@@ -163,28 +159,19 @@ class EngineProcess:
         if self._stall_timeout is not None and self._on_stall is not None:
             threading.Thread(target=self._watch, name="tokenmill-engine-watchdog", daemon=True).start()
 
-    def submit(
-        self,
-        request_id: str,
-        params: SamplingParams,
-        prompt: str | list[int] | None = None,
-        messages: list[dict[str, str]] | None = None,
-    ) -> Future:
+    def submit(self, request_id: str, params: SamplingParams, prompt: str | list[int] | None = None,
+               messages: list[dict[str, str]] | None = None) -> Future:
         """Queue a request; the future resolves to an `EngineOutput`, or raises `InvalidRequestError`."""
         return self.submit_many([(request_id, params, prompt, messages)])[0]
 
-    def submit_many(self, requests: list[tuple[str, SamplingParams | Embed | Score, str | list[int] | None,
-                                               list[dict[str, str]] | None]]
-                    ) -> list[Future]:
+    def submit_many(self, requests: list[EngineRequest]) -> list[Future]:
         """`send_many`, each request's answer as a future: its `EngineOutput`, or it raises (`InvalidRequestError`
         when refused); an aborted request's future is cancelled."""
         futures = {request[0]: Future() for request in requests}
         self.send_many(requests, functools.partial(_settle, futures))
         return list(futures.values())
 
-    def send_many(self, requests: list[tuple[str, SamplingParams | Embed | Score, str | list[int] | None,
-                                             list[dict[str, str]] | None]],
-                  sink: Sink, wait: bool = True) -> None:
+    def send_many(self, requests: list[EngineRequest], sink: Sink, wait: bool = True) -> None:
         """Queue (request id, params, prompt, messages) requests (params: `SamplingParams`, an embedding job's
         `Embed` or a score job's `Score`) in one pipe message: a group's jobs pay one
         write here and one read in the engine process instead of one each; each one's answer goes to `sink`. Text
@@ -204,17 +191,8 @@ class EngineProcess:
         for (request_id, params, _, messages), prompt in zip(requests, prompts):
             if isinstance(prompt, InvalidRequestError):
                 sink(request_id, prompt)
-                continue
-            if isinstance(params, Embed):  # an embedding: the engine's `PoolingParams`, nothing sampled
-                adds.append({"op": "add", "id": request_id, "prompt": prompt, "messages": messages, "params": {},
-                             "pooling": params.model_dump()})
-                continue
-            if isinstance(params, Score):  # a score job: `add_score_request`, nothing sampled
-                adds.append({"op": "add", "id": request_id, "prompt": prompt, "messages": messages, "params": {},
-                             "score": params.continuations})
-                continue
-            adds.append({"op": "add", "id": request_id, "prompt": prompt, "messages": messages,
-                         "params": without_defaults(params.to_dict())})
+            else:
+                adds.append(_add_op(request_id, params, prompt, messages))
         if not adds:
             return
         message = adds[0] if len(adds) == 1 else {"op": "add_many", "requests": adds}
@@ -420,15 +398,24 @@ class EngineProcess:
         before = self._last_stats or (now - _STATS_INTERVAL, tokens, steps)
         self._last_stats = (now, tokens, steps)
         if self._on_stats is not None:
-            self._on_stats(
-                EngineStatus(
-                    num_running=message["num_running"],
-                    num_waiting=message["num_waiting"],
-                    kv_cache_usage=message["kv_cache_usage"],
-                    generated_tokens_per_s=(tokens - before[1]) / max(now - before[0], 1e-6),
-                    new_steps=steps - before[2],
-                )
-            )
+            self._on_stats(EngineStatus(
+                num_running=message["num_running"], num_waiting=message["num_waiting"],
+                kv_cache_usage=message["kv_cache_usage"],
+                generated_tokens_per_s=(tokens - before[1]) / max(now - before[0], 1e-6), new_steps=steps - before[2]))
+
+
+def _add_op(request_id: str, params: SamplingParams | Embed | Score, prompt: str | list[int] | None,
+            messages: list[dict[str, str]] | None) -> dict[str, Any]:
+    """The engine process's `add` op for one request: an embedding pools (the engine's `PoolingParams`), a score job
+    scores its continuations (`add_score_request`), neither samples; any other job samples with `params`."""
+    add: dict[str, Any] = {"op": "add", "id": request_id, "prompt": prompt, "messages": messages, "params": {}}
+    if isinstance(params, Embed):
+        add["pooling"] = params.model_dump()
+    elif isinstance(params, Score):
+        add["score"] = params.continuations
+    else:
+        add["params"] = without_defaults(params.to_dict())
+    return add
 
 
 def _settle(futures: dict[str, Future], request_id: str, answer: Answer) -> None:

@@ -1,28 +1,28 @@
-"""What a worker does with one job, from its Celery message to its written result.
+"""What a worker does with a job, from its Celery message to its written result.
 
 `WorkerService` owns the engine process, the S3 sink, the metrics, a Redis client for bookkeeping, and the single-job
 intake and its finisher (`tokenmill.worker.intake`, `tokenmill.worker.finisher`), which it hands to whoever needs them;
-the Celery worker process keeps its one service in `tokenmill.worker.runtime`. Celery runs `run_job` in one of its pool
-threads per job; the thread hands the request to the engine process and waits, so up to `concurrency` jobs share the
-engine's running batch.
+the Celery worker process keeps its one service in `tokenmill.worker.runtime`.
 
-Per job, in order:
+Every job goes through one pipeline, `tokenmill.worker.batch_task.BatchRun`, on this service's steps: a group
+message's jobs, the intake's groups of single jobs, and a single job on Celery's pool (`run_job`: a group of one,
+`PoolRun`, whose result Celery stores). Per job, in order:
 
-1. Parse the job (`Job.from_wire`); a malformed job ends as a failed result (`invalid_job`), one whose S3
-   `output` is outside `output_prefixes` as a failed result (`invalid_request`, field `output`).
-2. If the same job id is already running in this process (delivered again while it runs here),
-   wait for that run instead of starting a second one; this is not counted as a delivery.
-3. Admission (`tokenmill.worker.admission`): one script call counts the delivery and reads the job's stored result
-   and cancel mark; a job whose final result is stored (its own, or another content's: a conflict) is acknowledged
-   without running, a cancelled one gets its `cancelled` result, one started more than `max_deliveries` times is
-   dead-lettered, and the rest run.
-4. Generate. A request the engine refuses (`InvalidRequestError`) ends as a failed result
-   (`invalid_request`, naming the field); the engine and the other jobs go on.
-5. With an S3 destination, write the full result there, retrying while S3 is down; Redis then gets a
-   stub holding `output_uri`.
-6. Return the result; Celery stores it in Redis, then acks the message.
+1. Parse (`Job.from_wire`); a malformed job ends as a failed result (`invalid_job`), one whose S3 `output` is
+   outside `output_prefixes` as a failed result (`invalid_request`, field `output`).
+2. Claim: a job id already running in this process (delivered again while it runs here) is left to that run, and
+   not counted as a delivery (`claim`, `release`).
+3. Admission (`admit`, `tokenmill.worker.admission`): one script call counts the delivery and reads the job's stored
+   result and cancel mark; a job whose final result is stored (its own, or another content's: a conflict) is
+   acknowledged without running, a cancelled one gets its `cancelled` result, one started more than `max_deliveries`
+   times is dead-lettered (`settle`), and the rest run.
+4. Generate (`submit_many`), stopped at the job's deadline. A request the engine refuses (`InvalidRequestError`) ends
+   as a failed result (`invalid_request`, naming the field); the engine and the other jobs go on.
+5. Complete (`complete`): with an S3 destination, the full result is written there, retrying while S3 is down;
+   Redis then gets a stub holding `output_uri`.
+6. Store the result and ack the message (`store_results`, or Celery's tracer for a job on the pool).
 
-Steps 3-4 and the result write are shared with the other jobs that reach them at the same moment (one Redis
+Steps 3-4 and the result store are shared with the other jobs that reach them at the same moment (one Redis
 script or engine-process message for all, see `tokenmill.queue.batching`); each job's outcome is its own.
 
 On SIGTERM Celery stops taking jobs and waits for the running ones; they get `shutdown_grace`
@@ -32,7 +32,6 @@ worker always exits and nothing is lost.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import itertools
@@ -40,37 +39,32 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING, Any
 
 import redis
-from celery.exceptions import Ignore, Reject
 from celery.utils.nodenames import default_nodename, host_format
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from tokenmill.errors import InvalidRequestError
-from tokenmill.queue import dead_letters
 from tokenmill.queue.app import socket_options
 from tokenmill.queue.batching import Coalescer, HeldScript
-from tokenmill.queue.cancels import encode_result
-from tokenmill.queue.names import CANCEL_KEY, DEAD_LETTER_KEY, DELIVERIES_KEY
+from tokenmill.queue.names import CANCEL_KEY, DELIVERIES_KEY
 from tokenmill.queue.schemas import Job, JobResult, is_job_id
 from tokenmill.queue.served import Announcer
 from tokenmill.queue.tls import redis_client
 from tokenmill.queue.transport import hand_back_held
-from tokenmill.worker.admission import (CHECK_IN, Attempt, Cancelled, CheckIn, Conflict, DeadLetter, Decision, Run,
-                                        Stored, admission, settled_by)
-from tokenmill.worker.batch_task import SHUTDOWN_CHECK_INTERVAL
+from tokenmill.worker.admission import CHECK_IN, Attempt, CheckIn, Decision, Run, admission
+from tokenmill.worker.batch_task import PoolRun
 from tokenmill.worker.cancel_listener import CancelListener
 from tokenmill.worker.cpus import format_cpu_list, pin_process, placement
 from tokenmill.worker.engine_process import EngineProcess, Sink
 from tokenmill.worker.finisher import Finisher
 from tokenmill.worker.intake import Intake
 from tokenmill.worker.metrics import WorkerMetrics
-from tokenmill.worker.output import EngineOutput, result_wire
+from tokenmill.worker.outcomes import Outcomes
 from tokenmill.worker.settings import WorkerSettings
-from tokenmill.worker.sinks import OutputWriteError, RetryPolicy, S3Sink, WriteAbandoned, output_refusal
+from tokenmill.worker.sinks import RetryPolicy, S3Sink
 
 if TYPE_CHECKING:
     from celery.backends.base import KeyValueStoreBackend
@@ -112,7 +106,7 @@ return new
 """
 
 
-class WorkerService:
+class WorkerService(Outcomes):
     """One per worker process; thread-safe `run_job`. Owns its `intake` and `finisher`: `intake` given is one Celery
     handed requests to before this service existed (`tokenmill.worker.runtime`); it is served by this service alone."""
 
@@ -143,7 +137,7 @@ class WorkerService:
         self.cancels = CancelListener(self.redis, self.running_ids, self.cancel_running)
         self.announcer = Announcer(self.redis, self.hostname, settings.model, settings.queues or [settings.queue])
         # single jobs' check-ins and engine requests: one call of each for all the pool threads that need one at once
-        self._admits: Coalescer[tuple[Attempt, bytes], tuple[Decision, tuple[Future, str] | None]] = Coalescer(
+        self._admits: Coalescer[tuple[Attempt, bytes], tuple[Decision, tuple[Future | None, str] | None]] = Coalescer(
             self._admit_many, limit=CHECK_IN_LIMIT)
         # results stored by several groups at once (jobs of different groups finishing in one engine step): one call
         self._stores: Coalescer[tuple[dict[bytes, bytes], Sequence[tuple[str, str, str]]], None] = Coalescer(
@@ -211,51 +205,19 @@ class WorkerService:
 
     def run_job(self, task_id: str, payload: dict[str, Any] | None, fields: dict[str, Any],
                 backend: KeyValueStoreBackend, time_limit: float | None = None) -> dict[str, Any]:
-        """Everything between a delivered message and the result Celery stores (see module docstring).
-
-        `backend` is the task's Celery result backend; `time_limit` the message's Celery time limit (the job's
-        `deadline_s` wins). A cancelled job's result is stored here, as REVOKED, and Celery is told to store
-        nothing (`Ignore`).
-        """
-        result_key = backend.get_key_for_task(task_id)
-        started_at = time.time()
+        """A job on Celery's pool: parsed here (a body that is no job fails under the task's id), then run as a group of
+        one (`PoolRun`). `backend` is the task's Celery result backend; `time_limit` the message's Celery time limit
+        (the job's `deadline_s` wins). Returns the result for Celery to store; `Ignore` when there is none to store."""
+        run = PoolRun(self, task_id, backend, time_limit)
         raw = {**(payload or {}), **fields}
         raw.setdefault("id", task_id)
         try:
             job = Job.from_wire(raw)
         except InvalidRequestError as exc:
-            return self.failed(JobResult.failure(_safe_id(raw, task_id), "invalid_job", exc.message, exc.field, started_at=started_at))
-        refused = self.refuse_output(job, started_at)
-        if refused is not None:
-            return refused
-        mine, running = self.claim([job])
-        if running:  # not a new delivery to count: the run in progress answers it
-            log.info("job %s is already running here; waiting for that run", job.id)
-            result = self._wait(running[0][1], job)
-            if result is None or result["status"] == "cancelled":  # that run stored it already, or found it stored
-                raise Ignore()
-            if self.joined_another(job, result):
-                raise Ignore()
-            return result
-        try:
-            result = self._run_once(Attempt(job, started_at, 0, time_limit), result_key)
-        except BaseException as exc:
-            self.release([job], error=exc)
-            raise
-        self.release([job], {job.id: result})
-        if result["status"] == "cancelled":
-            self.store_results({result_key: encode_result(backend, result)})
-            raise Ignore()
-        return result
-
-    def refuse_output(self, job: Job, started_at: float) -> dict[str, Any] | None:
-        """The failed result of a job whose S3 destination is outside `output_prefixes` (nothing generated), or None."""
-        location = job.s3_location
-        problem = None if location is None else output_refusal(location, self.settings.output_prefixes)
-        if problem is None:
-            return None
-        return self.failed(JobResult.failure(job.id, "invalid_request", problem, "output", started_at=started_at,
-                                             queued_at=job.submitted_at, metadata=job.metadata, job_hash=job.content_hash()))
+            return self.failed(JobResult.failure(_safe_id(raw, task_id), "invalid_job", exc.message, exc.field,
+                                                 started_at=run.started_at))
+        refused = self.refuse_output(job, run.started_at)
+        return refused if refused is not None else run.run_one(job)
 
     def claim(self, jobs: list[Job]) -> tuple[list[Job], list[tuple[Job, Future]]]:
         """Register `jobs` as running here; returns (jobs now mine; jobs already running here, with a future of that
@@ -304,22 +266,12 @@ class WorkerService:
         if request_id is not None:
             self.engine.cancel(request_id, "cancelled")
 
-    def _run_once(self, run: Attempt, result_key: bytes) -> dict[str, Any]:
-        """Steps 3-6 for a job that is not already running in this process."""
-        decision, submitted = self._admits.call((run, result_key))
-        if not isinstance(decision, Run):
-            result = self.settle(run, decision)
-            if result is None:
-                raise Ignore()
-            return result
-        assert submitted is not None  # `_admit_many` submitted every job to run
-        self.metrics.jobs_in_flight.inc()
-        try:
-            return self._execute(run, *submitted)
-        finally:
-            self.metrics.jobs_in_flight.dec()
+    def admit_one(self, run: Attempt, result_key: bytes) -> tuple[Decision, tuple[Future | None, str] | None]:
+        """`admit` a pool thread's job with those admitted at the same moment, and hand it to the engine if it runs
+        (one script call and one engine message for them all); its decision and, if it runs, its engine request."""
+        return self._admits.call((run, result_key))
 
-    def _admit_many(self, items: list[tuple[Attempt, bytes]]) -> list[tuple[Decision, tuple[Future, str] | None]]:
+    def _admit_many(self, items: list[tuple[Attempt, bytes]]) -> list[tuple[Decision, tuple[Future | None, str] | None]]:
         """Check in single jobs (one script call) and hand those to run to the engine (one pipe message): the
         threads of jobs taken together wake once, each with its admission and, if it runs, its engine request."""
         runs = [run for run, _ in items]
@@ -327,13 +279,6 @@ class WorkerService:
         runnable = [run for run, decision in zip(runs, decisions) if isinstance(decision, Run)]
         submitted = dict(zip((id(run) for run in runnable), self.submit_many(runnable))) if runnable else {}
         return [(decision, submitted.get(id(run))) for run, decision in zip(runs, decisions)]
-
-    def _execute(self, run: Attempt, future: Future, request_id: str) -> dict[str, Any]:
-        try:
-            output = self._wait(future, run.job, request_id, run.deadline)
-        except InvalidRequestError as exc:
-            return self.complete(run, error=exc)
-        return self.complete(run, output=output)
 
     def submit_many(self, runs: list[Attempt], sink: Sink | None = None, wait: bool = True
                     ) -> list[tuple[Future | None, str]]:
@@ -360,98 +305,6 @@ class WorkerService:
         for request_id in stop:  # cancelled while it was being handed over
             self.engine.cancel(request_id, "cancelled")
         return [(future, request[0]) for future, request in zip(futures, requests)]
-
-    def settle(self, run: Attempt, decision: Decision) -> dict[str, Any] | None:
-        """The result of a job its admission keeps from the engine (`Cancelled`, `DeadLetter`), or None for one whose
-        final result is stored already (`Stored`, `Conflict`: nothing is stored again)."""
-        match decision:
-            case Cancelled():
-                log.info("job %r was cancelled before it started; not running it", run.job.id)
-                self.metrics.jobs_cancelled.inc()
-                return JobResult.cancelled(run.job.id, "cancelled before it started", attempt=run.attempt,
-                                           worker=self.hostname, metadata=run.job.metadata, job_hash=run.job_hash,
-                                           **_times(run.job, run)).to_wire()
-            case DeadLetter(deliveries):
-                return self.dead_letter(run.job, deliveries, run.started_at)
-            case Stored() | Conflict():
-                self.skip_stored(run.job, decision, run.job_hash)
-                return None
-        raise ValueError(f"job {run.job.id} is to run, not to settle")
-
-    def joined_another(self, job: Job, result: dict[str, Any]) -> bool:
-        """Whether the run `job` joined (the result it gave) was another job under this id: a conflict, logged
-        and counted as `skip_stored` does."""
-        job_hash = job.content_hash()
-        settled = settled_by(result.get("job_hash"), job_hash)
-        if isinstance(settled, Conflict):
-            self.skip_stored(job, settled, job_hash)
-        return isinstance(settled, Conflict)
-
-    def skip_stored(self, job: Job, settled: Stored | Conflict, job_hash: str) -> None:
-        """A final result is stored under `job.id` (or another run of it finishes here): this job's (a repeated
-        delivery or submission, idempotent), or another content's (the id was reused: a conflict, counted)."""
-        if isinstance(settled, Conflict):
-            self.metrics.jobs_failed.labels(code="conflict").inc()
-            log.warning("job %s not run: its id holds the result of a job with different content (%s, this job %s); "
-                        "that result is kept", job.id, settled.stored_hash[:12], job_hash[:12])
-        else:
-            log.info("job %s already has a result; acknowledging without running it again", job.id)
-
-    def complete(self, run: Attempt, output: EngineOutput | None = None, error: InvalidRequestError | None = None
-                 ) -> dict[str, Any]:
-        """The job's final result from the engine's output (or its refusal), written to S3 if asked."""
-        job = run.job
-        if error is not None:
-            return self.failed(JobResult.failure(job.id, "invalid_request", error.message, error.field,
-                                                 job_hash=run.job_hash, **_times(job, run)))
-        wire = result_wire(job, run, output, self.hostname)
-        if self.settings.log_prompts:
-            log.debug("job %s prompt=%r text=%r", job.id, job.prompt or job.messages or job.prompt_token_ids, wire["text"])
-        if wire["status"] == "succeeded" and not job.output:
-            return self._succeeded(wire)
-        result = JobResult.model_validate(wire)
-        if result.status == "cancelled":
-            self.metrics.jobs_cancelled.inc()
-            return wire
-        if result.status == "failed":
-            return self.failed(result)
-        return self._write_output(job, result)
-
-    def _wait(self, future: Future, job: Job, abort_id: str | None = None, deadline: float | None = None) -> Any:
-        """Block until `future` resolves; once the shutdown grace is over, requeue the job instead. Past
-        `deadline` the engine is told to stop the request, which then resolves with its partial output.
-
-        Every held job has a thread here, so the shutdown check wakes each only every couple of seconds.
-        """
-        while True:
-            timeout = SHUTDOWN_CHECK_INTERVAL if deadline is None else min(SHUTDOWN_CHECK_INTERVAL, deadline - time.time())
-            try:
-                return future.result(timeout=max(0.0, timeout))
-            except FutureTimeout:
-                if deadline is not None and time.time() >= deadline and abort_id is not None:
-                    self.engine.cancel(abort_id, "deadline")
-                    deadline = None  # asked once; the output follows within a step
-                if self.grace_expired.is_set():
-                    if abort_id is not None:
-                        self.engine.abort(abort_id)
-                    log.warning("job %s not finished when the shutdown grace ran out; requeueing it", job.id)
-                    raise Reject("worker shutting down", requeue=True) from None
-
-    def _write_output(self, job: Job, result: JobResult) -> dict[str, Any]:
-        location = job.s3_location
-        assert location is not None and self.sink is not None
-        body = json.dumps(result.to_wire()).encode()
-        try:
-            uri = self.sink.write(location, job.id, body, stop=self.grace_expired)
-        except WriteAbandoned as exc:
-            log.warning("job %s: %s; requeueing it", job.id, exc)
-            raise Reject(str(exc), requeue=True) from None
-        except OutputWriteError as exc:
-            error = {"code": "output_write_failed", "message": str(exc), "field": "output"}
-            return self.failed(JobResult.model_validate({**result.to_wire(), "status": "failed", "error": error}))
-        return self._succeeded(result.stub(uri).to_wire())
-
-    # -- bookkeeping ---------------------------------------------------------------------------
 
     def admit(self, runs: list[Attempt], result_keys: list[bytes]) -> list[Decision]:
         """Count a delivery of each run's job (one check-in script call for all) and decide its admission; each
@@ -484,37 +337,6 @@ class WorkerService:
             args += [len(held), *held]
         self._store_script(keys, args)
         return [None] * len(batches)
-
-    def dead_letter(self, job: Job, attempt: int, started_at: float) -> dict[str, Any]:
-        message = (
-            f"delivered {attempt} times and no earlier delivery finished (the worker running it died each time); "
-            f"not run again, moved to the Redis list {DEAD_LETTER_KEY}"
-        )
-        dead_letters.push(self.redis, job.to_wire(), message, attempt, self.settings.dead_letter_max_len,
-                          self.settings.dead_letter_expires)
-        log.error("job %s dead-lettered after %d deliveries", job.id, attempt)
-        return self.failed(
-            JobResult.failure(job.id, "dead_letter", message, queued_at=job.submitted_at, started_at=started_at,
-                              attempt=attempt, worker=self.hostname, metadata=job.metadata, job_hash=job.content_hash())
-        )
-
-    def _succeeded(self, wire: dict[str, Any]) -> dict[str, Any]:
-        """Count a succeeded result (`JobResult.to_wire()`) and return it."""
-        usage, queued, started, first, finished = (
-            wire["usage"], wire["queued_at"], wire["started_at"], wire["first_token_at"], wire["finished_at"])
-        self.metrics.finished.succeeded(
-            usage and usage["prompt_tokens"], usage and usage["completion_tokens"],
-            None if queued is None or finished is None else max(0.0, finished - queued),
-            None if first is None or started is None else max(0.0, first - started))
-        log.debug("job %s succeeded: %s tokens", wire["id"], usage["completion_tokens"] if usage else "?")
-        return wire
-
-    def failed(self, result: JobResult) -> dict[str, Any]:
-        assert result.error is not None
-        self.metrics.jobs_failed.labels(code=result.error.code).inc()
-        log.warning("job %r failed: %s (field %r)", result.id, result.error.code, result.error.field)
-        return result.to_wire()
-
 
 def _times(job: Job, run: Attempt) -> dict[str, Any]:
     return {"queued_at": job.submitted_at, "started_at": run.started_at, "finished_at": time.time()}
