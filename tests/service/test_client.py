@@ -432,15 +432,7 @@ def test_a_shared_subscription_connects_outside_its_lock(redis_server: RedisServ
             feed.subscribe(worker.get_key_for_task("first"))
         assert time.monotonic() - started < 0.5
         pool.release(held)
-
-        def subscribed() -> bool:
-            try:
-                feed.subscribe(worker.get_key_for_task("first"))
-                return True
-            except redis.ConnectionError:
-                return False
-
-        wait_for(subscribed, 10, "the subscription connected")
+        wait_for(lambda: _subscribed(feed, worker.get_key_for_task("first")), 10, "the subscription connected")
         worker.store_result("first", JobResult(id="first", status="succeeded", text="x", token_ids=[1]).to_wire(),
                             "SUCCESS")
         message = feed.get_message(timeout=10)
@@ -498,6 +490,7 @@ def test_a_shared_subscriptions_reader_that_dies_gives_its_connection_back_and_i
 
 
 def _subscribed(feed: object, key: bytes) -> bool:
+    """Whether `feed` subscribed `key`; False while its shared subscription is not connected."""
     import redis
 
     try:
