@@ -119,6 +119,7 @@ class BatchRun:
         self.started_at = time.time()
         self._stored: set[str] = set()
         self._mine: dict[str, Job] = {}  # claimed by this run (`WorkerService.claim`) until stored or released
+        self._message_jobs = 0  # the jobs the group's message carries (`run`); those not submitted free their room
 
     def settled(self, job_ids: list[str], results: dict[str, dict[str, Any]]) -> None:
         """Hook: these jobs' final results are in Redis (stored now, with `results`, or found stored)."""
@@ -149,8 +150,8 @@ class BatchRun:
         if not isinstance(raw_jobs, list) or not all(isinstance(j, dict) for j in raw_jobs):
             log.error("group %r discarded: 'jobs' must be a list of job objects", self.task_id)
             return {"jobs": 0, "ran": 0, "error": "'jobs' must be a list of job objects"}
+        self._message_jobs = len(raw_jobs)
         jobs, done = self._parse(raw_jobs)
-        self._free_room(len(raw_jobs) - len(jobs))
         ran = self.run_jobs(jobs, done)
         return {"jobs": len(raw_jobs), "ran": ran, "skipped": len(jobs) - ran}
 
@@ -159,7 +160,6 @@ class BatchRun:
         then every result); returns how many ran. A job already running here (as a single job or in another group)
         is that run's to finish and store (`joined`)."""
         mine, running = self.service.claim(jobs)
-        self._free_room(len(jobs) - len(mine))
         self._mine = {job.id: job for job in mine}  # until stored (`_store` releases them)
         self.joined(running)
         try:
@@ -179,7 +179,7 @@ class BatchRun:
     def _run_mine(self, jobs: list[Job], done: dict[str, dict[str, Any]]) -> int:
         """Check in, dead-letter or run, store; returns how many ran."""
         todo = self._check_in(jobs, done) if jobs else []
-        self._free_room(len(jobs) - len(todo))
+        self._free_room(self._message_jobs - len(todo))  # invalid, joined to a run here, or settled at check-in
         try:
             if todo:
                 self._generate(todo, done)
