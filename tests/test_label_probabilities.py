@@ -299,7 +299,7 @@ def test_fork_shares_full_blocks_and_copies_the_partial_one() -> None:
     copies = scheduler.fork(parent, children)
     assert copies == [(parent.block_table[2], child.block_table[2]) for child in children[:2]]
     assert children[0].block_table[:2] == children[1].block_table[:2] == parent.block_table[:2]
-    assert children[0].num_computed_tokens == 10 and children[2] is scheduler.waiting[0]  # no slot left: queued
+    assert children[0].num_computed_tokens == 10 and children[2] is scheduler.waiting.first()  # no slot left: queued
     assert [scheduler.block_manager.blocks[b].ref_count for b in parent.block_table] == [3, 3, 1]
     for seq in [parent, *children]:
         scheduler.finish(seq, "stop")

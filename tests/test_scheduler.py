@@ -19,8 +19,8 @@ from tokenmill.scheduler.sequence import Sequence, SequenceStatus
 EOS = 0
 
 
-def make_seq(tokens: list[int], max_tokens: int = 4, request_id: str = "r") -> Sequence:
-    return Sequence(request_id, tokens, SamplingParams(max_tokens=max_tokens))
+def make_seq(tokens: list[int], max_tokens: int = 4, request_id: str = "r", share: str | None = None) -> Sequence:
+    return Sequence(request_id, tokens, SamplingParams(max_tokens=max_tokens), share=share)
 
 
 def run_step(scheduler: Scheduler, next_token: int = 1) -> list[Sequence]:
@@ -153,8 +153,40 @@ def test_decode_preempts_the_most_recently_admitted() -> None:
     run_step(scheduler)  # both prefilled: 2 full blocks each, pool full; both now hold 9 tokens
     batch = scheduler.schedule()  # both need a third block to decode
     assert batch.seqs == [old] and batch.num_preempted == 1
-    assert new.status is SequenceStatus.WAITING and scheduler.waiting[0] is new and new.block_table == []
+    assert new.status is SequenceStatus.WAITING and scheduler.waiting.first() is new and new.block_table == []
     check_blocks(scheduler)
+
+
+def test_waiting_requests_are_admitted_in_fair_shares() -> None:
+    """A share's backlog does not hold another share's request: the share with the fewest running sequences goes
+    first (the oldest head among equals), each share in arrival order."""
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, block_size=4, num_blocks=64))
+    backlog = [make_seq([1, 2, 3], max_tokens=10, request_id=f"a{i}", share="a") for i in range(4)]
+    for seq in backlog:
+        scheduler.add(seq)
+    run_step(scheduler)
+    assert list(scheduler.running) == backlog[:2]
+    late = [make_seq([4, 5], max_tokens=1, request_id="b0", share="b"), make_seq([6], max_tokens=1, request_id="plain")]
+    for seq in late:
+        scheduler.add(seq)
+    assert [seq.request_id for seq in scheduler.waiting] == ["a2", "a3", "b0", "plain"]
+    assert scheduler.waiting.first() is late[0]  # "b" and None run nothing, "a" two; "b"'s head is the older
+    scheduler.finish(backlog[0], "stop")
+    assert run_step(scheduler) == [late[0]]  # b0 took a0's slot, ahead of a2
+    assert run_step(scheduler) == [late[1]]  # "a" runs one, None none: the plain request, though a2 came first
+    run_step(scheduler)
+    assert list(scheduler.running) == [backlog[1], backlog[2]]  # "a" alone again: in arrival order
+
+
+def test_without_shares_the_waiting_queue_is_first_in_first_out() -> None:
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64, block_size=4, num_blocks=64))
+    seqs = [make_seq([1, 2], max_tokens=1, request_id=str(i)) for i in range(5)]
+    for seq in seqs:
+        scheduler.add(seq)
+    order = []
+    while scheduler.has_unfinished():
+        order += [seq.request_id for seq in run_step(scheduler)]
+    assert order == ["0", "1", "2", "3", "4"]
 
 
 # A planner and its requests, as the property tests draw them: (prompt length, max_tokens, which prefix) per request.
@@ -174,17 +206,20 @@ def planner_config(budget: int, block_size: int, num_blocks: int, max_num_seqs: 
                            block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=caching)
 
 
-def request_seqs(requests: list[tuple[int, int, int]]) -> list[Sequence]:
-    return [make_seq((PREFIXES[p] + [9] * n)[:52], max_tokens=m, request_id=str(i)) for i, (n, m, p) in enumerate(requests)]
+def request_seqs(requests: list[tuple[int, int, int]], shares: int = 0) -> list[Sequence]:
+    """The requests as sequences; with `shares`, request i in share i % shares (share 0: None, no share)."""
+    return [make_seq((PREFIXES[p] + [9] * n)[:52], max_tokens=m, request_id=str(i),
+                     share=(str(i % shares) if i % shares else None) if shares else None)
+            for i, (n, m, p) in enumerate(requests)]
 
 
 @settings(max_examples=150, deadline=None)
-@given(**PLANNER_CASES,
+@given(**PLANNER_CASES, shares=st.integers(0, 3),
        actions=st.lists(st.sampled_from(["step", "step", "step", "add", "abort", "eos"]), max_size=200))
 def test_any_sequence_of_operations_keeps_the_invariants(requests, budget, block_size, num_blocks, max_num_seqs,
-                                                         caching, actions) -> None:
+                                                         caching, shares, actions) -> None:
     scheduler = Scheduler(planner_config(budget, block_size, num_blocks, max_num_seqs, caching))
-    pending = request_seqs(requests)
+    pending = request_seqs(requests, shares)
     admitted: list[Sequence] = []
 
     def add_next() -> None:
@@ -205,6 +240,8 @@ def test_any_sequence_of_operations_keeps_the_invariants(requests, budget, block
             run_step(scheduler, next_token=EOS if action == "eos" else 1)
             assert len(scheduler.running) <= max_num_seqs, batch_before
         check_blocks(scheduler)
+        assert len(scheduler.waiting) == len(list(scheduler.waiting))
+        assert Counter(seq.share for seq in scheduler.running) == scheduler._running_per_share
     while pending:
         add_next()
     for _ in range(10_000):  # every admitted request finishes: no deadlock, no starvation

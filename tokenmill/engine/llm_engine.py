@@ -116,6 +116,7 @@ class _Pending:
     future: Future
     deadline: float
     arrival_time: float = field(default_factory=time.time)
+    share: str | None = None
 
 
 class LLMEngine:
@@ -193,12 +194,13 @@ class LLMEngine:
         return self.tokenizer.encode(rendered, add_special_tokens=False)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None, *,
-                    pooling: PoolingParams | None = None) -> None:
+                    pooling: PoolingParams | None = None, share: str | None = None) -> None:
         """Queue a request, or raise InvalidRequestError naming the field if it can never be served. With `pooling`,
         an embedding request: its prompt is prefilled, nothing is sampled, and its output's `embedding` is the pooled
-        vector (`pooling.py`); it takes no `params`."""
+        vector (`pooling.py`); it takes no `params`. `share`: whose work it is (a tenant, a run); waiting requests are
+        admitted in fair shares (`scheduler.WaitingQueue`), None being a share of its own."""
         if pooling is not None:
-            self._add_pooled(request_id, prompt, pooling, params)
+            self._add_pooled(request_id, prompt, pooling, params, share)
             return
         params = params or SamplingParams()
         self._check_new_id(request_id)
@@ -206,31 +208,33 @@ class LLMEngine:
         self._check_prompt(token_ids)
         if params.choice_probabilities:
             labels = list(dict.fromkeys(params.choice))  # type: ignore[arg-type]  # checked: a choice is given
-            self._add_group(ScoreGroup(request_id, token_ids, self._choice_token_ids(labels), labels, time.time()))
+            self._add_group(ScoreGroup(request_id, token_ids, self._choice_token_ids(labels), labels, time.time()), share)
             return
         self.check_choice_budget(params)
         spec = GrammarSpec.from_params(params)
         if spec is not None and not self._grammar_cache(spec).is_ready(spec):
             future = self._grammar_cache(spec).compile_async(spec)
             deadline = time.time() + self.config.grammar_compile_timeout
-            self._pending[request_id] = _Pending(token_ids, params, spec, future, deadline)
+            self._pending[request_id] = _Pending(token_ids, params, spec, future, deadline, share=share)
             return
-        self._admit(request_id, token_ids, params, spec=spec)
+        self._admit(request_id, token_ids, params, spec=spec, share=share)
 
-    def add_score_request(self, request_id: str, prompt: str | list[int], continuations: list[str | list[int]]) -> None:
+    def add_score_request(self, request_id: str, prompt: str | list[int], continuations: list[str | list[int]], *,
+                          share: str | None = None) -> None:
         """Queue a request that scores each continuation given the prompt (see `ScoreOutput`); its output's `scores`
         hold them in order, and nothing is sampled. A text continuation is tokenized alone, as a `choice` is (see
-        `_choice_token_ids`); token ids are taken as they are. Raises InvalidRequestError naming the field."""
+        `_choice_token_ids`); token ids are taken as they are. Raises InvalidRequestError naming the field. `share`: as
+        for `add_request`."""
         self._check_new_id(request_id)
         token_ids = self.tokenize(prompt)
         self._check_prompt(token_ids)
         if not isinstance(continuations, list | tuple) or not continuations:
             raise InvalidRequestError("continuations", "must be a non-empty list of strings or token id lists")
         tokens = [self._continuation_ids(c, f"continuations[{i}]") for i, c in enumerate(continuations)]
-        self._add_group(ScoreGroup(request_id, token_ids, tokens, None, time.time()))
+        self._add_group(ScoreGroup(request_id, token_ids, tokens, None, time.time()), share)
 
     def _add_pooled(self, request_id: str, prompt: str | list[int], pooling: PoolingParams,
-                    params: SamplingParams | None) -> None:
+                    params: SamplingParams | None, share: str | None) -> None:
         """Queue an embedding request: a pooling sequence (`pooling.PooledSequence`), with the checkpoint's pooling
         where the request leaves it open."""
         if params is not None:
@@ -243,7 +247,7 @@ class LLMEngine:
         hidden_size = getattr(self.hf_config, "hidden_size", None)
         mode, normalize, dimensions = self._checkpoint_pooling.resolve(pooling, hidden_size)
         seq = PooledSequence(request_id, token_ids, NO_SAMPLING, pooling=mode, normalize=normalize,
-                             dimensions=dimensions, arrival_time=time.time())
+                             dimensions=dimensions, arrival_time=time.time(), share=share)
         self.scheduler.add(seq)
         self._pooled[request_id] = seq
         self._totals["prompt"] += len(token_ids)
@@ -285,11 +289,12 @@ class LLMEngine:
             self._choice_ids[key] = ids
         return ids
 
-    def _add_group(self, group: ScoreGroup) -> None:
+    def _add_group(self, group: ScoreGroup, share: str | None) -> None:
         """Queue a scoring request's first sequence (`scoring.py`); the others are checked now and start from the
-        K/V of the one they fork from when it is computed (`_fork`)."""
+        K/V of the one they fork from when it is computed (`_fork`), in its share."""
         for seq in group.sequences:
             self.scheduler.check(seq)
+        group.prompt.share = share
         self.scheduler.add(group.prompt)
         group.prompt.started = True
         self._groups[group.request_id] = group
@@ -303,11 +308,11 @@ class LLMEngine:
             fork.started = True
 
     def _admit(self, request_id: str, token_ids: list[int], params: SamplingParams, arrival: float | None = None,
-               spec: GrammarSpec | None = None) -> None:
+               spec: GrammarSpec | None = None, share: str | None = None) -> None:
         """Into the scheduler: the request's grammar (`spec`, built once in `add_request`), if any, is compiled by now."""
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
         constraint = self._constraint(spec, stop_ids)
-        request = _Request(request_id, token_ids, params, stop_ids=stop_ids, constraint=constraint)
+        request = _Request(request_id, token_ids, params, stop_ids=stop_ids, constraint=constraint, share=share)
         self.scheduler.add(request)
         request.seed = seed = params.seed if params.seed is not None else self._seed_source.getrandbits(63)
         banned = constraint.banned_ids if constraint is not None else []
@@ -383,7 +388,8 @@ class LLMEngine:
                 if not pending.future.done():
                     raise InvalidRequestError(pending.spec.field, f"compiling its grammar took longer than "
                                               f"grammar_compile_timeout ({self.config.grammar_compile_timeout:g} s)")
-                self._admit(request_id, pending.token_ids, pending.params, pending.arrival_time, pending.spec)
+                self._admit(request_id, pending.token_ids, pending.params, pending.arrival_time, pending.spec,
+                            pending.share)
             except InvalidRequestError as exc:
                 failed.append(RequestOutput(request_id, pending.token_ids, [], "", "error", arrival_time=pending.arrival_time,
                                             finished_time=now, error=str(exc)))

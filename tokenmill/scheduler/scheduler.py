@@ -1,8 +1,9 @@
 """The step planner: which sequences run this step, and how many of their tokens.
 
 Each step spends at most `max_num_batched_tokens` tokens: one per decoding sequence first, then prefill
-chunks of running sequences still prefilling, then of waiting requests in arrival order. A prompt longer
-than what is left of the budget is split and continues next step from its cached K/V.
+chunks of running sequences still prefilling, then of waiting requests: in arrival order within a share (a tenant,
+a run), the share with the fewest running sequences first. A prompt longer than what is left of the budget is split
+and continues next step from its cached K/V.
 
 A scoring sequence (`Sequence.num_scored_tokens`) is planned as a prompt that never decodes: it samples nothing,
 and its chunk is cut so that the step's scored rows stay within `max_num_seqs` (the logits rows the engine's memory
@@ -15,7 +16,9 @@ scoring one that reads no logits: its chunks are cut by the budget alone.
 
 from __future__ import annotations
 
-from collections import deque
+import itertools
+from collections import Counter, deque
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
 from itertools import compress
@@ -95,11 +98,72 @@ class ScheduledBatch:
                                 for seq, count in zip(self.seqs[head:], self.num_new_tokens[head:])]
 
 
+class WaitingQueue:
+    """Sequences waiting to run: a first-in, first-out queue per share (`Sequence.share`). The next is the head of the
+    share with the fewest running sequences (`running`, kept by the scheduler), among equals the share served least
+    recently, so a share's backlog never holds another share's request behind it, nor can a head that needs several
+    slots lose every tie to a share of one-slot requests; with one share, one queue in arrival order."""
+
+    def __init__(self, running: Counter[str | None]) -> None:
+        self._queues: dict[str | None, deque[Sequence]] = {}
+        self._running = running
+        self._served: dict[str | None, int] = {}  # share -> when a sequence of it was last admitted (shares waiting)
+        self._turns = itertools.count()
+        self._len = 0
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __iter__(self) -> Iterator[Sequence]:
+        return (seq for queue in self._queues.values() for seq in queue)
+
+    def first(self) -> Sequence:
+        """The sequence to admit next (IndexError when none waits)."""
+        if len(self._queues) == 1:
+            return next(iter(self._queues.values()))[0]
+        if not self._queues:
+            raise IndexError("no sequence is waiting")
+        running, served = self._running, self._served
+        return min((queue[0] for queue in self._queues.values()),
+                   key=lambda seq: (running[seq.share], served.get(seq.share, -1), seq.seq_id))
+
+    def admit(self, seq: Sequence) -> None:
+        """`seq`, the head of its share's queue, leaves it to run."""
+        self.remove(seq)
+        if seq.share in self._queues:
+            self._served[seq.share] = next(self._turns)
+
+    def append(self, seq: Sequence) -> None:
+        self._queue(seq.share).append(seq)
+        self._len += 1
+
+    def put_back(self, seqs: Iterable[Sequence]) -> None:
+        """Queue `seqs` first in their shares, in the order given (preempted, or forks without a slot)."""
+        for seq in reversed(list(seqs)):
+            self._queue(seq.share).appendleft(seq)
+            self._len += 1
+
+    def remove(self, seq: Sequence) -> None:
+        queue = self._queues[seq.share]
+        queue.remove(seq)
+        self._len -= 1
+        if not queue:
+            del self._queues[seq.share]
+            self._served.pop(seq.share, None)
+
+    def _queue(self, share: str | None) -> deque[Sequence]:
+        queue = self._queues.get(share)
+        if queue is None:
+            queue = self._queues[share] = deque()
+        return queue
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.waiting: deque[Sequence] = deque()
+        self._running_per_share: Counter[str | None] = Counter()  # of `running`, for the waiting queue's order
+        self.waiting = WaitingQueue(self._running_per_share)
         # In admission order (the last admitted is preempted first); a dict, not a list, so that a sequence leaves
         # in O(1) wherever it is: removing from a list scans half of it on average, and short jobs finish dozens
         # a step.
@@ -222,8 +286,7 @@ class Scheduler:
         return True
 
     def _admit(self, batch: ScheduledBatch) -> None:
-        while self.waiting and batch.budget > 0 and self._has_slots(self.waiting[0]):
-            seq = self.waiting[0]
+        while self.waiting and batch.budget > 0 and self._has_slots(seq := self.waiting.first()):
             self.block_manager.match_prefix(seq)
             count = min(seq.num_uncomputed_tokens, batch.budget)
             if seq.num_scored_tokens:
@@ -233,7 +296,7 @@ class Scheduler:
                 return
             self.block_manager.allocate(seq, seq.num_computed_tokens + count)
             self.block_manager.cache_full_blocks(seq, seq.num_computed_tokens + count)
-            self.waiting.popleft()
+            self.waiting.admit(seq)
             self.num_prefix_hit_tokens += seq.num_cached_tokens
             self._run(seq)
             batch.add(seq, count)
@@ -247,10 +310,14 @@ class Scheduler:
         seq.status = SequenceStatus.RUNNING
         self.running[seq] = None
         self.num_reserved += seq.num_forks
+        self._running_per_share[seq.share] += 1
 
     def _stop(self, seq: Sequence) -> None:
         del self.running[seq]
         self.num_reserved -= seq.num_forks
+        self._running_per_share[seq.share] -= 1
+        if not self._running_per_share[seq.share]:
+            del self._running_per_share[seq.share]  # shares come and go (a run, a tenant): keep only those running
 
     def fork(self, parent: Sequence, children: list[Sequence],
              lengths: list[int] | None = None) -> list[tuple[int, int]]:
@@ -263,6 +330,7 @@ class Scheduler:
         parent.num_forks = 0
         copies, queued = [], []
         for child, length in zip(children, lengths or [parent.num_computed_tokens] * len(children)):
+            child.share = parent.share
             needs_copy = length % self.config.block_size != 0
             if (len(self.running) + self.num_reserved + 1 + child.num_forks > self.config.max_num_seqs
                     or self.block_manager.num_free_blocks < needs_copy):
@@ -273,7 +341,7 @@ class Scheduler:
                 copies.append(pair)
             self.num_prefix_hit_tokens += child.num_cached_tokens
             self._run(child)
-        self.waiting.extendleft(reversed(queued))
+        self.waiting.put_back(queued)
         return copies
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
@@ -282,7 +350,7 @@ class Scheduler:
         batch.remove(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
+        self.waiting.put_back([seq])
         batch.num_preempted += 1
 
     def update(self, batch: ScheduledBatch, sampled: list[int]) -> list[Sequence]:

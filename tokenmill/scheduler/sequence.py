@@ -36,6 +36,9 @@ class Sequence:
 
     `num_forks` counts the sequences still to be forked from this one once it is computed (and from those in turn):
     the scheduler keeps that many running slots free for them while it runs (`Scheduler.fork`).
+
+    `share` names whose work it is (a tenant, a run; None: work of no share, a share of its own): the scheduler admits
+    waiting sequences in fair shares (`WaitingQueue`).
     """
 
     request_id: str
@@ -51,6 +54,7 @@ class Sequence:
     num_scored_tokens: int = 0
     pooling: str | None = None
     num_forks: int = 0
+    share: str | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.token_ids)
