@@ -61,7 +61,7 @@ def test_bursts_of_adds_cancels_and_outputs_are_each_answered_once(engine: Engin
             for n in range(first, first + GROUP):
                 params = SamplingParams(max_tokens=local.randint(1, 12), temperature=0.0, ignore_eos=True)
                 prompt = [local.randint(3, 200) for _ in range(local.randint(1, 24))]
-                group.append((f"s{sender}-{n}", params, prompt, None))
+                group.append((f"s{sender}-{n}", params, prompt, None, None))
             engine.send_many(group, slow_sink)
             with sent_lock:
                 sent.extend(request_id for request_id, *_ in group)

@@ -34,8 +34,9 @@ def test_each_request_is_answered_once_through_its_sink() -> None:
         (process,) = multiprocessing.active_children()
         os.kill(process.pid, signal.SIGSTOP)  # nothing can finish before the abort below
         params = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0)
-        engine.send_many([("kept", params, "a prompt the engine runs", None), ("too-long", params, "x" * 100_000, None),
-                          ("aborted", params, "a prompt aborted before it runs", None)], sink)
+        engine.send_many([("kept", params, "a prompt the engine runs", None, None),
+                          ("too-long", params, "x" * 100_000, None, None),
+                          ("aborted", params, "a prompt aborted before it runs", None, None)], sink)
         # the refusal came before `send_many` returned, on the caller's thread
         assert [(request_id, type(answer)) for request_id, answer, _ in answers] == [("too-long", InvalidRequestError)]
         engine.abort("aborted")
@@ -60,7 +61,7 @@ def test_a_request_whose_write_fails_is_not_left_pending() -> None:
     engine = EngineProcess("builtin:tiny", {"max_model_len": 64})
     engine._conn.close()  # the pipe gone: the write raises, as to an engine process that died
     try:
-        engine.send_many([("a", SamplingParams(max_tokens=2), [5, 6, 7], None)], lambda request_id, _: answers.append(request_id))
+        engine.send_many([("a", SamplingParams(max_tokens=2), [5, 6, 7], None, None)], lambda request_id, _: answers.append(request_id))
     except OSError:
         pass
     else:
@@ -90,7 +91,7 @@ def test_a_request_sent_to_an_abandoned_engine_waits_for_the_exit() -> None:
 
     def send() -> None:
         try:
-            engine.send_many([("late", SamplingParams(max_tokens=2), [5, 6, 7], None)], lambda *answer: outcome.append(answer))
+            engine.send_many([("late", SamplingParams(max_tokens=2), [5, 6, 7], None, None)], lambda *answer: outcome.append(answer))
             outcome.append("returned")
         except Exception as exc:
             outcome.append(exc)

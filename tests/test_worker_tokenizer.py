@@ -70,7 +70,7 @@ def test_the_engine_process_gets_token_ids_and_a_too_long_prompt_never_reaches_i
         os.kill(process.pid, signal.SIGSTOP)
         prompt = "the worker tokenizes this, é 🙂 </s> included"
         params = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0)
-        normal, too_long = engine.submit_many([("normal", params, prompt, None), ("too-long", params, "x" * 100_000, None)])
+        normal, too_long = engine.submit_many([("normal", params, prompt, None, None), ("too-long", params, "x" * 100_000, None, None)])
         error = too_long.exception(timeout=5)
         assert isinstance(error, InvalidRequestError) and error.field == "prompt" and "cannot fit" in error.message
         assert not normal.done()

@@ -254,3 +254,37 @@ def test_a_groups_ended_jobs_let_the_worker_take_more_while_its_long_job_runs(re
         assert client.get("g0-long") is None and client.get("g1-long") is None, "a long job ended before the probe"
         ids = [job["id"] for group in groups for job in group]
         assert [result.status for result in client.results(ids, 300)] == ["succeeded"] * 8
+
+
+@pytest.mark.parametrize("path", ["single-job-intake", "celery-pool", "group-messages"])
+def test_the_engine_admits_a_jobs_share_before_another_shares_waiting_jobs(redis_server: RedisServer, start_worker,
+                                                                          path: str) -> None:
+    """A real worker holding far more jobs than its engine runs (`--concurrency` 24, `max_num_seqs` 2): its engine
+    queue is full of one run's jobs (single jobs, through the intake or Celery's pool, or group messages of 8, as
+    `annotate --broker` sends them) when a single client job is taken. The engine admits it at the next free slot (its
+    share runs nothing) instead of after the run's jobs taken before it: few of them end meanwhile."""
+    from tokenmill.client import Client
+    from tokenmill.queue.names import BATCH_TASK_NAME, JOBS_HEADER
+    from tokenmill.queue.schemas import message_wire
+
+    flags = {"no_single_job_intake": True} if path == "celery-pool" else {}
+    start_worker(redis_server.url, max_num_seqs=2, concurrency=24, num_kv_blocks=256, **flags).wait_ready()
+    jobs = [{"id": f"big-{i}", "prompt": f"row {i}", "max_tokens": 12, "ignore_eos": True} for i in range(200)]
+    with Client(redis_server.url, share="run-big") as big, Client(redis_server.url) as plain:
+        if path == "group-messages":
+            for start in range(0, len(jobs), 8):
+                group = [message_wire(big.prepare(job)) for job in jobs[start:start + 8]]
+                big.publisher.publish(BATCH_TASK_NAME, uuid.uuid4().hex, [{"jobs": group}], "[<8 jobs>]",
+                                      {JOBS_HEADER: len(group)}, ignore_result=True)
+        else:
+            big.submit_many(jobs)
+        handles = [job["id"] for job in jobs]
+        wait_for(lambda: big.get(handles[0]) is not None, 60, "the backlog running")
+        probe = plain.submit(prompt="a lone job", max_tokens=4).result(timeout=120)
+        assert probe.status == "succeeded"
+        big.cancel(handles)
+        ended = [result for result in big.results(handles, 120) if result.status == "succeeded"]
+        meanwhile = sum(probe.started_at < result.finished_at < probe.finished_at for result in ended)
+        # Taken, it waited behind up to 22 of the run's jobs in the engine's own first-in, first-out queue; in shares
+        # it takes the next free slot, and ends after the 4 tokens it runs beside one of the run's jobs.
+        assert meanwhile <= 4, f"{meanwhile} of the run's jobs ended between the worker taking the lone job and its end"

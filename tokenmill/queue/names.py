@@ -56,6 +56,12 @@ SHARE_BELL = "tokenmill:share-bell"
 _SHARE_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 
+def message_share(headers: object) -> str | None:
+    """The fair share a message's `headers` name (`SHARE_HEADER`), None when they name no valid one."""
+    share = headers.get(SHARE_HEADER) if isinstance(headers, dict) else None
+    return share if valid_share(share) else None
+
+
 def valid_share(share: object) -> bool:
     """Whether `share` may name a share: 1 to 64 of `A-Z a-z 0-9 . _ -` (nothing of kombu's list name separators)."""
     return isinstance(share, str) and _SHARE_NAME.fullmatch(share) is not None

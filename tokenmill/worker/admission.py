@@ -50,6 +50,7 @@ class Attempt:
     attempt: int  # its delivery number, from its check-in
     time_limit: float | None = None  # Celery's time_limit / soft_time_limit of the message, if any
     job_hash: str = ""  # the hash its sender sent (`JOB_HASH_HEADER`), else `Job.content_hash()`
+    share: str | None = None  # the fair share its message came from (`SHARE_HEADER`): the engine admits in shares too
 
     def __post_init__(self) -> None:
         self.job_hash = self.job_hash or self.job.content_hash()

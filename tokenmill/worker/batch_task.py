@@ -111,11 +111,12 @@ class BatchRun:
     requeue_on_error = True
 
     def __init__(self, service: JobService, task_id: str, backend: KeyValueStoreBackend,
-                 time_limit: float | None = None) -> None:
+                 time_limit: float | None = None, share: str | None = None) -> None:
         self.service = service
         self.task_id = task_id
         self.backend = backend
         self.time_limit = time_limit  # the message's Celery time limit: each job's deadline unless it sets its own
+        self.share = share  # the message's fair share (`SHARE_HEADER`), if any
         self.started_at = time.time()
         self._stored: set[str] = set()
         self._mine: dict[str, Job] = {}  # claimed by this run (`WorkerService.claim`) until stored or released
@@ -134,6 +135,10 @@ class BatchRun:
     def sent_hash(self, job_id: str) -> str:
         """Hook: the content hash the job's sender put in its message (`JOB_HASH_HEADER`), if any; "" to hash it here."""
         return ""
+
+    def share_of(self, job_id: str) -> str | None:
+        """Hook: the fair share job `job_id`'s message came from (`SHARE_HEADER`), if any."""
+        return self.share
 
     def joined(self, running: list[tuple[Job, Future]]) -> None:
         """Hook: these jobs are already running in this process, with that run's future; that run finishes and
@@ -199,7 +204,8 @@ class BatchRun:
     def _check_in(self, jobs: list[Job], done: dict[str, dict[str, Any]]) -> list[Attempt]:
         """Count a delivery of each job; returns the `Attempt`s to run. Jobs found stored are settled; cancelled and
         dead-lettered ones get their results in `done`."""
-        runs = [Attempt(job, self.started_at, 0, self.time_limit, self.sent_hash(job.id)) for job in jobs]
+        runs = [Attempt(job, self.started_at, 0, self.time_limit, self.sent_hash(job.id), self.share_of(job.id))
+                for job in jobs]
         decisions = self._admit(runs)
         todo, stored = [], []
         for run, decision in zip(runs, decisions):
@@ -369,8 +375,8 @@ class PoolRun(BatchRun):
     requeue_on_error = False
 
     def __init__(self, service: JobService, task_id: str, backend: KeyValueStoreBackend,
-                 time_limit: float | None = None) -> None:
-        super().__init__(service, task_id, backend, time_limit)
+                 time_limit: float | None = None, share: str | None = None) -> None:
+        super().__init__(service, task_id, backend, time_limit, share)
         self._joined: Future | None = None  # the run in progress this delivery joined
         self._handed: tuple[Future | None, str] | None = None  # the engine request `_admit` made
 

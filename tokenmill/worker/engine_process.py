@@ -11,7 +11,7 @@ it to drain; outputs finished in a step go back in one message right after that 
 Messages are JSON (`send_bytes`/`recv_bytes` of `multiprocessing.connection`), never pickle:
 
     worker -> engine   {"op": "add", "id", "prompt" | "messages", "params" (not the defaults), "pooling" (an embedding)
-                        | "score" (a score job's continuations)}
+                        | "score" (a score job's continuations), "share" (whose work: a tenant, a run; if any)}
                        | {"op": "add_many", "requests": [add, ...]}
                        | {"op": "abort", "id"} | {"op": "cancel", "id", "reason"} | {"op": "stop"}
     engine -> worker   {"op": "ready", "tokenizer", "max_prompt_chars", "max_model_len"} | {"op": "done", "outputs": [...]}
@@ -101,8 +101,9 @@ Answer = EngineOutput | Exception
 #: for a prompt refused before sending and for an abort. It must not block, and must not call back into the engine.
 Sink = Callable[[str, Answer], None]
 #: One request for the engine: (request id, params: `SamplingParams`, an embedding job's `Embed` or a score job's
-#: `Score`, prompt: text or token ids, chat messages).
-EngineRequest = tuple[str, SamplingParams | Embed | Score, str | list[int] | None, list[dict[str, str]] | None]
+#: `Score`, prompt: text or token ids, chat messages, share: whose work it is, for the engine's fair shares, or None).
+EngineRequest = tuple[str, SamplingParams | Embed | Score, str | list[int] | None, list[dict[str, str]] | None,
+                      str | None]
 
 
 class EngineProcess:
@@ -162,7 +163,7 @@ class EngineProcess:
     def submit(self, request_id: str, params: SamplingParams, prompt: str | list[int] | None = None,
                messages: list[dict[str, str]] | None = None) -> Future:
         """Queue a request; the future resolves to an `EngineOutput`, or raises `InvalidRequestError`."""
-        return self.submit_many([(request_id, params, prompt, messages)])[0]
+        return self.submit_many([(request_id, params, prompt, messages, None)])[0]
 
     def submit_many(self, requests: list[EngineRequest]) -> list[Future]:
         """`send_many`, each request's answer as a future: its `EngineOutput`, or it raises (`InvalidRequestError`
@@ -172,7 +173,7 @@ class EngineProcess:
         return list(futures.values())
 
     def send_many(self, requests: list[EngineRequest], sink: Sink, wait: bool = True) -> None:
-        """Queue (request id, params, prompt, messages) requests (params: `SamplingParams`, an embedding job's
+        """Queue (request id, params, prompt, messages, share) requests (params: `SamplingParams`, an embedding job's
         `Embed` or a score job's `Score`) in one pipe message: a group's jobs pay one
         write here and one read in the engine process instead of one each; each one's answer goes to `sink`. Text
         prompts go as token ids when the engine sent its tokenizer; a prompt refused here is answered at once and not
@@ -186,13 +187,13 @@ class EngineProcess:
 
         The requests are registered and the message queued together, under `_write_lock`, so a cancel or abort of one
         of them is written after it."""
-        prompts = self.tokenize([prompt for _, _, prompt, _ in requests])
+        prompts = self.tokenize([request[2] for request in requests])
         adds = []
-        for (request_id, params, _, messages), prompt in zip(requests, prompts):
+        for (request_id, params, _, messages, share), prompt in zip(requests, prompts):
             if isinstance(prompt, InvalidRequestError):
                 sink(request_id, prompt)
             else:
-                adds.append(_add_op(request_id, params, prompt, messages))
+                adds.append(_add_op(request_id, params, prompt, messages, share))
         if not adds:
             return
         message = adds[0] if len(adds) == 1 else {"op": "add_many", "requests": adds}
@@ -405,10 +406,12 @@ class EngineProcess:
 
 
 def _add_op(request_id: str, params: SamplingParams | Embed | Score, prompt: str | list[int] | None,
-            messages: list[dict[str, str]] | None) -> dict[str, Any]:
+            messages: list[dict[str, str]] | None, share: str | None) -> dict[str, Any]:
     """The engine process's `add` op for one request: an embedding pools (the engine's `PoolingParams`), a score job
     scores its continuations (`add_score_request`), neither samples; any other job samples with `params`."""
     add: dict[str, Any] = {"op": "add", "id": request_id, "prompt": prompt, "messages": messages, "params": {}}
+    if share is not None:
+        add["share"] = share
     if isinstance(params, Embed):
         add["pooling"] = params.model_dump()
     elif isinstance(params, Score):
@@ -576,15 +579,16 @@ class _Loop:
             return
         try:
             params = SamplingParams.from_dict(message["params"])  # a text prompt's length: checked by `add_request`
+            share = message.get("share")
             prompt = message["prompt"] if message["messages"] is None else self.engine.apply_chat_template(message["messages"])
             if "pooling" in message:  # an embedding
                 from tokenmill.engine.pooling import PoolingParams
 
-                self.engine.add_request(request_id, prompt, pooling=PoolingParams(**message["pooling"]))
+                self.engine.add_request(request_id, prompt, pooling=PoolingParams(**message["pooling"]), share=share)
             elif "score" in message:  # a score job
-                self.engine.add_score_request(request_id, prompt, message["score"])
+                self.engine.add_score_request(request_id, prompt, message["score"], share=share)
             else:
-                self.engine.add_request(request_id, prompt, params)
+                self.engine.add_request(request_id, prompt, params, share=share)
         except InvalidRequestError as exc:
             self.outbox.send({"op": "refused", "id": request_id, "field": exc.field, "message": exc.message})
             return

@@ -46,7 +46,7 @@ from celery.worker.strategy import default
 
 from tokenmill.errors import InvalidRequestError
 from tokenmill.queue.cancels import result_meta
-from tokenmill.queue.names import JOB_HASH_HEADER
+from tokenmill.queue.names import JOB_HASH_HEADER, message_share
 from tokenmill.queue.schemas import is_content_hash, job_payload
 from tokenmill.queue.transport import ack_records, acked_by_script, acks_together
 from tokenmill.worker.batch_task import BatchRun, JobService
@@ -539,6 +539,9 @@ class IntakeRun(BatchRun):
         headers = self.requests[job_id].message.headers  # a dict: the guard checked it
         value = headers.get(JOB_HASH_HEADER)
         return value if is_content_hash(value) else ""
+
+    def share_of(self, job_id: str) -> str | None:
+        return message_share(self.requests[job_id].message.headers)
 
     def joined(self, running: list[tuple[Job, Future]]) -> None:
         for job, _ in running:  # the pool path waits for that run (and names a conflict)

@@ -23,6 +23,7 @@ from celery import bootsteps
 from celery.signals import worker_shutting_down
 
 from tokenmill.errors import InvalidRequestError
+from tokenmill.queue.names import SHARE_HEADER, message_share
 from tokenmill.queue.schemas import JobResult, check_size, job_payload
 from tokenmill.worker.batch_task import BatchRun
 from tokenmill.worker.intake import Intake, MessageHandler
@@ -92,12 +93,18 @@ def run_job(task: Task, args: tuple[Any, ...], fields: dict[str, Any]) -> dict[s
         check_size({**payload, **fields}, service.settings.max_job_bytes)
     except InvalidRequestError as exc:
         return service.failed(JobResult.failure(task_id, "invalid_job", exc.message, exc.field, started_at=time.time()))
-    return service.run_job(task_id, payload, fields, task.backend, time_limit=_time_limit(task.request.timelimit))
+    return service.run_job(task_id, payload, fields, task.backend, time_limit=_time_limit(task.request.timelimit),
+                           share=_share(task))
 
 
 def run_batch(task: Task, batch: dict[str, Any] | None, fields: dict[str, Any]) -> dict[str, Any]:
     """Body of the `tokenmill.generate_batch` task: the group's jobs (`batch["jobs"]` or `jobs=`) on the service."""
-    return BatchRun(current(), task.request.id, task.backend).run((batch or fields).get("jobs"))
+    return BatchRun(current(), task.request.id, task.backend, share=_share(task)).run((batch or fields).get("jobs"))
+
+
+def _share(task: Task) -> str | None:
+    """The fair share of the task's message (Celery puts a message's own headers on its request)."""
+    return message_share({SHARE_HEADER: getattr(task.request, SHARE_HEADER, None)})
 
 
 def _time_limit(timelimit: Sequence[float | None] | None) -> float | None:

@@ -204,11 +204,13 @@ class WorkerService(Outcomes):
     # -- one job -------------------------------------------------------------------------------
 
     def run_job(self, task_id: str, payload: dict[str, Any] | None, fields: dict[str, Any],
-                backend: KeyValueStoreBackend, time_limit: float | None = None) -> dict[str, Any]:
+                backend: KeyValueStoreBackend, time_limit: float | None = None, share: str | None = None
+                ) -> dict[str, Any]:
         """A job on Celery's pool: parsed here (a body that is no job fails under the task's id), then run as a group of
         one (`PoolRun`). `backend` is the task's Celery result backend; `time_limit` the message's Celery time limit
-        (the job's `deadline_s` wins). Returns the result for Celery to store; `Ignore` when there is none to store."""
-        run = PoolRun(self, task_id, backend, time_limit)
+        (the job's `deadline_s` wins); `share` its message's fair share. Returns the result for Celery to store; `Ignore`
+        when there is none to store."""
+        run = PoolRun(self, task_id, backend, time_limit, share)
         raw = {**(payload or {}), **fields}
         raw.setdefault("id", task_id)
         try:
@@ -293,7 +295,8 @@ class WorkerService(Outcomes):
             messages = [m.model_dump() for m in job.messages] if job.messages else None
             # an embedding job: the engine pools; a score job: it scores the continuations; neither samples
             params = job.embed if job.embed is not None else job.score if job.score is not None else job.sampling
-            requests.append((f"{job.id}#{next(self._request_numbers)}", params, job.prompt or job.prompt_token_ids, messages))
+            requests.append((f"{job.id}#{next(self._request_numbers)}", params, job.prompt or job.prompt_token_ids,
+                             messages, run.share))
         futures: list[Future | None] = [None] * len(requests)
         if requests and sink is not None:
             self.engine.send_many(requests, sink, wait=wait)
