@@ -197,6 +197,28 @@ def test_a_group_messages_ended_jobs_free_their_prefetch_room(redis_server: Redi
         assert len(held) == 4  # room 2 (held: 1 + 1 + 4 jobs): one more message, and no room after it
 
 
+def test_a_take_whose_room_runs_out_still_takes_each_lanes_single_job(redis_server: RedisServer) -> None:
+    """Room for 4 jobs; shares `big` and `other` hold group messages of 4 jobs, the queue itself and share `small` a
+    single job each. Whichever lane a take starts with (the turn moves one lane a take), its first take holds exactly
+    one group and both single jobs: once the room runs out, the round ends with the single jobs only."""
+    from tokenmill.queue.names import JOBS_HEADER
+
+    for _ in range(4):
+        queue = Queue(f"q-{uuid.uuid4().hex[:8]}", EXCHANGE, routing_key="q")
+        with _connection(redis_server) as connection:
+            producer = Producer(connection.channel(), exchange=EXCHANGE)
+            for body, headers in [*((f"big-{i}", {SHARE_HEADER: "big", JOBS_HEADER: 4}) for i in range(3)),
+                                  *((f"other-{i}", {SHARE_HEADER: "other", JOBS_HEADER: 4}) for i in range(3)),
+                                  ("small", {SHARE_HEADER: "small"}), ("plain", {})]:
+                producer.publish({"body": body}, routing_key=queue.name, declare=[queue], headers=headers)
+        held: list = []
+        with _connection(redis_server) as connection, Consumer(
+                connection.channel(), [queue], callbacks=[lambda body, message: held.append(body["body"])],
+                prefetch_count=4):
+            _drain(connection, 1.0)
+        assert sorted(held)[-2:] == ["plain", "small"] and len(held) == 3, held
+
+
 def test_a_consumer_blocked_on_the_queue_wakes_for_a_shares_message(redis_server: RedisServer) -> None:
     """A consumer blocked in BLMOVE on the queue's own list (for 5 s here) is woken at once by a share's message:
     the publish rang the bell on that list; the consumer drops the bell and takes next."""

@@ -164,8 +164,10 @@ return codes
 # taken whatever its jobs), then the m queues' share list prefixes, then kombu's priority suffixes in order.
 # Lanes: the source lists together (kombu's order: the first non-empty list gives the lane's next item), and each
 # share of the index (its priority lists in order). Takes one item from each lane in turn, starting one lane further
-# each take when there are shares, until the limit or every lane is empty; a share found empty leaves the index. Each
-# item moves, oldest first, from its list to its lane's processing list (what BLMOVE does for one, without blocking).
+# each take when there are shares, until the limit or every lane is empty; a share found empty leaves the index. Once
+# the jobs reach ARGV[4], the round ends with the lanes whose next item is a single job, so a lone job never waits a
+# take behind another lane's group. Each item moves, oldest first, from its list to its lane's processing list (what
+# BLMOVE does for one, without blocking).
 # A wake-up bell (`SHARE_BELL`) is dropped, never taken. Nothing else runs while the script does, so a list found
 # empty stays empty. Returns source index (1..n: the source list; n + j: queue j's shares), item, source index, ...
 _TAKE = """
@@ -182,23 +184,26 @@ for j = 1, m do
   end
 end
 local turn = #lanes > 1 and redis.call('INCR', KEYS[#KEYS]) or 0
-local taken, live = {}, 0
+local taken, live, last = {}, 0, false
 for _, lane in ipairs(lanes) do if #lane > 0 then live = live + 1 end end
-while #taken < limit and live > 0 do
+while not last and #taken < limit and live > 0 do
   for k = 1, #lanes do
     local lane = lanes[(turn + k) % #lanes + 1]
     while #taken < limit and lane.at <= #lane do
       local list = lane[lane.at]
-      local item = redis.call('LMOVE', list[1], list[2], 'RIGHT', 'LEFT')
+      local item = redis.call('LINDEX', list[1], -1)
       while item == BELL do
-        redis.call('LPOP', list[2])
-        item = redis.call('LMOVE', list[1], list[2], 'RIGHT', 'LEFT')
+        redis.call('RPOP', list[1])
+        item = redis.call('LINDEX', list[1], -1)
       end
       if item then
+        local jobs = tonumber(string.match(item, '"JOBS_HEADER": (%d+)')) or 1
+        if last and jobs > 1 then break end
+        redis.call('LMOVE', list[1], list[2], 'RIGHT', 'LEFT')
         taken[#taken + 1] = list[3]
         taken[#taken + 1] = item
-        room = room - (tonumber(string.match(item, '"JOBS_HEADER": (%d+)')) or 1)
-        if room <= 0 then limit = #taken end
+        room = room - jobs
+        last = last or room <= 0
         break
       end
       lane.at = lane.at + 1
