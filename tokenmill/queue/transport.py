@@ -183,6 +183,14 @@ for j = 1, m do
     lanes[#lanes + 1] = lane
   end
 end
+local function next_item(list, peek)  -- moved to its processing list, or (peek) only looked at; bells dropped
+  while true do
+    local item
+    if peek then item = redis.call('LINDEX', list[1], -1) else item = redis.call('LMOVE', list[1], list[2], 'RIGHT', 'LEFT') end
+    if item ~= BELL then return item end
+    if peek then redis.call('RPOP', list[1]) else redis.call('LPOP', list[2]) end
+  end
+end
 local turn = #lanes > 1 and redis.call('INCR', KEYS[#KEYS]) or 0
 local taken, live, last = {}, 0, false
 for _, lane in ipairs(lanes) do if #lane > 0 then live = live + 1 end end
@@ -191,15 +199,13 @@ while not last and #taken < limit and live > 0 do
     local lane = lanes[(turn + k) % #lanes + 1]
     while #taken < limit and lane.at <= #lane do
       local list = lane[lane.at]
-      local item = redis.call('LINDEX', list[1], -1)
-      while item == BELL do
-        redis.call('RPOP', list[1])
-        item = redis.call('LINDEX', list[1], -1)
-      end
+      local item = next_item(list, last)
       if item then
         local jobs = tonumber(string.match(item, '"JOBS_HEADER": (%d+)')) or 1
-        if last and jobs > 1 then break end
-        redis.call('LMOVE', list[1], list[2], 'RIGHT', 'LEFT')
+        if last then
+          if jobs > 1 then break end
+          redis.call('LMOVE', list[1], list[2], 'RIGHT', 'LEFT')
+        end
         taken[#taken + 1] = list[3]
         taken[#taken + 1] = item
         room = room - jobs
