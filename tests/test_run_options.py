@@ -18,7 +18,8 @@ from tokenmill.apps.annotate import annotate
 from tokenmill.apps.batch import batch
 from tokenmill.apps.cli import EXIT_INTERRUPTED, options_from
 from tokenmill.apps.datasets import MAX_ROW_BYTES
-from tokenmill.apps.options import RunOptions, flag_fields
+from tokenmill.apps.options import RunOptions, flag_fields, require_model
+from tokenmill.apps.runners import make_runner
 from tokenmill.cli import build_parser, main
 from tokenmill.errors import InvalidRequestError
 
@@ -89,6 +90,28 @@ def test_options_and_run_keywords_at_once_are_refused(reached: list[RunOptions],
             run()
         assert caught.value.field == "options"
     assert reached == []
+
+
+def test_a_run_with_no_model_and_no_broker_is_refused_up_front_in_one_message(
+        reached: list[RunOptions], inputs: tuple[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CLI's options, `annotate`, `batch` and `make_runner` refuse it alike (`require_model`): field "model", one
+    message naming the fix, before a checkpoint is opened or a runner made. A broker, or a loaded `llm`, needs none."""
+    monkeypatch.delenv("TOKENMILL_MODEL", raising=False)
+    state = tmp_path / "state"
+    flags = build_parser().parse_args(["batch", "-i", inputs[1], "-o", str(tmp_path / "results.jsonl")])
+    refused = []
+    for attempt in (lambda: options_from(flags),
+                    lambda: annotate(inputs[0], str(tmp_path / "out.jsonl"), "{{ text }}", state_dir=str(state)),
+                    lambda: batch(inputs[1], str(tmp_path / "results.jsonl"), state_dir=str(state)),
+                    lambda: make_runner(RunOptions(), "run")):
+        with pytest.raises(InvalidRequestError) as caught:
+            attempt()
+        refused.append((caught.value.field, caught.value.message))
+    assert refused == [refused[0]] * 4 and refused[0][0] == "model", refused
+    assert "--model" in refused[0][1] and "--broker" in refused[0][1]
+    assert reached == [] and not state.exists()
+    require_model(RunOptions(broker="redis://127.0.0.1:1/0"))  # the workers' model runs
+    require_model(RunOptions(llm=object()))
 
 
 def test_the_keywords_default_as_run_options_do() -> None:

@@ -187,9 +187,6 @@ def annotate(
     continuations = score_options(score, embed, {**sampling, **structured})
     params = {} if embedding is not None or continuations is not None else sampling_dict(
         {"temperature": 0.0, **sampling, **{k: v for k, v in structured.items() if v is not None}})
-    if run.mode == "embedded" and not run.model and run.llm is None:
-        raise InvalidRequestError("model", "required without a broker: a local directory, a Hugging Face hub id, or "
-                                           "builtin:tiny (random weights, for tests)")
     if limit is not None and limit < 1:
         raise InvalidRequestError("limit", f"must be >= 1, got {limit}")
     prompter = Prompter(template, system, chat, run.model_label, params, embedding, continuations)

@@ -146,16 +146,13 @@ def run(args: argparse.Namespace) -> int:
 
 def options_from(args: argparse.Namespace) -> RunOptions:
     """The run's options from the flags `add_run_flags` declared, the same for `annotate` and `batch`. Raises
-    `InvalidRequestError` ("model") with neither --model nor --broker."""
-    from tokenmill.apps.options import RunOptions, flag_fields
-    from tokenmill.errors import InvalidRequestError
+    `InvalidRequestError` ("model") with neither --model nor --broker (`require_model`)."""
+    from tokenmill.apps.options import RunOptions, flag_fields, require_model
 
-    if not args.model and not args.broker:
-        raise InvalidRequestError("model", "required without --broker: pass --model (or set TOKENMILL_MODEL) to a "
-                                  "local directory or a Hugging Face hub id (builtin:tiny names the random-weight test "
-                                  "model)")
     flagged = {spec.name: getattr(args, spec.name) for spec in flag_fields()}
-    return RunOptions(**flagged, engine_options=_engine_options(args))
+    options = RunOptions(**flagged, engine_options=_engine_options(args))
+    require_model(options)
+    return options
 
 
 def _annotate(args: argparse.Namespace) -> Any:

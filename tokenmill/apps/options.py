@@ -86,13 +86,25 @@ def run_options(options: RunOptions | None, keywords: Mapping[str, Any]) -> RunO
     """The options of a run given either as `options` or as keyword arguments (`keywords`: the caller's own, read by
     field name, e.g. its `locals()`, so every field must be a keyword of the caller); a keyword away from its default
     beside `options` raises `InvalidRequestError` ("options"), as it would otherwise be ignored (one at its default
-    cannot be told from one left out)."""
+    cannot be told from one left out). Options that leave no engine to run raise as `require_model` does."""
     given = RunOptions(**{spec.name: keywords[spec.name] for spec in fields(RunOptions)})
     if options is None:
+        require_model(given)
         return given
     if given != RunOptions():
         raise InvalidRequestError("options", "give the run options as options=RunOptions(...) or as keywords, not both")
+    require_model(options)
     return options
+
+
+def require_model(options: RunOptions) -> None:
+    """Raise `InvalidRequestError` ("model") where `options` name no engine: no broker, no `model` and no `llm`. The
+    one check of it, with one message: the CLI (`options_from`), `annotate`, `batch` (`run_options`) and
+    `make_runner` all call it."""
+    if options.mode == "embedded" and not options.model and options.llm is None:
+        raise InvalidRequestError("model", "required without --broker: pass --model (or set TOKENMILL_MODEL; in "
+                                  "Python, model= or a loaded llm=) to a local directory or a Hugging Face hub id "
+                                  "(builtin:tiny names the random-weight test model)")
 
 
 def flag_fields() -> tuple[Field[Any], ...]:

@@ -18,7 +18,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from tokenmill.apps.options import RunOptions
+from tokenmill.apps.options import RunOptions, require_model
 from tokenmill.apps.store import Outcome
 from tokenmill.errors import InvalidRequestError
 from tokenmill.sampling_params import CONSTRAINT_CODES, SamplingParams, constraint_problem
@@ -50,7 +50,9 @@ class Unit:
 
 def make_runner(options: RunOptions, run: str) -> EmbeddedRunner | QueueRunner:
     """The runner `options` ask for: the engine here (`llm`, else `model` loaded with `engine_options`), or the
-    queue's workers for `run` (the checkpoint's run id; printed, for `tokenmill cancel`)."""
+    queue's workers for `run` (the checkpoint's run id; printed, for `tokenmill cancel`). Options naming no engine
+    raise as `require_model` does."""
+    require_model(options)
     window = options.window or DEFAULT_WINDOW[options.mode]
     if options.mode == "queue":
         from tokenmill.client import Client
@@ -64,8 +66,6 @@ def make_runner(options: RunOptions, run: str) -> EmbeddedRunner | QueueRunner:
     if llm is None:
         from tokenmill.engine.llm import LLM
 
-        if not options.model:
-            raise InvalidRequestError("model", "required for the embedded engine")
         llm = LLM(options.model, **(options.engine_options or {}))
     return EmbeddedRunner(llm, window)
 
