@@ -284,7 +284,8 @@ def test_slots_of_messages_the_store_acked_are_freed_at_the_loops_next_turn_whil
 
 
 def _service(intake: Intake | None = None, single_job_intake: bool = True) -> Any:
-    """A `WorkerService` with no engine (never used here); it connects to nothing until asked to."""
+    """A `WorkerService` with no engine (never used here), serving its intake as a started one does; it connects to
+    nothing until asked to."""
     from prometheus_client import CollectorRegistry
 
     from tokenmill.worker.metrics import WorkerMetrics
@@ -293,7 +294,9 @@ def _service(intake: Intake | None = None, single_job_intake: bool = True) -> An
 
     settings = WorkerSettings(broker_url="redis://127.0.0.1:1/0", model="builtin:tiny",
                               single_job_intake=single_job_intake)
-    return WorkerService(settings, engine=None, metrics=WorkerMetrics(CollectorRegistry()), sink=None, intake=intake)
+    service = WorkerService(settings, engine=None, metrics=WorkerMetrics(CollectorRegistry()), sink=None, intake=intake)
+    service.intake.serve(service)  # as `WorkerService.start` does once the service has started
+    return service
 
 
 def test_the_service_owns_its_intake_and_finisher_and_an_intake_made_before_it_is_served_by_it() -> None:

@@ -157,9 +157,9 @@ class Intake:
     engine, when the next group is started for all of them. The group thread is then free; the service's finisher
     finishes the jobs. A group counts as running (`drain`) until each of its jobs is stored or requeued.
 
-    The service that owns the intake binds itself once (`serve`). Celery may build the task's strategy, and so hand
-    requests to the intake, before that service exists (under plain `celery worker` the first job builds it):
-    `start_service` then builds it, once, on a group thread.
+    The service that owns the intake binds itself once, when it has started (`serve`). Celery may build the task's
+    strategy, and so hand requests to the intake, before that service exists (under plain `celery worker` the first
+    job builds it): `start_service` then builds it, once, on a group thread.
     """
 
     def __init__(self, start_service: Callable[[], object] | None = None) -> None:
@@ -179,7 +179,8 @@ class Intake:
         self.enabled: bool | None = None  # known once the worker's service exists
 
     def serve(self, service: IntakeService) -> None:
-        """The worker's service takes the intake on, once, as it is built: from now on the intake's groups run on it."""
+        """The worker's service takes the intake on, once, as it has started: from now on the intake's groups run on
+        it (and `enabled` is its `single_job_intake`)."""
         if self._service is not None and self._service is not service:
             raise RuntimeError("the intake is served by another worker service already")
         self._service = service

@@ -18,10 +18,12 @@ import logging
 import threading
 import time
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 from prometheus_client import REGISTRY as DEFAULT_REGISTRY
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
@@ -38,6 +40,7 @@ class WorkerMetrics:
     def __init__(self, registry: CollectorRegistry = DEFAULT_REGISTRY) -> None:
         self.registry = registry
         self.port: int | None = None  # where the endpoint listens, once `serve` found a free port
+        self._server: Any = None  # the endpoint's HTTP server, once `serve` started it
         self.jobs_cancelled = Counter("tokenmill_jobs_cancelled", "Jobs ended by a cancel, before or while running.",
                                       registry=registry)
         self.jobs_failed = Counter(
@@ -76,7 +79,7 @@ class WorkerMetrics:
         last = min(port + tries - 1, 65535)
         for candidate in range(port, last + 1):
             try:
-                start_http_server(candidate, addr=addr, registry=self.registry)
+                self._server, _ = start_http_server(candidate, addr=addr, registry=self.registry)
             except OSError as exc:
                 if exc.errno != errno.EADDRINUSE:
                     raise
@@ -86,6 +89,17 @@ class WorkerMetrics:
             log.info("metrics endpoint on http://%s:%d/metrics%s", addr, candidate, moved)
             return candidate
         raise OSError(errno.EADDRINUSE, f"metrics ports {port}-{last} are all in use; set --metrics-port or --metrics-port-tries")
+
+    def close(self) -> None:
+        """Stop the endpoint and unregister every metric from the registry, so that another `WorkerMetrics` may
+        register there (a worker service whose start failed, built again in the same process)."""
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server, self.port = None, None
+        for collector in vars(self).values():
+            if isinstance(collector, (MetricWrapperBase, FinishedJobs)):
+                self.registry.unregister(collector)
 
     def on_engine_status(self, stats: EngineStatus) -> None:
         self.running.set(stats.num_running)

@@ -9,7 +9,7 @@ intake and finisher) and hands them out; nothing else in the worker is kept per 
 `celery -A tokenmill.worker.app worker --pool threads`, the first job builds one from `TOKENMILL_*` variables instead
 (`current`, loading the model then), so the tasks work with Celery's own command line too. Celery builds the
 strategy, and hands it requests, before that: the process's intake exists from then on (`intake`), and is handed to
-the service when it is built.
+the service when it is built, which serves it once started (a build that fails leaves it to the next build).
 """
 
 from __future__ import annotations
@@ -44,20 +44,24 @@ _intake_lock = threading.Lock()
 
 def start(settings: WorkerSettings) -> WorkerService:
     """Build this process's service from `settings` (`tokenmill worker`, before Celery starts)."""
-    global _service
-    with _lock:
-        if _service is not None:
-            raise RuntimeError("this process has its worker service already")
-        _service = WorkerService.start(settings, intake())
-        return _service
+    return _built(settings)
 
 
 def current() -> WorkerService:
     """The service, built from `TOKENMILL_*` variables by the first caller when none was (plain `celery worker`)."""
+    return _built(None)
+
+
+def _built(settings: WorkerSettings | None) -> WorkerService:
+    """The process's service, built under `_lock` on the process's intake: from `settings`, where there must be none
+    yet (`start`), or, with None, from `TOKENMILL_*` variables where there is none (`current`). A build that raises
+    keeps no service and leaves the intake unserved (`WorkerService.start`): the next call builds afresh."""
     global _service
     with _lock:
         if _service is None:
-            _service = WorkerService.start(WorkerSettings(), intake())
+            _service = WorkerService.start(settings if settings is not None else WorkerSettings(), intake())
+        elif settings is not None:
+            raise RuntimeError("this process has its worker service already")
         return _service
 
 

@@ -108,7 +108,8 @@ return new
 
 class WorkerService(Outcomes):
     """One per worker process; thread-safe `run_job`. Owns its `intake` and `finisher`: `intake` given is one Celery
-    handed requests to before this service existed (`tokenmill.worker.runtime`); it is served by this service alone."""
+    handed requests to before this service existed (`tokenmill.worker.runtime`); it is served by this service alone,
+    from the moment `start` has started it (an intake is never left to a service that failed to start)."""
 
     def __init__(self, settings: WorkerSettings, engine: EngineProcess, metrics: WorkerMetrics, sink: S3Sink | None,
                  intake: Intake | None = None) -> None:
@@ -145,38 +146,53 @@ class WorkerService(Outcomes):
         # single jobs in groups: the finisher settles each turn's runs inside the intake's `holding_acks`
         self.intake = intake if intake is not None else Intake()
         self.finisher = Finisher(settling=self.intake.holding_acks)
-        self.intake.serve(self)
 
     @classmethod
     def start(cls, settings: WorkerSettings, intake: Intake | None = None) -> WorkerService:
-        """Start the metrics endpoint, then the engine process (the model loads there, once). `intake`: see the class.
+        """Start the metrics endpoint, then the engine process (the model loads there, once), then the cancel listener
+        and the announcer; only then does the service take `intake` on (see the class).
 
-        The endpoint first: a port problem then fails the start before an engine process exists.
+        The endpoint first: a port problem then fails the start before an engine process exists. A start that raises
+        leaves nothing behind: what it started is stopped, its metrics unregistered, `intake` not served, so the
+        process may build a service again.
         """
         started = time.monotonic()
         model = settings.engine_model()
         metrics = WorkerMetrics()
-        metrics.serve(settings.metrics_port, settings.metrics_addr, tries=settings.metrics_port_tries)
-        cpus = placement(settings.engine_cpus)  # (the engine's, the worker's), or None
-        engine = EngineProcess(
-            model, settings.engine_options(), on_fatal=_exit_on_engine_failure, on_stats=metrics.on_engine_status,
-            cpus=cpus[0] if cpus else None, on_stall=_exit_on_engine_stall, stall_timeout=settings.engine_stall_timeout,
-        )
-        metrics.engine_stalled.set_function(engine.stalled_for)
-        engine.start()
-        log.info("engine process ready with model %s after %.1fs", settings.model, time.monotonic() - started)
-        if cpus:
-            pin_process(cpus[1])
-            log.info("engine process on CPU %s, the worker on CPU %s", *map(format_cpu_list, cpus))
-        sink = S3Sink(
-            settings.s3_endpoint_url,
-            settings.s3_region,
-            RetryPolicy(max_delay=settings.s3_retry_max_delay),
-            on_retry=metrics.output_retries.inc,
-        )
-        service = cls(settings, engine, metrics, sink, intake)
-        service.cancels.start()
-        service.announcer.start()  # the model is loaded: `tokenmill serve` may send it jobs
+        engine: EngineProcess | None = None  # set once its process is up
+        service: WorkerService | None = None
+        try:
+            metrics.serve(settings.metrics_port, settings.metrics_addr, tries=settings.metrics_port_tries)
+            cpus = placement(settings.engine_cpus)  # (the engine's, the worker's), or None
+            process = EngineProcess(
+                model, settings.engine_options(), on_fatal=_exit_on_engine_failure, on_stats=metrics.on_engine_status,
+                cpus=cpus[0] if cpus else None, on_stall=_exit_on_engine_stall,
+                stall_timeout=settings.engine_stall_timeout,
+            )
+            metrics.engine_stalled.set_function(process.stalled_for)
+            process.start()
+            engine = process
+            log.info("engine process ready with model %s after %.1fs", settings.model, time.monotonic() - started)
+            if cpus:
+                pin_process(cpus[1])
+                log.info("engine process on CPU %s, the worker on CPU %s", *map(format_cpu_list, cpus))
+            sink = S3Sink(
+                settings.s3_endpoint_url,
+                settings.s3_region,
+                RetryPolicy(max_delay=settings.s3_retry_max_delay),
+                on_retry=metrics.output_retries.inc,
+            )
+            service = cls(settings, engine, metrics, sink, intake)
+            service.cancels.start()
+            service.announcer.start()  # the model is loaded: `tokenmill serve` may send it jobs
+        except BaseException:
+            if service is not None:
+                service.close()  # its threads, and the engine process
+            elif engine is not None:
+                engine.stop(timeout=10)
+            metrics.close()
+            raise
+        service.intake.serve(service)
         return service
 
     # -- lifecycle -----------------------------------------------------------------------------

@@ -1,0 +1,60 @@
+"""`WorkerService.start` through `tokenmill.worker.runtime`, as plain `celery worker` builds it at the first job: a start
+that fails leaves the process's intake unserved and nothing running, and the next build serves it. Real redis-server
+and engine process (builtin:tiny); only the failure itself is forced."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from service_fixtures import RedisServer
+
+from tokenmill.worker import runtime
+from tokenmill.worker.cancel_listener import CancelListener
+from tokenmill.worker.service import WorkerService
+
+
+def test_a_start_that_fails_leaves_the_intake_to_the_next_service(redis_server: RedisServer,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cancel listener fails to start once, after the engine is up: that service stops what it started and never
+    serves the intake (its first job then takes the pool path); the pool path's build is a fresh service, which
+    serves the same intake, and is the process's service from then on."""
+    monkeypatch.setenv("TOKENMILL_BROKER_URL", redis_server.url)
+    monkeypatch.setenv("TOKENMILL_MODEL", "builtin:tiny")
+    monkeypatch.setenv("TOKENMILL_METRICS_PORT", "0")
+    monkeypatch.setattr(runtime, "_service", None)
+    monkeypatch.setattr(runtime, "_intake", None)
+    built: list[WorkerService] = []
+    build = WorkerService.__init__
+
+    def recorded(self: WorkerService, *args: Any, **kwargs: Any) -> None:
+        build(self, *args, **kwargs)
+        built.append(self)
+
+    failures = [RuntimeError("can't start new thread")]
+    listen = CancelListener.start
+
+    def start_once(self: CancelListener) -> None:
+        if failures:
+            raise failures.pop()
+        listen(self)
+
+    monkeypatch.setattr(WorkerService, "__init__", recorded)
+    monkeypatch.setattr(CancelListener, "start", start_once)
+
+    intake = runtime.intake()
+    assert intake._worker_service() is None  # the first job's build failed: it takes the pool path
+    assert intake.enabled is False and intake._service is None  # not left to the failed service
+    assert runtime._service is None and len(built) == 1
+    failed = built[0]
+    assert not failed.engine._process.is_alive() and not failed.announcer.is_alive()  # nothing left running
+
+    service = runtime.current()  # the pool path's job builds it again
+    try:
+        assert service is built[1] and service.intake is intake
+        assert intake._worker_service() is service and intake.enabled is True
+        assert runtime.current() is service and runtime.intake() is intake and len(built) == 2
+        assert service.announcer.is_alive() and service.engine._process.is_alive()
+    finally:
+        service.close()
+        service.metrics.close()  # the default registry, for the next test's worker
