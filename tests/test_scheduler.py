@@ -178,6 +178,43 @@ def test_waiting_requests_are_admitted_in_fair_shares() -> None:
     assert list(scheduler.running) == [backlog[1], backlog[2]]  # "a" alone again: in arrival order
 
 
+def test_a_waiting_share_is_not_starved_by_shares_that_come_and_go() -> None:
+    """A full engine; share "x" was served once and waits with H while, each step, a slot frees and a job of a share
+    seen for the first time (a tenant, a run) arrives. H goes at the first tie: its share waited longest."""
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256, block_size=4, num_blocks=4096))
+    arrivals = iter(make_seq([1, 2, 3], max_tokens=1000, request_id=f"new-{i}", share=f"new-{i}") for i in range(10**6))
+    for _ in range(3):
+        scheduler.add(next(arrivals))
+    served, held = make_seq([5, 6], max_tokens=1000, share="x"), make_seq([5, 6, 7], max_tokens=1000, share="x")
+    scheduler.add(served)
+    scheduler.add(held)
+    run_step(scheduler)
+    assert served.status is SequenceStatus.RUNNING and held.status is SequenceStatus.WAITING
+    for step in range(3):
+        scheduler.finish(served if served.status is SequenceStatus.RUNNING else next(iter(scheduler.running)), "stop")
+        scheduler.add(next(arrivals))
+        run_step(scheduler)
+        if held.status is SequenceStatus.RUNNING:
+            break
+    assert held.status is SequenceStatus.RUNNING, "a share that waited lost every tie to newly seen shares"
+
+
+def test_put_back_sequences_go_before_every_shares_new_ones() -> None:
+    """A preempted sequence (it ran, and may have been preempted to let another grow) is admitted before any share's
+    new requests, as at the head of the one queue without shares: a step that preempts admits nothing new first."""
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=64, block_size=4, num_blocks=4))
+    old, new = make_seq([1] * 8, max_tokens=8, request_id="old", share="a"), make_seq([2] * 8, max_tokens=8, share="b")
+    scheduler.add(old)
+    scheduler.add(new)
+    run_step(scheduler)
+    fresh = make_seq([3], max_tokens=2, request_id="fresh", share="c")
+    scheduler.add(fresh)
+    batch = scheduler.schedule()  # both need a third block: "new" is preempted, and waits before "fresh"
+    assert batch.seqs == [old] and batch.num_preempted == 1 and fresh.status is SequenceStatus.WAITING
+    assert scheduler.waiting.first() is new and [seq.request_id for seq in scheduler.waiting] == ["r", "fresh"]
+    check_blocks(scheduler)
+
+
 def test_without_shares_the_waiting_queue_is_first_in_first_out() -> None:
     scheduler = Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64, block_size=4, num_blocks=64))
     seqs = [make_seq([1, 2], max_tokens=1, request_id=str(i)) for i in range(5)]

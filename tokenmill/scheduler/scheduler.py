@@ -99,15 +99,17 @@ class ScheduledBatch:
 
 
 class WaitingQueue:
-    """Sequences waiting to run: a first-in, first-out queue per share (`Sequence.share`). The next is the head of the
-    share with the fewest running sequences (`running`, kept by the scheduler), among equals the share served least
-    recently, so a share's backlog never holds another share's request behind it, nor can a head that needs several
-    slots lose every tie to a share of one-slot requests; with one share, one queue in arrival order."""
+    """Sequences waiting to run. Those put back (preempted, or forks without a slot) go first, most recent first, as
+    they already ran or hold a parent's K/V; then new ones by share (`Sequence.share`): a first-in, first-out queue per
+    share, and the next is the head of the share with the fewest running sequences (`running`, kept by the scheduler),
+    among equals the share waiting longest since it was last served or began to wait. So a share's backlog never holds
+    another share's request behind it, and no share loses every tie; with one share, one queue in arrival order."""
 
     def __init__(self, running: Counter[str | None]) -> None:
+        self._front: deque[Sequence] = deque()
         self._queues: dict[str | None, deque[Sequence]] = {}
         self._running = running
-        self._served: dict[str | None, int] = {}  # share -> when a sequence of it was last admitted (shares waiting)
+        self._since: dict[str | None, int] = {}  # share -> when it was last served or began to wait (a turn number)
         self._turns = itertools.count()
         self._len = 0
 
@@ -115,47 +117,50 @@ class WaitingQueue:
         return self._len
 
     def __iter__(self) -> Iterator[Sequence]:
-        return (seq for queue in self._queues.values() for seq in queue)
+        return itertools.chain(self._front, (seq for queue in self._queues.values() for seq in queue))
 
     def first(self) -> Sequence:
         """The sequence to admit next (IndexError when none waits)."""
+        if self._front:
+            return self._front[0]
         if len(self._queues) == 1:
             return next(iter(self._queues.values()))[0]
         if not self._queues:
             raise IndexError("no sequence is waiting")
-        running, served = self._running, self._served
+        running, since = self._running, self._since
         return min((queue[0] for queue in self._queues.values()),
-                   key=lambda seq: (running[seq.share], served.get(seq.share, -1), seq.seq_id))
+                   key=lambda seq: (running.get(seq.share, 0), since[seq.share]))
 
     def admit(self, seq: Sequence) -> None:
-        """`seq`, the head of its share's queue, leaves it to run."""
+        """`seq`, the one `first` gave, leaves the queue to run."""
         self.remove(seq)
         if seq.share in self._queues:
-            self._served[seq.share] = next(self._turns)
+            self._since[seq.share] = next(self._turns)
 
     def append(self, seq: Sequence) -> None:
-        self._queue(seq.share).append(seq)
+        queue = self._queues.get(seq.share)
+        if queue is None:
+            queue = self._queues[seq.share] = deque()
+            self._since[seq.share] = next(self._turns)
+        queue.append(seq)
         self._len += 1
 
     def put_back(self, seqs: Iterable[Sequence]) -> None:
-        """Queue `seqs` first in their shares, in the order given (preempted, or forks without a slot)."""
-        for seq in reversed(list(seqs)):
-            self._queue(seq.share).appendleft(seq)
-            self._len += 1
+        """Queue `seqs` first, in the order given."""
+        before = len(self._front)
+        self._front.extendleft(reversed(list(seqs)))
+        self._len += len(self._front) - before
 
     def remove(self, seq: Sequence) -> None:
-        queue = self._queues[seq.share]
-        queue.remove(seq)
+        if self._front and seq in self._front:
+            self._front.remove(seq)
+        else:
+            queue = self._queues[seq.share]
+            queue.remove(seq)
+            if not queue:
+                del self._queues[seq.share]
+                del self._since[seq.share]
         self._len -= 1
-        if not queue:
-            del self._queues[seq.share]
-            self._served.pop(seq.share, None)
-
-    def _queue(self, share: str | None) -> deque[Sequence]:
-        queue = self._queues.get(share)
-        if queue is None:
-            queue = self._queues[share] = deque()
-        return queue
 
 
 class Scheduler:
@@ -286,6 +291,8 @@ class Scheduler:
         return True
 
     def _admit(self, batch: ScheduledBatch) -> None:
+        if self.running and len(self.running) + self.num_reserved >= self.config.max_num_seqs:
+            return  # no slot free: the waiting queue's order need not be worked out
         while self.waiting and batch.budget > 0 and self._has_slots(seq := self.waiting.first()):
             self.block_manager.match_prefix(seq)
             count = min(seq.num_uncomputed_tokens, batch.budget)
