@@ -58,3 +58,20 @@ def test_a_start_that_fails_leaves_the_intake_to_the_next_service(redis_server: 
     finally:
         service.close()
         service.metrics.close()  # the default registry, for the next test's worker
+
+
+def test_an_engine_that_is_not_ready_in_time_is_stopped_with_the_failed_start(redis_server: RedisServer,
+                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine process is started but not ready within its start's bound (forced here to 10 ms: the model still
+    loads): the start raises, and that process does not stay behind to hold the memory the next build needs."""
+    import multiprocessing
+
+    from tokenmill.worker.engine_process import EngineFailure, EngineProcess
+    from tokenmill.worker.settings import WorkerSettings
+
+    start = EngineProcess.start
+    monkeypatch.setattr(EngineProcess, "start", lambda self, timeout=600: start(self, timeout=0.01))
+    settings = WorkerSettings(broker_url=redis_server.url, model="builtin:tiny", metrics_port=0)
+    with pytest.raises(EngineFailure):
+        WorkerService.start(settings)
+    assert not [child for child in multiprocessing.active_children() if child.name == "tokenmill-engine"]

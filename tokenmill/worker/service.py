@@ -159,19 +159,18 @@ class WorkerService(Outcomes):
         started = time.monotonic()
         model = settings.engine_model()
         metrics = WorkerMetrics()
-        engine: EngineProcess | None = None  # set once its process is up
+        engine: EngineProcess | None = None
         service: WorkerService | None = None
         try:
             metrics.serve(settings.metrics_port, settings.metrics_addr, tries=settings.metrics_port_tries)
             cpus = placement(settings.engine_cpus)  # (the engine's, the worker's), or None
-            process = EngineProcess(
+            engine = EngineProcess(
                 model, settings.engine_options(), on_fatal=_exit_on_engine_failure, on_stats=metrics.on_engine_status,
                 cpus=cpus[0] if cpus else None, on_stall=_exit_on_engine_stall,
                 stall_timeout=settings.engine_stall_timeout,
             )
-            metrics.engine_stalled.set_function(process.stalled_for)
-            process.start()
-            engine = process
+            metrics.engine_stalled.set_function(engine.stalled_for)
+            engine.start()
             log.info("engine process ready with model %s after %.1fs", settings.model, time.monotonic() - started)
             if cpus:
                 pin_process(cpus[1])
@@ -185,14 +184,16 @@ class WorkerService(Outcomes):
             service = cls(settings, engine, metrics, sink, intake)
             service.cancels.start()
             service.announcer.start()  # the model is loaded: `tokenmill serve` may send it jobs
+            service.intake.serve(service)
         except BaseException:
-            if service is not None:
-                service.close()  # its threads, and the engine process
-            elif engine is not None:
-                engine.stop(timeout=10)
-            metrics.close()
+            try:
+                if service is not None:
+                    service.close()  # its threads, and the engine process
+                elif engine is not None:
+                    engine.stop(timeout=10)  # also one still loading its model
+            finally:
+                metrics.close()
             raise
-        service.intake.serve(service)
         return service
 
     # -- lifecycle -----------------------------------------------------------------------------
