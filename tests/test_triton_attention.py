@@ -209,6 +209,13 @@ def test_torch_backend_matches_reference(gen, group, block_size):
     run_mixed(TorchBackend(), gen, block_size, group, 32, torch.float32, poison=1e4)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_torch_backend_matches_reference_in_16_bits(gen, dtype):
+    """Decode rows, short and long prefill chunks in a 16-bit dtype (on a CPU their masked calls compute in
+    float32): within the dtype's tolerance of the float64 reference."""
+    run_mixed(TorchBackend(), gen, 16, 4, 64, dtype, poison=1e4)
+
+
 def test_rows_without_visible_keys_are_zero(gen):
     """Rows before the context start see no key: zeros, not NaN; an empty sequence in the batch is skipped."""
     work = Workload([1, 9], 4, 2, 2, 32, torch.float32, gen)

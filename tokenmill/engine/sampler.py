@@ -121,6 +121,12 @@ def exponential_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: 
     return _noise_(keys)
 
 
+def argmax(rows: torch.Tensor) -> torch.Tensor:
+    """The index of each row's largest value, the first of equal ones (as `Tensor.argmax`), through `max`: torch's
+    CPU kernel for `max` over a dimension reads a row faster than its `argmax`, in bfloat16 most of all."""
+    return rows.max(dim=-1).indices
+
+
 def _race(probs: torch.Tensor, row_keys: torch.Tensor, token_ids: torch.Tensor | None, vocab_size: int) -> torch.Tensor:
     """argmax over each row of `probs / noise`, the noise of token `token_ids[r, j]` at column j (or of
     token j when `token_ids` is None). On CPU a few rows at a time, so the int64 temporaries of the
@@ -132,7 +138,7 @@ def _race(probs: torch.Tensor, row_keys: torch.Tensor, token_ids: torch.Tensor |
     for a in range(0, rows, step):
         keys = token_keys[token_ids[a : a + step]] if token_ids is not None else token_keys[None, :]
         noise = _noise_(row_keys[a : a + step, None] ^ keys)
-        choices.append(torch.div(probs[a : a + step], noise, out=noise).argmax(dim=-1))
+        choices.append(argmax(torch.div(probs[a : a + step], noise, out=noise)))
     return choices[0] if len(choices) == 1 else torch.cat(choices)
 
 
@@ -141,7 +147,7 @@ class Sampler:
         """A token per row of `logits`. `scores` (any float64 `[n, 2]` tensor, on the same device) is read back in the
         same transfer as the tokens, so a step still waits for the device once."""
         if all([row.argmax_only for row in rows]):  # the same tokens as below, with one read of the rows
-            return _read_back(logits.argmax(dim=-1), None, [None] * len(rows), scores)
+            return _read_back(argmax(logits), None, [None] * len(rows), scores)
         logits = logits.float()
         # Per-row host reads as list comprehensions: on CPython 3.11+ their specialised attribute loads beat
         # map(attrgetter(...)), whose generic lookups cost about twice as much per row.
@@ -163,7 +169,7 @@ class Sampler:
             tokens = self._sample(logits, rows)
         else:
             greedy = len(rows) - len(sampled) - len(listed)
-            tokens = logits.argmax(dim=-1) if greedy else torch.zeros(len(rows), dtype=torch.int64, device=logits.device)
+            tokens = argmax(logits) if greedy else torch.zeros(len(rows), dtype=torch.int64, device=logits.device)
             if sampled:
                 index = to_device(sampled, torch.int64, logits.device)
                 drawn = self._sample(logits.index_select(0, index), [rows[i] for i in sampled])

@@ -92,8 +92,7 @@ class TorchBackend:
         v = self._gather("v", v_cache, table).flatten(1, 2)[:, :length].transpose(1, 2)
         last = [kv_lens[i] - q_lens[i] + min(j, q_lens[i] - 1) for i in group for j in range(width)]
         mask = torch.arange(length, device=device)[None, :] <= torch.tensor(last, device=device)[:, None]
-        o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), scale=scale, enable_gqa=True,
-                                           attn_mask=mask.view(len(group), 1, width, length))
+        o = _masked_attention(q, k, v, mask.view(len(group), 1, width, length), scale)
         kept = [s * width + j for s, i in enumerate(group) for j in range(q_lens[i])]
         targets = [starts[i] + j for i in group for j in range(q_lens[i])]
         o = o.transpose(1, 2).reshape(len(group) * width, *query.shape[1:])
@@ -117,9 +116,19 @@ class TorchBackend:
         k = self._gather("k", k_cache, table).flatten(1, 2)[:, :max_len].transpose(1, 2)  # [S, Hkv, L, D]
         v = self._gather("v", v_cache, table).flatten(1, 2)[:, :max_len].transpose(1, 2)
         mask = torch.arange(max_len, device=q.device)[None, :] < seq_lens[:, None].to(q.device)
-        o = F.scaled_dot_product_attention(q[:, :, None, :], k.to(q.dtype), v.to(q.dtype),
-                                           attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True)
+        o = _masked_attention(q[:, :, None, :], k, v, mask[:, None, None, :], scale)
         return o[:, :, 0, :]
+
+
+def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+                      ) -> torch.Tensor:
+    """SDPA of `q` over `k`, `v` (GQA) with a boolean `mask`, in `q`'s dtype. On a CPU a 16-bit call computes in
+    float32 and casts back: torch's CPU kernel for a masked 16-bit call is many times slower than for float32
+    inputs, and float32 accumulation is what a 16-bit model's attention wants anyway."""
+    if q.device.type == "cpu" and q.dtype != torch.float32:
+        return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, scale=scale,
+                                              enable_gqa=True).to(q.dtype)
+    return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=True)
 
 
 def gather_kv(cache: torch.Tensor, block_row: torch.Tensor, length: int) -> torch.Tensor:
@@ -141,5 +150,5 @@ def _prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bloc
     else:
         # Query i sits at context position kv_len - n + i and sees every key up to it.
         mask = torch.ones(n, kv_len, dtype=torch.bool, device=q.device).tril(kv_len - n)
-        o = F.scaled_dot_product_attention(q4, k, v, attn_mask=mask[None, None], scale=scale, enable_gqa=True)
+        o = _masked_attention(q4, k, v, mask[None, None], scale)
     return o[0].transpose(0, 1)
