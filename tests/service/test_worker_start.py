@@ -75,3 +75,14 @@ def test_an_engine_that_is_not_ready_in_time_is_stopped_with_the_failed_start(re
     with pytest.raises(EngineFailure):
         WorkerService.start(settings)
     assert not [child for child in multiprocessing.active_children() if child.name == "tokenmill-engine"]
+
+
+def test_stopping_an_engine_process_never_started_ends_its_writer_thread() -> None:
+    """A start that failed before the process existed (`WorkerService.start` stops it all the same): nothing to join,
+    and the pipe's writer thread, started with the handle, ends."""
+    from tokenmill.worker.engine_process import EngineProcess
+
+    engine = EngineProcess("builtin:tiny", {})
+    engine.stop(timeout=1)
+    engine._writer.join(5)
+    assert not engine._writer.is_alive()

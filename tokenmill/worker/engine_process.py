@@ -259,16 +259,16 @@ class EngineProcess:
     def stop(self, timeout: float = 10) -> None:
         """Ask the engine process to exit; kill it if it has not within `timeout` (a frozen one cannot read the ask,
         and its write may wait on a full pipe: the writer thread's, which ends after it). Also after a `start` that
-        raised (the process may still be loading); nothing to do for one that never started."""
+        raised (the process may still be loading); for one that never started, only the writer thread ends."""
         with self._lock:
             if self._stopping:
                 return
             self._stopping = True
-        if self._process.pid is None:
-            return
         with self._write_lock:  # after every message a sender queued before it saw `_stopping`
             self._outbox.put((b'{"op": "stop"}', None))
             self._outbox.put(None)
+        if self._process.pid is None:
+            return
         self._process.join(timeout)
         if self._process.is_alive():
             self._process.kill()
