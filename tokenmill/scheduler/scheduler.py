@@ -291,7 +291,7 @@ class Scheduler:
         return True
 
     def _admit(self, batch: ScheduledBatch) -> None:
-        if self.running and len(self.running) + self.num_reserved >= self.config.max_num_seqs:
+        if self.running and self._free_slots() < 1:
             return  # no slot free: the waiting queue's order need not be worked out
         while self.waiting and batch.budget > 0 and self._has_slots(seq := self.waiting.first()):
             self.block_manager.match_prefix(seq)
@@ -310,8 +310,11 @@ class Scheduler:
 
     def _has_slots(self, seq: Sequence) -> bool:
         """Whether `seq` and its forks to come fit the running slots left (a sequence alone always fits)."""
-        return (len(self.running) + self.num_reserved + 1 + seq.num_forks <= self.config.max_num_seqs
-                or not self.running)
+        return 1 + seq.num_forks <= self._free_slots() or not self.running
+
+    def _free_slots(self) -> int:
+        """Running slots neither taken nor kept for forks to come."""
+        return self.config.max_num_seqs - len(self.running) - self.num_reserved
 
     def _run(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.RUNNING
@@ -339,8 +342,7 @@ class Scheduler:
         for child, length in zip(children, lengths or [parent.num_computed_tokens] * len(children)):
             child.share = parent.share
             needs_copy = length % self.config.block_size != 0
-            if (len(self.running) + self.num_reserved + 1 + child.num_forks > self.config.max_num_seqs
-                    or self.block_manager.num_free_blocks < needs_copy):
+            if 1 + child.num_forks > self._free_slots() or self.block_manager.num_free_blocks < needs_copy:
                 queued.append(child)
                 continue
             pair = self.block_manager.fork(parent, child, length)
