@@ -3,21 +3,23 @@
 (every label scored, the prompt computed once), side by side in one run, for 3 and 10 labels, and for 10 labels
 that share prefixes ("10 nested": "sports/football", "sports/tennis", ...: each shared prefix is computed once).
 
-    python benchmarks/label_probabilities.py [--models tiny,small,small-bpe] [--labels 3,10,10 nested] [--rows 128]
-                                             [--repeats 3] [--threads 1]
+    python benchmarks/label_probabilities.py [--models tiny,small,small-bpe,small-bpe-words] [--labels 3,10,10 nested]
+                                             [--rows 128] [--repeats 3] [--threads 1]
 
 Models: `tiny` is builtin:tiny (byte-level tokenizer: a label of n characters is n tokens); `small` a random-weight
 Llama (hidden 512, 8 layers, 8 heads, 4 KV heads, intermediate 1536, float32, `load_format="dummy"`) with the same
 byte-level tokenizer, big enough for the model's compute to count beside Python overhead; `small-bpe` the same Llama
 with a byte-level BPE tokenizer trained here on text holding the 3 and 10 labels, so each of those is one token, as
-common words are in real vocabularies. "computed label tokens" counts the distinct proper prefixes of the labels in
-tokens: the positions a probabilities request computes beyond its prompt. Prompts are an instruction naming the
-labels (the same for every row: served from the prefix cache after the first) and a review of 60-200 characters;
-every run labels rows drawn afresh, so no run finds its rows' prompts in the prefix cache. Each mode runs
-`--repeats` times, alternating which goes first, after a warm-up that compiles the grammar; the best of each is
-kept. Times are the process's CPU time (one torch thread by default), which a machine shared with other work
-inflates far less than wall time; wall-clock rows/s are printed beside them. The ratio is the probabilities' CPU
-time over constrained decoding's (goal <= 1.3).
+common words are in real vocabularies (the "10 nested" labels' second words are then spelled in sub-word pieces);
+`small-bpe-words` the same with a BPE trained on all three label sets, so every word of them and "/" is one token
+("sports/football" three), as in a real vocabulary. "tokens per label" is each label's length in tokens; "computed
+label tokens" counts the distinct proper prefixes of the labels in tokens: the positions a probabilities request
+computes beyond its prompt. Prompts are an instruction naming the labels (the same for every row: served from the
+prefix cache after the first) and a review of 60-200 characters; every run labels rows drawn afresh, so no run finds
+its rows' prompts in the prefix cache. Each mode runs `--repeats` times, alternating which goes first, after a
+warm-up that compiles the grammar; the best of each is kept. Times are the process's CPU time (one torch thread by
+default), which a machine shared with other work inflates far less than wall time; wall-clock rows/s are printed
+beside them. The ratio is the probabilities' CPU time over constrained decoding's (goal <= 1.3).
 """
 
 from __future__ import annotations
@@ -40,17 +42,17 @@ LABELS = {
     "10 nested": ["sports/football", "sports/tennis", "sports/golf", "science/physics", "science/biology",
                   "politics/elections", "politics/policy", "business/finance", "business/markets", "health/fitness"],
 }
-BPE_LABELS = ("3", "10")  # the label sets the BPE is trained on (each label one token)
+BPE_LABELS = {"small-bpe": ("3", "10"), "small-bpe-words": tuple(LABELS)}  # the label sets each BPE is trained on
 WORDS = "the film was long and the acting good but plot thin music loud food cold staff kind price fair".split()
 _draws = itertools.count(1)
 
 
-def small_model_dir(path: Path, bpe: bool) -> str:
+def small_model_dir(path: Path, bpe: tuple[str, ...] | None) -> str:
     from transformers import LlamaConfig
 
     from tokenmill.engine.tiny import tiny_tokenizer
 
-    tokenizer = bpe_tokenizer() if bpe else tiny_tokenizer()
+    tokenizer = bpe_tokenizer(bpe) if bpe else tiny_tokenizer()
     LlamaConfig(vocab_size=-(-len(tokenizer) // 64) * 64, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
                 num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=4096,
                 bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
@@ -59,8 +61,8 @@ def small_model_dir(path: Path, bpe: bool) -> str:
     return str(path)
 
 
-def bpe_tokenizer():  # noqa: ANN201 - a transformers tokenizer
-    """A byte-level BPE (at most 1,024 tokens) trained on reviews and the labels: each label is then one token."""
+def bpe_tokenizer(label_sets: tuple[str, ...]):  # noqa: ANN201 - a transformers tokenizer
+    """A byte-level BPE (at most 1,024 tokens) trained on reviews and these label sets: each word of them one token."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -69,7 +71,7 @@ def bpe_tokenizer():  # noqa: ANN201 - a transformers tokenizer
     backend.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=1024, special_tokens=["<s>", "</s>", "<pad>"], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    labels = [label for name in BPE_LABELS for label in LABELS[name]]
+    labels = [label for name in label_sets for label in LABELS[name]]
     corpus = prompts(300, labels, seed=0) + [" ".join(labels)] * 50 + labels * 50
     backend.train_from_iterator(corpus, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
@@ -117,7 +119,7 @@ def load(name: str, tmp: Path):  # noqa: ANN201 - an LLM
 
     if name == "tiny":
         return LLM("builtin:tiny", dtype="float32")
-    return LLM(small_model_dir(tmp / name, bpe=name == "small-bpe"), dtype="float32", load_format="dummy")
+    return LLM(small_model_dir(tmp / name, BPE_LABELS.get(name)), dtype="float32", load_format="dummy")
 
 
 def main() -> None:
@@ -133,10 +135,10 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     print(f"{args.rows} rows, best of {args.repeats}, {args.threads} torch threads, CPU; load {os.getloadavg()[0]:.1f}")
-    print("| model | labels | label tokens | computed label tokens | constrained rows/CPU s | "
+    print("| model | labels | label tokens | tokens per label | computed label tokens | constrained rows/CPU s | "
           "probabilities rows/CPU s | CPU time ratio | "
           "wall rows/s (constrained, probabilities) |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models.split(","):
             llm = load(name, Path(tmp))
@@ -144,10 +146,11 @@ def main() -> None:
                 labels = LABELS[label_set]
                 spelled = [llm.tokenizer.encode(label, add_special_tokens=False) for label in labels]
                 tokens = sum(map(len, spelled))
+                lengths = " ".join(str(len(ids)) for ids in spelled)
                 computed = len({tuple(ids[:end]) for ids in spelled for end in range(1, len(ids))})
                 best = compare(llm, labels, args.rows, args.repeats)
                 (cpu_c, wall_c), (cpu_p, wall_p) = best["constrained"], best["probabilities"]
-                print(f"| {name} | {label_set} | {tokens} | {computed} | {args.rows / cpu_c:.1f} | "
+                print(f"| {name} | {label_set} | {tokens} | {lengths} | {computed} | {args.rows / cpu_c:.1f} | "
                       f"{args.rows / cpu_p:.1f} | "
                       f"{cpu_p / cpu_c:.2f}x | {args.rows / wall_c:.1f}, {args.rows / wall_p:.1f} |", flush=True)
     print(f"load after: {os.getloadavg()[0]:.1f}")
