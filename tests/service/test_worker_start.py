@@ -86,3 +86,18 @@ def test_stopping_an_engine_process_never_started_ends_its_writer_thread() -> No
     engine.stop(timeout=1)
     engine._writer.join(5)
     assert not engine._writer.is_alive()
+
+
+def test_an_engine_that_cannot_load_its_model_leaves_no_thread_or_process() -> None:
+    """`start` raises `ModelLoadError` for a model that cannot be loaded as configured: the child has exited and been
+    joined, and the pipe's writer thread ends, also when `stop` follows (as a failed `WorkerService.start` calls it)."""
+    from tokenmill.errors import ModelLoadError
+    from tokenmill.worker.engine_process import EngineProcess
+
+    engine = EngineProcess("/nonexistent/model-dir", {})
+    with pytest.raises(ModelLoadError):
+        engine.start(timeout=120)
+    engine.stop(timeout=1)
+    engine._writer.join(5)
+    assert not engine._writer.is_alive()
+    assert engine._process.exitcode is not None

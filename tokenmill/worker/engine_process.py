@@ -154,6 +154,7 @@ class EngineProcess:
         self._reader.start()
         ready = self._ready.wait(timeout)
         if self._unusable is not None:
+            self._process.join(10)
             raise ModelLoadError(self._unusable)
         if not ready or not self._process.is_alive():
             raise EngineFailure(f"the engine process did not start (exit code {self._process.exitcode})")
@@ -356,9 +357,11 @@ class EngineProcess:
             elif op == "fatal":
                 self._lost(EngineFailure(f"the engine failed: {message['error']}"))
                 return
-            elif op == "unusable":  # before "ready": `start` raises it
+            elif op == "unusable":  # before "ready": `start` raises it; the child exits, nothing more is written
                 with self._lock:
                     self._stopping, self._unusable = True, message["error"]
+                with self._write_lock:
+                    self._outbox.put(None)
                 self._ready.set()
                 return
 
