@@ -43,10 +43,7 @@ from packaging.requirements import Requirement
 from tokenmill.queue import transport
 from tokenmill.queue.cancels import result_meta
 from tokenmill.worker import control
-from tokenmill.worker.guard import GuardedConsumer
-from tokenmill.worker.leases import LeaseRenewal
-from tokenmill.worker.results import CoalescingRedisBackend
-from tokenmill.worker.runtime import IntakeDrain
+from tokenmill.worker.celery_adapter import CoalescingRedisBackend, GuardedConsumer, IntakeDrain, LeaseRenewal
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -100,22 +97,22 @@ OVERRIDES: list[tuple[type, str, str]] = [
     (transport.Transport, "Channel", "tokenmill/queue/transport.py: the transport's channel class"),
     (transport.Transport, "__init__", "tokenmill/queue/transport.py: claimed_tags, event_loop"),
     (transport.Transport, "register_with_event_loop", "tokenmill/queue/transport.py: the consumers' heartbeat timer"),
-    (CoalescingRedisBackend, "__init__", "tokenmill/worker/results.py: thread_safe, packer options, the coalescer"),
-    (CoalescingRedisBackend, "get_key_for_task", "tokenmill/worker/results.py: the key prefix encoded once"),
-    (CoalescingRedisBackend, "_get_result_meta", "tokenmill/worker/results.py: result_meta without a request"),
-    (CoalescingRedisBackend, "_store_result", "tokenmill/worker/results.py: stores coalesced in one script"),
-    (GuardedConsumer, "__init__", "tokenmill/worker/guard.py: snapshot_request_sets before Celery's consumer"),
-    (GuardedConsumer, "create_task_handler", "tokenmill/worker/guard.py: protocol_problem, ALLOWED_TASKS"),
-    (GuardedConsumer, "on_invalid_task", "tokenmill/worker/guard.py: refusal answered, no body logged"),
-    (GuardedConsumer, "on_decode_error", "tokenmill/worker/guard.py: refusal answered, no body logged"),
-    (GuardedConsumer, "on_unknown_message", "tokenmill/worker/guard.py: refusal answered, no body logged"),
-    (GuardedConsumer, "on_unknown_task", "tokenmill/worker/guard.py: refusal answered, no body logged"),
-    (LeaseRenewal, "__init__", "tokenmill/worker/leases.py: the consumer bootstep's timer entry"),
-    (LeaseRenewal, "requires", "tokenmill/worker/leases.py: runs after Celery's Tasks step"),
-    (LeaseRenewal, "start", "tokenmill/worker/leases.py: lease renewal starts with the consumer"),
-    (LeaseRenewal, "stop", "tokenmill/worker/leases.py: lease renewal stops with the consumer"),
-    (IntakeDrain, "requires", "tokenmill/worker/runtime.py: runs after Celery's Tasks step"),
-    (IntakeDrain, "stop", "tokenmill/worker/runtime.py: the intake drains before the connection closes"),
+    (CoalescingRedisBackend, "__init__", "tokenmill/worker/celery_adapter.py: thread_safe, packer options, coalescer"),
+    (CoalescingRedisBackend, "get_key_for_task", "tokenmill/worker/celery_adapter.py: the key prefix encoded once"),
+    (CoalescingRedisBackend, "_get_result_meta", "tokenmill/worker/celery_adapter.py: result_meta without a request"),
+    (CoalescingRedisBackend, "_store_result", "tokenmill/worker/celery_adapter.py: stores coalesced in one script"),
+    (GuardedConsumer, "__init__", "tokenmill/worker/celery_adapter.py: snapshot_request_sets before Celery's consumer"),
+    (GuardedConsumer, "create_task_handler", "tokenmill/worker/celery_adapter.py: protocol_problem, ALLOWED_TASKS"),
+    (GuardedConsumer, "on_invalid_task", "tokenmill/worker/celery_adapter.py: refusal answered, no body logged"),
+    (GuardedConsumer, "on_decode_error", "tokenmill/worker/celery_adapter.py: refusal answered, no body logged"),
+    (GuardedConsumer, "on_unknown_message", "tokenmill/worker/celery_adapter.py: refusal answered, no body logged"),
+    (GuardedConsumer, "on_unknown_task", "tokenmill/worker/celery_adapter.py: refusal answered, no body logged"),
+    (LeaseRenewal, "__init__", "tokenmill/worker/celery_adapter.py: the consumer bootstep's timer entry"),
+    (LeaseRenewal, "requires", "tokenmill/worker/celery_adapter.py: runs after Celery's Tasks step"),
+    (LeaseRenewal, "start", "tokenmill/worker/celery_adapter.py: lease renewal starts with the consumer"),
+    (LeaseRenewal, "stop", "tokenmill/worker/celery_adapter.py: lease renewal stops with the consumer"),
+    (IntakeDrain, "requires", "tokenmill/worker/celery_adapter.py: runs after Celery's Tasks step"),
+    (IntakeDrain, "stop", "tokenmill/worker/celery_adapter.py: the intake drains before the connection closes"),
 ]
 
 #: Names of a subclass's namespace that are no override of the library's.
@@ -154,7 +151,7 @@ WRITTEN: list[tuple[type, str, str]] = [
     (transport.Channel, "_in_poll", "tokenmill/queue/transport.py: the connection a take was sent on (kombu's)"),
     (transport.Channel, "_brpop_sent_at", "tokenmill/queue/transport.py: when a take was sent, read by kombu's "
                                           "MultiChannelPoller.maybe_check_brpop_health"),
-    (CoalescingRedisBackend, "thread_safe", "tokenmill/worker/results.py: one backend for all pool threads"),
+    (CoalescingRedisBackend, "thread_safe", "tokenmill/worker/celery_adapter.py: one backend for all pool threads"),
 ]
 
 _ASSIGNED = re.compile(r"\bself\.(\w+)\s*(?::[^=\n]+)?=(?!=)")
@@ -235,18 +232,18 @@ NAMES: list[tuple[Any, str, str]] = [
     (kombu_redis.Transport, "register_with_event_loop", "tokenmill/queue/transport.py: the heartbeat timer"),
     (kombu.message.Message, "_decode", "tokenmill/queue/transport.py: Message._decode"),
     (kombu.message.Message, "ack_log_error", "tokenmill/worker/intake.py: _acknowledge"),
-    (kombu.message.Message, "reject_log_error", "tokenmill/worker/guard.py: refusals"),
+    (kombu.message.Message, "reject_log_error", "tokenmill/worker/celery_adapter.py: refusals"),
     (kombu.message.Message, "acknowledged", "tokenmill/queue/transport.py: ack_records"),
     (Hub, "call_soon", "tokenmill/worker/intake.py, tokenmill/queue/transport.py: work on the consumer's loop"),
     (Hub, "call_repeatedly", "tokenmill/queue/transport.py: Transport.register_with_event_loop's heartbeat"),
-    (Celery, "uses_utc_timezone", "tokenmill/worker/intake.py: strategy replaces it on the app with a constant"),
+    (Celery, "uses_utc_timezone", "tokenmill/worker/celery_adapter.py: strategy replaces it with a constant"),
     (Celery, "steps", "tokenmill/worker/app.py: the consumer bootsteps LeaseRenewal and IntakeDrain"),
-    (Task, "Strategy", "tokenmill/worker/app.py: the task's Strategy is tokenmill.worker.runtime:strategy"),
+    (Task, "Strategy", "tokenmill/worker/app.py: the task's Strategy is tokenmill.worker.celery_adapter:strategy"),
     (Task, "resultrepr_maxsize", "tokenmill/worker/app.py, tokenmill/worker/intake.py: a result's repr size"),
     (Task, "start_strategy", "tokenmill/worker/app.py: Celery builds the Strategy through it"),
     (AMQP, "as_task_v2", "tokenmill/queue/publisher.py: Publisher.send builds Celery's task message"),
     (Consumer, "update_strategies", "tokenmill/worker/control.py: rebuilt when task events go on or off"),
-    (Consumer, "apply_eta_task", "tokenmill/worker/intake.py: _Routed passes the rest of the consumer through"),
+    (Consumer, "apply_eta_task", "tokenmill/worker/celery_adapter.py: _Routed passes the rest through"),
     (Request, "acknowledged", "tokenmill/worker/intake.py: _release, _acknowledge set it"),
     (Request, "time_start", "tokenmill/worker/intake.py: _accept sets it, as Celery's pool does"),
     (Request, "worker_pid", "tokenmill/worker/intake.py: _accept sets it, as Celery's pool does"),
@@ -257,22 +254,22 @@ NAMES: list[tuple[Any, str, str]] = [
     (Request, "connection_errors", "tokenmill/worker/intake.py: _acknowledge"),
     (Request, "reject", "tokenmill/worker/intake.py: IntakeRun._requeue_rest"),
     (Request, "task", "tokenmill/worker/intake.py: job_fields"),
-    (RedisBackend, "_MAX_STR_VALUE_SIZE", "tokenmill/worker/results.py: _store_result's size check, as Celery's"),
-    (RedisBackend, "_get_key_for", "tokenmill/worker/results.py: the task key prefix, encoded once"),
-    (RedisBackend, "task_keyprefix", "tokenmill/worker/results.py: the task key prefix"),
-    (RedisBackend, "ensure", "tokenmill/worker/results.py: _store_result retried as Celery retries"),
-    (RedisBackend, "client", "tokenmill/worker/results.py, tokenmill/queue/cancels.py, tokenmill/client.py"),
-    (RedisBackend, "encode", "tokenmill/worker/results.py, tokenmill/queue/cancels.py: Celery's meta encoded"),
+    (RedisBackend, "_MAX_STR_VALUE_SIZE", "tokenmill/worker/celery_adapter.py: _store_result's check, as Celery's"),
+    (RedisBackend, "_get_key_for", "tokenmill/worker/celery_adapter.py: the task key prefix, encoded once"),
+    (RedisBackend, "task_keyprefix", "tokenmill/worker/celery_adapter.py: the task key prefix"),
+    (RedisBackend, "ensure", "tokenmill/worker/celery_adapter.py: _store_result retried as Celery retries"),
+    (RedisBackend, "client", "tokenmill/worker/celery_adapter.py, tokenmill/queue/cancels.py, tokenmill/client.py"),
+    (RedisBackend, "encode", "tokenmill/worker/celery_adapter.py, tokenmill/queue/cancels.py: Celery's meta encoded"),
     (RedisBackend, "decode_result", "tokenmill/client.py: _parse_meta"),
     (RedisBackend, "current_task_children", "tokenmill/queue/cancels.py: result_meta"),
     (RedisBackend, "READY_STATES", "tokenmill/queue/cancels.py: result_meta's date_done"),
-    (RedisBackend, "mark_as_failure", "tokenmill/worker/guard.py: a refusal stored as a FAILURE"),
-    (EventDispatcher, "send", "tokenmill/worker/intake.py: Celery's strategy sends task-received through it"),
+    (RedisBackend, "mark_as_failure", "tokenmill/worker/guard.py, celery_adapter.py: a refusal stored as a FAILURE"),
+    (EventDispatcher, "send", "tokenmill/worker/celery_adapter.py: strategy, its task-received events"),
     (worker_state, "task_accepted", "tokenmill/worker/intake.py: _accept"),
     (worker_state, "task_ready", "tokenmill/worker/intake.py: IntakeRun.settled, _requeue_rest"),
     (worker_state, "total_count", "tokenmill/worker/intake.py: _accept counts a group at once"),
-    (bootsteps, "CLOSE", "tokenmill/worker/runtime.py: IntakeDrain tells a shutdown from a reconnect"),
-    (bootsteps.Blueprint, "state", "tokenmill/worker/runtime.py: IntakeDrain reads parent.blueprint.state"),
+    (bootsteps, "CLOSE", "tokenmill/worker/celery_adapter.py: IntakeDrain tells a shutdown from a reconnect"),
+    (bootsteps.Blueprint, "state", "tokenmill/worker/celery_adapter.py: IntakeDrain reads parent.blueprint.state"),
 ]
 
 
@@ -309,19 +306,24 @@ SIGNATURES: list[tuple[Any, str, tuple[str, ...], str]] = [
     (kombu_redis.Transport, "register_with_event_loop", ("self", "connection", "loop"),
      "tokenmill/queue/transport.py: Transport.register_with_event_loop"),
     (Backend, "_get_result_meta", ("self", "result", "state", "traceback", "request", "format_date", "encode"),
-     "tokenmill/worker/results.py: CoalescingRedisBackend._get_result_meta"),
+     "tokenmill/worker/celery_adapter.py: CoalescingRedisBackend._get_result_meta"),
     (RedisBackend, "_store_result", ("self", "task_id", "result", "state", "traceback", "request"),
-     "tokenmill/worker/results.py: CoalescingRedisBackend._store_result"),
-    (RedisBackend, "get_key_for_task", ("self", "task_id", "key"), "tokenmill/worker/results.py: get_key_for_task"),
-    (RedisBackend, "_get_key_for", ("self", "prefix", "id", "key"), "tokenmill/worker/results.py: __init__"),
-    (RedisBackend, "ensure", ("self", "fun", "args"), "tokenmill/worker/results.py: _store_result"),
-    (Consumer, "on_invalid_task", ("self", "body", "message", "exc"), "tokenmill/worker/guard.py: on_invalid_task"),
-    (Consumer, "on_decode_error", ("self", "message", "exc"), "tokenmill/worker/guard.py: on_decode_error"),
-    (Consumer, "on_unknown_message", ("self", "body", "message"), "tokenmill/worker/guard.py: on_unknown_message"),
-    (Consumer, "on_unknown_task", ("self", "body", "message", "exc"), "tokenmill/worker/guard.py: on_unknown_task"),
-    (bootsteps.StartStopStep, "__init__", ("self", "parent"), "tokenmill/worker/leases.py: LeaseRenewal.__init__"),
-    (worker_strategy, "default", ("task", "app", "consumer"), "tokenmill/worker/intake.py: strategy"),
-    (Task, "start_strategy", ("self", "app", "consumer"), "tokenmill/worker/runtime.py: strategy(task, app, consumer)"),
+     "tokenmill/worker/celery_adapter.py: CoalescingRedisBackend._store_result"),
+    (RedisBackend, "get_key_for_task", ("self", "task_id", "key"),
+     "tokenmill/worker/celery_adapter.py: get_key_for_task"),
+    (RedisBackend, "_get_key_for", ("self", "prefix", "id", "key"), "tokenmill/worker/celery_adapter.py: __init__"),
+    (RedisBackend, "ensure", ("self", "fun", "args"), "tokenmill/worker/celery_adapter.py: _store_result"),
+    (Consumer, "on_invalid_task", ("self", "body", "message", "exc"),
+     "tokenmill/worker/celery_adapter.py: on_invalid_task"),
+    (Consumer, "on_decode_error", ("self", "message", "exc"), "tokenmill/worker/celery_adapter.py: on_decode_error"),
+    (Consumer, "on_unknown_message", ("self", "body", "message"),
+     "tokenmill/worker/celery_adapter.py: on_unknown_message"),
+    (Consumer, "on_unknown_task", ("self", "body", "message", "exc"),
+     "tokenmill/worker/celery_adapter.py: on_unknown_task"),
+    (bootsteps.StartStopStep, "__init__", ("self", "parent"), "tokenmill/worker/celery_adapter.py: LeaseRenewal"),
+    (worker_strategy, "default", ("task", "app", "consumer"), "tokenmill/worker/celery_adapter.py: strategy"),
+    (Task, "start_strategy", ("self", "app", "consumer"),
+     "tokenmill/worker/celery_adapter.py: strategy(task, app, consumer)"),
     (worker_state, "task_ready", ("request",), "tokenmill/worker/intake.py: task_ready(request)"),
 ]
 
@@ -381,27 +383,29 @@ SOURCES: list[tuple[Any, str, str, str]] = [
     (virtual.Channel, "__init__", "self._tag_to_queue =", "tokenmill/queue/transport.py: Channel._basic_cancel"),
     (virtual.Channel, "close", "self.closed = True", "tokenmill/queue/transport.py: Channel.heartbeat, Channel.close"),
     (RedisBackend, "_set", "publish(key, value)",
-     "tokenmill/worker/results.py and tokenmill/worker/service.py _STORE publish a stored result as Celery does"),
-    (RedisBackend, "__init__", "self.failure_expires =", "tokenmill/worker/results.py: _store_result"),
-    (RedisBackend, "__init__", "self.connparams =", "tokenmill/worker/results.py: packer options added"),
-    (Backend, "__init__", "self.thread_safe =", "tokenmill/worker/results.py: set True after Celery's __init__"),
-    (Backend, "store_result", "self._store_result", "tokenmill/worker/results.py: CoalescingRedisBackend._store_result"),
+     "tokenmill/worker/celery_adapter.py and service.py _STORE publish a stored result as Celery does"),
+    (RedisBackend, "__init__", "self.failure_expires =", "tokenmill/worker/celery_adapter.py: _store_result"),
+    (RedisBackend, "__init__", "self.connparams =", "tokenmill/worker/celery_adapter.py: packer options added"),
+    (Backend, "__init__", "self.thread_safe =", "tokenmill/worker/celery_adapter.py: set True after Celery's __init__"),
+    (Backend, "store_result", "self._store_result",
+     "tokenmill/worker/celery_adapter.py: CoalescingRedisBackend._store_result"),
     (worker_strategy, "default", "consumer.on_task_request",
-     "tokenmill/worker/intake.py: _Routed hands requests to the intake through it"),
+     "tokenmill/worker/celery_adapter.py: _Routed hands requests to the intake through it"),
     (worker_strategy, "default", "consumer.event_dispatcher",
-     "tokenmill/worker/intake.py: _Routed gives no dispatcher while task events are off"),
-    (worker_strategy, "default", "app.uses_utc_timezone()", "tokenmill/worker/intake.py: strategy's constant"),
-    (Task, "start_strategy", "self.Strategy", "tokenmill/worker/app.py: Strategy='tokenmill.worker.runtime:strategy'"),
+     "tokenmill/worker/celery_adapter.py: _Routed gives no dispatcher while task events are off"),
+    (worker_strategy, "default", "app.uses_utc_timezone()", "tokenmill/worker/celery_adapter.py: strategy's constant"),
+    (Task, "start_strategy", "self.Strategy",
+     "tokenmill/worker/app.py: Strategy='tokenmill.worker.celery_adapter:strategy'"),
     (celery_backends, "by_name", "loader.override_backends",
      "tokenmill/worker/app.py: the worker's backend is CoalescingRedisBackend"),
-    (Consumer, "__init__", "self.on_task_request =", "tokenmill/worker/intake.py: strategy"),
-    (Consumer, "__init__", "self.hub =", "tokenmill/worker/intake.py: strategy attaches the intake to the loop"),
-    (Consumer, "__init__", "self.blueprint =", "tokenmill/worker/runtime.py: IntakeDrain"),
-    (Consumer, "__init__", "self.connection_errors =", "tokenmill/worker/guard.py: refusals"),
-    (Events, "start", "c.event_dispatcher =", "tokenmill/worker/intake.py, tokenmill/worker/control.py"),
+    (Consumer, "__init__", "self.on_task_request =", "tokenmill/worker/celery_adapter.py: strategy"),
+    (Consumer, "__init__", "self.hub =", "tokenmill/worker/celery_adapter.py: strategy attaches the intake"),
+    (Consumer, "__init__", "self.blueprint =", "tokenmill/worker/celery_adapter.py: IntakeDrain"),
+    (Consumer, "__init__", "self.connection_errors =", "tokenmill/worker/celery_adapter.py: refusals"),
+    (Events, "start", "c.event_dispatcher =", "tokenmill/worker/celery_adapter.py, tokenmill/worker/control.py"),
     (Tasks, "start", "c.task_consumer =", "tokenmill/worker/leases.py: the channel whose leases are renewed"),
-    (Consumer, "Blueprint", "'shutdown'", "tokenmill/worker/leases.py, runtime.py: `shutdown = stop` on the steps"),
-    (bootsteps.Blueprint, "stop", "self.state = CLOSE", "tokenmill/worker/runtime.py: IntakeDrain.stop"),
+    (Consumer, "Blueprint", "'shutdown'", "tokenmill/worker/celery_adapter.py: `shutdown = stop` on the steps"),
+    (bootsteps.Blueprint, "stop", "self.state = CLOSE", "tokenmill/worker/celery_adapter.py: IntakeDrain.stop"),
     (EventDispatcher, "__init__", "self.enabled =", "tokenmill/worker/control.py: sends_task_events"),
     (EventDispatcher, "__init__", "self.groups =", "tokenmill/worker/control.py: sends_task_events"),
 ]
@@ -492,15 +496,15 @@ def test_the_result_meta_is_still_celerys() -> None:
     assert set(celerys) == set(ours), (
         f"Celery's result meta is now {sorted(celerys)}: tokenmill/queue/cancels.py result_meta builds {sorted(ours)}")
     assert backend._get_key_for(backend.task_keyprefix, "x") == backend.get_key_for_task("x"), (
-        "Celery's task key is no longer _get_key_for(task_keyprefix, id): tokenmill/worker/results.py caches it")
+        "Celery's task key is no longer _get_key_for(task_keyprefix, id): tokenmill/worker/celery_adapter.py caches it")
 
 
 def test_the_request_sets_are_still_weak_sets() -> None:
     for name in ("reserved_requests", "active_requests", "scheduled_requests"):
         requests = getattr(worker_state, name, None)
         assert isinstance(requests, weakref.WeakSet) and hasattr(requests, "data"), (
-            f"celery.worker.state.{name} is no longer a WeakSet: tokenmill/worker/guard.py snapshot_request_sets "
-            "swaps its class")
+            f"celery.worker.state.{name} is no longer a WeakSet: tokenmill/worker/celery_adapter.py "
+            "snapshot_request_sets swaps its class")
 
 
 def test_the_remote_control_commands_replaced_still_exist() -> None:

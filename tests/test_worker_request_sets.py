@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 from celery.worker import state
 
-from tokenmill.worker.guard import snapshot_request_sets
+from tokenmill.worker.celery_adapter import snapshot_request_sets
 
 
 class _Request:

@@ -42,8 +42,7 @@ from tokenmill.queue.names import BATCH_TASK_NAME, TASK_NAME
 from tokenmill.queue.names import TASK_ROUTES as TASK_ROUTES  # public here too: `from tokenmill.worker.app import ...`
 from tokenmill.queue.settings import QueueSettings
 from tokenmill.worker import control  # noqa: F401  (tokenmill's revoke, refusals of what cannot work)
-from tokenmill.worker.leases import LeaseRenewal
-from tokenmill.worker.results import BACKEND_OVERRIDES
+from tokenmill.worker.celery_adapter import BACKEND_OVERRIDES, IntakeDrain, LeaseRenewal
 
 #: Celery renders each task's return value with `saferepr` for logs and task events (Flower). Cut at
 #: 64 characters it shows the job's id and status but no completion text, and is cheap to compute (the full repr
@@ -58,7 +57,7 @@ WORKER_CONFIG: dict[str, Any] = {
     "worker_cancel_long_running_tasks_on_connection_loss": False,
     "task_track_started": False,
     "worker_hijack_root_logger": False,
-    "worker_consumer": "tokenmill.worker.guard:GuardedConsumer",
+    "worker_consumer": "tokenmill.worker.celery_adapter:GuardedConsumer",
 }
 
 
@@ -74,11 +73,10 @@ def create_app(settings: QueueSettings | None = None) -> Celery:
     new.conf.update(WORKER_CONFIG)
     new.loader.override_backends = {**new.loader.override_backends, **BACKEND_OVERRIDES}  # results in batches
     new.steps["consumer"].add(LeaseRenewal)
-    # Celery loads these by name, in the worker only: the runtime holds the process's service (see `_runtime`)
-    new.steps["consumer"].add("tokenmill.worker.runtime:IntakeDrain")
+    new.steps["consumer"].add(IntakeDrain)
     new.task(
         name=TASK_NAME, bind=True, acks_late=True, reject_on_worker_lost=True, resultrepr_maxsize=RESULT_REPR_MAXSIZE,
-        Strategy="tokenmill.worker.runtime:strategy",  # single jobs in groups on one thread (`tokenmill.worker.intake`)
+        Strategy="tokenmill.worker.celery_adapter:strategy",  # single jobs in groups (`tokenmill.worker.intake`)
     )(_generate)
     # tokenmill.generate_batch: several jobs per message (tokenmill annotate --broker). `ignore_result`: the group's own
     # return value (counts, for the log) is no one's result; each job's is stored under the job's id. (A message's

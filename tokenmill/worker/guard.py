@@ -1,9 +1,10 @@
-"""A Celery consumer that refuses malformed task messages instead of crashing on them.
+"""The worker's refusal of malformed task messages, instead of crashing on them: what its Celery consumer
+(`tokenmill.worker.celery_adapter.GuardedConsumer`) checks before a task strategy, and how it answers a refusal.
 
 Celery checks a message's content type (so pickle and YAML are refused: `accept_content=["json"]`)
 and its ETA/expiry headers, but not the shape of a protocol-2 body: a JSON body that is not
 `[args, kwargs, embed]` raises a plain `ValueError` inside the consumer, which stops the worker; at
-shutdown kombu puts the unacked message back, so the next worker meets it again, forever. This
+shutdown kombu puts the unacked message back, so the next worker meets it again, forever. The
 consumer checks the envelope first and discards such messages the way Celery discards any invalid
 task message (rejected, so never redelivered). Protocol-1 messages (no `task` header, not sent by
 any Celery since 4.0) are refused too.
@@ -19,67 +20,34 @@ Celery result (a non-empty string of at most `MAX_RESULT_ID_CHARS` characters, p
 own answer to an unknown task); otherwise the message is set aside in the dead-letter list, where
 `tokenmill dead-letters list` shows it (not requeueable: it is no job; `purge` drops it).
 
-It also logs refused messages without their body: Celery's own handlers quote up to 1 KiB of it,
-which would put prompt text in the logs. And it keeps a lost broker connection from stopping the worker on
-Celery's own bookkeeping (`snapshot_request_sets`). Torch-free.
+Refused messages are logged without their body (`describe`): Celery's own handlers quote up to 1 KiB of it,
+which would put prompt text in the logs. Torch-free.
 """
 
 from __future__ import annotations
 
 import logging
-import weakref
-from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from celery import signals
-from celery.exceptions import InvalidTaskError, NotRegistered
+from celery.exceptions import InvalidTaskError
 from celery.utils.objects import Bunch
-from celery.worker import state
-from celery.worker.consumer import Consumer
 
 from tokenmill.queue import dead_letters
 from tokenmill.queue.names import BATCH_TASK_NAME, TASK_NAME
 from tokenmill.queue.schemas import JOB_ID_PATTERN, is_job_id
-from tokenmill.worker import runtime
 
 if TYPE_CHECKING:
+    from celery import Celery
     from kombu.message import Message
 
 log = logging.getLogger(__name__)
 
 #: The only tasks a tokenmill worker executes. A message for any other task (Celery's built-ins such as
-#: `celery.chord_unlock` included) is refused by this consumer and marked failed. To add a task, register it
+#: `celery.chord_unlock` included) is refused by the worker's consumer and marked failed. To add a task, register it
 #: in `tokenmill.worker.app.create_app` and name it here.
 ALLOWED_TASKS: frozenset[str] = frozenset({TASK_NAME, BATCH_TASK_NAME})
 #: Longest task id a refusal is stored under; a longer one is set aside in the dead-letter list instead.
 MAX_RESULT_ID_CHARS = 1024
-
-
-class _SnapshotWeakSet(weakref.WeakSet):
-    """A WeakSet iterated over a copy of its members, taken in one step: other threads may add and discard meanwhile.
-
-    The copy is `set.copy()`, which allocates before it reads and then runs no Python code: `tuple(set)` allocates
-    after its iterator starts, and a garbage collection there runs finalizers (and lets other threads in) that may
-    change the set under the iterator."""
-
-    def __iter__(self) -> Iterator[Any]:
-        for ref in self.data.copy():
-            item = ref()
-            if item is not None:
-                yield item
-
-
-def snapshot_request_sets() -> None:
-    """Make Celery's sets of reserved, active and scheduled requests safe to iterate while other threads change them.
-
-    When the broker connection drops, the consumer's `on_close` iterates them (`tuple(reserved_requests)`), while the
-    intake's group and finisher threads (and the pool's threads) mark other requests accepted and ready, which adds to
-    and discards from the same sets: a worker died of "Set changed size during iteration" during a Redis restart
-    (tests/service/test_service_faults.py), and a thread changing the set beside such a loop broke it within 17
-    iterations here. The sets keep their identity (Celery's functions hold their bound `add` and `discard`); only their
-    iteration changes."""
-    for requests in (state.reserved_requests, state.active_requests, state.scheduled_requests):
-        requests.__class__ = _SnapshotWeakSet
 
 
 def result_id(message: Message) -> str | None:
@@ -127,74 +95,22 @@ def _time_limits_ok(value: Any) -> bool:
         v is None or (isinstance(v, int | float) and not isinstance(v, bool)) for v in value)
 
 
-class GuardedConsumer(Consumer):
-    """Celery's consumer with `protocol_problem` and `ALLOWED_TASKS` checked before a task strategy, and Celery's
-    request sets safe to iterate from it while other threads change them (`snapshot_request_sets`)."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        snapshot_request_sets()
-        super().__init__(*args, **kwargs)
-
-    def create_task_handler(self, *args: Any, **kwargs: Any) -> Callable[[Message], None]:
-        handle = super().create_task_handler(*args, **kwargs)
-
-        def on_task_received(message: Message) -> None:
-            problem = protocol_problem(message)
-            if problem is not None:
-                return self.on_invalid_task(None, message, InvalidTaskError(problem))
-            name = message.headers["task"]
-            if name not in ALLOWED_TASKS:
-                return self.on_unknown_task(None, message, NotRegistered(name))
-            return handle(message)
-
-        return on_task_received
-
-    def on_invalid_task(self, body: Any, message: Message, exc: Exception) -> None:
-        log.error("discarded an invalid task message %s: %s", _describe(message), exc)
-        message.reject_log_error(log, self.connection_errors)
-        self.answer_refusal(message, str(exc))
-        signals.task_rejected.send(sender=self, message=message, exc=exc)
-
-    def on_decode_error(self, message: Message, exc: Exception) -> None:
-        log.error("discarded a task message whose body cannot be decoded %s: %s", _describe(message), type(exc).__name__)
-        message.ack()
-        self.answer_refusal(message, f"its body cannot be decoded ({type(exc).__name__}, content type "
-                                     f"{message.content_type!r}; only JSON is accepted)")
-
-    def on_unknown_message(self, body: Any, message: Message) -> None:
-        log.warning("discarded a message that is not a Celery task %s", _describe(message))
-        message.reject_log_error(log, self.connection_errors)
-        self.answer_refusal(message, "not a Celery task message")
-        signals.task_rejected.send(sender=self, message=message, exc=None)
-
-    def answer_refusal(self, message: Message, reason: str) -> None:
-        """Store a FAILURE naming the id and `reason` under the message's id, or set the message aside when its
-        id cannot name a result. Best effort: Redis being down must not stop the consumer (the message is gone
-        either way)."""
-        task_id = result_id(message)
-        try:
-            if task_id is not None:
-                error = InvalidTaskError(f"task {task_id!r} refused by the tokenmill worker: {reason}")
-                self.app.backend.mark_as_failure(task_id, error, request=_request(message))
-            else:
-                _set_aside(message, reason)
-        except Exception as exc:  # noqa: BLE001: whatever the store raises, the consumer goes on
-            log.error("could not record the refusal of %s: %s", _describe(message), type(exc).__name__)
-
-    def on_unknown_task(self, body: Any, message: Message, exc: Exception) -> None:
-        """As Celery does (reject, mark the task failed with NotRegistered), minus the body in the log."""
-        headers = message.headers if isinstance(message.headers, dict) else {}
-        task_id, name = headers.get("id"), headers.get("task")
-        log.error("discarded a message for a task this worker does not run %s", _describe(message))
-        message.reject_log_error(log, self.connection_errors)
-        if result_id(message) is not None and name:
-            self.app.backend.mark_as_failure(task_id, NotRegistered(name), request=_request(message))
+def answer_refusal(app: Celery, message: Message, reason: str) -> None:
+    """Store a FAILURE naming the id and `reason` under the message's id, or set the message aside when its
+    id cannot name a result. Best effort: Redis being down must not stop the consumer (the message is gone
+    either way)."""
+    task_id = result_id(message)
+    try:
+        if task_id is not None:
+            error = InvalidTaskError(f"task {task_id!r} refused by the tokenmill worker: {reason}")
+            app.backend.mark_as_failure(task_id, error, request=failure_request(message))
         else:
-            self.answer_refusal(message, f"task {name!r} is not run by tokenmill workers")
-        signals.task_unknown.send(sender=self, message=message, exc=exc, name=name, id=task_id)
+            _set_aside(message, reason)
+    except Exception as exc:  # noqa: BLE001: whatever the store raises, the consumer goes on
+        log.error("could not record the refusal of %s: %s", describe(message), type(exc).__name__)
 
 
-def _request(message: Message) -> Bunch:
+def failure_request(message: Message) -> Bunch:
     """What Celery's backend reads of a request when it stores a failure (no chord, no errbacks)."""
     headers = message.headers if isinstance(message.headers, dict) else {}
     properties = message.properties if isinstance(message.properties, dict) else {}
@@ -206,6 +122,7 @@ def _request(message: Message) -> Bunch:
 def _set_aside(message: Message, reason: str) -> None:
     """A refused message whose id cannot name a result, in the dead-letter list: its envelope, never its body (with
     the worker's service's Redis client and dead-letter limits)."""
+    from tokenmill.worker import runtime  # the process's service: loaded in a worker only
 
     headers = message.headers if isinstance(message.headers, dict) else {}
     refused = {"task": headers.get("task"), "id": repr(headers.get("id"))[:200], "content_type": message.content_type,
@@ -215,7 +132,7 @@ def _set_aside(message: Message, reason: str) -> None:
                       f"task id: {reason}", 1, service.settings.dead_letter_max_len, service.settings.dead_letter_expires)
 
 
-def _describe(message: Message) -> str:
+def describe(message: Message) -> str:
     """Identify a message for the log by id, task name, type and size: never by its content."""
     headers = message.headers if isinstance(message.headers, dict) else {}
     return (

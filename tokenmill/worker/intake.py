@@ -4,9 +4,9 @@ Why: Celery's pool path costs a single job more than its share of a step: a hand
 `trace_task` (signals, `saferepr` of the result, the store and ack calls one by one) and several thread wake-ups
 per job (figures: docs/benchmarks/queue.md).
 
-This module is the task's Celery `Strategy`: Celery's own (`celery.worker.strategy.default`), so every
-message still becomes Celery's `Request` (revoked and expired checks, `reserved`, the `task-received` event while
-task events are on), except that the request is handed to `Intake` instead of the pool. A group thread (kept once
+The task's Celery `Strategy` (`tokenmill.worker.celery_adapter.strategy`) is Celery's own, so every message still
+becomes Celery's `Request` (revoked and expired checks, `reserved`, the `task-received` event while task events are
+on), except that the request is handed to `Intake.offer` instead of the pool. A group thread (kept once
 idle, for the next group) takes every request waiting and admits them as one group with the group path's steps
 (`tokenmill.worker.batch_task.BatchRun`): one check-in script and one engine-process message. It then hands the
 group to the finisher (`tokenmill.worker.finisher`), one thread for every group: the jobs that ended since its
@@ -42,7 +42,6 @@ from celery import states
 from celery.exceptions import Reject
 from celery.utils.saferepr import saferepr
 from celery.worker.state import task_accepted, task_ready, total_count
-from celery.worker.strategy import default
 
 from tokenmill.errors import InvalidRequestError
 from tokenmill.queue.cancels import result_meta
@@ -56,10 +55,6 @@ from tokenmill.worker.finisher import Finisher
 if TYPE_CHECKING:
     from concurrent.futures import Future
 
-    from celery import Celery
-    from celery.app.task import Task
-    from celery.events.dispatcher import EventDispatcher
-    from celery.worker.consumer import Consumer
     from celery.worker.request import Request
     from kombu.asynchronous import Hub
 
@@ -94,38 +89,6 @@ class IntakeService(JobService, Protocol):
     @property
     def shutting_down(self) -> bool:
         """SIGTERM (or a stop) reached the worker: the consumer's loop has ended or is ending."""
-
-
-#: What a task's strategy returns: Celery's handler of each of the task's messages.
-MessageHandler = Callable[..., None]
-
-
-def strategy(intake: Intake, task: Task, app: Celery, consumer: Consumer, **options: Any) -> MessageHandler:
-    """Celery's default strategy for the task, whose requests go to `intake` (or to the pool when they need it)."""
-    intake.attach(consumer.on_task_request, getattr(consumer, "hub", None))
-    # Celery's handler asks the app, per message, whether it uses UTC, looking `timezone.utc` up anew each time, for
-    # an answer fixed once the app's `timezone`, a cached property, has been read
-    uses_utc = app.uses_utc_timezone()
-    app.uses_utc_timezone = lambda: uses_utc
-    # Celery's strategy builds each message's `task-received` event and sends it to the dispatcher, which drops it
-    # while task events are off (the default): given no dispatcher then, it builds none, nor do its
-    # requests. `enable_events` and `disable_events` rebuild the strategies (`tokenmill.worker.control`).
-    dispatcher = consumer.event_dispatcher
-    return default(task, app, _Routed(consumer, intake.offer, dispatcher if sends_task_events(dispatcher) else None),
-                   **options)
-
-
-class _Routed:
-    """The consumer as Celery's strategy sees it, but for where a request goes and the event dispatcher it sends to."""
-
-    def __init__(self, consumer: Consumer, on_task_request: Callable[[Request], None],
-                 event_dispatcher: EventDispatcher | None) -> None:
-        self._consumer = consumer
-        self.on_task_request = on_task_request
-        self.event_dispatcher = event_dispatcher
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._consumer, name)
 
 
 def job_fields(request: Request) -> dict[str, Any] | None:

@@ -6,11 +6,11 @@ kombu's Redis transport records each delivered, not yet acked message in the sor
 not know whether the worker that holds the message is alive, so a job that runs longer than the
 visibility timeout would be delivered to a second worker and run twice.
 
-This consumer bootstep re-stamps the score of every message this worker holds (received, running or
-writing its result, on the current channel or on one from before a broker reconnect, whose jobs keep
-running and ack through it) every `visibility_timeout / 8` seconds, with `ZADD XX` so a message acked in
-between is never put back. A worker killed with `kill -9` stops renewing and its messages are
-redelivered `visibility_timeout` (plus at most one sweep interval) after its last renewal.
+A consumer step (`tokenmill.worker.celery_adapter.LeaseRenewal`) calls `renew`, which re-stamps the score of
+every message this worker holds (received, running or writing its result, on the current channel or on one from
+before a broker reconnect, whose jobs keep running and ack through it) every `visibility_timeout / 8` seconds, with
+`ZADD XX` so a message acked in between is never put back. A worker killed with `kill -9` stops renewing and its
+messages are redelivered `visibility_timeout` (plus at most one sweep interval) after its last renewal.
 
 tokenmill's transport (`tokenmill.queue.transport`) does not put an old channel's messages back on
 the queue at a reconnect (kombu's `restore_at_shutdown`), so a reconnect neither reruns nor charges a
@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any
-
-from celery import bootsteps
+from typing import TYPE_CHECKING
 
 from tokenmill.queue.transport import held_deliveries
 
@@ -34,38 +32,16 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class LeaseRenewal(bootsteps.StartStopStep):
-    """Consumer bootstep; runs on the consumer's timer, in the thread that owns the broker channel."""
-
-    requires = ("celery.worker.consumer.tasks:Tasks",)
-
-    def __init__(self, parent: Consumer, **kwargs: Any) -> None:
-        super().__init__(parent, **kwargs)
-        self._timer_entry = None
-
-    def start(self, parent: Consumer) -> None:
-        options = parent.app.conf.broker_transport_options or {}
-        # 1/8: a worker whose loop stalls for up to 7/8 of the timeout keeps its jobs
-        interval = max(0.1, float(options.get("visibility_timeout", 3600)) / 8)
-        self._timer_entry = parent.timer.call_repeatedly(interval, self.renew, (parent,), priority=0)
-
-    def stop(self, parent: Consumer) -> None:
-        if self._timer_entry is not None:
-            self._timer_entry.cancel()
-            self._timer_entry = None
-
-    shutdown = stop
-
-    def renew(self, parent: Consumer) -> int:
-        """Re-stamp every message held by this worker; returns how many were renewed."""
-        channel = getattr(getattr(parent, "task_consumer", None), "channel", None)
-        if channel is None or not hasattr(channel, "conn_or_acquire"):  # not connected yet, or not Redis
-            return 0
-        try:
-            return _restamp(channel, held_deliveries())
-        except Exception as exc:  # broker down: kombu reconnects; renew again next tick
-            log.debug("lease renewal failed: %r", exc)
-            return 0
+def renew(parent: Consumer) -> int:
+    """Re-stamp every message held by this worker; returns how many were renewed."""
+    channel = getattr(getattr(parent, "task_consumer", None), "channel", None)
+    if channel is None or not hasattr(channel, "conn_or_acquire"):  # not connected yet, or not Redis
+        return 0
+    try:
+        return _restamp(channel, held_deliveries())
+    except Exception as exc:  # broker down: kombu reconnects; renew again next tick
+        log.debug("lease renewal failed: %r", exc)
+        return 0
 
 
 def _restamp(channel: Channel, held: dict[str, list[str]]) -> int:

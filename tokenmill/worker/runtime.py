@@ -1,7 +1,7 @@
 """The one place a Celery worker process keeps its `WorkerService`: the entry point of everything Celery calls.
 
-Celery builds and calls the task bodies (`run_job`, `run_batch`), the `tokenmill.generate` strategy (`strategy`), the
-consumer's steps (`IntakeDrain`), the consumer that refuses bad messages (`tokenmill.worker.guard`) and its signals
+Celery builds and calls the task bodies (`run_job`, `run_batch`), the parts of it tokenmill replaces
+(`tokenmill.worker.celery_adapter`: the task's strategy, the consumer's steps and refusals) and its signals
 with no way to pass them a service: they reach it here, and only here. The service owns the rest (its engine process,
 intake and finisher) and hands them out; nothing else in the worker is kept per process.
 
@@ -19,22 +19,18 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from celery import bootsteps
 from celery.signals import worker_shutting_down
 
 from tokenmill.errors import InvalidRequestError
 from tokenmill.queue.names import SHARE_HEADER, message_share
 from tokenmill.queue.schemas import JobResult, check_size, job_payload
 from tokenmill.worker.batch_task import BatchRun
-from tokenmill.worker.intake import Intake, MessageHandler
-from tokenmill.worker.intake import strategy as intake_strategy
+from tokenmill.worker.intake import Intake
 from tokenmill.worker.service import WorkerService
 from tokenmill.worker.settings import WorkerSettings
 
 if TYPE_CHECKING:
-    from celery import Celery
     from celery.app.task import Task
-    from celery.worker.consumer import Consumer
 
 _service: WorkerService | None = None
 _intake: Intake | None = None  # made before the service, for it (`intake`)
@@ -78,11 +74,6 @@ def intake() -> Intake:
         return _intake
 
 
-def strategy(task: Task, app: Celery, consumer: Consumer, **options: Any) -> MessageHandler:
-    """The `tokenmill.generate` task's Celery `Strategy`: `tokenmill.worker.intake.strategy` on the process's intake."""
-    return intake_strategy(intake(), task, app, consumer, **options)
-
-
 def run_job(task: Task, args: tuple[Any, ...], fields: dict[str, Any]) -> dict[str, Any]:
     """Body of the `tokenmill.generate` task (on the pool path).
 
@@ -118,22 +109,17 @@ def _time_limit(timelimit: Sequence[float | None] | None) -> float | None:
     return min(limits) if limits else None
 
 
-class IntakeDrain(bootsteps.StartStopStep):
-    """Consumer bootstep: at the worker's shutdown, wait for the intake's jobs (as Celery waits for its pool's)
-    before the broker connection closes. Not at a consumer restart (a broker reconnect): those jobs go on."""
-
-    requires = ("celery.worker.consumer.tasks:Tasks",)
-
-    def stop(self, parent: Consumer) -> None:
-        service = _service
-        if service is None:
-            return
-        if parent.blueprint.state == bootsteps.CLOSE:  # the consumer stops for good; a remote `shutdown` or
-            service.begin_shutdown()                   # `WorkController.stop()` sends no signal: the grace starts here
-        if service.shutting_down:
-            service.intake.drain()
-
-    shutdown = stop
+def stop_intake(closing: bool) -> None:
+    """Celery's consumer stops (`tokenmill.worker.celery_adapter.IntakeDrain`): at the worker's shutdown (`closing`),
+    wait for the intake's jobs, as Celery waits for its pool's. Not at a consumer restart (a broker reconnect): those
+    jobs go on."""
+    service = _service
+    if service is None:
+        return
+    if closing:  # for good: a remote `shutdown` or `WorkController.stop()` sends no signal, the grace starts here
+        service.begin_shutdown()
+    if service.shutting_down:
+        service.intake.drain()
 
 
 @worker_shutting_down.connect
