@@ -307,6 +307,7 @@ def test_the_engine_admits_a_jobs_share_before_another_shares_waiting_jobs(redis
         big.cancel(handles)
         ended = [result for result in big.results(handles, 120) if result.status == "succeeded"]
         meanwhile = sum(probe.started_at < result.finished_at < probe.finished_at for result in ended)
-        # Taken, it waited behind up to 22 of the run's jobs in the engine's own first-in, first-out queue; in shares
-        # it takes the next free slot, and ends after the 4 tokens it runs beside one of the run's jobs.
-        assert meanwhile <= 4, f"{meanwhile} of the run's jobs ended between the worker taking the lone job and its end"
+        # Taken, it waited behind up to 22 of the run's jobs in the engine's own first-in, first-out queue (12 or more
+        # end meanwhile); in shares it takes the next free slot, and ends after the 4 tokens it runs beside one of the
+        # run's jobs (1-2 end meanwhile, more on a loaded machine while the job goes from the take to the engine)
+        assert meanwhile <= 6, f"{meanwhile} of the run's jobs ended between the worker taking the lone job and its end"
