@@ -164,9 +164,7 @@ class BatchRun:
         """Claim, admit, generate and store parsed `jobs` (`done`: results known already, such as parse failures,
         then every result); returns how many ran. A job already running here (as a single job or in another group)
         is that run's to finish and store (`joined`)."""
-        mine, running = self.service.claim(jobs)
-        self._mine = {job.id: job for job in mine}  # until stored (`_store` releases them)
-        self.joined(running)
+        mine = self._claim(jobs)
         try:
             ran = self._run_mine(mine, done)
         except BaseException as exc:
@@ -174,6 +172,14 @@ class BatchRun:
             raise
         self._release_mine(done)
         return ran
+
+    def _claim(self, jobs: list[Job]) -> list[Job]:
+        """The jobs this run is to run: those not already running in this process, registered as running here until
+        stored or released (`_store`, `_release_mine`); a job running elsewhere here is that run's (`joined`)."""
+        mine, running = self.service.claim(jobs)
+        self._mine = {job.id: job for job in mine}
+        self.joined(running)
+        return mine
 
     def _release_mine(self, done: dict[str, dict[str, Any]], error: BaseException | None = None) -> None:
         """The run's jobs still registered as running here end: a delivery of one waiting on this run gets its result

@@ -396,10 +396,7 @@ class IntakeRun(BatchRun):
         try:
             _accept(self.requests.values())
             jobs, self.done = self._parse(self.raw)
-            mine, running = self.service.claim(jobs)
-            self._mine = {job.id: job for job in mine}
-            self.joined(running)
-            todo = self._check_in(mine, self.done)
+            todo = self._check_in(self._claim(jobs), self.done)
             self._store(self.done)
             if todo:
                 self._send(todo)
