@@ -61,18 +61,19 @@ stage kernels 110 python3 benchmarks/kernels_gpu.py --deadline 75
 timely() {  # timely LIMIT: whether a stage of LIMIT seconds still fits
     [ "$1" -le $(( 570 - ($(date +%s) - START) )) ]
 }
+# Issue 57's last goal, first of the queue stages: a small job from a plain client and from another share while
+# another run's backlog (group messages of 32 jobs of 1-64 tokens, as `annotate --broker` queues) runs, each within
+# 2x its time alone. Groups need pyarrow (tokenmill.apps); without it the backlog is single jobs in a share, as
+# `serve` tenants queue.
+groups=0
+python3 -c "import pyarrow" 2> /dev/null && groups=32
+timely ${FAIR_LIMIT:-90} && stage fair-shares ${FAIR_LIMIT:-90} python3 benchmarks/fair_shares.py --backlog 1500 --probes 4 \
+    --rounds 2 --groups $groups --varied
 # 60 lone-job probes: on the H200 they took ~70 s, and the benchmark prints nothing until it ends.
 timely ${QUEUE_LIMIT:-90} && stage queue ${QUEUE_LIMIT:-90} python3 benchmarks/job_queue.py --rounds 1 --probe-jobs ${PROBE_JOBS:-60}
 # Three rounds (a few seconds each; starting the worker is most of the stage): the worker's CPU per one-token job by
 # thread, whose goal of 0.2 ms the H200 host missed (0.220-0.227 ms, 2026-12-04), is the median round's.
 timely ${QUEUE_LIMIT:-70} && stage queue-intake ${QUEUE_LIMIT:-70} python3 benchmarks/job_queue.py --intake --rounds 3
-# Issue 57's last goal: a small job from a plain client and from another share while another run's backlog (group
-# messages of 32 jobs of 1-64 tokens, as `annotate --broker` queues) runs, each within 2x its time alone. Groups need
-# pyarrow (tokenmill.apps); without it the backlog is single jobs in a share, as `serve` tenants queue.
-groups=0
-python3 -c "import pyarrow" 2> /dev/null && groups=32
-timely ${FAIR_LIMIT:-90} && stage fair-shares ${FAIR_LIMIT:-90} python3 benchmarks/fair_shares.py --backlog 1500 --probes 4 \
-    --rounds 2 --groups $groups --varied
 # A lone job's decode steps, step by step, in the worker's engine process and in-process: on 2026-12-04's H200 they
 # took ~10% longer in the engine process (+11 ms over 40 steps), cause not found. The order alternates, the GPU's SM
 # clock during each path's jobs is printed, and each job runs a third time in a spawned child process (the same engine
