@@ -18,7 +18,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING
 
 from prometheus_client import REGISTRY as DEFAULT_REGISTRY
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
@@ -28,6 +28,9 @@ from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
 from tokenmill.worker.engine_process import EngineStatus
+
+if TYPE_CHECKING:
+    from wsgiref.simple_server import WSGIServer
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +43,7 @@ class WorkerMetrics:
     def __init__(self, registry: CollectorRegistry = DEFAULT_REGISTRY) -> None:
         self.registry = registry
         self.port: int | None = None  # where the endpoint listens, once `serve` found a free port
-        self._server: Any = None  # the endpoint's HTTP server, once `serve` started it
+        self._server: WSGIServer | None = None  # the endpoint's HTTP server, once `serve` started it
         self.jobs_cancelled = Counter("tokenmill_jobs_cancelled", "Jobs ended by a cancel, before or while running.",
                                       registry=registry)
         self.jobs_failed = Counter(
