@@ -42,7 +42,7 @@ from packaging.requirements import Requirement
 
 from tokenmill.queue import transport
 from tokenmill.queue.cancels import result_meta
-from tokenmill.worker import control
+from tokenmill.worker import celery_adapter, control
 from tokenmill.worker.celery_adapter import CoalescingRedisBackend, GuardedConsumer, IntakeDrain, LeaseRenewal
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -113,6 +113,8 @@ OVERRIDES: list[tuple[type, str, str]] = [
     (LeaseRenewal, "stop", "tokenmill/worker/celery_adapter.py: lease renewal stops with the consumer"),
     (IntakeDrain, "requires", "tokenmill/worker/celery_adapter.py: runs after Celery's Tasks step"),
     (IntakeDrain, "stop", "tokenmill/worker/celery_adapter.py: the intake drains before the connection closes"),
+    (celery_adapter._SnapshotWeakSet, "__iter__", "tokenmill/worker/celery_adapter.py: Celery's request sets iterated "
+                                                  "over a copy taken in one step"),
 ]
 
 #: Names of a subclass's namespace that are no override of the library's.
@@ -120,7 +122,17 @@ _NOT_OVERRIDES = {"__module__", "__doc__", "__qualname__", "__dict__", "__weakre
                   "__firstlineno__", "__static_attributes__", "__parameters__", "__orig_bases__",
                   "name",  # Celery's StepType metaclass names every bootstep
                   "shutdown"}  # bootsteps' `shutdown = stop`: an alias Celery's Consumer sends ('shutdown' below)
-SUBCLASSES = sorted({ours for ours, _, _ in OVERRIDES}, key=lambda c: c.__qualname__)
+#: The modules that hold every override of kombu's and Celery's (issue 56: one place to read before an upgrade).
+ADAPTERS = (transport, celery_adapter)
+#: Every class they define over a library's class (a proxy, such as `celery_adapter._Routed`, subclasses none).
+SUBCLASSES = sorted((value for module in ADAPTERS for value in vars(module).values() if isinstance(value, type)
+                     and value.__module__ == module.__name__ and _library_base(value) is not object),
+                    key=lambda c: c.__qualname__)
+
+
+def test_every_override_is_in_an_adapter_module() -> None:
+    outside = sorted({_name(ours) for ours, _, _ in OVERRIDES} - {_name(ours) for ours in SUBCLASSES})
+    assert not outside, f"{outside} override kombu or Celery outside {[m.__name__ for m in ADAPTERS]}: move them there"
 
 
 @pytest.mark.parametrize(("ours", "name", "why"), OVERRIDES, ids=[f"{o.__name__}.{n}" for o, n, _ in OVERRIDES])

@@ -1,7 +1,9 @@
 """Every part of Celery the worker replaces: each class and function here subclasses, replaces or proxies one, says
 which and why, and calls the tokenmill logic that stays in its own module (`guard`, `leases`, `intake`). kombu's
-overrides are `tokenmill.queue.transport`'s; tests/test_library_contract.py checks the names they rely on. Torch-free
-and light: the app loads it, so the process's service (`tokenmill.worker.runtime`) is imported only as Celery calls.
+overrides are `tokenmill.queue.transport`'s; the remote-control commands tokenmill answers itself are registered
+through Celery's command table (`tokenmill.worker.control`); tests/test_library_contract.py checks the names they
+rely on. Torch-free and light: the app loads it, so the process's service (`tokenmill.worker.runtime`) is imported
+only as Celery calls.
 """
 
 from __future__ import annotations

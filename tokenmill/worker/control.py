@@ -12,7 +12,7 @@ worker's state (shutdown, pool size, autoscale, consumers) answer with an error 
 `remote_control_writes` on: anyone who can write to the broker can send them. Inspecting (`celery inspect`,
 Flower's views) and events keep working: `enable_events` and `disable_events` (Flower sends the first) also rebuild the
 consumer's task strategies when they turn task events on or off, for the strategy of `tokenmill.generate` hands its
-requests the event dispatcher only while it sends task events (`tokenmill.worker.intake.strategy`). Torch-free.
+requests the event dispatcher only while it sends task events (`tokenmill.worker.celery_adapter.strategy`). Torch-free.
 """
 
 from __future__ import annotations
