@@ -153,8 +153,11 @@ class EngineProcess:
         self._child_conn.close()
         self._reader.start()
         ready = self._ready.wait(timeout)
-        if self._unusable is not None:
+        if self._unusable is not None:  # the child exits after saying so; `stop` has nothing left to do
             self._process.join(10)
+            if self._process.is_alive():
+                self._process.kill()
+                self._process.join(5)
             raise ModelLoadError(self._unusable)
         if not ready or not self._process.is_alive():
             raise EngineFailure(f"the engine process did not start (exit code {self._process.exitcode})")
