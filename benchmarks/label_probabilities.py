@@ -124,7 +124,7 @@ def load(name: str, tmp: Path):  # noqa: ANN201 - an LLM
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default="tiny,small,small-bpe")
+    parser.add_argument("--models", default="tiny,small,small-bpe,small-bpe-words")
     parser.add_argument("--labels", default=",".join(LABELS), help="label sets, of: " + ", ".join(LABELS))
     parser.add_argument("--rows", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
