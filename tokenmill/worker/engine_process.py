@@ -154,10 +154,7 @@ class EngineProcess:
         self._reader.start()
         ready = self._ready.wait(timeout)
         if self._unusable is not None:  # the child exits after saying so; `stop` has nothing left to do
-            self._process.join(10)
-            if self._process.is_alive():
-                self._process.kill()
-                self._process.join(5)
+            _reap(self._process, 10)
             raise ModelLoadError(self._unusable)
         if not ready or not self._process.is_alive():
             raise EngineFailure(f"the engine process did not start (exit code {self._process.exitcode})")
@@ -273,10 +270,7 @@ class EngineProcess:
             self._outbox.put(None)
         if self._process.pid is None:
             return
-        self._process.join(timeout)
-        if self._process.is_alive():
-            self._process.kill()
-            self._process.join(5)
+        _reap(self._process, timeout)
 
     def abandon(self) -> None:
         """Kill the engine process and answer no request still pending (the caller is exiting and hands their jobs
@@ -412,6 +406,14 @@ class EngineProcess:
                 num_running=message["num_running"], num_waiting=message["num_waiting"],
                 kv_cache_usage=message["kv_cache_usage"],
                 generated_tokens_per_s=(tokens - before[1]) / max(now - before[0], 1e-6), new_steps=steps - before[2]))
+
+
+def _reap(process: multiprocessing.process.BaseProcess, timeout: float) -> None:
+    """Wait `timeout` seconds for `process` to exit, then kill it."""
+    process.join(timeout)
+    if process.is_alive():
+        process.kill()
+        process.join(5)
 
 
 def _add_op(request_id: str, params: SamplingParams | Embed | Score, prompt: str | list[int] | None,
