@@ -55,3 +55,18 @@ def test_a_share_with_nothing_running_goes_before_another_shares_backlog() -> No
         if isinstance(numbers, dict):
             numbers, fifo_numbers = list(numbers.values()), [fifo_numbers[label] for label in numbers]
         assert numbers and numbers == pytest.approx(fifo_numbers, rel=1e-5, abs=1e-5), request_id
+
+
+def test_every_sequence_of_a_scoring_request_is_in_its_share() -> None:
+    """A score or label-probability request runs as several sequences, its forks started later (`ScoreGroup`): each
+    is admitted in the request's share, not as work of no share."""
+    engine = LLMEngine("builtin:tiny", max_num_seqs=8, max_model_len=96, block_size=4, seed=0)
+    engine.add_score_request("score", "a prompt", [" ab", " cd"], share="tenant-a")
+    engine.add_request("label", "a prompt", SamplingParams(choice=[" yes", " no"], choice_probabilities=True),
+                       share="tenant-b")
+    groups = {request_id: engine._groups[request_id] for request_id in ("score", "label")}
+    assert all(len(group.sequences) > 1 for group in groups.values())  # forks to come, beside the prompt's
+    while engine.has_unfinished():
+        engine.step()
+    assert {request_id: {seq.share for seq in group.sequences} for request_id, group in groups.items()} == {
+        "score": {"tenant-a"}, "label": {"tenant-b"}}

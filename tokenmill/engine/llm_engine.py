@@ -208,7 +208,8 @@ class LLMEngine:
         self._check_prompt(token_ids)
         if params.choice_probabilities:
             labels = list(dict.fromkeys(params.choice))  # type: ignore[arg-type]  # checked: a choice is given
-            self._add_group(ScoreGroup(request_id, token_ids, self._choice_token_ids(labels), labels, time.time()), share)
+            self._add_group(ScoreGroup(request_id, token_ids, self._choice_token_ids(labels), labels, time.time(),
+                                       share))
             return
         self.check_choice_budget(params)
         spec = GrammarSpec.from_params(params)
@@ -231,7 +232,7 @@ class LLMEngine:
         if not isinstance(continuations, list | tuple) or not continuations:
             raise InvalidRequestError("continuations", "must be a non-empty list of strings or token id lists")
         tokens = [self._continuation_ids(c, f"continuations[{i}]") for i, c in enumerate(continuations)]
-        self._add_group(ScoreGroup(request_id, token_ids, tokens, None, time.time()), share)
+        self._add_group(ScoreGroup(request_id, token_ids, tokens, None, time.time(), share))
 
     def _add_pooled(self, request_id: str, prompt: str | list[int], pooling: PoolingParams,
                     params: SamplingParams | None, share: str | None) -> None:
@@ -289,12 +290,11 @@ class LLMEngine:
             self._choice_ids[key] = ids
         return ids
 
-    def _add_group(self, group: ScoreGroup, share: str | None) -> None:
+    def _add_group(self, group: ScoreGroup) -> None:
         """Queue a scoring request's first sequence (`scoring.py`); the others are checked now and start from the
-        K/V of the one they fork from when it is computed (`_fork`), in its share."""
+        K/V of the one they fork from when it is computed (`_fork`)."""
         for seq in group.sequences:
             self.scheduler.check(seq)
-        group.prompt.share = share
         self.scheduler.add(group.prompt)
         group.prompt.started = True
         self._groups[group.request_id] = group

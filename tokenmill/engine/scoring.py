@@ -169,13 +169,15 @@ class ScoreGroup:
     tokens (the root's: the prompt's last position). `prompt` computes the prompt, then follows the first child that
     has children of its own, node after node; every other such child at those nodes starts a sequence forked from it
     (its `forks`), which goes on the same way (`score_plan`). So `sequences` compute each such node once. `remaining`
-    counts the sequences not yet computed; `labels` are the choices of a `choice_probabilities` request."""
+    counts the sequences not yet computed; `labels` are the choices of a `choice_probabilities` request; every
+    sequence is in the request's `share` (`Sequence.share`)."""
 
     request_id: str
     prompt_token_ids: list[int]
     continuations: list[list[int]]
     labels: list[str] | None
     arrival_time: float
+    share: str | None = None
     prompt: ScoredSequence = field(init=False)
     sequences: list[ScoredSequence] = field(init=False)
     plan: ScorePlan = field(init=False)
@@ -186,7 +188,7 @@ class ScoreGroup:
         prompt, length = self.prompt_token_ids, len(self.prompt_token_ids)
         self.sequences = [ScoredSequence(self.request_id, [*prompt, *chain.tokens], _NO_SAMPLING, group=self,
                                          targets=chain.targets, fork_at=length + chain.fork_at if index else 0,
-                                         num_forks=chain.num_forks)
+                                         num_forks=chain.num_forks, share=self.share)
                           for index, chain in enumerate(self.plan.chains)]
         for seq, chain in zip(self.sequences, self.plan.chains):
             if chain.forks:

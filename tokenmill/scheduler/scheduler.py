@@ -340,7 +340,6 @@ class Scheduler:
         parent.num_forks = 0
         copies, queued = [], []
         for child, length in zip(children, lengths or [parent.num_computed_tokens] * len(children)):
-            child.share = parent.share
             needs_copy = length % self.config.block_size != 0
             if 1 + child.num_forks > self._free_slots() or self.block_manager.num_free_blocks < needs_copy:
                 queued.append(child)
