@@ -1,16 +1,8 @@
-"""Admission: what becomes of a job once its check-in has counted a delivery (only on a worker that does not already
-run it, `WorkerService.claim`). One decision, the same for a single job on the pool, a group and the intake.
-
-The check-in script returns, per job, its stored Celery result (nil if none), its delivery number counting this one,
-and whether a cancel mark is set. In this order:
-
-- a final result under the id settles the job, never run over: its own (`Stored`: a lost ack, a recovery's requeue,
-  a producer sending twice), or another content's (`Conflict`: the id was reused; counted as
-  `jobs_failed{code="conflict"}`, and the producer's `Client` sees the content hash differ);
-- else a cancel (`Cancelled`): its `cancelled` result is stored;
-- else a delivery past `max_deliveries` (`DeadLetter`): every worker that ran it died; it goes on the Redis list
-  `tokenmill:dead_letter` (`tokenmill.queue.dead_letters`) and fails with code `dead_letter`;
-- else it runs (`Run`).
+"""Admission: what becomes of a job once its check-in counted a delivery; one decision for the pool, groups and the
+intake. In order: a final result under the id settles it without running (`Stored`, or `Conflict` when it is another
+content's); else a cancel mark gives `Cancelled`; else a delivery past `max_deliveries` is dead-lettered
+(`DeadLetter`); else `Run`.
+See docs/internals/worker.md, section "The pipeline".
 """
 
 from __future__ import annotations
@@ -25,9 +17,8 @@ if TYPE_CHECKING:
     from tokenmill.queue.schemas import Job
 
 # KEYS: n result keys, the n jobs' delivery-count keys, then their cancel marks; ARGV[1]: the counts' expiry
-# in seconds. Returns three values per job (`CheckIn.from_replies`). One script with
-# `tokenmill.queue.cancels.cancel`'s: a cancel either finds the delivery counted (and is announced to this worker)
-# or is seen here.
+# in seconds. Returns three values per job (`CheckIn.from_replies`). Atomic, as `tokenmill.queue.cancels.cancel`'s
+# script is: a cancel either finds the delivery counted (and is announced to this worker) or is seen here.
 CHECK_IN = """
 local n = #KEYS / 3
 local replies = {}
@@ -50,7 +41,7 @@ class Attempt:
     attempt: int  # its delivery number, from its check-in
     time_limit: float | None = None  # Celery's time_limit / soft_time_limit of the message, if any
     job_hash: str = ""  # the hash its sender sent (`JOB_HASH_HEADER`), else `Job.content_hash()`
-    share: str | None = None  # the fair share its message came from (`SHARE_HEADER`): the engine admits in shares too
+    share: str | None = None  # the fair share its message came from (`SHARE_HEADER`), passed to the engine
 
     def __post_init__(self) -> None:
         self.job_hash = self.job_hash or self.job.content_hash()
@@ -116,8 +107,8 @@ def admission(check: CheckIn, job_hash: str | None, max_deliveries: int) -> Deci
 
 
 def settled_by(stored_hash: str | None, job_hash: str | None) -> Stored | Conflict:
-    """Whose a final result carrying `stored_hash` is, found under the id of the job hashed `job_hash` (stored, or
-    given by another run of the id here): the job's own unless the result's hash is known and differs."""
+    """Whose a final result carrying `stored_hash`, found under the id of the job hashed `job_hash`, is: the job's own
+    unless the result's hash is known and differs."""
     if stored_hash is not None and stored_hash != job_hash:
         return Conflict(stored_hash)
     return Stored(stored_hash)

@@ -1,23 +1,9 @@
-"""The `tokenmill.generate_batch` task: several jobs in one queue message, each with its own id and result.
+"""The `tokenmill.generate_batch` task's run: several jobs in one message (`[[{"jobs": [job, ...]}], {}, {}]`).
 
-Why: on short completions a worker spends more time on Celery, kombu and Redis per message than the engine spends per
-job (figures: docs/benchmarks/annotate.md); `tokenmill annotate --broker` therefore sends rows in groups. Inside a
-group every job keeps the guarantees of a single `tokenmill.generate` job:
-
-* it is admitted as a single job is (`tokenmill.worker.admission`), its delivery counted unless it already runs
-  here (as a single job or in another group): a redelivered group runs only the jobs without a result yet;
-* it gets exactly one result, under its own Celery result key, so `Client.get`/`as_completed` read it like
-  any job's. Results are written with `SET NX` (never overwriting a stored one) and announced on the key's
-  pub/sub channel as Celery does, in one script call per group. (After a broker outage a group may
-  run on two workers at once, as a single job may; `SET NX` still keeps exactly one result per job);
-* ids must match the job-id pattern, and a repeated id in a group runs once;
-* any failure of the group requeues it with its unfinished jobs aborted and its finished results stored;
-* the message is acknowledged only after all of its results are stored (late ack); at shutdown, past the
-  grace period, finished jobs' results are stored and the group is requeued for the rest. Its jobs count against
-  the worker's prefetch (`JOBS_HEADER`) only while they run: each that ends frees its room (`transport.jobs_ended`).
-
-The message body is `[[{"jobs": [job, ...]}], {}, {}]`: each job in `Job`'s wire format. The task itself is
-registered by `tokenmill.worker.app.create_app`; its body is `tokenmill.worker.runtime.run_batch`. Torch-free.
+Each job keeps a single job's guarantees: the same admission, exactly one result under its own Celery result key
+(`SET NX`), a redelivery running only the jobs without a result. The message is acked only once all its results are
+stored; any failure requeues it with its finished results stored. Torch-free.
+See docs/internals/worker.md, section "Groups".
 """
 
 from __future__ import annotations
@@ -56,8 +42,7 @@ SHUTDOWN_CHECK_INTERVAL = 2.0
 
 
 class JobService(Protocol):
-    """What a run needs of the worker's service: `tokenmill.worker.service.WorkerService`, which owns the intake that
-    imports this module (hence a protocol here, not an import of the class)."""
+    """What a run needs of `tokenmill.worker.service.WorkerService` (a protocol: that module imports this one)."""
 
     settings: WorkerSettings
     engine: EngineProcess
@@ -66,7 +51,7 @@ class JobService(Protocol):
     grace_expired: threading.Event
 
     def claim(self, jobs: list[Job]) -> tuple[list[Job], list[tuple[Job, Future]]]:
-        """Register `jobs` as running here; (those claimed, those already running with that run's future)."""
+        """Register `jobs` as running here: (those claimed, those already running with that run's future)."""
 
     def release(self, jobs: list[Job], results: dict[str, Any] | None = None, error: BaseException | None = None
                 ) -> None:
@@ -76,13 +61,13 @@ class JobService(Protocol):
         """Count a delivery of each run's job (one script call) and decide its admission."""
 
     def admit_one(self, run: Attempt, result_key: bytes) -> tuple[Decision, tuple[Future | None, str] | None]:
-        """Admit a pool thread's job with the others admitted at the same moment, handing it to the engine if it runs."""
+        """Admit a pool thread's job with concurrent ones; hand it to the engine if it runs."""
 
     def settle(self, run: Attempt, decision: Decision) -> dict[str, Any] | None:
         """The result of a job its admission keeps from the engine, or None when one is stored already."""
 
     def joined_another(self, job: Job, result: dict[str, Any]) -> bool:
-        """Whether the run `job` joined was another job's under its id (a conflict, counted)."""
+        """Whether the run `job` joined was another content's under its id (a conflict, counted)."""
 
     def refuse_output(self, job: Job, started_at: float) -> dict[str, Any] | None:
         """The failed result of a job whose S3 destination is refused, or None."""
@@ -92,7 +77,7 @@ class JobService(Protocol):
 
     def submit_many(self, runs: list[Attempt], sink: Sink | None = None, wait: bool = True
                     ) -> list[tuple[Future | None, str]]:
-        """Hand jobs to the engine in one message; each one's future (None with `sink`) and engine request id."""
+        """Hand jobs to the engine in one message: each one's future (None with `sink`) and engine request id."""
 
     def complete(self, run: Attempt, output: EngineOutput | None = None, error: InvalidRequestError | None = None
                  ) -> dict[str, Any]:
@@ -103,11 +88,10 @@ class JobService(Protocol):
 
 
 class BatchRun:
-    """One delivery of one group on one worker: parse, claim, admit, submit, complete, store. A lone job on Celery's
-    pool is a group of one (`PoolRun`); the intake's groups of single jobs hand their completion to the finisher
-    (`tokenmill.worker.intake.IntakeRun`)."""
+    """One delivery of one group on one worker: parse, claim, admit, submit, complete, store. Subclasses: `PoolRun`
+    (a lone job on Celery's pool) and `tokenmill.worker.intake.IntakeRun` (the intake's groups)."""
 
-    #: Any failure of the run requeues it (its finished results stored); False: the error reaches the caller as raised.
+    #: True: any failure requeues the run (finished results stored); False: the error reaches the caller.
     requeue_on_error = True
 
     def __init__(self, service: JobService, task_id: str, backend: KeyValueStoreBackend,
@@ -129,7 +113,7 @@ class BatchRun:
         """Hook: the jobs to run are in the engine (or none was left to run)."""
 
     def source(self, job_id: str) -> bytes | None:
-        """Hook: the JSON text job `job_id` was decoded from, if known (a bound that spares `check_size` its work)."""
+        """Hook: the JSON text job `job_id` was decoded from, if known (spares `check_size` its work)."""
         return None
 
     def sent_hash(self, job_id: str) -> str:
@@ -141,8 +125,8 @@ class BatchRun:
         return self.share
 
     def joined(self, running: list[tuple[Job, Future]]) -> None:
-        """Hook: these jobs are already running in this process, with that run's future; that run finishes and
-        stores them. A job of other content under the running one's id is a conflict, as on the pool path."""
+        """Hook: these jobs already run here (with that run's future), which stores them; other content under the
+        running one's id is a conflict."""
         for job, future in running:
             future.add_done_callback(functools.partial(self._joined_done, job))
 
@@ -161,9 +145,8 @@ class BatchRun:
         return {"jobs": len(raw_jobs), "ran": ran, "skipped": len(jobs) - ran}
 
     def run_jobs(self, jobs: list[Job], done: dict[str, dict[str, Any]]) -> int:
-        """Claim, admit, generate and store parsed `jobs` (`done`: results known already, such as parse failures,
-        then every result); returns how many ran. A job already running here (as a single job or in another group)
-        is that run's to finish and store (`joined`)."""
+        """Claim, admit, generate and store parsed `jobs`; returns how many ran. `done`: results known already (parse
+        failures), filled with every result. A job already running here is left to that run (`joined`)."""
         mine = self._claim(jobs)
         try:
             ran = self._run_mine(mine, done)
@@ -174,16 +157,16 @@ class BatchRun:
         return ran
 
     def _claim(self, jobs: list[Job]) -> list[Job]:
-        """The jobs this run is to run: those not already running in this process, registered as running here until
-        stored or released (`_store`, `_release_mine`); a job running elsewhere here is that run's (`joined`)."""
+        """The jobs not already running here, now registered as this run's until stored or released; the others go
+        to `joined`."""
         mine, running = self.service.claim(jobs)
         self._mine = {job.id: job for job in mine}
         self.joined(running)
         return mine
 
     def _release_mine(self, done: dict[str, dict[str, Any]], error: BaseException | None = None) -> None:
-        """The run's jobs still registered as running here end: a delivery of one waiting on this run gets its result
-        in `done` (None: found stored) or `error`, and the jobs are released."""
+        """Release the jobs still registered to this run; a delivery waiting on one gets its result in `done` (None:
+        found stored) or `error`."""
         self.service.release(list(self._mine.values()), done, error)
         self._mine = {}
 
@@ -199,8 +182,8 @@ class BatchRun:
         return len(todo)
 
     def _free_room(self, count: int) -> None:
-        """`count` more of the message's jobs hold no engine slot: its prefetch room no longer counts them, so the
-        worker takes more work as a group's short jobs end (the message is still acked once all results are stored)."""
+        """`count` more of the message's jobs hold no engine slot: free their prefetch room (`transport.jobs_ended`).
+        The message is still acked only once all its results are stored."""
         if count > 0:
             jobs_ended(self.task_id, count)
 
@@ -258,12 +241,9 @@ class BatchRun:
         return jobs, failed
 
     def _generate(self, runs: list[Attempt], done: dict[str, dict[str, Any]]) -> None:
-        """Submit every job to the engine at once (they join its running batch), then wait for all.
-
-        On any error, or when the shutdown grace runs out, the unfinished requests are aborted and the group
-        is requeued (finished results are stored by the caller; a redelivered group runs only the rest). A job
-        past its deadline is stopped in the engine and ends `deadline_exceeded`; the others go on.
-        """
+        """Submit every job to the engine at once, then wait for all. A job past its deadline is stopped
+        (`deadline_exceeded`); on any error or once the shutdown grace runs out, the unfinished requests are aborted
+        and the group is requeued (`Reject`). The caller stores the finished results."""
         futures = self._submit(runs)
         deadlines = {future: run.deadline for future, (run, _) in futures.items() if run.deadline is not None}
         pending = set(futures)
@@ -309,12 +289,12 @@ class BatchRun:
         return futures
 
     def _hand_over(self, runs: list[Attempt]) -> list[tuple[Future | None, str]]:
-        """Hand `runs` to the engine in one message: each one's engine future and request id."""
+        """Hook: hand `runs` to the engine in one message: each one's engine future and request id."""
         return self.service.submit_many(runs)
 
     def _complete(self, run: Attempt, answer: Answer | BaseException) -> dict[str, Any]:
-        """The final result of a job from the engine's answer (`engine_process.Answer`: an output, or an exception,
-        raised here unless it is a refusal)."""
+        """The job's final result from the engine's answer (`engine_process.Answer`); an exception other than a
+        refusal is raised."""
         try:
             if isinstance(answer, BaseException):
                 raise answer
@@ -323,8 +303,8 @@ class BatchRun:
             return self.service.complete(run, error=exc)
 
     def _finished(self, finishing: queue.SimpleQueue[Future], pending: int, timeout: float) -> set[Future]:
-        """The futures resolved since the last call: all `pending` ones, or those resolved within `timeout` (from a
-        queue each future's callback feeds, so a call's work does not grow with the group)."""
+        """The futures resolved since the last call: all `pending` ones, or those resolved within `timeout`. Reads the
+        queue the futures' callbacks feed, so a call's work does not grow with the group."""
         finished: set[Future] = set()
         end = time.monotonic() + timeout
         while len(finished) < pending:
@@ -363,8 +343,8 @@ class BatchRun:
         return {key(job_id): encode_result(self.backend, results[job_id], meta) for job_id in job_ids}
 
     def stored(self, results: dict[str, dict[str, Any]]) -> None:
-        """The results `encode_new` gave are in Redis: a later store does not repeat them, and their jobs are no
-        longer running here (a delivery from now on is a new one: counted, it finds the result stored)."""
+        """The results `encode_new` gave are in Redis: never stored again, their jobs released (a later delivery is
+        a new one: counted, it finds the result stored)."""
         new = self.unstored(results)
         self._stored.update(new)
         self.service.release([self._mine.pop(job_id) for job_id in new if job_id in self._mine], results)
@@ -372,11 +352,10 @@ class BatchRun:
 
 
 class PoolRun(BatchRun):
-    """A single `tokenmill.generate` job on Celery's pool (`WorkerService.run_job`): a group of one, with what the pool
-    needs. Its result goes back to Celery's tracer, which stores it, applies chords and linked tasks, and acks, except a
-    cancelled one: stored here as REVOKED, Celery told to store nothing (`Ignore`, as for a result stored already). A
-    delivery of a job running here waits for that run. Its admission and engine message are shared with the pool
-    threads admitting at the same moment (`JobService.admit_one`); an error other than a refusal reaches Celery."""
+    """A single `tokenmill.generate` job on Celery's pool (`WorkerService.run_job`): a group of one. Celery's tracer
+    stores its result and acks, except a cancelled one (stored here as REVOKED, then `Ignore`). A delivery of a job
+    running here waits for that run. Admission and the engine message are shared with concurrent pool threads
+    (`JobService.admit_one`); an error other than a refusal reaches Celery."""
 
     requeue_on_error = False
 
@@ -403,7 +382,7 @@ class PoolRun(BatchRun):
             self._joined = running[0][1]
 
     def _wait_joined(self, job: Job) -> dict[str, Any] | None:
-        """The joined run's result (None: it found one stored), or its error; requeued once the shutdown grace is over."""
+        """The joined run's result (None: found stored) or its error; requeued once the shutdown grace is over."""
         assert self._joined is not None
         while True:
             try:

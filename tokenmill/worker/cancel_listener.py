@@ -1,9 +1,8 @@
 """Hears cancels of the jobs this worker runs and stops them in the engine.
 
-A cancel (`tokenmill.queue.cancels.cancel`) is announced on the Redis channel `tokenmill:cancels` and kept as a
-mark per job. This thread listens on the channel, so a running job stops at the engine's next step, and every
-`SWEEP_INTERVAL` also reads the marks of the jobs running here, so a cancel announced while it was not
-subscribed (Redis restarted, the connection dropped) still stops its job, at most that much later. Torch-free.
+Listens on `CANCEL_CHANNEL`, and every `SWEEP_INTERVAL` reads the cancel marks of the jobs running here, so a cancel
+announced while unsubscribed still stops its job, at most that much later. Torch-free.
+See docs/internals/worker.md, section "Cancels, leases and control".
 """
 
 from __future__ import annotations

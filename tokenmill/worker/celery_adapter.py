@@ -1,9 +1,7 @@
-"""Every part of Celery the worker replaces: each class and function here subclasses, replaces or proxies one, says
-which and why, and calls the tokenmill logic that stays in its own module (`guard`, `leases`, `intake`). kombu's
-overrides are `tokenmill.queue.transport`'s; the remote-control commands tokenmill answers itself are registered
-through Celery's command table (`tokenmill.worker.control`); tests/test_library_contract.py checks the names they
-rely on. Torch-free and light: the app loads it, so the process's service (`tokenmill.worker.runtime`) is imported
-only as Celery calls.
+"""Every part of Celery the worker replaces: each class and function here subclasses, replaces or proxies one and
+says which; tokenmill's own logic stays in `guard`, `leases` and `intake`. tests/test_library_contract.py checks the
+Celery names they rely on. Torch-free and light: the app imports it, so `runtime` is imported only as Celery calls.
+See docs/internals/worker.md, section "Celery and kombu adapters".
 """
 
 from __future__ import annotations
@@ -63,19 +61,17 @@ return stored
 
 
 class CoalescingRedisBackend(RedisBackend):
-    """Replaces Celery's `RedisBackend` in the worker app (`BACKEND_OVERRIDES`), whose store costs two round trips a
-    job: the meta of jobs finishing together goes to a `Coalescer` and one `_STORE` call, which does per key what
-    Celery does (same keys, values, expiry and announcement: `AsyncResult` and Flower see the same)."""
+    """Replaces Celery's `RedisBackend` in the worker app (`BACKEND_OVERRIDES`): results of jobs finishing together
+    are stored in one `_STORE` call (`Coalescer`), with Celery's keys, values, expiry and announcement."""
 
     #: Results per script call: Redis runs a script alone, so none may take long.
     STORE_LIMIT = 256
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        # One instance for all pool threads (else Celery builds one per thread, each with its own connection pool,
-        # and no two threads' stores could share a call). redis-py clients are thread-safe; the worker never
-        # waits on results through this backend's pub/sub consumer, the one part that is not. Set on the
-        # instance: Celery's Backend.__init__ sets it from `result_backend_thread_safe` (False), over the class's.
+        # One instance for all pool threads, so their stores can share a call. Safe: redis-py clients are
+        # thread-safe and the worker never waits on results through the (unsafe) pub/sub consumer. Set on the
+        # instance: Celery's Backend.__init__ overrides the class attribute.
         self.thread_safe = True
         self.connparams.update(PACKER_OPTIONS)  # its pool's connections pack with hiredis alone
         self._stores: Coalescer[tuple[str, bytes, int], None] = Coalescer(self._store_many, limit=self.STORE_LIMIT)
@@ -83,7 +79,7 @@ class CoalescingRedisBackend(RedisBackend):
         self._task_key_prefix: bytes = self._get_key_for(self.task_keyprefix, "")
 
     def get_key_for_task(self, task_id: str | bytes, key: str | bytes = "") -> bytes:
-        """Celery's key; a text id is joined to the prefix encoded once (Celery encodes each part anew)."""
+        """Celery's key; a text id is joined to the prefix encoded once."""
         if task_id and key == "" and task_id.__class__ is str:
             return self._task_key_prefix + task_id.encode()
         return super().get_key_for_task(task_id, key)
@@ -116,9 +112,8 @@ class CoalescingRedisBackend(RedisBackend):
 
 
 class _SnapshotWeakSet(weakref.WeakSet):
-    """A WeakSet iterated over a copy of its members taken in one step, `set.copy()`: it allocates before it reads and
-    then runs no Python code, while `tuple(set)` allocates after its iterator starts, where a garbage collection runs
-    finalizers (and lets other threads in) that may change the set under the iterator."""
+    """A WeakSet iterated over a copy taken in one step (`set.copy()` runs no Python code once it reads), so neither
+    a garbage collection nor another thread can change the set under the iterator."""
 
     def __iter__(self) -> Iterator[Any]:
         for ref in self.data.copy():
@@ -128,10 +123,8 @@ class _SnapshotWeakSet(weakref.WeakSet):
 
 
 def snapshot_request_sets() -> None:
-    """Replace the class of Celery's sets of reserved, active and scheduled requests (`celery.worker.state`): the
-    consumer's `on_close` iterates them when the broker connection drops, while the intake's, the finisher's and the
-    pool's threads add to and discard from them ("Set changed size during iteration" stopped a worker). They keep
-    their identity (Celery's functions hold their bound `add` and `discard`); only their iteration changes."""
+    """Make Celery's reserved, active and scheduled request sets (`celery.worker.state`) safe to iterate while other
+    threads change them. They keep their identity (Celery holds their bound `add` and `discard`)."""
     for requests in (state.reserved_requests, state.active_requests, state.scheduled_requests):
         requests.__class__ = _SnapshotWeakSet
 
@@ -229,20 +222,17 @@ class IntakeDrain(bootsteps.StartStopStep):
 
 
 def strategy(task: Task, app: Celery, consumer: Consumer, **options: Any) -> Callable[..., None]:
-    """Replaces Celery's default `Strategy` of `tokenmill.generate` (the task's `Strategy` option) by Celery's own
-    (`celery.worker.strategy.default`) whose requests go to the process's intake (`tokenmill.worker.intake`) instead
-    of the pool, or to the pool when they need it."""
+    """The `Strategy` of `tokenmill.generate`: Celery's default one, with its requests handed to the process's
+    intake (`Intake.offer`) instead of the pool."""
     from tokenmill.worker import runtime  # the process's service: loaded in a worker only
 
     intake = runtime.intake()
     intake.attach(consumer.on_task_request, getattr(consumer, "hub", None))
-    # Celery's handler asks the app, per message, whether it uses UTC, looking `timezone.utc` up anew each time, for
-    # an answer fixed once the app's `timezone`, a cached property, has been read
+    # fixed once the app's `timezone` (a cached property) is read; Celery's handler asks it per message
     uses_utc = app.uses_utc_timezone()
     app.uses_utc_timezone = lambda: uses_utc
-    # Celery's strategy builds each message's `task-received` event and sends it to the dispatcher, which drops it
-    # while task events are off (the default): given no dispatcher then, it builds none, nor do its
-    # requests. `enable_events` and `disable_events` rebuild the strategies (`tokenmill.worker.control`).
+    # no dispatcher while task events are off, so no event is built to be dropped; `enable_events` and
+    # `disable_events` rebuild the strategies (`tokenmill.worker.control`)
     dispatcher = consumer.event_dispatcher
     return default(task, app, _Routed(consumer, intake.offer, dispatcher if sends_task_events(dispatcher) else None),
                    **options)

@@ -1,18 +1,9 @@
 """Celery's remote-control commands on a tokenmill worker: what works, and an error for what does not.
 
-Celery's `revoke` only flags a task in the memory of the workers alive at that moment, and `terminate` needs a
-pool that can kill a job (the threads pool cannot). Here `revoke(id)`, `revoke(id, terminate=True)` and
-`terminate` (what Flower's buttons send) all cancel the job the way `Client.cancel` does: recorded in Redis,
-so every worker honours it, now or later, and a running job stops at the engine's next step with its partial
-text (`tokenmill.queue.cancels`).
-
-`rate_limit` and `time_limit` cannot work (rate limits are off, the threads pool enforces no time limit): they
-answer with an error naming what to use instead, never "set successfully". The commands that change a
-worker's state (shutdown, pool size, autoscale, consumers) answer with an error unless the worker runs with
-`remote_control_writes` on: anyone who can write to the broker can send them. Inspecting (`celery inspect`,
-Flower's views) and events keep working: `enable_events` and `disable_events` (Flower sends the first) also rebuild the
-consumer's task strategies when they turn task events on or off, for the strategy of `tokenmill.generate` hands its
-requests the event dispatcher only while it sends task events (`tokenmill.worker.celery_adapter.strategy`). Torch-free.
+`revoke` and `terminate` cancel jobs in Redis as `Client.cancel` does; `rate_limit` and `time_limit` answer an error;
+`STATE_CHANGING` commands are refused unless `remote_control_writes` is on; `enable_events` and `disable_events` also
+rebuild the task strategies. Torch-free.
+See docs/internals/worker.md, section "Cancels, leases and control".
 """
 
 from __future__ import annotations
@@ -34,7 +25,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tokenmill.worker")
 
-#: Celery's commands that turn task events on and off; here they rebuild the task strategies too (`_switching_events`).
+#: Celery's commands that turn task events on and off; they also rebuild the strategies (`_switching_events`).
 EVENT_SWITCHES = ("enable_events", "disable_events")
 _celery_switches = {name: Panel.data[name] for name in EVENT_SWITCHES}
 #: Commands that change the worker and are refused unless `remote_control_writes` is on.
@@ -106,8 +97,7 @@ def sends_task_events(dispatcher: EventDispatcher | None) -> bool:
 
 def _switching_events(name: str) -> Command:
     """Celery's `name` command, then the consumer's task strategies rebuilt if task events went on or off: a strategy
-    reads the dispatcher's state once, as it is built (Celery's default one then builds each message's `task-received`
-    event and hands it to the dispatcher, which drops it while task events are off)."""
+    reads the dispatcher's state once, when it is built."""
     switch = _celery_switches[name]
 
     def command(state: ControlState, **kwargs: Any) -> Reply:
@@ -122,8 +112,8 @@ def _switching_events(name: str) -> Command:
 
 
 def allow_state_changes(allowed: bool, explicit: bool = True) -> None:
-    """Turn Celery's state-changing commands on or off for the workers of this process (Celery's command
-    registry is one per process). `tokenmill worker` sets it from its settings before Celery starts."""
+    """Turn Celery's state-changing commands on or off for this process (Celery's command table is per process).
+    An `explicit` call (`tokenmill worker`, before Celery starts) wins over later implicit ones."""
     global _explicit
     if _explicit and not explicit:
         return
@@ -134,8 +124,8 @@ def allow_state_changes(allowed: bool, explicit: bool = True) -> None:
 
 @worker_init.connect
 def _from_environment(**_: object) -> None:
-    """`celery -A tokenmill.worker.app worker`: the setting comes from TOKENMILL_REMOTE_CONTROL_WRITES (the settings are
-    imported here, in a worker only: producers import the app)."""
+    """Under plain `celery worker`: the setting from TOKENMILL_REMOTE_CONTROL_WRITES (settings imported here, in a
+    worker only: producers import the app)."""
     from tokenmill.worker.settings import WorkerSettings
 
     allow_state_changes(WorkerSettings().remote_control_writes, explicit=False)

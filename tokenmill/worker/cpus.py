@@ -1,11 +1,9 @@
 """CPUs of the engine process and of the worker around it (`WorkerSettings.engine_cpus`). Linux only; torch-free.
 
-Why: a worker wakes its engine process through a pipe, and Linux wakes a process on the waker's CPU when it can; the
-engine's steps then shared a CPU with the worker's own work while another idled, and moved between CPUs. A CPU of
-its own helps jobs of many tokens, where the engine is what every job waits for, and hurts one-token jobs, where the
-worker confined to the other CPUs is (figures: docs/benchmarks/queue.md, `--against-flags='--engine-cpus auto'`). Off
-by default for that, and because each worker placed this way claims its CPUs: two workers on one machine must each be
-given their own list.
+A CPU of its own keeps the engine's steps off the CPU of the worker's work. Off by default: it helps long generations
+but hurts one-token jobs, and each worker placed this way claims its CPUs, so workers sharing a machine each need
+their own list.
+See docs/internals/worker.md, section "The engine process".
 """
 
 from __future__ import annotations
@@ -64,8 +62,7 @@ def placement(spec: str) -> tuple[set[int], set[int]] | None:
 
 
 def pin_process(cpus: set[int]) -> None:
-    """Every thread of this process on `cpus` (Linux sets CPUs per thread; threads started later inherit their
-    starter's)."""
+    """Every thread of this process on `cpus` (set per thread; threads started later inherit their starter's)."""
     for thread in os.listdir("/proc/self/task"):
         try:
             os.sched_setaffinity(int(thread), cpus)

@@ -1,14 +1,7 @@
-"""The engine in its own process, driven by its own loop; the Celery worker talks to it through a pipe.
+"""The engine in its own process (torch only there), driven by its own loop; the worker talks to it over a pipe.
 
-A process, not a thread of the worker, so that the engine's Python (scheduler, sampling bookkeeping) and Celery's
-per-job Python (messages, result writes, acks) share no GIL: Celery's work runs beside the engine's steps, not between
-them (figures: docs/benchmarks/queue.md), and the worker process never imports torch.
-
-The engine is not thread-safe; here only the loop in the child process touches it. Requests arrive on
-the pipe and are admitted between two steps, so new jobs join the running batch instead of waiting for
-it to drain; outputs finished in a step go back in one message right after that step.
-
-Messages are JSON (`send_bytes`/`recv_bytes` of `multiprocessing.connection`), never pickle:
+Only the child's loop touches the engine; requests are admitted between two steps and each step's finished outputs
+go back in one message. Messages are JSON (`send_bytes`/`recv_bytes`), never pickle:
 
     worker -> engine   {"op": "add", "id", "prompt" | "messages", "params" (not the defaults), "pooling" (an embedding)
                         | "score" (a score job's continuations), "share" (whose work: a tenant, a run; if any)}
@@ -18,28 +11,9 @@ Messages are JSON (`send_bytes`/`recv_bytes` of `multiprocessing.connection`), n
                        | {"op": "refused", "id", "field", "message"} | {"op": "stats", ...} | {"op": "fatal", "error"}
                        | {"op": "unusable", "error"} (the model cannot be loaded as configured; instead of "ready")
 
-Text prompts are tokenized in the worker process, not here: the engine process is the one every request in the
-batch waits on, and tokenizing is per-request work that can run beside it (as vLLM's front-end process does).
-At start-up the engine sends its tokenizer's `tokenizers` JSON ("tokenizer"), which the worker loads with the
-`tokenizers` library alone (no transformers, no torch), after checking here that it encodes exactly as the
-engine's tokenizer does; a tokenizer that is not a `tokenizers` one, or fails that check, is sent as null and
-prompts then come as text. Chat messages always come as messages (the chat template is transformers').
-
-Neither side blocks on a write while the other cannot read. Here, every pipe write goes through one writer thread
-(`_write_out`), in the order queued; no caller holds a lock across a write, and only a `send_many` that asks to
-(`wait=True`) waits for its own. The reader hands each answer to its sink (which must not block): it drains the
-engine's answers whatever the writes wait for. In the engine process every write goes through one writer thread
-(`_Outbox`) too, so the loop keeps reading requests and cancels, and stepping, while the worker is slow to read.
-
-The reader also marks when it last heard from the engine, which reports between steps at least every
-`_STATS_INTERVAL`: an engine that holds requests and is silent for `stall_timeout` seconds (frozen, stuck in a step,
-deadlocked) is reported to `on_stall` once, from a watchdog thread.
-
-A failure that belongs to one request (refused at admission: bad prompt, tokenizer or chat-template
-error; failed while running: its sampling or decoding, see `LLMEngine.step`) comes back as "refused"
-and fails that job only. If the engine raises outside a single request (the model's forward pass, out
-of memory, a device error), or its process dies, the worker cannot trust it any more: `on_fatal` is
-called (the service exits, the broker redelivers the unacked jobs).
+Invariants: neither side blocks on a write while the other cannot read (each side writes through one writer thread,
+and no lock is held across a write); a failure of one request ("refused") fails only its job; a failure outside any
+request, or the child's death, calls `on_fatal`. See docs/internals/worker.md, section "The engine process".
 """
 
 from __future__ import annotations
@@ -113,10 +87,9 @@ class EngineProcess:
     def __init__(self, model: str, options: dict[str, Any], on_fatal: Callable[[BaseException], None] | None = None,
                  on_stats: Callable[[EngineStatus], None] | None = None, cpus: set[int] | None = None,
                  on_stall: Callable[[str], None] | None = None, stall_timeout: float | None = None) -> None:
-        """`cpus`: the CPUs the engine process runs on (`tokenmill.worker.cpus`); None: wherever this process may.
-        `on_stall(why)`: called once, on the watchdog thread, when the engine held requests and sent nothing for
-        `stall_timeout` seconds (None: no watchdog); the engine process is killed first, and no request still pending
-        is answered (see `abandon`)."""
+        """`cpus`: the engine process's CPUs (None: anywhere this process may run). `on_stall(why)`: called once, on
+        the watchdog thread, after the engine held requests and sent nothing for `stall_timeout` seconds (None: no
+        watchdog); the engine process is killed first and no pending request is answered (`abandon`)."""
         # `tokenizers` batches on the calling thread (a thread pool would take cores from the engine, at more CPU)
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         context = multiprocessing.get_context("spawn")  # no fork of a process that runs threads
@@ -174,20 +147,13 @@ class EngineProcess:
         return list(futures.values())
 
     def send_many(self, requests: list[EngineRequest], sink: Sink, wait: bool = True) -> None:
-        """Queue (request id, params, prompt, messages, share) requests (params: `SamplingParams`, an embedding job's
-        `Embed` or a score job's `Score`) in one pipe message: a group's jobs pay one
-        write here and one read in the engine process instead of one each; each one's answer goes to `sink`. Text
-        prompts go as token ids when the engine sent its tokenizer; a prompt refused here is answered at once and not
-        sent. A sink, not a future per request: the single-job intake hands every answer to its finisher's queue.
+        """Queue `requests` in one pipe message; each one's answer goes to `sink`. Text prompts go as token ids once
+        the engine sent its tokenizer; a prompt refused here is answered at once and not sent.
 
-        `wait`: return once the message is written (the pipe may be full while the engine is in a step), and if the
-        write fails, answer no request of it: the caller has the error, and nothing stays pending. Without `wait`
-        (the consumer's event loop, which must never wait on the pipe) it returns once the message is queued for the
-        writer thread; a write that fails then means the engine process is gone, and the reader's `_lost` answers
-        the requests.
-
-        The requests are registered and the message queued together, under `_write_lock`, so a cancel or abort of one
-        of them is written after it."""
+        `wait`: return once the message is written, and if the write fails raise its error with no request left
+        pending. Without it (the consumer's event loop, which must never wait on the pipe) return once queued; a
+        failed write then means the engine is gone, and `_lost` answers the requests. Registering and queueing happen
+        together under `_write_lock`, so a cancel or abort of one of them is written after it."""
         prompts = self.tokenize([request[2] for request in requests])
         adds = []
         for (request_id, params, _, messages, share), prompt in zip(requests, prompts):
@@ -258,9 +224,8 @@ class EngineProcess:
                 self._outbox.put((fastjson.dumps({"op": "cancel", "id": request_id, "reason": reason}), None))
 
     def stop(self, timeout: float = 10) -> None:
-        """Ask the engine process to exit; kill it if it has not within `timeout` (a frozen one cannot read the ask,
-        and its write may wait on a full pipe: the writer thread's, which ends after it). Also after a `start` that
-        raised (the process may still be loading); for one that never started, only the writer thread ends."""
+        """Ask the engine process to exit; kill it if it has not within `timeout` (a frozen one cannot read the ask).
+        Also valid after a `start` that raised; for a process never started, only the writer thread ends."""
         with self._lock:
             if self._stopping:
                 return
@@ -273,9 +238,8 @@ class EngineProcess:
         _reap(self._process, timeout)
 
     def abandon(self) -> None:
-        """Kill the engine process and answer no request still pending (the caller is exiting and hands their jobs
-        to other workers: an answer now could store a result for a job already handed back). A request sent after
-        this waits for that exit (`_refuse`)."""
+        """Kill the engine process and answer no pending request: the caller is exiting and hands their jobs to other
+        workers, so an answer now could store a result for a job handed back. A later send waits for that exit."""
         with self._lock:
             self._stopping = self._abandoned = True
             self._pending.clear()
@@ -291,18 +255,16 @@ class EngineProcess:
         return max(0.0, time.monotonic() - self._heard - _STATS_INTERVAL) if held else 0.0
 
     def _refuse(self) -> None:
-        """A request sent to a stopped engine: `EngineFailure`. To an abandoned one, the calling thread waits for the
-        process to exit instead, which its abandoner does within a bound: an error here would end the job with a
-        failed result, and its message is handed back to run elsewhere."""
+        """A send to a stopped engine raises `EngineFailure`; to an abandoned one it waits for the process's exit
+        (bounded by the abandoner), since a failed result would be stored for a job handed back to run elsewhere."""
         if self._abandoned:
             threading.Event().wait()
         self._fatal_returned.wait()  # bounded by `on_fatal` (the worker's exits, under a watchdog): see `_lost`
         raise EngineFailure("the engine is stopped")
 
     def _write_out(self) -> None:
-        """The writer thread: each queued message to the pipe, in the order queued, until `stop` or `abandon`. A failed
-        write goes to the caller waiting on it (`send_many`); one nobody waits on needs no answer: the pipe broke
-        because the engine process is gone, which the reader sees too (`_lost`)."""
+        """The writer thread: each queued message in order, until `stop` or `abandon`. A failed write goes to its
+        waiting caller, if any; otherwise the engine is gone and the reader reports it (`_lost`)."""
         while (item := self._outbox.get()) is not None:
             payload, written = item
             try:
@@ -372,13 +334,9 @@ class EngineProcess:
                 sink(request_id, answer)
 
     def _lost(self, error: EngineFailure) -> None:
-        """The engine is gone: `on_fatal` first, and only then fail the requests in flight.
-
-        The worker's `on_fatal` exits the process. Had the requests failed first, the job threads waiting on them
-        could store failed results before the exit, and those jobs would never run again. A send meanwhile waits
-        until `on_fatal` returns (`_refuse`) rather than fail in that gap. `on_fatal` runs with no lock held (it
-        logs, which may block), so the other threads' calls here (abort, cancel, `stalled_for`) go on meanwhile.
-        """
+        """The engine is gone: `on_fatal` first (the worker's exits), only then fail the requests in flight, so no job
+        thread stores a failed result for a job that must run again. Sends meanwhile wait for `on_fatal` (`_refuse`);
+        it runs with no lock held, since it logs and logging may block."""
         with self._lock:
             stopping, self._stopping = self._stopping, True
             pending, self._pending = self._pending, {}
@@ -449,26 +407,17 @@ def _settle(futures: dict[str, Future], request_id: str, answer: Answer) -> None
 
 
 def freeze_startup_objects() -> None:
-    """Move every object alive now (imported modules, the model, the tokenizer) out of the garbage
-    collector's sight: they live as long as the process, yet a full collection walks them all.
-
-    The engine process tracks hundreds of thousands of objects after loading; a full collection of them
-    is long and comes every few thousand requests, stalling every request in the batch.
-    vLLM and SGLang freeze their engine processes' heaps after start-up for the same reason.
-    """
+    """Move every object alive now (modules, the model, the tokenizer) out of the garbage collector's sight: they
+    live as long as the process, and a full collection walking them stalls every request in the batch (vLLM and
+    SGLang freeze their engine processes' heaps for the same reason)."""
     gc.collect()
     gc.freeze()
 
 
 def serve(conn: Connection, model: str, options: dict[str, Any], cpus: set[int] | None = None) -> None:
-    """Main function of the engine process: load the model once, then step while there is work (on `cpus`, if given:
-    set before torch starts any thread, which inherit them).
-
-    SIGINT and SIGTERM are ignored here: sent to the whole process group (Ctrl-C in a terminal,
-    `timeout`, some supervisors) they must not kill the engine under the worker, which is finishing
-    its in-flight jobs with it. The worker ends this process with a "stop" message, or by exiting
-    (the pipe closes).
-    """
+    """Main function of the engine process: load the model once, then step while there is work (on `cpus`, set
+    before torch starts a thread). SIGINT and SIGTERM are ignored: sent to the whole process group they must not kill
+    the engine under a worker finishing its jobs; the worker ends it with "stop" or by exiting (the pipe closes)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if cpus:
@@ -509,10 +458,9 @@ class _Written:
 
 
 class _Outbox:
-    """The engine process's messages to the worker, written by a thread of their own in the order sent: the loop never
-    waits on a full pipe, so it goes on reading requests and cancels, and stepping, while the worker reads slowly.
-    Encoding stays on the caller's thread; a write that fails (the worker is gone) ends the writer, and the loop sees
-    the pipe closed on its next read."""
+    """The engine process's messages to the worker, written in order by a thread of their own, so the loop never waits
+    on a full pipe. A failed write (the worker is gone) ends the writer; the loop sees the pipe closed on its next
+    read."""
 
     def __init__(self, conn: Connection) -> None:
         self._conn = conn

@@ -1,13 +1,9 @@
-"""One thread that finishes every single job the intake handed to the engine, whichever group admitted it.
+"""The one thread that finishes every single job the intake handed to the engine, whichever group admitted it.
 
-Why: not a thread per group of single jobs (`tokenmill.worker.intake`) waiting for its own jobs. Jobs of
-different lengths end a few per engine step, spread over many groups, so every step would wake a thread per group,
-each completing, storing and acking its one or two jobs on its own (figures: docs/benchmarks/queue.md). Here the jobs that ended since the last turn, in every group, are completed together, and stored and their messages
-acked in one script call; group threads only admit.
-
-The engine hands each answer straight to this thread's queue (a sink per run, `EngineProcess.send_many`), not through
-a future per job. A run's state is this thread's once `watch` is called; runs are abandoned (unfinished engine requests
-aborted, their messages requeued) when completing or storing fails, and when the shutdown grace runs out. Torch-free.
+Each turn, the jobs that ended since the last one are completed together, and stored with their messages acked in one
+script call. A run's state is this thread's alone once `watch` is called; a run whose completion or store fails, or
+that outlives the shutdown grace, is abandoned (engine requests aborted, messages requeued). Torch-free.
+See docs/internals/worker.md, section "The finisher".
 """
 
 from __future__ import annotations
@@ -60,12 +56,12 @@ class Finishing(Protocol):
 
 
 class Finisher:
-    """The thread (started with the first run) and the queue of engine answers it takes from."""
+    """The thread (started by the first `watch`) and the queue of engine answers it takes from. Other threads call
+    only `sink`'s callable and `watch`."""
 
     def __init__(self, settling: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext
                  ) -> None:
-        """`settling`: a context the runs of a turn settle in (`Intake.holding_acks`: their acks wake the consumer's
-        loop once a turn, not once a run)."""
+        """`settling`: a context the runs of a turn settle in (`Intake.holding_acks`)."""
         self._settling = settling
         # (run, engine request id, answer), or (run, None, None) when `watch` hands the run over
         self._resolved: queue.SimpleQueue[tuple[Finishing, str | None, Answer | None]] = queue.SimpleQueue()
@@ -75,8 +71,8 @@ class Finisher:
         self._thread: threading.Thread | None = None
 
     def sink(self, run: Finishing) -> Callable[[str, Answer], None]:
-        """Where the engine answers `run`'s requests (`EngineProcess.send_many`'s sink), from before `watch`: an
-        answer that comes first (a prompt refused as it is sent, a job done within the admission) waits for it."""
+        """Where the engine answers `run`'s requests (`EngineProcess.send_many`'s sink); usable before `watch`, for
+        which an early answer waits."""
         return functools.partial(self._put, run)
 
     def watch(self, run: Finishing) -> None:

@@ -1,27 +1,9 @@
-"""The worker's refusal of malformed task messages, instead of crashing on them: what its Celery consumer
-(`tokenmill.worker.celery_adapter.GuardedConsumer`) checks before a task strategy, and how it answers a refusal.
+"""The worker's refusal of malformed or foreign task messages: what its consumer (`celery_adapter.GuardedConsumer`)
+checks before a task strategy, and how it answers a refusal.
 
-Celery checks a message's content type (so pickle and YAML are refused: `accept_content=["json"]`)
-and its ETA/expiry headers, but not the shape of a protocol-2 body: a JSON body that is not
-`[args, kwargs, embed]` raises a plain `ValueError` inside the consumer, which stops the worker; at
-shutdown kombu puts the unacked message back, so the next worker meets it again, forever. The
-consumer checks the envelope first and discards such messages the way Celery discards any invalid
-task message (rejected, so never redelivered). Protocol-1 messages (no `task` header, not sent by
-any Celery since 4.0) are refused too.
-
-Only the tasks in `ALLOWED_TASKS` run: a message naming any other task, Celery's built-ins (such as
-`celery.chord_unlock`) included, is refused like a message for an unknown task. Task ids must match
-`JOB_ID_PATTERN`, as job ids do, since they name Redis keys (the result, the delivery count).
-Envelopes kombu itself cannot handle never get here: tokenmill's transport sets them aside.
-
-A refused message is answered, so that its sender does not wait forever: when its `id` header can name a
-Celery result (a non-empty string of at most `MAX_RESULT_ID_CHARS` characters, pattern or not: the key
-`celery-task-meta-<id>` holds any), a FAILURE result naming the id and the reason is stored there (Celery's
-own answer to an unknown task); otherwise the message is set aside in the dead-letter list, where
-`tokenmill dead-letters list` shows it (not requeueable: it is no job; `purge` drops it).
-
-Refused messages are logged without their body (`describe`): Celery's own handlers quote up to 1 KiB of it,
-which would put prompt text in the logs. Torch-free.
+A refused message is rejected (never redelivered), answered so its sender does not wait forever (a FAILURE result
+under its id, else a dead letter) and logged without its body (`describe`). Torch-free.
+See docs/internals/worker.md, section "Celery and kombu adapters".
 """
 
 from __future__ import annotations
@@ -42,9 +24,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: The only tasks a tokenmill worker executes. A message for any other task (Celery's built-ins such as
-#: `celery.chord_unlock` included) is refused by the worker's consumer and marked failed. To add a task, register it
-#: in `tokenmill.worker.app.create_app` and name it here.
+#: The only tasks a tokenmill worker runs; any other (Celery's built-ins included) is refused and marked failed.
+#: To add a task, register it in `tokenmill.worker.app.create_app` and name it here.
 ALLOWED_TASKS: frozenset[str] = frozenset({TASK_NAME, BATCH_TASK_NAME})
 #: Longest task id a refusal is stored under; a longer one is set aside in the dead-letter list instead.
 MAX_RESULT_ID_CHARS = 1024
@@ -62,11 +43,8 @@ _NO_TIME_LIMITS = [None, None]
 
 
 def protocol_problem(message: Message) -> str | None:
-    """Why `message` is not a usable Celery protocol-2 task message, or None if it is.
-
-    Bodies that cannot be decoded at all (pickle, non-JSON) are left to Celery, which refuses them
-    with a precise reason of its own.
-    """
+    """Why `message` is not a usable Celery protocol-2 task message, or None if it is. Undecodable bodies (pickle,
+    non-JSON) are left to Celery, which refuses them with its own reason."""
     headers = message.headers
     if not isinstance(headers, dict) or not isinstance(headers.get("task"), str):
         return "not a Celery protocol 2 task message (no 'task' header)"

@@ -1,10 +1,8 @@
 """`tokenmill health`: exit 0 only while the worker's engine is serving (the container healthcheck).
 
-"The process exists" is not enough: a worker whose engine hangs keeps its Celery consumer alive and
-keeps taking jobs it never finishes. So the check asks the worker's metrics endpoint, which starts only
-once the engine process has loaded the model, for `tokenmill_engine_last_status_timestamp_seconds`:
-the engine loop reports its status every 0.5 s, idle or busy (between two steps), so a report older
-than `max_age` means the engine is not serving. Torch-free and fast: one HTTP request.
+Reads `HEARTBEAT_METRIC` from the worker's metrics endpoint (up only once the model is loaded); the engine reports
+every 0.5 s, idle or busy, so a report older than `max_age` means it is not serving. Torch-free; one HTTP request.
+See docs/internals/worker.md, section "The engine process".
 """
 
 from __future__ import annotations

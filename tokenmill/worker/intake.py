@@ -1,29 +1,9 @@
-"""Single `tokenmill.generate` jobs without a pool thread each: they are admitted in groups and finished together.
+"""Single `tokenmill.generate` jobs admitted in groups, without a pool thread each, then finished by the finisher.
 
-Why: Celery's pool path costs a single job more than its share of a step: a hand-off to a pool thread,
-`trace_task` (signals, `saferepr` of the result, the store and ack calls one by one) and several thread wake-ups
-per job (figures: docs/benchmarks/queue.md).
-
-The task's Celery `Strategy` (`tokenmill.worker.celery_adapter.strategy`) is Celery's own, so every message still
-becomes Celery's `Request` (revoked and expired checks, `reserved`, the `task-received` event while task events are
-on), except that the request is handed to `Intake.offer` instead of the pool. A group thread (kept once
-idle, for the next group) takes every request waiting and admits them as one group with the group path's steps
-(`tokenmill.worker.batch_task.BatchRun`): one check-in script and one engine-process message. It then hands the
-group to the finisher (`tokenmill.worker.finisher`), one thread for every group: the jobs that ended since its
-last turn are completed together and their results stored in one script call that also acks their messages;
-the consumer's event loop is then woken to free their prefetch slots, so that it takes more messages as they
-free (a full worker waits for `WorkerSettings.take_at_least` of them). Each request is marked active (`celery
-inspect active`, the `task-started` event) while it runs and ready (`task-succeeded`) once its result is stored
-and its message acked, as the pool path does. While one group is being admitted the next one forms, so under
-load a group holds dozens of jobs; a small lone job on an idle worker is admitted by the consumer's loop itself.
-
-Left to the pool path (unchanged): jobs with a deadline or a Celery time limit, an S3 `output`, an `id` field
-other than the task id, a job body the task cannot read (its failure is worded there), ETA jobs, jobs in a chord
-or with linked tasks (Celery's `trace_task` applies those), and a job delivered again while it runs here (the
-pool path waits for that run). A group whose admission, completion or result store fails, or that is still
-running when the shutdown grace ends, has its unfinished jobs aborted and their messages requeued; the finished
-ones are stored and acked. Messages held by the intake are unacked kombu messages like any other, so leases renew
-them, the prefetch limit counts them and kill -9 loses none. `single_job_intake=false` turns all of this off.
+`Intake.offer` takes each request Celery's own strategy builds; `job_fields` picks the jobs that stay on the pool path.
+Each job ends stored with its message acked, or with its message requeued. Held messages are ordinary unacked kombu
+messages (leases renew them, prefetch counts them). `single_job_intake=false` turns the intake off.
+See docs/internals/worker.md, section "Single jobs: the intake".
 """
 
 from __future__ import annotations
@@ -64,19 +44,15 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tokenmill.worker")
 
-#: Most single jobs admitted in one group (one check-in script and one engine message): the service's
-#: `CHECK_IN_LIMIT`, not imported so that producers importing the app do not load the service.
+#: Most single jobs in one group: the service's `CHECK_IN_LIMIT` (not imported: producers must not load the service).
 GROUP_LIMIT = 500
-#: Parts of a message only Celery's `trace_task` applies (a chord's callback once its last part is stored, linked
-#: tasks, a chain's next step): a job that has one takes the pool path.
+#: Message parts only Celery's `trace_task` applies (chords, linked tasks, chains): a job with one takes the pool path.
 _TRACED = ("chord", "callbacks", "errbacks", "chain")
-#: Largest message body a lone job may have to be admitted on the consumer's loop (`Intake._next_group`): its prompt
-#: is tokenized there (its engine message is only queued for the pipe's writer thread), and a job of up to
-#: `max_job_bytes` (1 MiB) would hold the loop for its tokenizing.
+#: Largest body of a lone job admitted on the consumer's loop (`Intake._next_group`): it is tokenized there, and a
+#: large one would hold up the loop.
 LOOP_ADMISSION_MAX_BYTES = 16 * 1024
-#: Seconds one run's requeues may take in all (Redis down: failed ones are tried again a second apart) before the
-#: messages not requeued yet are left to the visibility timeout. One bound per run, not per job: a group's size must
-#: not multiply it (a worker shutting down with Redis down waits for it).
+#: Seconds all of one run's requeue retries may take before the rest are left to the visibility timeout. Per run,
+#: not per job: a shutdown with Redis down waits for it.
 REQUEUE_SECONDS = 30.0
 
 
@@ -92,8 +68,8 @@ class IntakeService(JobService, Protocol):
 
 
 def job_fields(request: Request) -> dict[str, Any] | None:
-    """The job a `tokenmill.generate` request carries, as `run_job` reads it; None when the intake leaves it to
-    the pool path (see the module docstring)."""
+    """The job a `tokenmill.generate` request carries, as `run_job` reads it; None when it takes the pool path (a
+    time limit, a `_TRACED` part, an unreadable body, an `output`, a `deadline_s`, an `id` other than the task id)."""
     if any(request.time_limits) or request.task.time_limit or request.task.soft_time_limit:
         return None
     embed = request.message.payload[2] or {}  # decoded once by kombu, cached
@@ -114,15 +90,10 @@ def job_fields(request: Request) -> dict[str, Any] | None:
 class Intake:
     """The waiting single-job requests and the group threads that admit them.
 
-    One group is being admitted at a time: the request that finds none in progress has a group thread started
-    on the consumer's loop, once the rest of its take is waiting too (a lone job with no group running is admitted
-    by the loop itself, `_next_group`); the requests that come meanwhile wait until that group's jobs are in the
-    engine, when the next group is started for all of them. The group thread is then free; the service's finisher
-    finishes the jobs. A group counts as running (`drain`) until each of its jobs is stored or requeued.
-
-    The service that owns the intake binds itself once, when it has started (`serve`). Celery may build the task's
-    strategy, and so hand requests to the intake, before that service exists (under plain `celery worker` the first
-    job builds it): `start_service` then builds it, once, on a group thread.
+    One group is admitted at a time; requests that come meanwhile form the next group, started once the current
+    group's jobs are in the engine. A group counts as running (`drain`) until each of its jobs is stored or requeued.
+    The owning service binds itself once (`serve`); requests that come before it exists have `start_service` build
+    it, once, on a group thread.
     """
 
     def __init__(self, start_service: Callable[[], object] | None = None) -> None:
@@ -142,15 +113,15 @@ class Intake:
         self.enabled: bool | None = None  # known once the worker's service exists
 
     def serve(self, service: IntakeService) -> None:
-        """The worker's service takes the intake on, once, as it has started: from now on the intake's groups run on
-        it (and `enabled` is its `single_job_intake`)."""
+        """Bind the started worker service, once (another one raises RuntimeError); `enabled` becomes its
+        `single_job_intake`."""
         if self._service is not None and self._service is not service:
             raise RuntimeError("the intake is served by another worker service already")
         self._service = service
         self.enabled = service.settings.single_job_intake
 
     def attach(self, on_task_request: Callable[[Request], None], hub: Hub | None) -> None:
-        """The consumer's hand-off to its pool and its event loop (a new consumer after a reconnect brings its own)."""
+        """The consumer's hand-off to its pool and its event loop; called again by a new consumer after a reconnect."""
         self._to_pool = on_task_request
         self.call_soon = hub.call_soon if hub is not None else None
         if hub is not None:
@@ -162,6 +133,7 @@ class Intake:
         return self._to_pool
 
     def offer(self, request: Request) -> None:
+        """On the consumer's loop, for each request: queue it for the next group, or hand it to the pool."""
         raw = None if self.enabled is False else job_fields(request)
         if raw is None:
             self._to_pool(request)
@@ -174,13 +146,11 @@ class Intake:
         self._start_soon()
 
     def _start_soon(self) -> None:
-        """Start the next group on the consumer's event loop, once the messages it is delivering are all waiting:
-        a take of many messages becomes one group."""
+        """Start the next group on the consumer's loop, after the take being delivered is all waiting: one group."""
         self.soon(self._next_group)
 
     def soon(self, call: Callable[..., object], *args: Any) -> None:
-        """`call(*args)` on the consumer's event loop; at once where there is no loop, or it has ended (the worker
-        is shutting down: the loop waits for the intake to drain)."""
+        """`call(*args)` on the consumer's loop; at once where there is no loop or it has ended (shutting down)."""
         if self._loop_running():
             self.call_soon(call, *args)
         else:
@@ -191,11 +161,9 @@ class Intake:
         return self.call_soon is not None and not (service is not None and service.shutting_down)
 
     def ack_soon(self, requests: list[Request], by_script: list[Request] | None = None) -> None:
-        """Ack these requests' messages on the consumer's loop, as Celery acks, with whatever other groups stored
-        before the loop's turn: one pipeline and one wake-up for them all. The wake-up makes the loop take more
-        messages at once as prefetch slots free (an ack from a group thread left it asleep until its next timer).
-        `by_script`: requests whose messages the script storing their results acked in Redis (`store_results`):
-        only their slots are freed."""
+        """Ack these requests' messages on the consumer's loop with whatever else waits: one pipeline and one wake-up,
+        which lets the loop take more messages as slots free. `by_script`: requests whose messages the result store
+        script acked already (`store_results`): only their prefetch slots are freed."""
         if not (requests or by_script):
             return
         with self._cond:
@@ -205,10 +173,8 @@ class Intake:
             self._wake_for_acks()
 
     def _wake_for_acks(self) -> None:
-        """Ask the loop for a turn to ack what waits, unless that is only slots of messages the store script acked
-        while the consumer has room to take meanwhile: the loop frees those at its next turn anyway (`_ack_at_turn`;
-        a BLMOVE returns within its 1 s timeout), so a lone job's store wakes no loop at the moment the client reads
-        the result. A consumer without room is woken: the slot lets it take again."""
+        """Ask the loop for a turn to ack what waits; not when only script-acked slots wait and the consumer has
+        room, since its next turn frees them anyway (`_ack_at_turn`)."""
         with self._cond:
             if self._ack_scheduled or not (self._to_ack or self._acked):
                 return
@@ -218,14 +184,14 @@ class Intake:
         self.soon(self._ack_waiting)
 
     def _ack_at_turn(self) -> None:
-        """Each turn of the consumer's loop: ack what waits (a test of two lists when nothing does)."""
+        """On each turn of the consumer's loop (`hub.on_tick`): ack what waits."""
         if self._acked or self._to_ack:
             self._ack_waiting()
 
     @contextlib.contextmanager
     def holding_acks(self) -> Iterator[None]:
-        """Acks this thread queues inside go to the loop together, at the end. The finisher settles every run whose
-        jobs ended in its turn, so the loop wakes once per turn, not once per run."""
+        """Acks this thread queues inside go to the loop together on exit: the finisher's turn wakes it once, not
+        once per run."""
         self._holding.acks = True
         try:
             yield
@@ -242,12 +208,10 @@ class Intake:
             _acknowledge(request, by_script=True)
 
     def _next_group(self) -> None:
-        """Start a group of everything waiting, or note that no admission is in progress.
+        """On the consumer's loop: start a group of what waits (up to `GROUP_LIMIT`), or clear `_admitting`.
 
-        A lone small job on an idle intake (no group running, the service up, a body of at most
-        `LOOP_ADMISSION_MAX_BYTES`) is admitted right here, on the consumer's loop, without the hand-off to a group
-        thread. The loop has nothing else to do meanwhile, and under load groups are running, so this never holds up
-        a take."""
+        A lone small job (`LOOP_ADMISSION_MAX_BYTES`) with no group running is admitted right here, without a group
+        thread: the loop is idle then, so this never holds up a take."""
         with self._cond:
             taken, self._waiting = self._waiting[:GROUP_LIMIT], self._waiting[GROUP_LIMIT:]
             if not taken:
@@ -286,13 +250,12 @@ class Intake:
                 self._start_soon()
 
     def _service_up(self) -> bool:
-        """Whether the worker's service is up with the intake on; never builds it (under plain `celery worker` the
-        first job does, loading the model: on a group thread, not on the consumer's loop)."""
+        """Whether the service is up with the intake on. Never builds it: that loads the model, never on the loop."""
         return self.enabled is True
 
     def _worker_service(self) -> IntakeService | None:
-        """The worker's service, or None when the intake is off (or no service can start: the pool path then
-        meets, and reports, that failure job by job)."""
+        """The worker's service, built on first use; None when the intake is off or no service can start (the pool
+        path then reports that failure job by job)."""
         if self.enabled is None:
             try:
                 if self._start_service is None:
@@ -311,8 +274,8 @@ class Intake:
             self._cond.notify_all()
 
     def drain(self) -> None:
-        """Wait for every request taken so far to end (the shutdown grace bounds each group's run). Runs after
-        the consumer's loop has ended: a group it was to start is started here."""
+        """Block until every request taken so far is stored or requeued (the shutdown grace bounds each run). Called
+        after the consumer's loop has ended: starts any group the loop was to start."""
         while True:
             with self._cond:
                 if not (self._waiting or self._groups):
@@ -324,9 +287,8 @@ class Intake:
 
 
 class _Threads:
-    """Daemon threads, each running one call at a time and kept, once idle, for the next (waking a kept thread costs
-    less than starting one per group). Daemons: an admission stuck on a dead engine must not hold the process at
-    exit."""
+    """Daemon threads running one call at a time, kept once idle for the next. Daemons: an admission stuck on a dead
+    engine must not hold the process at exit."""
 
     def __init__(self, name: str) -> None:
         self._name = name
@@ -359,9 +321,8 @@ def _unattached(request: Request) -> None:
 
 
 class IntakeRun(BatchRun):
-    """One group of single jobs: admitted here (`BatchRun`'s parse, claim, check-in and one engine message), then
-    finished by the service's finisher with every other group's jobs, each job's message acked (through `intake`)
-    once its result is stored."""
+    """One group of single jobs: admitted with `BatchRun`'s steps (`admit`), then finished by the service's
+    `Finisher`. Each job's message is acked only once its result is stored."""
 
     service: IntakeService
 
@@ -369,9 +330,8 @@ class IntakeRun(BatchRun):
                  admitted: Callable[[], object], ended: Callable[[], object], on_loop: bool = False) -> None:
         super().__init__(service, "single jobs", taken[0][0].task.backend)
         self.intake = intake
-        # admitted on the consumer's loop (`Intake._next_group`): its engine message is queued, never waited for
-        # (the engine's pipe is full while it is in a step); a group thread waits for its write, so the next group
-        # gathers the requests that come meanwhile
+        # admitted on the consumer's loop: its engine message is queued, never waited for (the loop must not block
+        # on the engine's pipe); a group thread waits for the write
         self.on_loop = on_loop
         self.requests: dict[str, Request] = {}
         self.raw: list[dict[str, Any]] = []
@@ -413,17 +373,15 @@ class IntakeRun(BatchRun):
             self._end()
 
     def _send(self, runs: list[Attempt]) -> None:
-        """Hand `runs` to the engine in one message, their answers to the finisher's queue (it takes them once `watch`
-        hands it the run: `in_engine` is complete by then)."""
+        """Hand `runs` to the engine in one message; their answers wait in the finisher's queue until `watch`, by
+        which time `in_engine` is complete."""
         submitted = self.service.submit_many(runs, self.service.finisher.sink(self), wait=not self.on_loop)
         self.in_engine = {request_id: run for run, (_, request_id) in zip(runs, submitted)}
         self.service.metrics.jobs_in_flight.inc(len(runs))
 
     def finish(self, answers: list[tuple[str, Answer]], turn: dict[object, dict[str, Any]]
                ) -> tuple[dict[bytes, bytes], list[tuple[str, str, str]]]:
-        """`Finishing.finish`: each answered job's result; every result of the run not stored yet, encoded, and
-        the records of their jobs' messages, acked by the same script. Celery's meta of the results is made once per
-        turn and result backend (`result_meta`), not once per run."""
+        """`Finishing.finish`. Celery's result meta is made once per turn and backend (`turn`), not once per run."""
         left_engine = 0
         try:
             for request_id, answer in answers:
@@ -461,7 +419,7 @@ class IntakeRun(BatchRun):
         self._requeue_then_end(reason)
 
     def _end(self) -> None:
-        """Every job is stored, found stored or joined another run: none should be left."""
+        """End the run; every job should be stored, found stored or handed on by now, and any left is requeued."""
         self.accepting = False
         self._release_mine(self.done)
         if self.requests:
@@ -471,8 +429,7 @@ class IntakeRun(BatchRun):
             self._ended()
 
     def _requeue_then_end(self, reason: str) -> None:
-        """`_requeue_rest` in a thread of its own (with Redis down it retries for up to `REQUEUE_SECONDS`,
-        which must not hold up the finisher's other runs), then the run ends."""
+        """`_requeue_rest` on a thread of its own (its retries must not hold up the finisher), then end the run."""
 
         def requeue() -> None:
             try:
@@ -516,17 +473,16 @@ class IntakeRun(BatchRun):
         requests = [(self.requests.pop(job_id), results.get(job_id)) for job_id in settled]
         now = time.time()
         for request, result in requests:
-            # Not `successful=True`: that adds the id to Celery's `successful_requests`, a bounded set read only for
-            # requests still active (at shutdown), and this one stops being active here
+            # not `successful=True`: Celery reads `successful_requests` only for active requests, and this one stops
+            # being active here
             task_ready(request)
             if _sends_task_events(request):  # the result's repr is costly: only for an event that is sent
                 request.send_event("task-succeeded", result=saferepr(result, request.task.resultrepr_maxsize),
                                    runtime=now - (request.time_start or now))
 
     def _requeue_rest(self, reason: str) -> None:
-        """Put the unfinished jobs' messages back at the head of their queues (kombu's reject with requeue). Failed
-        requeues are tried again until one deadline for the whole run (`REQUEUE_SECONDS`); the messages not requeued
-        by then are released (`_release`) for the visibility timeout to requeue."""
+        """Requeue the unfinished jobs' messages at the head of their queues, retrying until `REQUEUE_SECONDS`;
+        those left are released (`_release`) for the visibility timeout to requeue."""
         deadline = time.monotonic() + REQUEUE_SECONDS
         left = []
         for request in self.requests.values():
@@ -548,8 +504,8 @@ class IntakeRun(BatchRun):
 
 
 def _release(requests: list[Request]) -> None:
-    """Drop these messages' local records, their unacked records left in Redis: their prefetch slots free and their
-    leases are no longer renewed, so the visibility timeout requeues them (a requeue that could not reach Redis)."""
+    """Drop these messages' local records, leaving them unacked in Redis: their slots free and their leases lapse,
+    so the visibility timeout requeues them."""
     for request in requests:
         if not request.acknowledged:
             acked_by_script(request.message)
@@ -557,14 +513,13 @@ def _release(requests: list[Request]) -> None:
 
 
 def _sends_task_events(request: Request) -> bool:
-    """Whether `Request.send_event` would send a task event (`sends_task_events`; a request made while they were off
-    has no dispatcher), asked before `send_event` builds the event's fields for a dispatcher that would drop it."""
+    """Whether `Request.send_event` would send a task event: asked first, so no event is built only to be dropped."""
     return request.task.send_events and sends_task_events(request.eventer)
 
 
 def _has_room(request: Request) -> bool:
-    """Whether the consumer that delivered `request` can take more messages with its slot still held (it is then, or
-    soon, waiting in a take that returns by itself); read from another thread, as a hint."""
+    """Whether the consumer that delivered `request` can take more with its slot still held; a hint, read from
+    another thread."""
     qos = getattr(getattr(request.message, "channel", None), "qos", None)
     return qos is not None and bool(qos.can_consume())
 
@@ -576,8 +531,7 @@ def _ack_all(requests: list[Request]) -> None:
 
 
 def _acknowledge(request: Request, by_script: bool = False) -> None:
-    """`Request.acknowledge`, but in the calling thread: Celery's `on_ack` schedules each ack on the consumer's event
-    loop on its own, one round trip per message; here the acks of a wave share one (`acks_together`). `by_script`:
+    """`Request.acknowledge` in the calling thread, so acks can share a round trip (`acks_together`). `by_script`:
     the store script acked the message in Redis already; only its slot is freed."""
     if not request.acknowledged:
         if by_script:
@@ -588,9 +542,8 @@ def _acknowledge(request: Request, by_script: bool = False) -> None:
 
 
 def _accept(requests: Iterable[Request]) -> None:
-    """What Celery's pool does as a job starts: `active` in `celery inspect`, the `task-started` event. The count per
-    task name (`celery inspect stats`' `total`) is added once per group: `task_accepted` adds each job's `{name: 1}`
-    through `Counter.update`, a Python call that checks its argument's type each time."""
+    """What Celery's pool does as a job starts: `active` in `celery inspect`, the `task-started` event. The per-name
+    `total` count is added once per group (`_counted_below`)."""
     now, pid, accepted = time.time(), os.getpid(), Counter()
     for request in requests:
         request.time_start = now
@@ -603,4 +556,4 @@ def _accept(requests: Iterable[Request]) -> None:
 
 
 def _counted_below(count: dict[str, int]) -> None:
-    """`task_accepted`'s count of one job, which `_accept` adds for its whole group at once."""
+    """Skips `task_accepted`'s per-job count: `_accept` adds the group's at once."""

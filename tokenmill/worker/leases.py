@@ -1,20 +1,9 @@
-"""Lease renewal: keep kombu from redelivering jobs that a live worker is still working on.
+"""Lease renewal: keep kombu from redelivering a job that a live worker still holds.
 
-kombu's Redis transport records each delivered, not yet acked message in the sorted set
-`unacked_index` with the delivery time as score, and any consumer's periodic sweep
-(`restore_visible`) puts a message back on its queue once `now - score > visibility_timeout`. It does
-not know whether the worker that holds the message is alive, so a job that runs longer than the
-visibility timeout would be delivered to a second worker and run twice.
-
-A consumer step (`tokenmill.worker.celery_adapter.LeaseRenewal`) calls `renew`, which re-stamps the score of
-every message this worker holds (received, running or writing its result, on the current channel or on one from
-before a broker reconnect, whose jobs keep running and ack through it) every `visibility_timeout / 8` seconds, with
-`ZADD XX` so a message acked in between is never put back. A worker killed with `kill -9` stops renewing and its
-messages are redelivered `visibility_timeout` (plus at most one sweep interval) after its last renewal.
-
-tokenmill's transport (`tokenmill.queue.transport`) does not put an old channel's messages back on
-the queue at a reconnect (kombu's `restore_at_shutdown`), so a reconnect neither reruns nor charges a
-delivery to the jobs running here. Torch-free.
+kombu redelivers an unacked message once its `unacked_index` score is older than `visibility_timeout`. `renew`,
+called by `tokenmill.worker.celery_adapter.LeaseRenewal` every `visibility_timeout / 8` seconds, re-stamps every
+message this worker holds with `ZADD XX`, so a message acked in between is never put back. Torch-free.
+See docs/internals/worker.md, section "Cancels, leases and control".
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
-"""`tokenmill worker`: load the model once, then run a Celery worker whose tasks feed the engine.
+"""`tokenmill worker`: load the model once, in the engine process, then run a Celery worker whose tasks feed it.
 
-The model is loaded once, in the engine process (`tokenmill.worker.engine_process`); this process
-never imports torch. The Celery worker uses the *threads* pool with concurrency = the in-flight
-capacity (1.25 x the engine's batch by default): each pool thread holds one job, hands its request to
-the engine process and waits for it, so the worker keeps pulling jobs until the batch is full, and a
-new job joins the batch at the next engine step. (The prefork pool would load one model per child
-process; solo would run one job at a time.)
+This process never imports torch. Celery's *threads* pool runs with concurrency = `in_flight_capacity`: each pool
+thread holds one job and waits on the engine, so the worker keeps taking jobs until the batch is full.
+See docs/internals/worker.md, section "Celery and kombu adapters".
 """
 
 from __future__ import annotations
@@ -25,26 +22,20 @@ from tokenmill.worker.settings import WorkerSettings
 
 log = logging.getLogger("tokenmill.worker")
 
-# Celery logs each task's return value ("succeeded in 0.3s: {...text...}") from this logger and each
-# received task from the other; the first would put completions in the logs, both cost time per job.
+# Celery's per-task lines (received; succeeded, with the return value): completions in the logs, and time per job.
 _PER_TASK_LOGGERS = ("celery.app.trace", "celery.worker.strategy")
 
 
-#: Objects the garbage collector tracks per job the worker holds, about twice what a job was found to hold
-#: (docs/benchmarks/queue.md). See `gc_thresholds`.
+#: Objects the garbage collector tracks per job held: about twice a job's (docs/benchmarks/queue.md; `gc_thresholds`).
 GC_OBJECTS_PER_JOB = 100
-#: Most new objects between collections, whatever the capacity: what cyclic garbage may pile up to and what one
-#: collection walks.
+#: Most new objects between collections, whatever the capacity: bounds cyclic garbage and one collection's walk.
 GC_MAX_THRESHOLD = 1_000_000
 
 
 def gc_thresholds(in_flight_capacity: int) -> tuple[int, int, int]:
-    """The worker's garbage-collector thresholds (Python's: 700, 10, 10).
-
-    A job's objects (its message, request, result) die with it, by reference count: no cycles (none found in
-    `gc.garbage` under `DEBUG_SAVEALL` after thousands of jobs). But a collection comes every `threshold` net
-    allocations and walks every young object, so while a worker fills up to its capacity each collection would walk
-    the jobs in flight for nothing. At twice the objects a full worker holds, none comes from filling up."""
+    """The worker's garbage-collector thresholds (Python's: 700, 10, 10). A job's objects die by reference count,
+    but each collection walks every young object, jobs in flight included; at twice the objects a full worker holds,
+    filling up triggers none."""
     return min(GC_MAX_THRESHOLD, max(20_000, GC_OBJECTS_PER_JOB * in_flight_capacity)), 50, 100
 
 
@@ -61,11 +52,9 @@ def setup_logging(settings: WorkerSettings) -> None:
 
 
 def lower_priority(increment: int) -> None:
-    """Lower this thread's CPU priority, and so that of every thread it starts from now on: the Celery
-    consumer and pool threads. The engine process (started already) keeps its priority, so when cores are short the
-    engine, which every job in the batch waits on, runs first (docs/benchmarks/annotate.md); where cores are free (a
-    GPU host) it changes nothing. (Linux applies nice per thread.)
-    """
+    """Lower this thread's CPU priority, and so that of every thread it starts from now on (Linux applies nice per
+    thread): Celery's consumer and pool threads. The engine process, started already, keeps its priority, so it runs
+    first when cores are short."""
     if increment:
         os.nice(increment)
 

@@ -1,13 +1,6 @@
-"""Prometheus metrics of a worker (prometheus-client), served on `--metrics-port`.
-
-Counters are cumulative (use `rate()` for per-second values); `tokenmill_generation_tokens_per_second`
-is also exported directly, measured by the engine loop over its last reporting interval, for
-dashboards without PromQL. Engine gauges are refreshed from the engine process every 0.5 s.
-
-Several workers per host (one per GPU): each tries `--metrics-port` first and, when another process
-holds it, the next ports in turn (up to `--metrics-port-tries` of them); the port it got is logged
-("metrics endpoint on http://ADDR:PORT/metrics") and is the `port` attribute. Workers on one host started
-with the same flags thus get 9400, 9401, ... in start order. Port 0 disables the endpoint.
+"""Prometheus metrics of a worker, served on `--metrics-port` (or the next free port, up to `--metrics-port-tries`;
+0: no endpoint). Counters are cumulative; engine gauges follow the engine process's status reports.
+See docs/internals/worker.md, section "The engine process".
 """
 
 from __future__ import annotations
@@ -71,11 +64,8 @@ class WorkerMetrics:
         )
 
     def serve(self, port: int, addr: str = "127.0.0.1", tries: int = 1) -> int | None:
-        """Start the HTTP endpoint (a daemon thread) on `port` or the first free one of the `tries` after it.
-
-        Returns the port (also `self.port`); None when `port` is 0 (no endpoint). Raises OSError when
-        every port tried is taken.
-        """
+        """Start the HTTP endpoint (a daemon thread) on `port` or the first free one of the `tries` after it. Returns
+        the port (also `self.port`); None when `port` is 0. Raises OSError when every port tried is taken."""
         if not port:
             log.info("metrics endpoint off (--metrics-port 0)")
             return None
@@ -94,8 +84,8 @@ class WorkerMetrics:
         raise OSError(errno.EADDRINUSE, f"metrics ports {port}-{last} are all in use; set --metrics-port or --metrics-port-tries")
 
     def close(self) -> None:
-        """Stop the endpoint and unregister every metric from the registry, so that another `WorkerMetrics` may
-        register there (a worker service whose start failed, built again in the same process)."""
+        """Stop the endpoint and unregister every metric, so that another `WorkerMetrics` may register (a service
+        built again after a failed start)."""
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
@@ -114,11 +104,9 @@ class WorkerMetrics:
 
 
 class FinishedJobs:
-    """The succeeded jobs' counts and the jobs' latency histograms (`tokenmill_jobs_succeeded`, `_prompt_tokens`,
-    `_generated_tokens`, `_queue_wait_seconds`, `_job_latency_seconds`, `_time_to_first_token_seconds`), as plain
-    numbers under one lock, made into metric families when scraped (a prometheus-client custom collector): the
-    same names and samples as its `Counter`s and `Histogram`s, whose `inc` and `observe` take a lock each and walk
-    the buckets in Python, six times per succeeded job."""
+    """The succeeded jobs' counters and the latency histograms (`_COUNTERS`, `_HISTOGRAMS`) as plain numbers under
+    one lock, made into metric families when scraped (a custom collector): the samples of `Counter`s and
+    `Histogram`s at one lock per job instead of six."""
 
     _COUNTERS = (("tokenmill_jobs_succeeded", "Jobs finished with a result."),
                  ("tokenmill_prompt_tokens", "Prompt tokens of finished jobs."),

@@ -1,8 +1,7 @@
-"""What a job's result is once its run is decided: counted in the metrics, logged, written to S3, dead-lettered.
-
-`Outcomes` is the part of `tokenmill.worker.service.WorkerService` that turns an admission's decision or the engine's
-answer into the job's final wire result (`JobResult.to_wire()`); every path through the pipeline
-(`tokenmill.worker.batch_task.BatchRun`) ends here. The result mapping itself is `tokenmill.worker.output`.
+"""`Outcomes`, the part of `WorkerService` that turns an admission's decision or the engine's answer into the job's
+final wire result (`JobResult.to_wire()`): counted in the metrics, logged, written to S3 or dead-lettered. Every path
+through `tokenmill.worker.batch_task.BatchRun` ends here.
+See docs/internals/worker.md, section "The pipeline".
 """
 
 from __future__ import annotations
@@ -72,8 +71,7 @@ class Outcomes:
         raise ValueError(f"job {run.job.id} is to run, not to settle")
 
     def joined_another(self, job: Job, result: dict[str, Any]) -> bool:
-        """Whether the run `job` joined (the result it gave) was another job under this id: a conflict, logged
-        and counted as `skip_stored` does."""
+        """Whether the run `job` joined gave another content's result under this id: a conflict (`skip_stored`)."""
         job_hash = job.content_hash()
         settled = settled_by(result.get("job_hash"), job_hash)
         if isinstance(settled, Conflict):
@@ -81,8 +79,7 @@ class Outcomes:
         return isinstance(settled, Conflict)
 
     def skip_stored(self, job: Job, settled: Stored | Conflict, job_hash: str) -> None:
-        """A final result is stored under `job.id` (or another run of it finishes here): this job's (a repeated
-        delivery or submission, idempotent), or another content's (the id was reused: a conflict, counted)."""
+        """Log (and for a `Conflict`, count) a job not run because a final result is stored under its id."""
         if isinstance(settled, Conflict):
             self.metrics.jobs_failed.labels(code="conflict").inc()
             log.warning("job %s not run: its id holds the result of a job with different content (%s, this job %s); "

@@ -1,8 +1,8 @@
-"""A finished request from the engine process to the job's wire result: one type, `EngineOutput`, in two forms.
+"""A finished request, from the engine process to the job's wire result (`EngineOutput`).
 
-`output_fields` (in the engine process) is its pipe message, made of the engine's `RequestOutput`; `result_wire` (in
-the worker) the job's `JobResult.to_wire()`, built as a dict with the contract's keys in its order, not validated and
-dumped again (tests/test_result_wire.py holds it to the validated dump, and to fixed bytes)."""
+`output_fields` (engine process) makes its pipe message; `result_wire` (worker) builds `JobResult.to_wire()` directly
+as a dict, keys in the contract's order; tests/test_result_wire.py holds it to the validated dump.
+See docs/internals/worker.md, section "The engine process"."""
 
 from __future__ import annotations
 
@@ -40,9 +40,8 @@ class EngineOutput:
 
 
 def output_fields(output: RequestOutput) -> dict[str, Any]:
-    """A finished `RequestOutput` as `EngineOutput(**fields)` takes it. The fields that default to None there are left
-    out when None (most requests ask for no logprobs and no structured output), each tested by name: a smaller message,
-    cheaper to decode."""
+    """A finished `RequestOutput` as `EngineOutput(**fields)` takes it; fields that default to None there are left out
+    when None, for a smaller message."""
     fields = {
         "request_id": output.request_id,
         "num_prompt_tokens": len(output.prompt_token_ids),
@@ -73,8 +72,7 @@ def output_fields(output: RequestOutput) -> dict[str, Any]:
 
 
 def result_wire(job: Job, run: Attempt, output: EngineOutput, worker: str) -> dict[str, Any]:
-    """The `JobResult.to_wire()` of `run` (of `job`) ending with `output`: every value from the output as decoded from
-    the pipe (JSON), from the checked job, or from here; no list shared with the job or the output."""
+    """The `JobResult.to_wire()` of `run` (of `job`) ending with `output`; no list shared with the job or the output."""
     status, error = _outcome(job, run, output)
     prompt_tokens, completion_tokens = output.num_prompt_tokens, len(output.token_ids)
     return {

@@ -1,15 +1,9 @@
-"""The one place a Celery worker process keeps its `WorkerService`: the entry point of everything Celery calls.
+"""The worker process's one `WorkerService`: everything Celery calls (task bodies, the adapter's strategy and steps,
+signals) reaches it here, and only here. Nothing else in the worker is kept per process.
 
-Celery builds and calls the task bodies (`run_job`, `run_batch`), the parts of it tokenmill replaces
-(`tokenmill.worker.celery_adapter`: the task's strategy, the consumer's steps and refusals) and its signals
-with no way to pass them a service: they reach it here, and only here. The service owns the rest (its engine process,
-intake and finisher) and hands them out; nothing else in the worker is kept per process.
-
-`tokenmill worker` builds the service from its flags (`start`) before Celery starts. Under a plain
-`celery -A tokenmill.worker.app worker --pool threads`, the first job builds one from `TOKENMILL_*` variables instead
-(`current`, loading the model then), so the tasks work with Celery's own command line too. Celery builds the
-strategy, and hands it requests, before that: the process's intake exists from then on (`intake`), and is handed to
-the service when it is built, which serves it once started (a build that fails leaves it to the next build).
+`tokenmill worker` builds the service before Celery starts (`start`); under plain `celery worker` the first job builds
+it from `TOKENMILL_*` variables (`current`). The process's intake (`intake`) may exist before it.
+See docs/internals/worker.md, section "The pipeline".
 """
 
 from __future__ import annotations
@@ -49,9 +43,8 @@ def current() -> WorkerService:
 
 
 def _built(settings: WorkerSettings | None) -> WorkerService:
-    """The process's service, built under `_lock` on the process's intake: from `settings`, where there must be none
-    yet (`start`), or, with None, from `TOKENMILL_*` variables where there is none (`current`). A build that raises
-    keeps no service and leaves the intake unserved (`WorkerService.start`): the next call builds afresh."""
+    """The process's service, built under `_lock` with the process's intake. With `settings` there must be none yet
+    (RuntimeError). A build that raises keeps nothing: the next call builds afresh."""
     global _service
     with _lock:
         if _service is None:
@@ -62,8 +55,8 @@ def _built(settings: WorkerSettings | None) -> WorkerService:
 
 
 def intake() -> Intake:
-    """The service's single-job intake. Celery asks for it (building the task's strategy) before the first job builds
-    the service under plain `celery worker`: it is made here then, and the service is built with it."""
+    """The service's single-job intake; made here when Celery asks before the service exists (plain `celery
+    worker`), and the service is then built with it."""
     global _intake
     service = _service
     if service is not None:
@@ -75,12 +68,9 @@ def intake() -> Intake:
 
 
 def run_job(task: Task, args: tuple[Any, ...], fields: dict[str, Any]) -> dict[str, Any]:
-    """Body of the `tokenmill.generate` task (on the pool path).
-
-    Before the service parses anything: the job must be one object (positional or `job=`) and/or keyword
-    fields, and its encoding must fit `max_job_bytes`, the client's limit (a job sent with plain Celery
-    never met the client). Either failure is a failed `JobResult` (`invalid_job`, naming the field).
-    """
+    """Body of the `tokenmill.generate` task on the pool path. A job that is not one object and/or keyword fields,
+    or whose encoding exceeds `max_job_bytes` (plain Celery senders skip the client's check), ends as a failed
+    `JobResult` (`invalid_job`, naming the field)."""
     service = current()
     task_id = task.request.id
     try:
@@ -103,16 +93,15 @@ def _share(task: Task) -> str | None:
 
 
 def _time_limit(timelimit: Sequence[float | None] | None) -> float | None:
-    """The shorter of Celery's (time_limit, soft_time_limit) of `apply_async`, if either is set. (The threads
-    pool enforces neither: the worker ends the job at that point itself, as `deadline_exceeded`.)"""
+    """The shorter of `apply_async`'s time_limit and soft_time_limit, or None. The threads pool enforces neither;
+    the worker ends the job there itself (`deadline_exceeded`)."""
     limits = [float(limit) for limit in (timelimit or ()) if limit]
     return min(limits) if limits else None
 
 
 def stop_intake(closing: bool) -> None:
-    """Celery's consumer stops (`tokenmill.worker.celery_adapter.IntakeDrain`): at the worker's shutdown (`closing`),
-    wait for the intake's jobs, as Celery waits for its pool's. Not at a consumer restart (a broker reconnect): those
-    jobs go on."""
+    """Celery's consumer stops (`celery_adapter.IntakeDrain`): at the worker's shutdown (`closing`), wait for the
+    intake's jobs, as Celery waits for its pool's; at a consumer restart (a reconnect), they go on."""
     service = _service
     if service is None:
         return

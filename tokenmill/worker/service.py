@@ -1,33 +1,10 @@
-"""What a worker does with a job, from its Celery message to its written result.
+"""`WorkerService`: what a worker does with a job, from its Celery message to its stored result.
 
-`WorkerService` owns the engine process, the S3 sink, the metrics, a Redis client for bookkeeping, and the single-job
-intake and its finisher (`tokenmill.worker.intake`, `tokenmill.worker.finisher`), which it hands to whoever needs them;
-the Celery worker process keeps its one service in `tokenmill.worker.runtime`.
-
-Every job goes through one pipeline, `tokenmill.worker.batch_task.BatchRun`, on this service's steps: a group
-message's jobs, the intake's groups of single jobs, and a single job on Celery's pool (`run_job`: a group of one,
-`PoolRun`, whose result Celery stores). Per job, in order:
-
-1. Parse (`Job.from_wire`); a malformed job ends as a failed result (`invalid_job`), one whose S3 `output` is
-   outside `output_prefixes` as a failed result (`invalid_request`, field `output`).
-2. Claim: a job id already running in this process (delivered again while it runs here) is left to that run, and
-   not counted as a delivery (`claim`, `release`).
-3. Admission (`admit`, `tokenmill.worker.admission`): one script call counts the delivery and reads the job's stored
-   result and cancel mark; a job whose final result is stored (its own, or another content's: a conflict) is
-   acknowledged without running, a cancelled one gets its `cancelled` result, one started more than `max_deliveries`
-   times is dead-lettered (`settle`), and the rest run.
-4. Generate (`submit_many`), stopped at the job's deadline. A request the engine refuses (`InvalidRequestError`) ends
-   as a failed result (`invalid_request`, naming the field); the engine and the other jobs go on.
-5. Complete (`complete`): with an S3 destination, the full result is written there, retrying while S3 is down;
-   Redis then gets a stub holding `output_uri`.
-6. Store the result and ack the message (`store_results`, or Celery's tracer for a job on the pool).
-
-Steps 3-4 and the result store are shared with the other jobs that reach them at the same moment (one Redis
-script or engine-process message for all, see `tokenmill.queue.batching`); each job's outcome is its own.
-
-On SIGTERM Celery stops taking jobs and waits for the running ones; they get `shutdown_grace`
-seconds, after which any job still generating or still retrying S3 is requeued (`Reject`), so the
-worker always exits and nothing is lost.
+It owns the engine process, the S3 sink, the metrics, a Redis client, the single-job intake and its finisher. Every
+job runs through `tokenmill.worker.batch_task.BatchRun` on this service's steps: parse, claim, admit, generate,
+complete, store and ack. Each job gets exactly one result, and its message is acked only once that result is stored;
+past `shutdown_grace` after SIGTERM, unfinished jobs are requeued.
+See docs/internals/worker.md, section "The pipeline".
 """
 
 from __future__ import annotations
@@ -73,16 +50,15 @@ log = logging.getLogger("tokenmill.worker")
 
 FATAL_EXIT_CODE = 70  # EX_SOFTWARE: the engine failed; a supervisor restarts the worker
 HAND_BACK_TIMEOUT = 10.0  # seconds a stalled worker tries to requeue its held messages before it exits anyway
-#: Seconds after which a worker exiting for its engine exits even if what comes before the exit (logging, the hand-back)
-#: has not returned: a timer thread calls `os._exit` with the same code (`_exit_watchdog`).
+#: Seconds after which a worker exiting for its engine exits even if logging or the hand-back blocks (`_exit_watchdog`).
 EXIT_WATCHDOG_SECONDS = HAND_BACK_TIMEOUT + 5.0
 CHECK_IN_LIMIT = 500  # single jobs per check-in script call (Redis runs a script alone) and per engine message
 STORE_LIMIT = 8  # groups' result stores per script call (each at most a group's jobs; Redis runs a script alone)
 
 # KEYS: n result keys, then pairs of unacked hash and unacked index. ARGV[1]: the results' expiry in seconds,
 # ARGV[2]: n, ARGV[2 + i]: the encoded result for KEYS[i]; then per pair a count and that many delivery tags.
-# SET NX never overwrites a stored result; only a newly stored one is published. The tags are acked as kombu acks
-# (ZREM, HDEL): in the same script, so a message is acked exactly when its job's result is stored.
+# SET NX never overwrites a stored result; only a new one is published. The tags are acked as kombu acks them
+# (ZREM, HDEL) in the same script, so a message is acked exactly when its job's result is stored.
 _STORE = """
 local n = tonumber(ARGV[2])
 local new = 0
@@ -107,9 +83,8 @@ return new
 
 
 class WorkerService(Outcomes):
-    """One per worker process; thread-safe `run_job`. Owns its `intake` and `finisher`: `intake` given is one Celery
-    handed requests to before this service existed (`tokenmill.worker.runtime`); it is served by this service alone,
-    from the moment `start` has started it (an intake is never left to a service that failed to start)."""
+    """One per worker process; `run_job` is thread-safe. Owns its `intake` and `finisher`; an `intake` given (one
+    Celery fed before this service existed) is served by this service alone, and only once `start` succeeded."""
 
     def __init__(self, settings: WorkerSettings, engine: EngineProcess, metrics: WorkerMetrics, sink: S3Sink | None,
                  intake: Intake | None = None) -> None:
@@ -118,8 +93,8 @@ class WorkerService(Outcomes):
         self.metrics = metrics
         self.sink = sink
         self.hostname = host_format(default_nodename(settings.hostname))  # Celery's node name, "%h" expanded
-        # Every call has a bound: a connection whose peer went silent (a paused Redis, a dropped route) times out and is
-        # retried on a new one, instead of holding every job thread that waits on the shared call for good.
+        # Every call has a bound: a silent peer times out and the call is retried on a new connection, instead of
+        # holding every job thread waiting on it for good.
         self.redis = redis_client(
             settings.backend_url,
             retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=120),
@@ -137,10 +112,10 @@ class WorkerService(Outcomes):
         self.grace_expired = threading.Event()
         self.cancels = CancelListener(self.redis, self.running_ids, self.cancel_running)
         self.announcer = Announcer(self.redis, self.hostname, settings.model, settings.queues or [settings.queue])
-        # single jobs' check-ins and engine requests: one call of each for all the pool threads that need one at once
+        # pool threads' check-ins and engine requests: one call of each for those that need one at once
         self._admits: Coalescer[tuple[Attempt, bytes], tuple[Decision, tuple[Future | None, str] | None]] = Coalescer(
             self._admit_many, limit=CHECK_IN_LIMIT)
-        # results stored by several groups at once (jobs of different groups finishing in one engine step): one call
+        # results stored by several groups at once: one script call
         self._stores: Coalescer[tuple[dict[bytes, bytes], Sequence[tuple[str, str, str]]], None] = Coalescer(
             self._store_many, limit=STORE_LIMIT)
         # single jobs in groups: the finisher settles each turn's runs inside the intake's `holding_acks`
@@ -149,13 +124,9 @@ class WorkerService(Outcomes):
 
     @classmethod
     def start(cls, settings: WorkerSettings, intake: Intake | None = None) -> WorkerService:
-        """Start the metrics endpoint, then the engine process (the model loads there, once), then the cancel listener
-        and the announcer; only then does the service take `intake` on (see the class).
-
-        The endpoint first: a port problem then fails the start before an engine process exists. A start that raises
-        leaves nothing behind: what it started is stopped, its metrics unregistered, `intake` not served, so the
-        process may build a service again.
-        """
+        """Start the metrics endpoint (first: a port problem fails before an engine exists), the engine process, the
+        cancel listener and the announcer, then serve `intake`. A start that raises leaves nothing behind (all
+        stopped, metrics unregistered, `intake` not served), so the process may build a service again."""
         started = time.monotonic()
         model = settings.engine_model()
         metrics = WorkerMetrics()
@@ -223,10 +194,9 @@ class WorkerService(Outcomes):
     def run_job(self, task_id: str, payload: dict[str, Any] | None, fields: dict[str, Any],
                 backend: KeyValueStoreBackend, time_limit: float | None = None, share: str | None = None
                 ) -> dict[str, Any]:
-        """A job on Celery's pool: parsed here (a body that is no job fails under the task's id), then run as a group of
-        one (`PoolRun`). `backend` is the task's Celery result backend; `time_limit` the message's Celery time limit
-        (the job's `deadline_s` wins); `share` its message's fair share. Returns the result for Celery to store; `Ignore`
-        when there is none to store."""
+        """A job on Celery's pool, run as a group of one (`PoolRun`); a body that is no job fails under the task's id.
+        `time_limit`: the message's Celery time limit (the job's `deadline_s` wins); `share`: its fair share. Returns
+        the result for Celery to store; raises `Ignore` when there is none."""
         run = PoolRun(self, task_id, backend, time_limit, share)
         raw = {**(payload or {}), **fields}
         raw.setdefault("id", task_id)
@@ -240,8 +210,7 @@ class WorkerService(Outcomes):
 
     def claim(self, jobs: list[Job]) -> tuple[list[Job], list[tuple[Job, Future]]]:
         """Register `jobs` as running here; returns (jobs now mine; jobs already running here, with a future of that
-        run's result). Only jobs now mine count as deliveries. A run's future is made only when a delivery joins it
-        (rare: a redelivery while it runs), not for every job (a future and its result cost every job)."""
+        run's result). Only jobs now mine count as deliveries. A run's future is made only once a delivery joins it."""
         mine, running = [], []
         with self._lock:
             for job in jobs:
@@ -286,13 +255,12 @@ class WorkerService(Outcomes):
             self.engine.cancel(request_id, "cancelled")
 
     def admit_one(self, run: Attempt, result_key: bytes) -> tuple[Decision, tuple[Future | None, str] | None]:
-        """`admit` a pool thread's job with those admitted at the same moment, and hand it to the engine if it runs
-        (one script call and one engine message for them all); its decision and, if it runs, its engine request."""
+        """`admit` a pool thread's job with concurrent ones (one script call, one engine message for all); returns its
+        decision and, if it runs, its engine request."""
         return self._admits.call((run, result_key))
 
     def _admit_many(self, items: list[tuple[Attempt, bytes]]) -> list[tuple[Decision, tuple[Future | None, str] | None]]:
-        """Check in single jobs (one script call) and hand those to run to the engine (one pipe message): the
-        threads of jobs taken together wake once, each with its admission and, if it runs, its engine request."""
+        """`admit_one`'s batch: check in (one script call), hand those that run to the engine (one message)."""
         runs = [run for run, _ in items]
         decisions = self.admit(runs, [key for _, key in items])
         runnable = [run for run, decision in zip(runs, decisions) if isinstance(decision, Run)]
@@ -301,9 +269,8 @@ class WorkerService(Outcomes):
 
     def submit_many(self, runs: list[Attempt], sink: Sink | None = None, wait: bool = True
                     ) -> list[tuple[Future | None, str]]:
-        """Hand jobs to the engine in one pipe message (a group's jobs, or single jobs admitted together); returns
-        each one's engine future and request id (to abort it). With `sink`, each answer goes there instead
-        (`EngineProcess.send_many`, and its `wait`), and the futures are None."""
+        """Hand jobs to the engine in one pipe message; returns each one's engine future and request id. With `sink`,
+        each answer goes there instead (`EngineProcess.send_many`) and the futures are None."""
         self.metrics.finished.queue_waits(max(0.0, run.started_at - run.job.submitted_at) for run in runs
                                           if run.job.submitted_at is not None)
         requests = []
@@ -338,10 +305,9 @@ class WorkerService(Outcomes):
         return [admission(check, run.job_hash, self.settings.max_deliveries) for run, check in zip(runs, checks)]
 
     def store_results(self, encoded: dict[bytes, bytes], acks: Sequence[tuple[str, str, str]] = ()) -> None:
-        """Store each encoded Celery result under its key unless one is there already, and announce the new
-        ones on the key's channel as Celery does: one round trip for a whole group, shared with the groups storing
-        at the same moment (`Coalescer`). `acks`: messages acked in the same script (`transport.ack_records`), whose
-        jobs these results settle; their consumer then only frees their slots (`transport.acked_by_script`)."""
+        """Store each encoded result under its key unless one is there, announcing new ones as Celery does; one
+        script call, shared with concurrent stores. `acks`: messages acked in the same script
+        (`transport.ack_records`); their consumer then only frees their slots (`transport.acked_by_script`)."""
         if encoded:
             self._stores.call((encoded, acks))
 
@@ -363,18 +329,15 @@ def _times(job: Job, run: Attempt) -> dict[str, Any]:
 
 
 def _safe_id(raw: dict[str, Any], task_id: str) -> str:
-    """The id a refused job's result carries: its own when that is a valid job id, else the task's (which the
-    guard checked); a raw id could hold a newline or anything else that must not reach logs and results."""
+    """The id a refused job's result carries: its own if a valid job id, else the task's (already checked); a raw id
+    may hold what must not reach logs and results."""
     value = raw.get("id")
     return value if is_job_id(value) else task_id
 
 
 def _exit_on_engine_failure(exc: BaseException) -> None:
-    """The engine failed outside any single request, or its process died: stop this worker now.
-
-    Jobs in flight stay unacked and are delivered to a healthy worker after the visibility timeout;
-    a job that causes this every time reaches `max_deliveries` and is dead-lettered.
-    """
+    """The engine failed outside any single request, or its process died: exit now. Jobs in flight stay unacked and
+    are redelivered after the visibility timeout; one that causes this every time is dead-lettered."""
     try:
         _exit_watchdog()
         log.critical("engine failure, exiting with code %d so a supervisor restarts the worker: %r", FATAL_EXIT_CODE,
@@ -385,9 +348,9 @@ def _exit_on_engine_failure(exc: BaseException) -> None:
 
 
 def _exit_on_engine_stall(why: str) -> None:
-    """The engine holds jobs and makes no progress (`EngineProcess` killed it, answering none of them): stop taking
-    jobs, put the held messages back on their queues for other workers, and exit for a supervisor to restart this one.
-    A job whose result was stored meanwhile is not run again: its next delivery finds the result."""
+    """The engine stalled (`EngineProcess` killed it, answering none of its jobs): hand the held messages back to their
+    queues and exit for a supervisor to restart the worker. A job stored meanwhile is not rerun: its next delivery finds
+    the result."""
     try:  # the exit below is reached whatever this raises, and within `EXIT_WATCHDOG_SECONDS` whatever blocks here
         _exit_watchdog()
         log.critical("%s; handing back the jobs held here, then exiting with code %d so a supervisor restarts the "
@@ -408,9 +371,8 @@ def _exit_on_engine_stall(why: str) -> None:
 
 
 def _exit_watchdog() -> None:
-    """`os._exit(FATAL_EXIT_CODE)` from a timer thread after `EXIT_WATCHDOG_SECONDS`, for an exit whose orderly part
-    may block (a log handler on a full pipe, a hand-back that does not return). It logs nothing: logging may be what
-    blocks."""
+    """`os._exit(FATAL_EXIT_CODE)` from a timer thread after `EXIT_WATCHDOG_SECONDS`, in case the orderly exit
+    blocks. It logs nothing: logging may be what blocks."""
     timer = threading.Timer(EXIT_WATCHDOG_SECONDS, os._exit, args=(FATAL_EXIT_CODE,))
     timer.daemon = True
     timer.start()

@@ -1,8 +1,8 @@
-"""Worker configuration: a pydantic-settings model read from `TOKENMILL_*` environment variables.
+"""Worker configuration: `WorkerSettings`, read from `TOKENMILL_*` environment variables or `tokenmill worker` flags.
 
-`WorkerSettings` adds to the queue's `QueueSettings` (`tokenmill.queue.settings`) what only a worker needs
-(model, every engine option, S3, metrics). CLI flags of `tokenmill worker` are generated from its fields, so a
-setting has one name, one default and one description, whichever way it is given. Torch-free.
+It adds to `QueueSettings` what only a worker needs; the flags are generated from its fields, so a setting has one
+name, default and description. Torch-free.
+See docs/internals/worker.md, section "Celery and kombu adapters".
 """
 
 from __future__ import annotations
@@ -153,20 +153,14 @@ class WorkerSettings(_EngineSettings):  # type: ignore[misc]
 
     @property
     def in_flight_capacity(self) -> int:
-        """Jobs a worker takes from the queue at once.
-
-        A quarter more than the engine runs: the extra jobs wait in the engine's own queue, so a
-        finished sequence's slot is refilled at the next step instead of after a broker round trip
-        (ack, fetch, hand-over). Many more would only hide queued jobs from other workers.
-        """
+        """Jobs a worker takes from the queue at once: a quarter more than the engine runs, so a finished sequence's
+        slot is refilled at the next step, not after a broker round trip; more would hide jobs from other workers."""
         return self.concurrency or self.max_num_seqs + max(1, self.max_num_seqs // 4)
 
     @property
     def take_at_least(self) -> int:
-        """Free slots a full worker waits for before it takes more jobs (the transport's `take_at_least`): half of
-        the jobs beyond `max_num_seqs` that wait in the engine's queue, which the engine runs meanwhile. With
-        jobs of different lengths ending a few per step, the worker otherwise took, recorded, checked in and
-        handed over two or three jobs at a time, each time at the full cost of those round trips."""
+        """Free slots a full worker waits for before it takes more jobs (the transport's `take_at_least`): half the
+        jobs beyond `max_num_seqs`, which the engine runs meanwhile, so each take's round trips serve more jobs."""
         return max(1, (self.in_flight_capacity - self.max_num_seqs) // 2)
 
     def engine_options(self) -> dict[str, Any]:

@@ -1,13 +1,9 @@
-"""Writing a result to S3 (or any S3-compatible store) with boto3, retrying while the store is down.
+"""Writing a result to S3 (or an S3-compatible store), retrying while the store is down.
 
-The job's message stays unacknowledged while this retries (the task has not returned), so a worker
-crash during an S3 outage loses nothing: the job is delivered again. Errors that retrying cannot fix
-(4xx other than throttling: no such bucket, access denied) end the job as failed with code
-`output_write_failed`; its full result is then kept in Redis so the generated text is not lost.
-
-Where a job may write is the worker's `output_prefixes` setting (`output_refusal`), checked before the job
-is generated: a job names its destination, so without it any job could write any object the worker's
-credentials reach.
+The job's message stays unacked while this retries, so a crash loses nothing. A refusal retrying cannot fix ends the
+job failed (`output_write_failed`), its full result kept in Redis. `output_refusal` confines writes to the worker's
+`output_prefixes`, checked before the job is generated.
+See docs/internals/worker.md, section "The pipeline".
 """
 
 from __future__ import annotations
@@ -82,8 +78,7 @@ class S3Sink:
         retry: RetryPolicy | None = None,
         on_retry: Callable[[], None] | None = None,
     ) -> None:
-        # botocore's own retries would hide an outage inside one call for many seconds; we retry
-        # ourselves, so each attempt is short and the shutdown flag is checked between attempts.
+        # No botocore retries: `write` retries, so each attempt is short and `stop` is checked between attempts.
         config = Config(connect_timeout=3, read_timeout=10, retries={"max_attempts": 1, "mode": "standard"})
         self._client = boto3.client("s3", endpoint_url=endpoint_url, region_name=region, config=config)
         self._retry = retry or RetryPolicy()
