@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from tokenmill.queue import fastjson
 from tokenmill.queue.schemas import Job, JobResult, content_hash, is_content_hash
 from tokenmill.worker.admission import Attempt
-from tokenmill.worker.output import EngineOutput, output_fields, result_wire
+from tokenmill.worker.output import RESULT_FIELDS, EngineOutput, output_fields, result_wire
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**63), 2**63) | st.floats(allow_nan=False, allow_infinity=False)
@@ -91,6 +91,16 @@ def test_an_output_crosses_the_engine_pipe_whole(output: EngineOutput) -> None:
     sent = output_fields(SimpleNamespace(**fields))
     assert EngineOutput(**fastjson.plain_loads(fastjson.dumps(sent, output.logprobs, output.parsed))) == output
     assert all(value is not None for name, value in sent.items() if name in ("logprobs", "parsed"))
+
+
+def test_the_outputs_result_fields_are_one_run_of_the_contracts() -> None:
+    """`EngineOutput`'s fields are the result's own (`RESULT_FIELDS`, one run right after "status", so the wire keeps
+    the contract's order) or the four the worker makes usage and times of: a new field must be one or the other."""
+    names = list(JobResult.model_fields)
+    start = names.index("status") + 1
+    assert RESULT_FIELDS == tuple(names[start:start + len(RESULT_FIELDS)])
+    own = {field.name for field in dataclasses.fields(EngineOutput)} - set(RESULT_FIELDS)
+    assert own == {"request_id", "num_prompt_tokens", "first_token_time", "finished_time"}
 
 
 def test_result_wire_does_not_share_the_jobs_lists() -> None:

@@ -1,4 +1,5 @@
-"""A finished request, from the engine process to the job's wire result (`EngineOutput`).
+"""A finished request, from the engine process to the job's wire result: one type, `EngineOutput`, whose fields named
+as `JobResult`'s go into the result as they are.
 
 `output_fields` (engine process) makes its pipe message; `result_wire` (worker) builds `JobResult.to_wire()` directly
 as a dict, keys in the contract's order; tests/test_result_wire.py holds it to the validated dump.
@@ -6,11 +7,13 @@ See docs/internals/worker.md, section "The engine process"."""
 
 from __future__ import annotations
 
+import operator
 import time
 from dataclasses import dataclass
+from dataclasses import fields as dataclass_fields
 from typing import TYPE_CHECKING, Any
 
-from tokenmill.queue.schemas import SCHEMA_VERSION, Job
+from tokenmill.queue.schemas import SCHEMA_VERSION, Job, JobResult
 from tokenmill.sampling_params import constraint_problem
 
 if TYPE_CHECKING:
@@ -20,7 +23,8 @@ if TYPE_CHECKING:
 
 @dataclass
 class EngineOutput:
-    """A finished request as the worker receives it: the fields of the engine's `RequestOutput` a result needs."""
+    """A finished request as the worker receives it. Its fields that `JobResult` declares too (`RESULT_FIELDS`) are the
+    result's own, taken as they are; the others make the result's usage and times."""
 
     request_id: str
     num_prompt_tokens: int
@@ -39,6 +43,14 @@ class EngineOutput:
     scores: list[dict[str, Any]] | None = None  # a score job's: {"logprob", "is_greedy", "num_tokens"} each
 
 
+#: `EngineOutput`'s fields a job's result carries as they are, in `JobResult`'s order (one run of its fields, after
+#: "status": tests/test_result_wire.py).
+RESULT_FIELDS = tuple(name for name in JobResult.model_fields if name in {f.name for f in dataclass_fields(EngineOutput)})
+_result_values = operator.attrgetter(*RESULT_FIELDS)
+#: The result fields `RequestOutput` has in the same form, sent only when not None (most requests ask for none of them).
+_SENT_IF_SET = tuple(name for name in RESULT_FIELDS if name not in ("token_ids", "text", "finish_reason", "scores"))
+
+
 def output_fields(output: RequestOutput) -> dict[str, Any]:
     """A finished `RequestOutput` as `EngineOutput(**fields)` takes it; fields that default to None there are left out
     when None, for a smaller message."""
@@ -51,20 +63,9 @@ def output_fields(output: RequestOutput) -> dict[str, Any]:
         "first_token_time": output.first_token_time,
         "finished_time": output.finished_time,
     }
-    if output.logprobs is not None:
-        fields["logprobs"] = output.logprobs
-    if output.parsed is not None:
-        fields["parsed"] = output.parsed
-    if output.constraint_satisfied is not None:
-        fields["constraint_satisfied"] = output.constraint_satisfied
-    if output.constraint_error is not None:
-        fields["constraint_error"] = output.constraint_error
-    if output.constraint_backend is not None:
-        fields["constraint_backend"] = output.constraint_backend
-    if output.choice_probabilities is not None:
-        fields["choice_probabilities"] = output.choice_probabilities
-    if output.embedding is not None:
-        fields["embedding"] = output.embedding
+    for name in _SENT_IF_SET:
+        if (value := getattr(output, name)) is not None:
+            fields[name] = value
     if output.scores is not None and output.choice_probabilities is None:  # a score request (choices' are internal)
         fields["scores"] = [{"logprob": score.logprob, "is_greedy": score.is_greedy, "num_tokens": len(score.token_ids)}
                             for score in output.scores]
@@ -72,37 +73,20 @@ def output_fields(output: RequestOutput) -> dict[str, Any]:
 
 
 def result_wire(job: Job, run: Attempt, output: EngineOutput, worker: str) -> dict[str, Any]:
-    """The `JobResult.to_wire()` of `run` (of `job`) ending with `output`; no list shared with the job or the output."""
+    """The `JobResult.to_wire()` of `run` (of `job`) ending with `output`, keys in the contract's order; no list shared
+    with the job or the output."""
     status, error = _outcome(job, run, output)
+    wire: dict[str, Any] = {"version": SCHEMA_VERSION, "id": job.id, "status": status}
+    wire.update(zip(RESULT_FIELDS, _result_values(output)))
+    wire["token_ids"] = list(output.token_ids)
+    if job.sampling.logprobs is None:  # asked for none: the engine may have computed some for its own use
+        wire["logprobs"] = None
     prompt_tokens, completion_tokens = output.num_prompt_tokens, len(output.token_ids)
-    return {
-        "version": SCHEMA_VERSION,
-        "id": job.id,
-        "status": status,
-        "text": output.text,
-        "token_ids": list(output.token_ids),
-        "finish_reason": output.finish_reason,
-        "logprobs": output.logprobs if job.sampling.logprobs is not None else None,
-        "parsed": output.parsed,
-        "constraint_satisfied": output.constraint_satisfied,
-        "constraint_error": output.constraint_error,
-        "constraint_backend": output.constraint_backend,
-        "choice_probabilities": output.choice_probabilities,
-        "embedding": output.embedding,
-        "scores": output.scores,
-        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                  "total_tokens": prompt_tokens + completion_tokens},
-        "queued_at": job.submitted_at,
-        "started_at": run.started_at,
-        "first_token_at": output.first_token_time,
-        "finished_at": output.finished_time or time.time(),
-        "output_uri": None,
-        "error": error,
-        "attempt": run.attempt,
-        "worker": worker,
-        "metadata": dict(job.metadata),
-        "job_hash": run.job_hash,
-    }
+    return {**wire, "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                              "total_tokens": prompt_tokens + completion_tokens},
+            "queued_at": job.submitted_at, "started_at": run.started_at, "first_token_at": output.first_token_time,
+            "finished_at": output.finished_time or time.time(), "output_uri": None, "error": error,
+            "attempt": run.attempt, "worker": worker, "metadata": dict(job.metadata), "job_hash": run.job_hash}
 
 
 def _outcome(job: Job, run: Attempt, output: EngineOutput) -> tuple[str, dict[str, Any] | None]:
