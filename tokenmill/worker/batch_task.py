@@ -109,9 +109,6 @@ class BatchRun:
     def settled(self, job_ids: list[str], results: dict[str, dict[str, Any]]) -> None:
         """Hook: these jobs' final results are in Redis (stored now, with `results`, or found stored)."""
 
-    def submitted(self) -> None:
-        """Hook: the jobs to run are in the engine (or none was left to run)."""
-
     def source(self, job_id: str) -> bytes | None:
         """Hook: the JSON text job `job_id` was decoded from, if known (spares `check_size` its work)."""
         return None
@@ -284,7 +281,6 @@ class BatchRun:
         """Hand `runs` to the engine in one message; returns each one's engine future -> (its `Attempt`, its engine
         request id). The caller owes `jobs_in_flight` a decrement per run."""
         futures = {future: (run, request_id) for run, (future, request_id) in zip(runs, self._hand_over(runs))}
-        self.submitted()
         self.service.metrics.jobs_in_flight.inc(len(runs))
         return futures
 

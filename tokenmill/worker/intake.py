@@ -366,7 +366,7 @@ class IntakeRun(BatchRun):
             self.abandon(type(exc).__name__)
             return
         finally:
-            self.submitted()
+            self._admitted()
         if self.in_engine:
             self.service.finisher.watch(self)
         else:
@@ -444,7 +444,8 @@ class IntakeRun(BatchRun):
         if ended is not None:
             ended()
 
-    def submitted(self) -> None:
+    def _admitted(self) -> None:
+        """The run's jobs are in the engine (or none was left to run): the intake may start its next group."""
         admitted, self._on_admitted = self._on_admitted, None
         if admitted is not None:
             admitted()
