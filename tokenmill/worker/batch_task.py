@@ -168,14 +168,25 @@ class BatchRun:
         self._mine = {}
 
     def _run_mine(self, jobs: list[Job], done: dict[str, dict[str, Any]]) -> int:
-        """Check in, dead-letter or run, store; returns how many ran."""
-        todo = self._check_in(jobs, done) if jobs else []
-        self._free_room(self._message_jobs - len(todo))  # invalid, joined to a run here, or settled at check-in
+        """Check in, dead-letter or run, store; returns how many ran. Any error (a Redis error at check-in or store
+        included) requeues the run when `requeue_on_error`: raised as such, Celery would ack the message with no
+        result stored for its jobs."""
         try:
-            if todo:
-                self._generate(todo, done)
-        finally:
-            self._store(done)  # whatever finished, also when the rest is requeued
+            todo = self._check_in(jobs, done) if jobs else []
+            self._free_room(self._message_jobs - len(todo))  # invalid, joined to a run here, or settled at check-in
+            try:
+                if todo:
+                    self._generate(todo, done)
+            finally:
+                self._store(done)  # whatever finished, also when the rest is requeued
+        except Reject:
+            raise
+        except Exception as exc:
+            if not self.requeue_on_error:
+                raise
+            log.exception("group %r failed (%s); requeueing it for its jobs without a stored result", self.task_id,
+                          type(exc).__name__)
+            raise Reject(f"group failed: {type(exc).__name__}", requeue=True) from exc
         return len(todo)
 
     def _free_room(self, count: int) -> None:
@@ -239,8 +250,8 @@ class BatchRun:
 
     def _generate(self, runs: list[Attempt], done: dict[str, dict[str, Any]]) -> None:
         """Submit every job to the engine at once, then wait for all. A job past its deadline is stopped
-        (`deadline_exceeded`); on any error or once the shutdown grace runs out, the unfinished requests are aborted
-        and the group is requeued (`Reject`). The caller stores the finished results."""
+        (`deadline_exceeded`); once the shutdown grace runs out the group is requeued (`Reject`). On any way out, the
+        unfinished requests are aborted; the caller stores the finished results."""
         futures = self._submit(runs)
         deadlines = {future: run.deadline for future, (run, _) in futures.items() if run.deadline is not None}
         pending = set(futures)
@@ -264,14 +275,6 @@ class BatchRun:
                     log.warning("group %r: %d jobs not finished when the shutdown grace ran out; requeueing it",
                                 self.task_id, len(pending))
                     raise Reject("worker shutting down", requeue=True)
-        except Reject:
-            raise
-        except Exception as exc:
-            if not self.requeue_on_error:
-                raise
-            log.exception("group %r failed (%s); requeueing it for its %d unfinished jobs", self.task_id,
-                          type(exc).__name__, len(pending))
-            raise Reject(f"group failed: {type(exc).__name__}", requeue=True) from exc
         finally:
             for future in pending:
                 self.service.engine.abort(futures[future][1])
