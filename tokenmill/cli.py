@@ -201,10 +201,15 @@ def _worker(args: argparse.Namespace) -> int:
             print(f"tokenmill worker: {message}", file=sys.stderr)
         return 2
     from tokenmill.errors import ModelLoadError
+    from tokenmill.worker.engine_process import EngineFailure
     from tokenmill.worker.main import BrokerUnavailable, run_worker
+    from tokenmill.worker.service import FATAL_EXIT_CODE
 
     try:
         return run_worker(settings)
+    except EngineFailure as exc:
+        print(f"tokenmill worker: {exc} (exit {FATAL_EXIT_CODE}: a supervisor restarts the worker)", file=sys.stderr)
+        return FATAL_EXIT_CODE
     except BrokerUnavailable as exc:
         print(f"tokenmill worker: the broker {exc}: start Redis there, or fix --broker / --result-backend "
               f"(exit {EXIT_UNAVAILABLE})", file=sys.stderr)

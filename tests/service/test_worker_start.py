@@ -105,3 +105,20 @@ def test_an_engine_that_cannot_load_its_model_leaves_no_thread_or_process() -> N
     engine._writer.join(5)
     assert not engine._writer.is_alive()
     assert engine._process.exitcode is not None
+
+
+def test_an_engine_that_dies_loading_its_model_fails_its_start_not_the_worker() -> None:
+    """The child dies before "ready" (here: an option the engine does not take): `start` raises `EngineFailure`, with
+    the child joined and the pipe's threads ended, and `on_fatal` (the worker's exit) is not called meanwhile: the
+    failed start is its caller's to clean up and report (`tokenmill worker` exits 70 naming it)."""
+    from tokenmill.worker.engine_process import EngineFailure, EngineProcess
+
+    fatal: list[BaseException] = []
+    engine = EngineProcess("builtin:tiny", {"no_such_option": 1}, on_fatal=fatal.append)
+    with pytest.raises(EngineFailure, match="died loading its model"):
+        engine.start(timeout=120)
+    engine.stop(timeout=1)
+    engine._writer.join(5)
+    engine._reader.join(5)
+    assert fatal == []
+    assert not engine._writer.is_alive() and not engine._reader.is_alive() and engine._process.exitcode not in (None, 0)

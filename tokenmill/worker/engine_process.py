@@ -113,6 +113,7 @@ class EngineProcess:
         self._stall_timeout = stall_timeout
         self._heard = time.monotonic()  # when the reader last got a message from the engine
         self._unusable: str | None = None  # why the engine could not load its model, if it could not
+        self._died_starting = False  # the engine was lost before "ready": `start` raises, `on_fatal` is not called
         self._ready = threading.Event()
         self._tokenizer: Tokenizer | None = None  # once the engine has sent it
         self._prompt_limits: tuple[int | None, int] = (None, 0)  # (max_prompt_chars, max_model_len)
@@ -129,6 +130,9 @@ class EngineProcess:
         if self._unusable is not None:  # the child exits after saying so; `stop` has nothing left to do
             _reap(self._process, 10)
             raise ModelLoadError(self._unusable)
+        if self._died_starting:  # the pipe closed before "ready": the child died loading its model
+            _reap(self._process, 10)
+            raise EngineFailure(f"the engine process died loading its model (exit code {self._process.exitcode})")
         if not ready or not self._process.is_alive():
             raise EngineFailure(f"the engine process did not start (exit code {self._process.exitcode})")
         if self._stall_timeout is not None and self._on_stall is not None:
@@ -336,13 +340,16 @@ class EngineProcess:
     def _lost(self, error: EngineFailure) -> None:
         """The engine is gone: `on_fatal` first (the worker's exits), only then fail the requests in flight, so no job
         thread stores a failed result for a job that must run again. Sends meanwhile wait for `on_fatal` (`_refuse`);
-        it runs with no lock held, since it logs and logging may block."""
+        it runs with no lock held, since it logs and logging may block. Before "ready" no request is in flight and
+        `start` raises instead: its caller cleans up and decides."""
         with self._lock:
             stopping, self._stopping = self._stopping, True
             pending, self._pending = self._pending, {}
-            if not stopping:
+            self._died_starting = not stopping and not self._ready.is_set()
+            fatal = not stopping and not self._died_starting
+            if fatal:
                 self._fatal_returned.clear()
-        if not stopping:
+        if fatal:
             try:
                 log.critical("%s", error)
                 if self._on_fatal is not None:
