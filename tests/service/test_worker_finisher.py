@@ -317,3 +317,26 @@ def test_the_service_owns_its_intake_and_finisher_and_an_intake_made_before_it_i
     assert _service(single_job_intake=False).intake._worker_service() is None
     orphan = Intake()  # no service and none to start: every job takes the pool path
     assert orphan._worker_service() is None and orphan.enabled is False
+
+
+def test_a_finisher_thread_that_cannot_start_is_started_by_the_next_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`watch` raises when no thread can be started (the caller abandons that run) and does not keep the thread that
+    never ran: the next run's `watch` starts one, and its jobs are stored."""
+    service, finisher = Service(), Finisher()
+    start = threading.Thread.start
+    failed: list[str] = []
+
+    def start_once_failing(thread: threading.Thread) -> None:
+        if thread.name == "tokenmill-finisher" and not failed:
+            failed.append(thread.name)
+            raise RuntimeError("can't start new thread")
+        start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", start_once_failing)
+    first = Run(service, "a", 1)
+    with pytest.raises(RuntimeError):
+        finisher.watch(first)
+    second = Run(service, "b", 1)
+    watched(finisher, second)[0](second.ids[0], b"y")
+    wait(second.ended)
+    assert failed and second.abandoned is None and {b"b-0": b"y"} in service.stores

@@ -76,11 +76,13 @@ class Finisher:
         return functools.partial(self._put, run)
 
     def watch(self, run: Finishing) -> None:
-        """Finish `run`'s jobs as their answers come: the run is this thread's from now on."""
+        """Finish `run`'s jobs as their answers come: the run is this thread's from now on. RuntimeError when no
+        finisher thread can be started (the run is then still the caller's)."""
         with self._lock:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._serve, name="tokenmill-finisher", daemon=True)
-                self._thread.start()
+            if self._thread is None:  # kept only once started: a start that fails is tried again by the next run
+                thread = threading.Thread(target=self._serve, name="tokenmill-finisher", daemon=True)
+                thread.start()
+                self._thread = thread
         self._resolved.put((run, None, None))
 
     def _put(self, run: Finishing, request_id: str, answer: Answer) -> None:

@@ -367,10 +367,14 @@ class IntakeRun(BatchRun):
             return
         finally:
             self._admitted()
-        if self.in_engine:
-            self.service.finisher.watch(self)
-        else:
+        if not self.in_engine:
             self._end()
+            return
+        try:
+            self.service.finisher.watch(self)
+        except RuntimeError:  # no finisher thread to be had
+            log.exception("single jobs: cannot start the finisher; requeueing a group's %d jobs", len(self.requests))
+            self.abandon("no finisher thread")
 
     def _send(self, runs: list[Attempt]) -> None:
         """Hand `runs` to the engine in one message; their answers wait in the finisher's queue until `watch`, by
@@ -437,7 +441,10 @@ class IntakeRun(BatchRun):
             finally:
                 self._ended()
 
-        threading.Thread(target=requeue, name="tokenmill-requeue", daemon=True).start()
+        try:
+            threading.Thread(target=requeue, name="tokenmill-requeue", daemon=True).start()
+        except RuntimeError:  # no thread to be had: requeue on this one rather than never end the run
+            requeue()
 
     def _ended(self) -> None:
         ended, self._on_ended = self._on_ended, None
