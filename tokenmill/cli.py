@@ -191,14 +191,13 @@ def worker_settings(args: argparse.Namespace) -> WorkerSettings:
 def _worker(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
+    from tokenmill.queue.settings import setting_problems
+
     try:
         settings = worker_settings(args)
     except ValidationError as exc:
-        for error in exc.errors():
-            message = error["msg"].removeprefix("Value error, ")
-            if error["loc"]:
-                message = f"--{str(error['loc'][0]).replace('_', '-')}: {message} (got {error.get('input')!r})"
-            print(f"tokenmill worker: {message}", file=sys.stderr)
+        for problem in setting_problems(exc):
+            print(f"tokenmill worker: {problem}", file=sys.stderr)
         return 2
     from tokenmill.errors import ModelLoadError
     from tokenmill.worker.engine_process import EngineFailure

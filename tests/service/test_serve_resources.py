@@ -148,22 +148,6 @@ def test_the_open_files_limit_is_raised_to_the_hard_limit_at_start(redis_server:
         server.close()
 
 
-def test_past_max_http_connections_a_request_is_answered_503_then_served_again(redis_server: RedisServer,
-                                                                                tmp_path: Path) -> None:
-    server = Server(redis_server.url, tmp_path / "files", tmp_path / "serve.log", **{"max-http-connections": 4})
-    try:
-        idle = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(4)]
-        try:
-            time.sleep(0.5)  # accepted
-            assert _status(server.port, KEYS["alice"]) == 503
-        finally:
-            for sock in idle:
-                sock.close()
-        wait_for(lambda: _status(server.port, KEYS["alice"]) == 200, 10, "the server answering again")
-    finally:
-        server.close()
-
-
 def test_out_of_descriptors_the_accept_failure_is_logged_once_a_second_and_the_server_answers_again(
         redis_server: RedisServer, tmp_path: Path) -> None:
     """With 64 descriptors and 150 connections opened, CPython's accept loop fails once per connection waiting at

@@ -12,7 +12,7 @@ import typing
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from tokenmill.queue.names import DEFAULT_QUEUE
@@ -97,3 +97,15 @@ def flag_type(annotation: Any) -> tuple[type, tuple[Any, ...] | None]:
     if typing.get_origin(annotation) is typing.Literal:
         return str, typing.get_args(annotation)
     return (annotation if annotation in (bool, int, float) else str), None
+
+
+def setting_problems(exc: ValidationError) -> list[str]:
+    """One line per setting a `ValidationError` of a settings class refuses, named as its flag (`--max-num-seqs`);
+    a check of several settings at once names them itself."""
+    problems = []
+    for error in exc.errors():
+        message = error["msg"].removeprefix("Value error, ")
+        if error["loc"]:
+            message = f"--{str(error['loc'][0]).replace('_', '-')}: {message} (got {error.get('input')!r})"
+        problems.append(message)
+    return problems

@@ -31,11 +31,11 @@ from tokenmill.apps.api.records import FINAL, OUTPUT_EXPIRES_FIELD, Records, bat
 from tokenmill.apps.api.resources import Connections, bound_the_loop
 from tokenmill.apps.api.settings import ServeSettings
 from tokenmill.apps.api.webhooks import Deliverer
-from tokenmill.apps.batch import URLS
+from tokenmill.apps.batch import URLS, quoted
 from tokenmill.apps.datasets import s3_endpoint
 from tokenmill.queue.served import served_models
 
-_WINDOW = re.compile(r"^([1-9][0-9]*)(h|m|s)$")
+_WINDOW = re.compile(r"([1-9][0-9]*)(h|m|s)")
 _SECONDS = {"h": 3600, "m": 60, "s": 1}
 
 
@@ -125,8 +125,9 @@ def _file_routes(app: FastAPI, services: Services, Tenant: Any) -> None:
         """The key and the body's size were checked before the body was read (`RequestGuard`); the file's own size
         and the tenant's stored files and bytes (`quotas`) before it is stored, its jobs and prompt bytes counted."""
         if purpose != "batch":
-            raise APIError(400, f"purpose: only 'batch' is supported, got {purpose!r}", "purpose", "invalid_value")
-        check_stored(records.stored(tenant), upload_size(file.file, settings.max_upload_bytes), settings)
+            raise APIError(400, f"purpose: only 'batch' is supported, got {quoted(purpose)}", "purpose",
+                           "invalid_value")
+        check_stored(records.stored(tenant), settings, upload_size(file.file, settings.max_upload_bytes))
         usage = input_usage(file.file)
         file_id = new_file_id()
         size = store.save(file_id, file.file, settings.max_upload_bytes)
@@ -174,14 +175,14 @@ def _batch_routes(app: FastAPI, services: Services, Tenant: Any) -> None:
     def create(body: CreateBatch, tenant: Tenant) -> dict[str, Any]:
         window = _window_seconds(body.completion_window, services.settings.max_completion_window)
         if body.endpoint not in URLS:
-            raise APIError(400, f"endpoint: unsupported {body.endpoint!r} (supported: {', '.join(URLS)})",
+            raise APIError(400, f"endpoint: unsupported {quoted(body.endpoint)} (supported: {', '.join(URLS)})",
                            "endpoint", "invalid_value")
         _check_metadata(body.metadata)
         source = records.file(tenant, body.input_file_id)
         if source is None:
             raise not_found("file", body.input_file_id)
         if source["purpose"] != "batch":
-            raise APIError(400, f"input_file_id: file {body.input_file_id} has purpose {source['purpose']!r}, "
+            raise APIError(400, f"input_file_id: file {quoted(body.input_file_id)} has purpose {source['purpose']!r}, "
                            "not 'batch'", "input_file_id", "invalid_value")
         output_expires = _output_expires(body.output_expires_after)
         mine = records.active_by_tenant().get(tenant, [])
@@ -189,6 +190,13 @@ def _batch_routes(app: FastAPI, services: Services, Tenant: Any) -> None:
             raise APIError(429, f"This key has {len(mine)} batches not finished yet, the most allowed "
                                 f"(TOKENMILL_MAX_ACTIVE_BATCHES); create more once some end.", None,
                            "too_many_active_batches")
+        kept = records.batch_count(tenant)
+        if kept >= services.settings.max_batch_records:
+            raise APIError(429, f"This key has {kept} batch records kept, the most allowed "
+                                f"(TOKENMILL_MAX_BATCH_RECORDS); a final batch's record is kept "
+                                f"{services.settings.batch_expires} s (TOKENMILL_BATCH_EXPIRES): create more once some "
+                                "expire.", None, "too_many_batch_records")
+        check_stored(records.stored(tenant), services.settings)  # its output files will be stored files too
         usage = records.input_usage(body.input_file_id)
         check_queued(records.queued(mine), usage, services.settings)
         batch = new_batch(body, window)
@@ -239,14 +247,14 @@ def new_batch(body: CreateBatch, window: int) -> dict[str, Any]:
 
 def _window_seconds(window: str, longest: int) -> int:
     """`completion_window` in seconds: '24h' as OpenAI takes it, or another number of h, m or s up to `longest`."""
-    match = _WINDOW.match(window[:32])
+    match = _WINDOW.fullmatch(window) if len(window) <= 32 else None
     if match is None:
-        raise APIError(400, f"completion_window: must look like '24h' (or a number of m or s), got {window[:32]!r}",
+        raise APIError(400, f"completion_window: must look like '24h' (or a number of m or s), got {quoted(window)}",
                        "completion_window", "invalid_value")
     seconds = int(match[1]) * _SECONDS[match[2]]
     if seconds > longest:
-        raise APIError(400, f"completion_window: at most {longest // 3600}h here (TOKENMILL_MAX_COMPLETION_WINDOW), got "
-                            f"{window!r}", "completion_window", "invalid_value")
+        raise APIError(400, f"completion_window: at most {longest // 3600}h here (TOKENMILL_MAX_COMPLETION_WINDOW), "
+                            f"got {quoted(window)}", "completion_window", "invalid_value")
     return seconds
 
 
@@ -271,7 +279,7 @@ def _check_metadata(metadata: dict[str, str] | None) -> None:
         raise APIError(400, f"metadata: at most 16 pairs, got {len(metadata)}", "metadata", "invalid_value")
     for key, value in metadata.items():
         if len(key) > 64 or len(value) > 512:
-            raise APIError(400, f"metadata.{key[:64]}: keys up to 64 characters, values up to 512",
+            raise APIError(400, f"metadata: keys up to 64 characters, values up to 512; got key {quoted(key)}",
                            "metadata", "invalid_value")
 
 

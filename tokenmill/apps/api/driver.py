@@ -24,6 +24,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from tokenmill.apps.api.errors import logged_reference
 from tokenmill.apps.api.files import FileStore
 from tokenmill.apps.api.records import FINAL, OUTPUT_EXPIRES_FIELD, Records, now, refused_key
 from tokenmill.apps.api.resources import Connections
@@ -38,6 +39,8 @@ from tokenmill.queue.served import not_served, served_models
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+#: Items `Supervisor.expire` claims at a time; it goes on claiming while more are due.
+EXPIRE_CHUNK = 100
 
 
 class Stopped(Exception):
@@ -126,9 +129,8 @@ class Driver(threading.Thread):
             self.records.redis.delete(refused_key(self.batch_id))  # ended: its outcomes are in its files now
         except Stopped:
             log.info("batch %s: handed over", self.batch_id)
-        except Exception:  # a bug or a lost Redis must not leave the batch stuck in the active set
-            reference = uuid.uuid4().hex[:16]  # the tenant sees the reference; the log has the details under it
-            log.exception("batch %s: failed (reference %s)", self.batch_id, reference)
+        except Exception as exc:  # a bug or a lost Redis must not leave the batch stuck in the active set
+            reference = logged_reference(log, exc, "batch %s: failed", self.batch_id)
             try:
                 with self.connections.client() as client:
                     client.cancel_run(self.batch_id)  # first: once it reads `failed`, none of its jobs runs any more
@@ -194,8 +196,11 @@ class Driver(threading.Thread):
             for number, line in self.beating(lines):
                 if not problems:
                     requests.append((number, self.parser.request(line)))
-        except DatasetError as exc:
-            problems.append(FileProblem("invalid_file", str(exc)).at(None))
+        except DatasetError as exc:  # its message names the store's path or bucket: the log's, not the tenant's
+            reference = logged_reference(log, exc, "batch %s: input file %s unreadable", self.batch_id,
+                                         batch["input_file_id"])
+            problems.append(FileProblem("invalid_file", f"the input file could not be read (deleted before the batch "
+                                        f"read it?) (reference {reference})").at(None))
         jobs = sum(len(request.units) for _, request in requests)
         if not problems and jobs > self.settings.max_batch_lines:  # `n` choices are jobs too
             problems.append(FileProblem("too_many_lines", f"the file asks for {jobs} completions (its lines' n "
@@ -431,20 +436,24 @@ class Supervisor(threading.Thread):
                 driver.start()
 
     def expire(self) -> None:
-        """Delete what is due (`Records.due`): a file's record, index entry and stored bytes, unless a batch still
-        running reads it (then it is due again later); a final batch's record."""
-        due = self.records.due(time.time())
-        if not due:
-            return
-        inputs = self.records.active_inputs()
-        for kind, item_id, tenant in due:
-            if kind == "file" and item_id in inputs:
-                self.records.expire_later(kind, item_id, tenant, self.settings.lease_seconds * 10)
-            elif kind == "file":
-                self.records.delete_file(tenant, item_id)
-                self.store.delete(item_id)
-            else:
-                self.records.forget_batch(tenant, item_id)
+        """Delete everything due now (`Records.due`, `EXPIRE_CHUNK` at a time): a file's record, index entry and stored
+        bytes, unless a batch still running reads it (then it is due again later); a final batch's record."""
+        at = time.time()
+        while not self.stopping.is_set():
+            due = self.records.due(at, EXPIRE_CHUNK)
+            if not due:
+                return
+            inputs = self.records.active_inputs()
+            for kind, item_id, tenant in due:
+                if kind == "file" and item_id in inputs:
+                    self.records.expire_later(kind, item_id, tenant, self.settings.lease_seconds * 10)
+                elif kind == "file":
+                    self.records.delete_file(tenant, item_id)
+                    self.store.delete(item_id)
+                else:
+                    self.records.forget_batch(tenant, item_id)
+            if len(due) < EXPIRE_CHUNK:
+                return
 
     def _hand_one_back(self, by_tenant: dict[str, list[str]]) -> None:
         """All drivers busy: if a tenant has batches waiting and none driven here, ask the newest driver of the tenant

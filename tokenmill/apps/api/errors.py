@@ -11,6 +11,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
+from tokenmill.apps.batch import quoted
+
 log = logging.getLogger(__name__)
 
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
@@ -36,7 +38,15 @@ class APIError(Exception):
 
 def not_found(what: str, id: str) -> APIError:
     """404 for an id that does not exist or belongs to another tenant (the two look the same on purpose)."""
-    return APIError(404, f"No {what} found with id '{id}'.", param="id", code="not_found")
+    return APIError(404, f"No {what} found with id {quoted(id)}.", param="id", code="not_found")
+
+
+def logged_reference(logger: logging.Logger, exc: BaseException, what: str, *args: Any) -> str:
+    """A new reference for an internal error, logged with `what % args` and `exc`'s details: the client is told the
+    reference only, never the details (a path, a bucket, a trace)."""
+    reference = uuid.uuid4().hex[:16]
+    logger.error(f"{what} (reference %s)", *args, reference, exc_info=exc)
+    return reference
 
 
 def upload_too_large(limit: int) -> APIError:
@@ -62,8 +72,7 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
         """A bug or an outage: the client gets a reference, the log the details (never the other way round)."""
-        reference = uuid.uuid4().hex[:16]
-        log.error("internal error %s on %s %s", reference, request.method, request.url.path, exc_info=exc)
+        reference = logged_reference(log, exc, "internal error on %s %s", request.method, request.url.path)
         body = APIError(500, f"The server had an error processing your request (reference {reference}).", None,
                         "server_error").body()
         return JSONResponse(body, status_code=500)

@@ -7,7 +7,8 @@ tenant's batches not final yet past `max_queued_jobs` or `max_queued_prompt_byte
 comes back as they end), or a 400 for a file past a bound on its own (waiting cannot help). A tenant's stored files
 and bytes (its uploads and its batches' output files) are totalled as their records are added and deleted
 (`Records.add_file`, `delete_file`, expiry included); an upload past `max_stored_files` or `max_stored_bytes` is a
-400, as OpenAI answers past its storage quota, before the file is stored. The bounds are checked, not reserved:
+400, as OpenAI answers past its storage quota, before the file is stored, and so is a batch created while its tenant is
+at either (its outputs, added when it ends, may take the tenant past them). The bounds are checked, not reserved:
 requests of one tenant at the same moment may each pass the check and together go past a bound by their own sizes.
 """
 
@@ -75,12 +76,16 @@ def check_queued(queued: dict[str, int], adding: dict[str, int], settings: Serve
                                 "batches have ended.", None, code, {"Retry-After": str(RETRY_AFTER)})
 
 
-def check_stored(stored: dict[str, int], size: int, settings: ServeSettings) -> None:
-    """Refuse an upload of `size` bytes that would take the tenant's stored files past `max_stored_files` or
-    `max_stored_bytes`: a 400, as OpenAI answers past its storage quota (waiting helps only as files expire)."""
+def check_stored(stored: dict[str, int], settings: ServeSettings, upload: int | None = None) -> None:
+    """Refuse an upload of `upload` bytes that would take the tenant's stored files past `max_stored_files` or
+    `max_stored_bytes`, or (no `upload`) a batch while the tenant is at either: its output and error files are stored
+    files of its tenant too. A 400, as OpenAI answers past its storage quota (waiting helps only as files expire)."""
     files, used = stored["files"], stored["bytes"]
+    size = 1 if upload is None else upload  # a batch's outputs: at least one file of at least one byte
     if files + 1 > settings.max_stored_files or used + size > settings.max_stored_bytes:
+        adding = "a batch's output files are stored files too" if upload is None else f"this file has {upload}"
         raise APIError(400, f"You have exceeded your file storage quota: this key stores {files} files of {used} "
                             f"bytes, at most {settings.max_stored_files} files (TOKENMILL_MAX_STORED_FILES) and "
-                            f"{settings.max_stored_bytes} bytes (TOKENMILL_MAX_STORED_BYTES), and this file has "
-                            f"{size}. Delete old files to make room.", "file", "file_storage_limit_exceeded")
+                            f"{settings.max_stored_bytes} bytes (TOKENMILL_MAX_STORED_BYTES), and {adding}. Delete "
+                            "old files to make room.", "file" if upload is not None else None,
+                       "file_storage_limit_exceeded")

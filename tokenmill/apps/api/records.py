@@ -176,6 +176,10 @@ class Records:
             return None
         return json.loads(raw)
 
+    def batch_count(self, tenant: str) -> int:
+        """The tenant's batch records kept, final ones included (until `forget_batch`)."""
+        return int(self.redis.zcard(_index("batches", tenant)))
+
     def tenant_of(self, batch_id: str) -> str:
         return self.redis.hget(batch_key(batch_id), "tenant").decode()
 

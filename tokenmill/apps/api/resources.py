@@ -17,9 +17,9 @@ Redis connections, at most `redis_connections + 2 * max_publishers`:
   the one it pings when it opens). At most `max_publishers` clients publish at once (`Connections.publishing`), and a
   client's channels are closed when its publishing ends.
 
-Descriptors: at start the soft RLIMIT_NOFILE is raised to the hard limit (`raise_open_files_limit`, logged); uvicorn
-answers 503 to a request past `max_http_connections` connections (`limit_concurrency`). Connections that send nothing
-still hold a descriptor each; when none is left, an accept fails. CPython's accept handler then goes on to try every
+Descriptors: at start the soft RLIMIT_NOFILE is raised to the hard limit (`raise_open_files_limit`, logged); a request
+past `max_http_connections` is answered 503, and a connection that sends no whole request head within
+`request_head_timeout` is closed (`tokenmill.apps.api.connections`). Until then it holds a descriptor; when none is left, an accept fails. CPython's accept handler then goes on to try every
 other connection waiting in the listen backlog, each failure reported and each scheduling its own retry; the server's
 (`AcceptBackoff`) stops at the first failure and pauses that listening socket, longer while accepts keep failing, and
 `AcceptErrors` logs the failures once a second, with the count.

@@ -19,10 +19,11 @@ EXIT_UNUSABLE = 2
 #: The settings `tokenmill serve` takes as flags too (the others, the webhook secret among them, as variables only).
 FLAGS = ("broker_url", "result_backend", "queue", "files_dir", "s3_endpoint_url", "api_keys", "api_keys_file",
          "max_upload_bytes", "max_batch_lines", "lease_seconds", "default_max_tokens", "max_completion_window",
-         "rate_limit", "rate_burst", "max_drivers", "max_active_batches", "max_queued_jobs",
+         "rate_limit", "rate_burst", "max_drivers", "max_active_batches", "max_batch_records", "max_queued_jobs",
          "max_queued_prompt_bytes", "max_stored_files", "max_stored_bytes", "file_expires", "batch_expires",
          "openapi_schema", "webhook_url", "webhook_timeout", "embeddings_timeout", "max_embedding_requests",
-         "request_threads", "redis_connections", "max_publishers", "max_http_connections")
+         "request_threads", "redis_connections", "max_publishers", "max_http_connections", "request_head_timeout",
+         "min_body_rate", "max_tenant_requests", "max_tenant_uploads")
 
 
 def add_parser(commands: Any) -> None:
@@ -53,11 +54,16 @@ def run(args: argparse.Namespace) -> int:
 
     from tokenmill.apps.api.auth import Keys
     from tokenmill.apps.api.settings import ServeSettings
+    from tokenmill.queue.settings import setting_problems
 
     try:
         settings = ServeSettings(**{n: getattr(args, n) for n in FLAGS if getattr(args, n) is not None})
         keys = Keys(settings, insecure=args.insecure_no_auth)
-    except (ValidationError, ValueError, OSError) as exc:
+    except ValidationError as exc:
+        for problem in setting_problems(exc):
+            print(f"tokenmill serve: {problem}", file=sys.stderr)
+        return EXIT_UNUSABLE
+    except (ValueError, OSError) as exc:
         print(f"tokenmill serve: {exc}", file=sys.stderr)
         return EXIT_UNUSABLE
     if args.insecure_no_auth and not _loopback(args.host):
@@ -74,10 +80,12 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from tokenmill.apps.api.app import create_app
+    from tokenmill.apps.api.connections import ConnectionGuard, uvicorn_options
     from tokenmill.apps.api.resources import raise_open_files_limit
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     raise_open_files_limit(settings)  # before anything opens a descriptor
-    uvicorn.run(create_app(settings, keys), host=args.host, port=args.port, log_level=args.log_level,
-                limit_concurrency=settings.max_http_connections)
+    # requests at once, each tenant's, their bodies' pace and a deadline for each request head (`connections`)
+    uvicorn.run(ConnectionGuard(create_app(settings, keys), settings, keys), host=args.host, port=args.port,
+                log_level=args.log_level, **uvicorn_options(settings))
     return 0

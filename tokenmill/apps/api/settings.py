@@ -39,6 +39,9 @@ class ServeSettings(QueueSettings):
                              "and a queue client each); the others wait their turn, the tenants' in turn.")
     max_active_batches: int = Field(100, ge=1, description="Batches one tenant may have not final yet; past it "
                                     "`POST /v1/batches` answers 429.")
+    max_batch_records: int = Field(10_000, ge=1, description="Batch records one tenant may have kept, final ones "
+                                   "included (each kept TOKENMILL_BATCH_EXPIRES once final); past it "
+                                   "`POST /v1/batches` answers 429 until some expire.")
     max_queued_jobs: int = Field(200_000, ge=1, description="Jobs (requests × `n`; an embeddings request: its inputs) "
                                  "one tenant's batches not final yet may hold; a batch past it is a 429 with "
                                  "Retry-After at `POST /v1/batches` (a 400 if its file alone is past it).")
@@ -47,10 +50,11 @@ class ServeSettings(QueueSettings):
                                          "once per choice (serve has no tokenizer; a token of text is at least a "
                                          "byte); past it as TOKENMILL_MAX_QUEUED_JOBS.")
     max_stored_files: int = Field(10_000, ge=1, description="Files one tenant may store (uploads and its batches' "
-                                  "output files); past it `POST /v1/files` answers 400 until files are deleted or "
-                                  "expire.")
+                                  "output files); past it `POST /v1/files` answers 400, and at it `POST /v1/batches`, "
+                                  "until files are deleted or expire.")
     max_stored_bytes: int = Field(10 * 1024 ** 3, ge=1, description="Bytes of files one tenant may store (uploads and "
-                                  "outputs); past it `POST /v1/files` answers 400 until files are deleted or expire.")
+                                  "outputs); past it `POST /v1/files` answers 400, and at it `POST /v1/batches`, until "
+                                  "files are deleted or expire.")
     rate_limit: float = Field(1200.0, gt=0, description="Requests a minute one API key may make (per `tokenmill serve` "
                               "process); past it a 429 with Retry-After.")
     rate_burst: int = Field(120, ge=1, description="Requests a key may make at once before `rate_limit` paces it.")
@@ -68,10 +72,26 @@ class ServeSettings(QueueSettings):
     max_publishers: int = Field(8, ge=1, description="Queue clients of one `tokenmill serve` process publishing jobs "
                                 "at once (drivers queueing batches, embeddings requests), 2 broker connections each; "
                                 "the others wait their turn.")
-    max_http_connections: int = Field(512, ge=1, description="HTTP connections one `tokenmill serve` process serves at "
-                                      "once (uvicorn's limit_concurrency); a request past it is answered 503.")
-    max_completion_window: int = Field(7 * 86400, ge=3600, description="Longest `completion_window` a batch may ask "
-                                       "for, in seconds (OpenAI's is 24h); a longer one is refused with a 400.")
+    max_http_connections: int = Field(512, ge=1, description="Requests one `tokenmill serve` process serves at once: "
+                                      "connections that have delivered a whole request head (idle ones, and ones "
+                                      "still sending their head, are not counted); past it a 503 with Retry-After.")
+    request_head_timeout: float = Field(10.0, gt=0, description="Seconds an HTTP connection has to deliver a whole "
+                                        "request head, from its opening or from the end of its previous response; "
+                                        "past it the connection is closed. Connections without a whole request head "
+                                        "are not counted in TOKENMILL_MAX_HTTP_CONNECTIONS.")
+    min_body_rate: int = Field(16 * 1024, ge=1, description="Bytes a second a request's body must arrive at, counted "
+                               "over the time the server waits for it, after a first TOKENMILL_REQUEST_HEAD_TIMEOUT "
+                               "seconds; a slower body is answered 408 and its connection closed.")
+    max_tenant_requests: int = Field(32, ge=1, description="Requests of one tenant a `tokenmill serve` process serves "
+                                     "at once (at most TOKENMILL_MAX_HTTP_CONNECTIONS - 1, so that one tenant always "
+                                     "leaves room for the others); past it a 429 with Retry-After.")
+    max_tenant_uploads: int = Field(4, ge=1, description="`POST /v1/files` uploads of one tenant a `tokenmill serve` "
+                                    "process receives at once (within TOKENMILL_MAX_TENANT_REQUESTS); past it a 429 "
+                                    "with Retry-After.")
+    max_completion_window: int = Field(86400, ge=3600, description="Longest `completion_window` a batch may ask "
+                                       "for, in seconds (OpenAI's is 24h); a longer one is refused with a 400. At most "
+                                       "TOKENMILL_RESULT_EXPIRES (serve's and the workers'): a batch re-driven later "
+                                       "reads its finished jobs' stored results.")
     openapi_schema: bool = Field(False, description="Serve the API's OpenAPI schema at /openapi.json (the "
                                  "interactive docs pages are never served: they load scripts from a CDN).")
     webhook_url: str | None = Field(None, description="URL `tokenmill serve` POSTs batch.completed / batch.failed / "
@@ -91,6 +111,16 @@ class ServeSettings(QueueSettings):
             raise ValueError(f"TOKENMILL_REDIS_CONNECTIONS ({self.redis_connections}) must exceed "
                              f"TOKENMILL_MAX_DRIVERS + TOKENMILL_REQUEST_THREADS "
                              f"({self.max_drivers} + {self.request_threads})")
+        return self
+
+    @model_validator(mode="after")
+    def _check_window(self) -> "ServeSettings":
+        # a batch re-driven (restart, takeover, fair-share hand-back) reads its jobs' stored results: they must outlive
+        # any batch's completion window
+        if self.max_completion_window > self.result_expires:
+            raise ValueError(f"TOKENMILL_MAX_COMPLETION_WINDOW ({self.max_completion_window}) must be at most "
+                             f"TOKENMILL_RESULT_EXPIRES ({self.result_expires}): lower the window, or raise "
+                             "TOKENMILL_RESULT_EXPIRES here and on every worker")
         return self
 
     @model_validator(mode="after")
