@@ -122,3 +122,36 @@ def test_an_engine_that_dies_loading_its_model_fails_its_start_not_the_worker() 
     engine._reader.join(5)
     assert fatal == []
     assert not engine._writer.is_alive() and not engine._reader.is_alive() and engine._process.exitcode not in (None, 0)
+
+
+def test_a_plain_celery_worker_whose_engine_dies_loading_exits_70_and_keeps_the_job(redis_server: RedisServer,
+                                                                                   tmp_path: Any) -> None:
+    """Under plain `celery worker` the first job builds the service; an engine that dies loading its model (here a
+    KV cache it cannot allocate) exits the worker with 70, as any engine failure, and the job is neither failed nor
+    acked: a restarted or another worker runs it."""
+    import os
+    import subprocess
+    import sys
+
+    from service_fixtures import REPO, wait_for
+
+    from tokenmill.client import Client
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENMILL_")}
+    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", TOKENMILL_BROKER_URL=redis_server.url,
+               TOKENMILL_MODEL="builtin:tiny", TOKENMILL_NUM_KV_BLOCKS=str(10**12), TOKENMILL_METRICS_PORT="0")
+    with open(tmp_path / "celery.log", "wb") as log:
+        worker = subprocess.Popen([sys.executable, "-m", "celery", "-A", "tokenmill.worker.app", "worker", "--pool",
+                                   "threads", "--concurrency", "2", "--without-mingle", "--without-gossip"],
+                                  env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            with Client(redis_server.url) as client:
+                job = client.submit(prompt="a job for a worker that cannot start", max_tokens=2)
+                assert worker.wait(timeout=180) == 70, (tmp_path / "celery.log").read_text()[-3000:]
+                assert job.get() is None
+                broker = redis_server.client()
+                wait_for(lambda: broker.hlen("unacked") + broker.llen(client.queue) == 1, 10, "the job held in Redis")
+        finally:
+            if worker.poll() is None:
+                worker.kill()
+                worker.wait(10)

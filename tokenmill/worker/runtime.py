@@ -19,8 +19,9 @@ from tokenmill.errors import InvalidRequestError
 from tokenmill.queue.names import SHARE_HEADER, message_share
 from tokenmill.queue.schemas import JobResult, check_size, job_payload
 from tokenmill.worker.batch_task import BatchRun
+from tokenmill.worker.engine_process import EngineFailure
 from tokenmill.worker.intake import Intake
-from tokenmill.worker.service import WorkerService
+from tokenmill.worker.service import WorkerService, exit_on_engine_failure
 from tokenmill.worker.settings import WorkerSettings
 
 if TYPE_CHECKING:
@@ -38,8 +39,14 @@ def start(settings: WorkerSettings) -> WorkerService:
 
 
 def current() -> WorkerService:
-    """The service, built from `TOKENMILL_*` variables by the first caller when none was (plain `celery worker`)."""
-    return _built(None)
+    """The service, built from `TOKENMILL_*` variables by the first caller when none was (plain `celery worker`).
+    An engine that fails to start then exits the worker (70, as any engine failure), its jobs left unacked for a
+    restarted or another worker: raised, it would fail each job that asked."""
+    try:
+        return _built(None)
+    except EngineFailure as exc:
+        exit_on_engine_failure(exc)
+        raise  # not reached: the exit
 
 
 def _built(settings: WorkerSettings | None) -> WorkerService:

@@ -136,7 +136,7 @@ class WorkerService(Outcomes):
             metrics.serve(settings.metrics_port, settings.metrics_addr, tries=settings.metrics_port_tries)
             cpus = placement(settings.engine_cpus)  # (the engine's, the worker's), or None
             engine = EngineProcess(
-                model, settings.engine_options(), on_fatal=_exit_on_engine_failure, on_stats=metrics.on_engine_status,
+                model, settings.engine_options(), on_fatal=exit_on_engine_failure, on_stats=metrics.on_engine_status,
                 cpus=cpus[0] if cpus else None, on_stall=_exit_on_engine_stall,
                 stall_timeout=settings.engine_stall_timeout,
             )
@@ -335,7 +335,7 @@ def _safe_id(raw: dict[str, Any], task_id: str) -> str:
     return value if is_job_id(value) else task_id
 
 
-def _exit_on_engine_failure(exc: BaseException) -> None:
+def exit_on_engine_failure(exc: BaseException) -> None:
     """The engine failed outside any single request, or its process died: exit now. Jobs in flight stay unacked and
     are redelivered after the visibility timeout; one that causes this every time is dead-lettered."""
     try:
