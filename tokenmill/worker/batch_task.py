@@ -39,6 +39,8 @@ log = logging.getLogger("tokenmill.worker")
 
 #: Seconds between checks of the shutdown grace while a job or a group waits for the engine.
 SHUTDOWN_CHECK_INTERVAL = 2.0
+#: Seconds a group that failed outside the engine waits before it is requeued (at most until the shutdown grace ends).
+REQUEUE_PAUSE = 1.0
 
 
 class JobService(Protocol):
@@ -169,8 +171,9 @@ class BatchRun:
 
     def _run_mine(self, jobs: list[Job], done: dict[str, dict[str, Any]]) -> int:
         """Check in, dead-letter or run, store; returns how many ran. Any error (a Redis error at check-in or store
-        included) requeues the run when `requeue_on_error`: raised as such, Celery would ack the message with no
-        result stored for its jobs."""
+        included) requeues the run when `requeue_on_error`, after `REQUEUE_PAUSE`: raised as such, Celery would ack
+        the message with no result stored for its jobs. An error that persists after the check-in ends with the
+        jobs' deliveries (`max_deliveries`); one before it repeats, slowly, until it is mended."""
         try:
             todo = self._check_in(jobs, done) if jobs else []
             self._free_room(self._message_jobs - len(todo))  # invalid, joined to a run here, or settled at check-in
@@ -186,6 +189,7 @@ class BatchRun:
                 raise
             log.exception("group %r failed (%s); requeueing it for its jobs without a stored result", self.task_id,
                           type(exc).__name__)
+            self.service.grace_expired.wait(REQUEUE_PAUSE)  # an error that persists: a slow loop, not a hot one
             raise Reject(f"group failed: {type(exc).__name__}", requeue=True) from exc
         return len(todo)
 

@@ -125,8 +125,8 @@ class Outcomes:
 
     def dead_letter(self, job: Job, attempt: int, started_at: float) -> dict[str, Any]:
         message = (
-            f"delivered {attempt} times and no earlier delivery finished (the worker running it died each time); "
-            f"not run again, moved to the Redis list {DEAD_LETTER_KEY}"
+            f"delivered {attempt} times and no earlier delivery finished (its worker died, or its run failed and was "
+            f"requeued, each time); not run again, moved to the Redis list {DEAD_LETTER_KEY}"
         )
         dead_letters.push(self.redis, job.to_wire(), message, attempt, self.settings.dead_letter_max_len,
                           self.settings.dead_letter_expires)
