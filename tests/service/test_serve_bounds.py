@@ -20,7 +20,7 @@ from service_fixtures import REPO, RedisServer, Server, free_port, wait_for
 from tokenmill.apps.api.driver import EXPIRE_CHUNK, Supervisor
 from tokenmill.apps.api.files import DirectoryStore
 from tokenmill.apps.api.records import EXPIRING, Records
-from tokenmill.apps.api.settings import ServeSettings
+from tokenmill.apps.api.settings import RESULT_MARGIN, ServeSettings
 from tokenmill.apps.batch import QUOTED_CHARS
 
 FINAL = ("completed", "failed", "cancelled", "expired")
@@ -62,9 +62,11 @@ def test_results_outlive_the_longest_completion_window() -> None:
     """A batch re-driven (restart, takeover, hand-back) reads its finished jobs' stored results: with the shipped
     defaults they outlive any window a batch may ask for, and a configuration where they would not is refused."""
     defaults = ServeSettings()
-    assert defaults.max_completion_window <= defaults.result_expires
+    assert defaults.max_completion_window + RESULT_MARGIN <= defaults.result_expires
     with pytest.raises(ValueError, match="TOKENMILL_MAX_COMPLETION_WINDOW .* TOKENMILL_RESULT_EXPIRES"):
         ServeSettings(result_expires=3600, max_completion_window=7200)
+    with pytest.raises(ValueError, match="TOKENMILL_MAX_COMPLETION_WINDOW .* TOKENMILL_RESULT_EXPIRES"):
+        ServeSettings(result_expires=86400, max_completion_window=86400)  # no margin for a batch finalized late
 
 
 def test_serve_refuses_to_start_when_results_expire_before_the_window(tmp_path: Path) -> None:
@@ -146,7 +148,7 @@ def test_a_deleted_input_file_fails_its_batch_without_naming_the_store(start, tm
     store = str(tmp_path / "files")
     assert done.status == "failed" and error.code == "invalid_file", done
     assert store not in error.message and second_file not in error.message
-    assert error.message.startswith("the input file could not be read") and "(reference " in error.message
+    assert error.message.startswith("the input file could not be read") and "reference " in error.message
     reference = error.message.rsplit("reference ", 1)[1].rstrip(").")
     logged = [line for line in server.log_path.read_text().splitlines() if f"(reference {reference})" in line]
     assert logged and second_file in logged[0]

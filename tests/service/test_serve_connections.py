@@ -187,8 +187,8 @@ def test_past_max_http_connections_a_request_is_a_503_in_openais_shape_then_serv
 
 
 def test_uvicorns_h11_protocol_still_has_what_the_head_deadline_relies_on() -> None:
-    """`HeadDeadlineH11Protocol` overrides three of uvicorn's methods and reads a few of its attributes (uvicorn is
-    bounded from below only): a rename would silently leave connections without a head deadline."""
+    """`HeadDeadlineH11Protocol` overrides three of uvicorn's methods and reads a few of its attributes (pyproject bounds
+    uvicorn below 0.56; a release within may still rename them): a rename would silently leave connections without a head deadline."""
     import inspect
 
     from uvicorn.protocols.http.h11_impl import H11Protocol, RequestResponseCycle

@@ -43,7 +43,8 @@ class QueueSettings(BaseSettings):
         description="Seconds after which a job delivered to a worker that stopped renewing its lease "
         "(crashed, killed) is delivered again. Live workers renew leases, so slow jobs are not rerun.",
     )
-    result_expires: int = Field(86400, gt=0, description="Seconds a result stays in Redis.")
+    result_expires: int = Field(25 * 3600, gt=0, description="Seconds a result stays in Redis (25 hours: an hour past "
+                                "`tokenmill serve`'s longest completion window, 24h).")
     redis_socket_timeout: float = Field(
         30.0, gt=0, description="Seconds any Redis call (the broker's, the results', the worker's own) waits for a "
         "reply before its connection counts as dead (a paused server, a dropped route) and the call is retried on a "

@@ -199,8 +199,8 @@ class Driver(threading.Thread):
         except DatasetError as exc:  # its message names the store's path or bucket: the log's, not the tenant's
             reference = logged_reference(log, exc, "batch %s: input file %s unreadable", self.batch_id,
                                          batch["input_file_id"])
-            problems.append(FileProblem("invalid_file", f"the input file could not be read (deleted before the batch "
-                                        f"read it?) (reference {reference})").at(None))
+            problems.append(FileProblem("invalid_file", "the input file could not be read (deleted before the batch "
+                                        f"read it, or the files store failing; reference {reference})").at(None))
         jobs = sum(len(request.units) for _, request in requests)
         if not problems and jobs > self.settings.max_batch_lines:  # `n` choices are jobs too
             problems.append(FileProblem("too_many_lines", f"the file asks for {jobs} completions (its lines' n "

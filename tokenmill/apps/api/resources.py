@@ -110,11 +110,13 @@ def raise_open_files_limit(settings: ServeSettings) -> None:
                     "TOKENMILL_MAX_HTTP_CONNECTIONS)",
                     soft, hard, needed)
     else:
-        log.info("open files limit %d (hard %d); the settings' bounds take at most about %d", soft, hard, needed)
+        log.info("open files limit %d (hard %d); the settings' bounds take about %d, with connections still sending "
+                 "their request head (each closed within TOKENMILL_REQUEST_HEAD_TIMEOUT) beyond", soft, hard, needed)
 
 
 def descriptors_needed(settings: ServeSettings) -> int:
-    """Descriptors the bounds allow the server: its HTTP connections and Redis connections, a file open by each
+    """Descriptors the bounds allow the server (connections without a whole request head aside, which only the head
+    deadline bounds): its requests' HTTP connections and Redis connections, a file open by each
     driver and request thread (two for a driver writing its output while it reads its input), and a margin for the
     process's own (standard streams, the event loop's, the listening socket, the store's client)."""
     return (settings.max_http_connections + settings.redis_connections + 2 * settings.max_publishers

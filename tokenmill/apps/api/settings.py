@@ -8,6 +8,11 @@ from tokenmill.queue.schemas import S3Location
 from tokenmill.queue.settings import QueueSettings
 
 
+#: Seconds a job's stored result must outlive the longest completion window: a batch is finalized from its results
+#: a lease and a few supervisor scans after its window ends.
+RESULT_MARGIN = 3600
+
+
 class ServeSettings(QueueSettings):
     """What the HTTP API needs besides the queue: keys, where files live, limits, the batch lease."""
 
@@ -90,8 +95,8 @@ class ServeSettings(QueueSettings):
                                     "with Retry-After.")
     max_completion_window: int = Field(86400, ge=3600, description="Longest `completion_window` a batch may ask "
                                        "for, in seconds (OpenAI's is 24h); a longer one is refused with a 400. At most "
-                                       "TOKENMILL_RESULT_EXPIRES (serve's and the workers'): a batch re-driven later "
-                                       "reads its finished jobs' stored results.")
+                                       "TOKENMILL_RESULT_EXPIRES less an hour (serve's and the workers'): a batch "
+                                       "re-driven later reads its finished jobs' stored results.")
     openapi_schema: bool = Field(False, description="Serve the API's OpenAPI schema at /openapi.json (the "
                                  "interactive docs pages are never served: they load scripts from a CDN).")
     webhook_url: str | None = Field(None, description="URL `tokenmill serve` POSTs batch.completed / batch.failed / "
@@ -115,12 +120,12 @@ class ServeSettings(QueueSettings):
 
     @model_validator(mode="after")
     def _check_window(self) -> "ServeSettings":
-        # a batch re-driven (restart, takeover, fair-share hand-back) reads its jobs' stored results: they must outlive
-        # any batch's completion window
-        if self.max_completion_window > self.result_expires:
+        # a batch re-driven (restart, takeover, fair-share hand-back), also just after its window ended, reads its
+        # jobs' stored results: they must outlive any batch's window by `RESULT_MARGIN`
+        if self.max_completion_window + RESULT_MARGIN > self.result_expires:
             raise ValueError(f"TOKENMILL_MAX_COMPLETION_WINDOW ({self.max_completion_window}) must be at most "
-                             f"TOKENMILL_RESULT_EXPIRES ({self.result_expires}): lower the window, or raise "
-                             "TOKENMILL_RESULT_EXPIRES here and on every worker")
+                             f"TOKENMILL_RESULT_EXPIRES ({self.result_expires}) less {RESULT_MARGIN}: lower the window, "
+                             "or raise TOKENMILL_RESULT_EXPIRES here and on every worker")
         return self
 
     @model_validator(mode="after")
