@@ -186,6 +186,21 @@ def test_past_max_http_connections_a_request_is_a_503_in_openais_shape_then_serv
     wait_for(lambda: _get(server)[0] == 200, 10, "the server answering again")
 
 
+def test_a_tenant_leaves_the_others_a_handler_thread(start) -> None:
+    """request_threads=3: one tenant has at most 2 requests at once, whatever max_tenant_requests says, so a
+    handler thread is always left to the others."""
+    server = start(**{"request-threads": 3, "min-body-rate": 1, "max-tenant-uploads": 4})
+    uploads = [_slow_upload(server, "alice") for _ in range(2)]
+    try:
+        assert [_answer(sock, 1.0) for sock in uploads] == [None, None]
+        status, _, body = _get(server, "alice")
+        assert status == 429 and "at most 2 requests of one key" in body["error"]["message"]
+        assert _get(server, "bob")[0] == 200
+    finally:
+        for sock in uploads:
+            sock.close()
+
+
 def test_uvicorns_h11_protocol_still_has_what_the_head_deadline_relies_on() -> None:
     """`HeadDeadlineH11Protocol` overrides three of uvicorn's methods and reads a few of its attributes (pyproject bounds
     uvicorn below 0.56; a release within may still rename them): a rename would silently leave connections without a head deadline."""

@@ -11,7 +11,7 @@ tenant's requests at once: a few slow uploads held every connection. Here:
 * `ConnectionGuard` (ASGI middleware, outside every other): uvicorn's `limit_concurrency` is not used; requests
   (connections that have delivered a head) are counted instead, at most `max_http_connections` at once, past it a
   503 in OpenAI's shape with Retry-After. A tenant may have `max_tenant_requests` of them (at most
-  `max_http_connections - 1`), and `max_tenant_uploads` of those `POST /v1/files`; past either a 429 with
+  `max_http_connections - 1` and `request_threads - 1`), and `max_tenant_uploads` of those `POST /v1/files`; past either a 429 with
   Retry-After, before any of the body is read. A body must arrive at `min_body_rate` bytes a second, counted over the
   time the server waits for it after a first `request_head_timeout` seconds; a slower one is answered 408.
 
@@ -97,7 +97,9 @@ class ConnectionGuard:
         self.app = app
         self.keys = keys
         self.max_requests = settings.max_http_connections
-        self.max_tenant_requests = max(1, min(settings.max_tenant_requests, settings.max_http_connections - 1))
+        # one tenant always leaves the others a request and a handler thread
+        self.max_tenant_requests = max(1, min(settings.max_tenant_requests, settings.max_http_connections - 1,
+                                              settings.request_threads - 1))
         self.max_tenant_uploads = min(settings.max_tenant_uploads, self.max_tenant_requests)
         self.min_body_rate = float(settings.min_body_rate)
         self.grace = settings.request_head_timeout

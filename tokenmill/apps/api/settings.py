@@ -88,8 +88,9 @@ class ServeSettings(QueueSettings):
                                "over the time the server waits for it, after a first TOKENMILL_REQUEST_HEAD_TIMEOUT "
                                "seconds; a slower body is answered 408 and its connection closed.")
     max_tenant_requests: int = Field(32, ge=1, description="Requests of one tenant a `tokenmill serve` process serves "
-                                     "at once (at most TOKENMILL_MAX_HTTP_CONNECTIONS - 1, so that one tenant always "
-                                     "leaves room for the others); past it a 429 with Retry-After.")
+                                     "at once (at most TOKENMILL_MAX_HTTP_CONNECTIONS - 1 and TOKENMILL_REQUEST_THREADS - "
+                                     "1, so that one tenant always leaves the others a request and a handler thread); "
+                                     "past it a 429 with Retry-After.")
     max_tenant_uploads: int = Field(4, ge=1, description="`POST /v1/files` uploads of one tenant a `tokenmill serve` "
                                     "process receives at once (within TOKENMILL_MAX_TENANT_REQUESTS); past it a 429 "
                                     "with Retry-After.")
