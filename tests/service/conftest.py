@@ -6,6 +6,7 @@ from service_fixtures import (  # noqa: F401
     redis_server,
     result_log,
     s3_server,
+    start_server,
     start_worker,
     tls_redis_server,
 )

@@ -10,6 +10,7 @@ sleeping fixed times.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -652,3 +653,28 @@ def _finished(server: RedisServer, keys: list[str]) -> int:
         return int(server.client().exists(*keys))
     except redis.RedisError:  # restarting right now
         return 0
+
+
+@pytest.fixture
+def start_server(redis_server: RedisServer, tmp_path: Path) -> Iterator[Callable[..., Server]]:
+    """`start_server(env=None, **flags)`: a `tokenmill serve` on the test's Redis, closed after the test."""
+    servers: list[Server] = []
+
+    def started(env: dict[str, str] | None = None, **flags: object) -> Server:
+        servers.append(Server(redis_server.url, tmp_path / "files", tmp_path / "serve.log", env=env, **flags))
+        return servers[-1]
+
+    yield started
+    for server in servers:
+        server.close()
+
+
+def upload_batch_file(client: Any, path: Path, lines: list[dict]) -> str:
+    """Write `lines` as a JSONL file at `path` and upload it with the `openai` client; its file id."""
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return client.files.create(file=path.open("rb"), purpose="batch").id
+
+
+def create_batch(client: Any, file_id: str) -> str:
+    """A chat completions batch of `file_id`, 24h window; its id."""
+    return client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h").id

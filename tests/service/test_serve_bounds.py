@@ -10,12 +10,11 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import openai
 import pytest
-from service_fixtures import REPO, RedisServer, Server, free_port, wait_for
+from service_fixtures import REPO, RedisServer, create_batch, free_port, upload_batch_file, wait_for
 
 from tokenmill.apps.api.driver import EXPIRE_CHUNK, Supervisor
 from tokenmill.apps.api.files import DirectoryStore
@@ -31,31 +30,9 @@ def _chat(custom_id: str, max_tokens: int = 1) -> dict:
             "body": {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": max_tokens}}
 
 
-def _upload(client: openai.OpenAI, path: Path, lines: list[dict]) -> str:
-    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    return client.files.create(file=path.open("rb"), purpose="batch").id
-
-
-def _create(client: openai.OpenAI, file_id: str) -> str:
-    return client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h").id
-
-
 def _final(client: openai.OpenAI, batch_id: str) -> object:
     return wait_for(lambda: (b := client.batches.retrieve(batch_id)).status in FINAL and b, 60,
                     f"batch {batch_id} final")
-
-
-@pytest.fixture
-def start(redis_server: RedisServer, tmp_path: Path) -> Iterator:
-    servers: list[Server] = []
-
-    def started(env: dict[str, str] | None = None, **flags: object) -> Server:
-        servers.append(Server(redis_server.url, tmp_path / "files", tmp_path / "serve.log", env=env, **flags))
-        return servers[-1]
-
-    yield started
-    for server in servers:
-        server.close()
 
 
 def test_results_outlive_the_longest_completion_window() -> None:
@@ -81,42 +58,42 @@ def test_serve_refuses_to_start_when_results_expire_before_the_window(tmp_path: 
 
 
 @pytest.mark.parametrize("bound", ["files", "bytes"])
-def test_a_batch_is_refused_while_its_tenant_is_at_its_stored_quota(start, tmp_path: Path, bound: str) -> None:
+def test_a_batch_is_refused_while_its_tenant_is_at_its_stored_quota(start_server, tmp_path: Path, bound: str) -> None:
     """A batch's output and error files are its tenant's stored files: once a batch's error file takes alice to the
     bound, creating another is the upload's 400 (`file_storage_limit_exceeded`); bob's room is his own."""
     size = len("".join(json.dumps(_chat(f"a{i}", max_tokens=-1)) + "\n" for i in range(10)))
     flags = {"max-stored-files": 2} if bound == "files" else {"max-stored-bytes": size + 100}
-    server = start(**flags)
+    server = start_server(**flags)
     alice, bob = server.client(), server.client("bob")
-    file_id = _upload(alice, tmp_path / "a.jsonl", [_chat(f"a{i}", max_tokens=-1) for i in range(10)])
-    assert _final(alice, _create(alice, file_id)).error_file_id  # refused lines: the error file, no worker needed
+    file_id = upload_batch_file(alice, tmp_path / "a.jsonl", [_chat(f"a{i}", max_tokens=-1) for i in range(10)])
+    assert _final(alice, create_batch(alice, file_id)).error_file_id  # refused lines: the error file, no worker needed
     with pytest.raises(openai.BadRequestError) as refused:
-        _create(alice, file_id)
+        create_batch(alice, file_id)
     body = refused.value.body
     assert body["code"] == "file_storage_limit_exceeded" and body["type"] == "invalid_request_error"
     assert "TOKENMILL_MAX_STORED_FILES" in body["message"] and "output files" in body["message"]
     with pytest.raises(openai.BadRequestError) as upload:  # the same answer as an upload past the quota
-        _upload(alice, tmp_path / "b.jsonl", [_chat("b")])
+        upload_batch_file(alice, tmp_path / "b.jsonl", [_chat("b")])
     assert upload.value.body["code"] == body["code"] and upload.value.status_code == refused.value.status_code
-    _create(bob, _upload(bob, tmp_path / "bob.jsonl", [_chat("b")]))
+    create_batch(bob, upload_batch_file(bob, tmp_path / "bob.jsonl", [_chat("b")]))
 
 
-def test_batch_records_are_bounded_per_tenant(start, tmp_path: Path) -> None:
+def test_batch_records_are_bounded_per_tenant(start_server, tmp_path: Path) -> None:
     """Final batches' records count too (each is kept TOKENMILL_BATCH_EXPIRES): past the bound a create is a 429."""
-    server = start(env={"TOKENMILL_MAX_BATCH_RECORDS": "3"})
+    server = start_server(env={"TOKENMILL_MAX_BATCH_RECORDS": "3"})
     alice, bob = server.client(), server.client("bob")
-    file_id = _upload(alice, tmp_path / "a.jsonl", [_chat("a")])
+    file_id = upload_batch_file(alice, tmp_path / "a.jsonl", [_chat("a")])
     for _ in range(3):
-        batch = _create(alice, file_id)
+        batch = create_batch(alice, file_id)
         alice.batches.cancel(batch)
         _final(alice, batch)
     with pytest.raises(openai.RateLimitError) as refused:
-        _create(alice, file_id)
+        create_batch(alice, file_id)
     body = refused.value.body
     assert body["code"] == "too_many_batch_records" and body["type"] == "requests" and body["param"] is None
     assert "has 3 batch records" in body["message"] and "TOKENMILL_MAX_BATCH_RECORDS" in body["message"]
     assert len(alice.batches.list().data) == 3
-    _create(bob, _upload(bob, tmp_path / "bob.jsonl", [_chat("b")]))
+    create_batch(bob, upload_batch_file(bob, tmp_path / "bob.jsonl", [_chat("b")]))
 
 
 def test_expire_deletes_everything_due_in_one_scan(redis_server: RedisServer, tmp_path: Path) -> None:
@@ -132,15 +109,15 @@ def test_expire_deletes_everything_due_in_one_scan(redis_server: RedisServer, tm
     assert not list(records.redis.scan_iter("tokenmill:api:batch:*"))
 
 
-def test_a_deleted_input_file_fails_its_batch_without_naming_the_store(start, tmp_path: Path) -> None:
+def test_a_deleted_input_file_fails_its_batch_without_naming_the_store(start_server, tmp_path: Path) -> None:
     """The input deleted before the driver reads it (OpenAI lets a file in use be deleted): the batch fails with a
     message and a reference; the store's path is in the server's log under that reference, never in `errors`."""
-    server = start(**{"max-drivers": 1})
+    server = start_server(**{"max-drivers": 1})
     alice = server.client()
-    stuck = _create(alice, _upload(alice, tmp_path / "a.jsonl", [_chat("a")]))  # no worker: holds the one driver
+    stuck = create_batch(alice, upload_batch_file(alice, tmp_path / "a.jsonl", [_chat("a")]))  # no worker: holds the one driver
     wait_for(lambda: alice.batches.retrieve(stuck).status == "in_progress", 30, "first batch driven")
-    second_file = _upload(alice, tmp_path / "b.jsonl", [_chat("b")])
-    second = _create(alice, second_file)
+    second_file = upload_batch_file(alice, tmp_path / "b.jsonl", [_chat("b")])
+    second = create_batch(alice, second_file)
     alice.files.delete(second_file)
     alice.batches.cancel(stuck)
     done = _final(alice, second)
@@ -172,10 +149,10 @@ _QUOTING = {
 
 
 @pytest.mark.parametrize("field", list(_QUOTING))
-def test_user_strings_in_error_messages_are_cut(start, tmp_path: Path, field: str) -> None:
+def test_user_strings_in_error_messages_are_cut(start_server, tmp_path: Path, field: str) -> None:
     """A user string an error quotes is cut to QUOTED_CHARS, whatever its size (a body may have 1 MB)."""
-    alice = start().client()
-    file_id = _upload(alice, tmp_path / "a.jsonl", [_chat("a")])
+    alice = start_server().client()
+    file_id = upload_batch_file(alice, tmp_path / "a.jsonl", [_chat("a")])
     with pytest.raises(openai.APIStatusError) as refused:
         _QUOTING[field](alice, file_id, tmp_path / "a.jsonl")
     message = refused.value.body["message"]

@@ -8,25 +8,9 @@ import socket
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
-import pytest
-from service_fixtures import KEYS, RedisServer, Server, wait_for
-
-
-@pytest.fixture
-def start(redis_server: RedisServer, tmp_path: Path) -> Iterator:
-    servers: list[Server] = []
-
-    def started(**flags: object) -> Server:
-        servers.append(Server(redis_server.url, tmp_path / "files", tmp_path / "serve.log", **flags))
-        return servers[-1]
-
-    yield started
-    for server in servers:
-        server.close()
+from service_fixtures import KEYS, Server, wait_for
 
 
 def _get(server: Server, tenant: str | None = "bob", path: str = "/v1/batches") -> tuple[int, Any, Any]:
@@ -92,10 +76,10 @@ def _closed_by_server(sock: socket.socket, within: float) -> bool:
         return True
 
 
-def test_idle_and_slow_head_connections_past_the_limit_leave_every_tenant_served(start) -> None:
+def test_idle_and_slow_head_connections_past_the_limit_leave_every_tenant_served(start_server) -> None:
     """max_http_connections=8: 8 connections that send nothing and 8 that send their head a byte a second are not
     counted; bob is served at once, every time, and the server closes them all after request_head_timeout."""
-    server = start(**{"max-http-connections": 8, "request-head-timeout": 3})
+    server = start_server(**{"max-http-connections": 8, "request-head-timeout": 3})
     idle = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(8)]
     trickling = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(8)]
     for sock in trickling:
@@ -122,10 +106,10 @@ def test_idle_and_slow_head_connections_past_the_limit_leave_every_tenant_served
             sock.close()
 
 
-def test_one_tenants_slow_uploads_leave_the_other_tenant_served(start) -> None:
+def test_one_tenants_slow_uploads_leave_the_other_tenant_served(start_server) -> None:
     """max_http_connections=8 and no pace to keep (min_body_rate=1): alice's uploads past max_tenant_uploads are
     answered 429 in OpenAI's shape, with Retry-After, before their bodies; bob is served all along."""
-    server = start(**{"max-http-connections": 8, "min-body-rate": 1, "max-tenant-uploads": 3})
+    server = start_server(**{"max-http-connections": 8, "min-body-rate": 1, "max-tenant-uploads": 3})
     uploads = []
     for _ in range(8):
         uploads.append(_slow_upload(server))
@@ -152,8 +136,8 @@ def test_one_tenants_slow_uploads_leave_the_other_tenant_served(start) -> None:
             sock.close()
 
 
-def test_a_body_slower_than_min_body_rate_is_answered_408(start) -> None:
-    server = start(**{"request-head-timeout": 2, "min-body-rate": 1024})
+def test_a_body_slower_than_min_body_rate_is_answered_408(start_server) -> None:
+    server = start_server(**{"request-head-timeout": 2, "min-body-rate": 1024})
     upload = _slow_upload(server)
     try:
         begun = time.monotonic()
@@ -170,9 +154,9 @@ def test_a_body_slower_than_min_body_rate_is_answered_408(start) -> None:
         upload.close()
 
 
-def test_past_max_http_connections_a_request_is_a_503_in_openais_shape_then_served_again(start) -> None:
+def test_past_max_http_connections_a_request_is_a_503_in_openais_shape_then_served_again(start_server) -> None:
     """max_http_connections=2, so one tenant holds one request at most: alice's and bob's slow uploads fill it."""
-    server = start(**{"max-http-connections": 2, "min-body-rate": 1})
+    server = start_server(**{"max-http-connections": 2, "min-body-rate": 1})
     uploads = [_slow_upload(server, "alice"), _slow_upload(server, "bob")]
     try:
         assert _answer(uploads[0], 1.0) is None and _answer(uploads[1], 1.0) is None
@@ -186,10 +170,10 @@ def test_past_max_http_connections_a_request_is_a_503_in_openais_shape_then_serv
     wait_for(lambda: _get(server)[0] == 200, 10, "the server answering again")
 
 
-def test_a_tenant_leaves_the_others_a_handler_thread(start) -> None:
+def test_a_tenant_leaves_the_others_a_handler_thread(start_server) -> None:
     """request_threads=3: one tenant has at most 2 requests at once, whatever max_tenant_requests says, so a
     handler thread is always left to the others."""
-    server = start(**{"request-threads": 3, "min-body-rate": 1, "max-tenant-uploads": 4})
+    server = start_server(**{"request-threads": 3, "min-body-rate": 1, "max-tenant-uploads": 4})
     uploads = [_slow_upload(server, "alice") for _ in range(2)]
     try:
         assert [_answer(sock, 1.0) for sock in uploads] == [None, None]

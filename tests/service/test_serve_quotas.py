@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import io
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import openai
 import pytest
-from service_fixtures import RedisServer, Server, wait_for
+from service_fixtures import RedisServer, create_batch, upload_batch_file, wait_for
 
 from tokenmill.apps.api.quotas import input_usage
 from tokenmill.apps.api.records import Records
@@ -23,31 +22,9 @@ def _chat(custom_id: str, n: int = 1) -> dict:
             "body": {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "n": n}}
 
 
-def _upload(client: openai.OpenAI, path: Path, lines: list[dict]) -> str:
-    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    return client.files.create(file=path.open("rb"), purpose="batch").id
-
-
-def _create(client: openai.OpenAI, file_id: str) -> str:
-    return client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h").id
-
-
 def _cancelled(client: openai.OpenAI, batch_id: str) -> None:
     client.batches.cancel(batch_id)
     wait_for(lambda: client.batches.retrieve(batch_id).status == "cancelled", 60, f"batch {batch_id} cancelled")
-
-
-@pytest.fixture
-def start(redis_server: RedisServer, tmp_path: Path) -> Iterator:
-    servers: list[Server] = []
-
-    def started(**flags: object) -> Server:
-        servers.append(Server(redis_server.url, tmp_path / "files", tmp_path / "serve.log", **flags))
-        return servers[-1]
-
-    yield started
-    for server in servers:
-        server.close()
 
 
 def test_input_usage_counts_choices_inputs_and_line_bytes() -> None:
@@ -59,60 +36,60 @@ def test_input_usage_counts_choices_inputs_and_line_bytes() -> None:
         "jobs": 3 + 2 + 1, "prompt_bytes": 3 * len(chat) + len(embed) + len(bad)}
 
 
-def test_queued_jobs_are_bounded_per_tenant(start, tmp_path: Path) -> None:
+def test_queued_jobs_are_bounded_per_tenant(start_server, tmp_path: Path) -> None:
     """n counts: two 3-line files of n=2 are 12 jobs, past 10: the second batch is a 429 with Retry-After until the
     first ends; bob's batches are his own; a file past the bound alone is a 400 (waiting cannot help)."""
-    server = start(**{"max-queued-jobs": 10})
+    server = start_server(**{"max-queued-jobs": 10})
     alice, bob = server.client(), server.client("bob")
-    first = _upload(alice, tmp_path / "a.jsonl", [_chat(f"a{i}", n=2) for i in range(3)])
-    second = _upload(alice, tmp_path / "b.jsonl", [_chat(f"b{i}", n=2) for i in range(3)])
-    running = _create(alice, first)
+    first = upload_batch_file(alice, tmp_path / "a.jsonl", [_chat(f"a{i}", n=2) for i in range(3)])
+    second = upload_batch_file(alice, tmp_path / "b.jsonl", [_chat(f"b{i}", n=2) for i in range(3)])
+    running = create_batch(alice, first)
     with pytest.raises(openai.RateLimitError) as refused:
-        _create(alice, second)
+        create_batch(alice, second)
     body = refused.value.body
     assert body["code"] == "too_many_queued_jobs" and body["type"] == "requests"
     assert "hold 6 jobs" in body["message"] and "asks for 6" in body["message"] and "10" in body["message"]
     assert "TOKENMILL_MAX_QUEUED_JOBS" in body["message"]
     assert refused.value.response.headers.get("retry-after") == "60"
-    _create(bob, _upload(bob, tmp_path / "bob.jsonl", [_chat(f"c{i}", n=2) for i in range(5)]))  # 10: bob's own room
-    whole = _upload(alice, tmp_path / "big.jsonl", [_chat(f"d{i}") for i in range(11)])
+    create_batch(bob, upload_batch_file(bob, tmp_path / "bob.jsonl", [_chat(f"c{i}", n=2) for i in range(5)]))  # 10: bob's own room
+    whole = upload_batch_file(alice, tmp_path / "big.jsonl", [_chat(f"d{i}") for i in range(11)])
     with pytest.raises(openai.BadRequestError) as alone:
-        _create(alice, whole)
+        create_batch(alice, whole)
     assert alone.value.body["code"] == "too_many_queued_jobs" and alone.value.body["param"] == "input_file_id"
     assert "retry-after" not in alone.value.response.headers
     _cancelled(alice, running)
-    assert _create(alice, second)  # the ended batch's jobs no longer count
+    assert create_batch(alice, second)  # the ended batch's jobs no longer count
 
 
-def test_queued_prompt_bytes_are_bounded_per_tenant(start, tmp_path: Path) -> None:
+def test_queued_prompt_bytes_are_bounded_per_tenant(start_server, tmp_path: Path) -> None:
     """Each line's bytes, once per choice: a file of n=2 counts twice its size."""
     once = tmp_path / "once.jsonl"
     once.write_text("".join(json.dumps(_chat(f"a{i}")) + "\n" for i in range(5)))
     twice = [_chat(f"b{i}", n=2) for i in range(2)]
     size = len("".join(json.dumps(line) + "\n" for line in twice))
     limit = once.stat().st_size + 2 * size - 1  # both fit if n were not counted
-    server = start(**{"max-queued-prompt-bytes": limit})
+    server = start_server(**{"max-queued-prompt-bytes": limit})
     alice, bob = server.client(), server.client("bob")
-    running = _create(alice, alice.files.create(file=once.open("rb"), purpose="batch").id)
-    second = _upload(alice, tmp_path / "twice.jsonl", twice)
+    running = create_batch(alice, alice.files.create(file=once.open("rb"), purpose="batch").id)
+    second = upload_batch_file(alice, tmp_path / "twice.jsonl", twice)
     with pytest.raises(openai.RateLimitError) as refused:
-        _create(alice, second)
+        create_batch(alice, second)
     assert refused.value.body["code"] == "too_many_queued_prompt_bytes"
     message = refused.value.body["message"]
     assert f"hold {once.stat().st_size} prompt bytes and this file asks for {2 * size}," in message
     assert refused.value.response.headers.get("retry-after") == "60"
-    _create(bob, _upload(bob, tmp_path / "bob.jsonl", twice))
-    big = _upload(alice, tmp_path / "big.jsonl", [_chat(f"c{i}") for i in range(limit // 100)])
+    create_batch(bob, upload_batch_file(bob, tmp_path / "bob.jsonl", twice))
+    big = upload_batch_file(alice, tmp_path / "big.jsonl", [_chat(f"c{i}") for i in range(limit // 100)])
     with pytest.raises(openai.BadRequestError) as alone:
-        _create(alice, big)
+        create_batch(alice, big)
     assert alone.value.body["code"] == "too_many_queued_prompt_bytes"
     _cancelled(alice, running)
-    assert _create(alice, second)
+    assert create_batch(alice, second)
 
 
-def test_stored_files_and_bytes_are_bounded_per_tenant(start, tmp_path: Path) -> None:
+def test_stored_files_and_bytes_are_bounded_per_tenant(start_server, tmp_path: Path) -> None:
     """An upload past either bound is a 400 before it is stored; bob's files are his own; a delete frees room."""
-    server = start(**{"max-stored-files": 3, "max-stored-bytes": 1000})
+    server = start_server(**{"max-stored-files": 3, "max-stored-bytes": 1000})
     alice, bob = server.client(), server.client("bob")
     big, small = tmp_path / "big.jsonl", tmp_path / "small.jsonl"
     big.write_bytes(b"x" * 400)
@@ -138,8 +115,8 @@ def test_stored_files_and_bytes_are_bounded_per_tenant(start, tmp_path: Path) ->
     assert alice.files.create(file=big.open("rb"), purpose="batch").id
 
 
-def test_expired_files_free_their_room(start, tmp_path: Path) -> None:
-    server = start(**{"max-stored-files": 1, "file-expires": 2})
+def test_expired_files_free_their_room(start_server, tmp_path: Path) -> None:
+    server = start_server(**{"max-stored-files": 1, "file-expires": 2})
     client = server.client()
     path = tmp_path / "in.jsonl"
     path.write_bytes(b"x" * 10)
