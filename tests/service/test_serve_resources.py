@@ -80,8 +80,11 @@ def test_one_tenant_s_many_batches_hold_bounded_connections_and_threads_and_anot
         sampler = threading.Thread(target=sample)
         sampler.start()
         try:
-            with ThreadPoolExecutor(8) as pool:  # more requests at once than request threads
-                mine = list(pool.map(lambda _: alice.batches.create(
+            # more requests at once than request threads; past alice's share of them (request_threads - 1) a 429,
+            # which the SDK retries after its Retry-After
+            patient = alice.with_options(max_retries=30)
+            with ThreadPoolExecutor(8) as pool:
+                mine = list(pool.map(lambda _: patient.batches.create(
                     input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h").id, range(40)))
             wait_for(lambda: sum(alice.batches.retrieve(b).status == "in_progress" for b in mine) >= 4, 30,
                      "four of alice's batches driven")

@@ -46,7 +46,8 @@ class WorkerSettings(_EngineSettings):  # type: ignore[misc]
     )
     hostname: str = Field("tokenmill@%h", description="Celery node name (%h: host name).")
     max_deliveries: int = Field(
-        5, ge=1, description="Deliveries after which a job that keeps killing workers is dead-lettered."
+        5, ge=1, description="Deliveries after which a job that never finishes (it keeps killing workers, "
+        "or its run keeps failing and being requeued) is dead-lettered."
     )
     dead_letter_max_len: int = Field(
         10000, ge=1, description="Most entries kept in the dead-letter list (the oldest are dropped beyond it)."

@@ -101,6 +101,10 @@ class ConnectionGuard:
         self.max_tenant_requests = max(1, min(settings.max_tenant_requests, settings.max_http_connections - 1,
                                               settings.request_threads - 1))
         self.max_tenant_uploads = min(settings.max_tenant_uploads, self.max_tenant_requests)
+        if self.max_tenant_requests < settings.max_tenant_requests:
+            log.info("a tenant's requests at once: %d (TOKENMILL_MAX_TENANT_REQUESTS %d, capped below "
+                     "TOKENMILL_MAX_HTTP_CONNECTIONS and TOKENMILL_REQUEST_THREADS)", self.max_tenant_requests,
+                     settings.max_tenant_requests)
         self.min_body_rate = float(settings.min_body_rate)
         self.grace = settings.request_head_timeout
         self.requests = 0
@@ -122,7 +126,7 @@ class ConnectionGuard:
             refusal = None
             if self.tenant_requests[tenant] >= self.max_tenant_requests:
                 refusal = (f"at most {self.max_tenant_requests} requests of one key at once "
-                           "(TOKENMILL_MAX_TENANT_REQUESTS)")
+                           "(TOKENMILL_MAX_TENANT_REQUESTS, and TOKENMILL_REQUEST_THREADS - 1)")
             elif upload and self.tenant_uploads[tenant] >= self.max_tenant_uploads:
                 refusal = (f"at most {self.max_tenant_uploads} uploads of one key at once "
                            "(TOKENMILL_MAX_TENANT_UPLOADS)")

@@ -68,8 +68,9 @@ class ServeSettings(QueueSettings):
     max_embedding_requests: int = Field(4, ge=1, description="`POST /v1/embeddings` requests one tenant may have "
                                         "waiting at once (per `tokenmill serve` process, which waits for them on "
                                         "threads every route shares); past it a 429.")
-    request_threads: int = Field(24, ge=1, description="Threads one `tokenmill serve` process runs request handlers "
-                                 "on (FastAPI's thread pool); more requests at once wait for one.")
+    request_threads: int = Field(24, ge=2, description="Threads one `tokenmill serve` process runs request handlers "
+                                 "on (FastAPI's thread pool), at least 2: one tenant may hold all but one; more requests "
+                                 "at once wait for one.")
     redis_connections: int = Field(64, ge=2, description="Connections one `tokenmill serve` process opens to the "
                                    "result backend's Redis (records, result reads, waits' subscriptions: one pool); a "
                                    "call finding all taken waits, TOKENMILL_REDIS_SOCKET_TIMEOUT at most. Must exceed "
