@@ -29,18 +29,17 @@ from typing import Any
 
 import h11
 from starlette.datastructures import Headers
-from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from tokenmill.apps.api.auth import Keys
 from tokenmill.apps.api.errors import APIError
+from tokenmill.apps.api.guard import UPLOAD_PATH, answer
 from tokenmill.apps.api.settings import ServeSettings
 
 log = logging.getLogger(__name__)
-
-UPLOAD_PATH = "/v1/files"
-
+#: What a 429 or 503 here says to wait: a request of the tenant, or of the server, ends soon.
+RETRY_SOON = {"Retry-After": "1"}
 
 class HeadDeadlineH11Protocol(H11Protocol):
     """uvicorn's h11 protocol with a deadline for each request head.
@@ -131,14 +130,14 @@ class ConnectionGuard:
                 refusal = (f"at most {self.max_tenant_uploads} uploads of one key at once "
                            "(TOKENMILL_MAX_TENANT_UPLOADS)")
             if refusal:
-                await _answer(APIError(429, f"Too many requests at once: {refusal}; try again once one has ended.",
-                                       None, "rate_limit_exceeded"), scope, receive, send)
+                await answer(APIError(429, f"Too many requests at once: {refusal}; try again once one has ended.",
+                                      None, "rate_limit_exceeded"), scope, receive, send, RETRY_SOON)
                 return
         if self.requests >= self.max_requests:
             log.warning("refused a request: %d served at once (TOKENMILL_MAX_HTTP_CONNECTIONS)", self.requests)
-            await _answer(APIError(503, f"The server is serving its most requests at once ({self.max_requests}, "
-                                        "TOKENMILL_MAX_HTTP_CONNECTIONS); try again shortly.", None,
-                                   "server_overloaded"), scope, receive, send)
+            await answer(APIError(503, f"The server is serving its most requests at once ({self.max_requests}, "
+                                       "TOKENMILL_MAX_HTTP_CONNECTIONS); try again shortly.", None,
+                                  "server_overloaded"), scope, receive, send, RETRY_SOON)
             return
         self.requests += 1
         if tenant is not None:
@@ -201,23 +200,14 @@ class ConnectionGuard:
     async def _too_slow(self, scope: Scope, receive: Receive, send: Send, state: dict[str, Any]) -> None:
         log.info("%s %s: body slower than %g bytes/s (%d bytes in %.1f s), answered 408", scope["method"],
                  scope["path"], self.min_body_rate, state["read"], state["waited"])
-        await _answer(APIError(408, f"request: the body arrived slower than {self.min_body_rate:g} bytes a second "
-                                    "(TOKENMILL_MIN_BODY_RATE)", None, "request_timeout"), scope, receive, send)
+        await answer(APIError(408, f"request: the body arrived slower than {self.min_body_rate:g} bytes a second "
+                                   "(TOKENMILL_MIN_BODY_RATE)", None, "request_timeout"), scope, receive, send)
 
 
 def _decrement(counter: Counter[str], key: str) -> None:
     counter[key] -= 1
     if counter[key] <= 0:
         del counter[key]
-
-
-async def _answer(error: APIError, scope: Scope, receive: Receive, send: Send) -> None:
-    """`error` in OpenAI's shape, with Retry-After for a 429 or 503; the connection is closed after it."""
-    headers = {"Connection": "close"}
-    if error.status in (429, 503):
-        headers["Retry-After"] = "1"
-    response = JSONResponse(error.body(), status_code=error.status, headers=headers)
-    await response(scope, receive, send)
 
 
 def uvicorn_options(settings: ServeSettings) -> dict[str, Any]:

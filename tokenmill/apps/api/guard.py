@@ -77,7 +77,7 @@ class RequestGuard:
         try:
             wait = self.buckets.take(self.keys.tenant(headers.get("authorization")))
             if wait:
-                await _answer(APIError(429, f"Rate limit reached for this key: at most {self.buckets.rate * 60:g} "
+                await answer(APIError(429, f"Rate limit reached for this key: at most {self.buckets.rate * 60:g} "
                                             f"requests a minute (TOKENMILL_RATE_LIMIT); try again in {wait:.1f} s.",
                                        None, "rate_limit_exceeded"), scope, receive, send,
                               {"Retry-After": str(math.ceil(wait))})
@@ -85,7 +85,7 @@ class RequestGuard:
             if int(headers.get("content-length") or 0) > limit:
                 raise too_large
         except APIError as exc:
-            await _answer(exc, scope, receive, send)
+            await answer(exc, scope, receive, send)
             return
         await self._limited(scope, receive, send, limit, too_large)
 
@@ -108,17 +108,17 @@ class RequestGuard:
                 await send(message)
             elif not state["answered"]:
                 state["answered"] = True
-                await _answer(too_large, scope, receive, send)
+                await answer(too_large, scope, receive, send)
 
         try:
             await self.app(scope, counted, answering)
         except _TooLarge:
             pass
         if state["over"] and not state["answered"]:
-            await _answer(too_large, scope, receive, send)
+            await answer(too_large, scope, receive, send)
 
 
-async def _answer(error: APIError, scope: Scope, receive: Receive, send: Send,
+async def answer(error: APIError, scope: Scope, receive: Receive, send: Send,
                   headers: dict[str, str] | None = None) -> None:
     """`error` in OpenAI's shape; the connection is closed after it, so an unread body is not waited for."""
     response = JSONResponse(error.body(), status_code=error.status, headers={"Connection": "close", **(headers or {})})
