@@ -131,3 +131,24 @@ def test_what_transformers_runs_differently_stays_with_transformers(tmp_path: Pa
         expected = hf_greedy(model_dir, prompts, [12] * len(prompts))
         actual, llm = tokenmill_greedy(model_dir, prompts, [12] * len(prompts), model_impl="native")
         assert_same(actual, expected)
+
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+def test_the_cpus_fused_matmuls_give_the_unfused_ones_bits_in_float32(rows: int) -> None:
+    """On a CPU the linears run on oneDNN with the residual adds and SiLU-and-mul fused into them (`PackedLinear`'s
+    `add`, `PackedGateUp`): in float32 the same bits as the matmul, then the add or SiLU-and-mul as torch runs them."""
+    from tokenmill.engine.models.llama import PackedGateUp, PackedLinear, can_pack
+    from tokenmill.kernels.layers import silu_and_mul
+
+    if not can_pack(torch.zeros(1)):
+        pytest.skip("this torch has no oneDNN for float32 linears")
+    generator = torch.Generator().manual_seed(rows)
+    hidden, intermediate = 96, 160
+    gate_up = torch.nn.Linear(hidden, 2 * intermediate, bias=False)
+    o_proj = torch.nn.Linear(hidden, hidden, bias=True)
+    x, residual = (torch.randn(rows, hidden, generator=generator) for _ in range(2))
+    merged, packed_o = PackedLinear(gate_up.weight), PackedLinear(o_proj.weight, o_proj.bias)
+    assert torch.equal(PackedGateUp(gate_up, intermediate)(x), silu_and_mul(merged(x)))
+    assert torch.equal(packed_o(x, add=residual), packed_o(x) + residual)
+    assert torch.equal(packed_o(x, mul=residual), packed_o(x) * residual)

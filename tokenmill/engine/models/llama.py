@@ -5,9 +5,11 @@ One forward takes the step's flat tokens `[T]` and positions `[T]` and returns t
 Per decoder layer: one matmul for Q, K and V together, one for gate and up together, the residual added inside the
 norm that follows it, rotary with the step's cos/sin (computed once per step, for every layer), and the paged
 attention of `tokenmill.kernels` called with device tensors; the norms, the rotary and SiLU-and-mul are the step's
-backend's too (`tokenmill.kernels.layers`; one kernel each in the Triton backend). The weights come from the transformers model that
-loaded the checkpoint (safetensors, shards, tied embeddings, rope scaling as its config says), merged layer by layer
-while that model's copy of each layer is freed.
+backend's too (`tokenmill.kernels.layers`; one kernel each in the Triton backend). On a CPU the matmuls run on oneDNN
+with their weights packed once, the residual adds fused into the matmuls before them, and gate and up as two matmuls
+with SiLU-and-mul fused in (`PackedLinear`, `PackedGateUp`; the same bits in float32). The weights come from the
+transformers model that loaded the checkpoint (safetensors, shards, tied embeddings, rope scaling as its config
+says), merged layer by layer while that model's copy of each layer is freed.
 
 Numerics follow transformers' modules: RMSNorm in float32 then cast back, cos/sin computed in float32 from
 `position * inv_freq` as transformers' rotary embedding does, so greedy tokens match `generate` in float32.
@@ -136,17 +138,36 @@ class Rotary(nn.Module):
 
 class PackedLinear(nn.Module):
     """A CPU `nn.Linear` whose weight oneDNN reordered once for its own matmul kernels: what a plain `F.linear` (MKL)
-    repacks on every call. Float32 and, where the CPU has bf16 instructions, bfloat16."""
+    repacks on every call. Float32 and, where the CPU has bf16 instructions, bfloat16. `forward(x, add=t)` is
+    `linear(x) + t` and `forward(x, mul=t)` is `linear(x) * t`, each one kernel (oneDNN's post-op, applied to the
+    float32 accumulator: in float32 the same bits as the two ops)."""
 
-    def __init__(self, linear: nn.Linear, batch_hint: int = 64) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, batch_hint: int = 64) -> None:
         super().__init__()
-        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), batch_hint),
-                             persistent=False)
-        self.bias = linear.bias
-        self.out_features = linear.out_features
+        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(),
+                                                                               batch_hint), persistent=False)
+        self.bias = bias
+
+    def forward(self, x: torch.Tensor, add: torch.Tensor | None = None, mul: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        if add is not None:
+            return torch.ops.mkldnn._linear_pointwise.binary(x, add, self.packed, self.bias, "add")
+        if mul is not None:
+            return torch.ops.mkldnn._linear_pointwise.binary(x, mul, self.packed, self.bias, "mul")
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+class PackedGateUp(nn.Module):
+    """The MLP's gate and up projections and SiLU-and-mul on a CPU: SiLU of the gate's matmul in place, then the up
+    matmul with the product fused into it; no `[T, 2 * intermediate]` tensor and no separate multiply."""
+
+    def __init__(self, gate_up: nn.Linear, intermediate_size: int) -> None:
+        super().__init__()
+        gate, up = gate_up.weight.split(intermediate_size)
+        self.gate, self.up = PackedLinear(gate), PackedLinear(up)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return self.up(x, mul=F.silu(self.gate(x), inplace=True))
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -171,7 +192,8 @@ class DecoderLayer(nn.Module):
         self.scale = shape.head_dim ** -0.5
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the layer's output, the residual still to add to it); None: added already (the CPU's fused matmuls)."""
         shape, tokens, ops = self.shape, hidden.shape[0], meta.backend
         hidden, residual = self.input_layernorm(hidden, residual, ops)
         qkv = self.qkv_proj(hidden)
@@ -191,9 +213,17 @@ class DecoderLayer(nn.Module):
         else:
             attended = ops.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.seq_lens,
                                            self.scale, meta.max_seqlen_q, meta.max_seq_len)
-        hidden = self.o_proj(attended.reshape(tokens, shape.num_heads * shape.head_dim))
-        hidden, residual = self.post_attention_layernorm(hidden, residual, ops)
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(hidden))), residual
+        attended = attended.reshape(tokens, shape.num_heads * shape.head_dim)
+        if isinstance(self.o_proj, PackedLinear):  # the residual adds fused into the matmuls before them
+            hidden, residual = self.post_attention_layernorm(self.o_proj(attended, add=residual), None, ops)
+            return self.down_proj(self._mlp(hidden, ops), add=residual), None
+        hidden, residual = self.post_attention_layernorm(self.o_proj(attended), residual, ops)
+        return self.down_proj(self._mlp(hidden, ops)), residual
+
+    def _mlp(self, hidden: torch.Tensor, ops: AttentionBackend) -> torch.Tensor:
+        if isinstance(self.gate_up_proj, PackedGateUp):
+            return self.gate_up_proj(hidden)
+        return ops.silu_and_mul(self.gate_up_proj(hidden))
 
 
 class LlamaFamily(nn.Module):
@@ -223,10 +253,15 @@ class LlamaFamily(nn.Module):
         residual = None
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, cos, sin, meta)
-        logits = self.lm_head(self.norm(hidden[sample_rows], residual[sample_rows], meta.backend)[0])
+        logits = self.lm_head(self._final_norm(hidden, residual, sample_rows, meta.backend))
         if pool_rows is None:
             return logits
-        return logits, self.norm(hidden[pool_rows], residual[pool_rows], meta.backend)[0]
+        return logits, self._final_norm(hidden, residual, pool_rows, meta.backend)
+
+    def _final_norm(self, hidden: torch.Tensor, residual: torch.Tensor | None, rows: torch.Tensor,
+                    ops: AttentionBackend) -> torch.Tensor:
+        """The final norm of `rows`; `residual` None: the last layer added it already."""
+        return self.norm(hidden[rows], None if residual is None else residual[rows], ops)[0]
 
 
 @torch.no_grad()
@@ -269,8 +304,10 @@ def from_transformers(model: nn.Module) -> LlamaFamily:
         take(mine.down_proj, "weight", mlp.down_proj.weight)
         body.layers[i] = nn.Identity()  # its weights go with it
         if can_pack(weight):
-            for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
-                setattr(mine, name, PackedLinear(getattr(mine, name)))
+            for name in ("qkv_proj", "o_proj", "down_proj"):
+                linear = getattr(mine, name)
+                setattr(mine, name, PackedLinear(linear.weight, linear.bias))
+            mine.gate_up_proj = PackedGateUp(mine.gate_up_proj, native.shape.intermediate_size)
     if can_pack(weight):  # tied too: a second copy of the embedding, but the head is a decode step's largest matmul
-        native.lm_head = PackedLinear(native.lm_head)
+        native.lm_head = PackedLinear(native.lm_head.weight)
     return native.eval()
