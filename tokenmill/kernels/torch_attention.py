@@ -116,8 +116,10 @@ class TorchBackend:
         k = self._gather("k", k_cache, table).flatten(1, 2)[:, :max_len].transpose(1, 2)  # [S, Hkv, L, D]
         v = self._gather("v", v_cache, table).flatten(1, 2)[:, :max_len].transpose(1, 2)
         mask = torch.arange(max_len, device=q.device)[None, :] < seq_lens[:, None].to(q.device)
-        o = _masked_attention(q[:, :, None, :], k, v, mask[:, None, None, :], scale)
-        return o[:, :, 0, :]
+        # each KV head's group of query heads as one head's query rows: K and V are read once, not repeated per head
+        rows, heads, dim = q.shape
+        grouped = q.reshape(rows, k.shape[1], heads // k.shape[1], dim)
+        return _masked_attention(grouped, k, v, mask[:, None, None, :], scale).reshape(rows, heads, dim)
 
 
 def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
