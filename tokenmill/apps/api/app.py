@@ -85,8 +85,7 @@ def create_app(settings: ServeSettings, keys: Keys) -> FastAPI:
     app = FastAPI(title="tokenmill", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url="/openapi.json" if settings.openapi_schema else None)
     errors.install(app)
-    app.add_middleware(RequestGuard, keys=keys, max_upload_bytes=settings.max_upload_bytes,
-                       rate_limit=settings.rate_limit, rate_burst=settings.rate_burst)
+    app.add_middleware(RequestGuard, settings=settings, keys=keys)  # ahead of every route (`guard`)
 
     def tenant(authorization: Annotated[str | None, Header()] = None) -> str:
         return keys.tenant(authorization)

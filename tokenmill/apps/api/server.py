@@ -80,12 +80,12 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from tokenmill.apps.api.app import create_app
-    from tokenmill.apps.api.connections import ConnectionGuard, uvicorn_options
+    from tokenmill.apps.api.connections import uvicorn_options
     from tokenmill.apps.api.resources import raise_open_files_limit
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     raise_open_files_limit(settings)  # before anything opens a descriptor
-    # requests at once, each tenant's, their bodies' pace and a deadline for each request head (`connections`)
-    uvicorn.run(ConnectionGuard(create_app(settings, keys), settings, keys), host=args.host, port=args.port,
-                log_level=args.log_level, **uvicorn_options(settings))
+    # a deadline for each request head (`connections`); what a request may take is the app's `guard`
+    uvicorn.run(create_app(settings, keys), host=args.host, port=args.port, log_level=args.log_level,
+                **uvicorn_options(settings))
     return 0
