@@ -224,6 +224,8 @@ class RequestGuard:
         except Exception:
             if body.refusal is None:
                 raise
+            log.exception("%s %s: the app failed after its body was refused (%d)", scope["method"], scope["path"],
+                          body.refusal.status)
         await refuse()
 
     def _too_slow(self, scope: Scope, body: _Body) -> APIError:
