@@ -67,3 +67,23 @@ def test_silu_and_mul(dtype: torch.dtype, random_seed: int) -> None:
     gate_up = _fresh((rows, 2 * cols), dtype, random_seed)
     gate, up = gate_up.double().chunk(2, dim=-1)
     _close(triton_layers.silu_and_mul(gate_up), gate * torch.sigmoid(gate) * up, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_torch_rotary_is_transformers_to_the_bit_in_place(dtype: torch.dtype, random_seed: int) -> None:
+    """The torch backend's rotary (`layers.rotary`) rotates the qkv view in place, and gives transformers' `rotate_half`
+    formula's bits in the tensor's own dtype (the engine-parity oracle depends on it)."""
+    from tokenmill.kernels import layers
+
+    generator = torch.Generator().manual_seed(random_seed)
+    tokens, heads, head_dim = 37, 5, 64
+    qkv = torch.randn(tokens, (heads + 2) * head_dim, generator=generator).to(dtype)
+    qk = qkv[:, :heads * head_dim].view(tokens, heads, head_dim)
+    angles = torch.randn(tokens, 1, head_dim // 2, generator=generator, dtype=torch.float64).repeat(1, 1, 2) * 50
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    half = head_dim // 2
+    expected = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin  # transformers' apply_rotary_pos_emb
+    untouched = qkv[:, heads * head_dim:].clone()
+    returned = layers.rotary(qk, cos, sin)
+    assert returned.data_ptr() == qk.data_ptr() and torch.equal(qk, expected)
+    assert torch.equal(qkv[:, heads * head_dim:], untouched)
