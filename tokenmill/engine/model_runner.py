@@ -16,6 +16,7 @@ import torch
 
 from tokenmill.engine.attention import AttentionMetadata
 from tokenmill.engine.config import EngineConfig
+from tokenmill.engine.cpu_memory import keep_freed_memory
 from tokenmill.engine.loader import LoadedModel
 from tokenmill.engine.models import is_native
 from tokenmill.engine.padded_decode import PaddedDecode
@@ -47,6 +48,8 @@ class ModelRunner:
         self.head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         self.vocab_size = hf.vocab_size
         self.backend = get_backend(config.attention_backend, self.device)
+        if self.device.type == "cpu":
+            keep_freed_memory()  # a step's activations and logits reused, not mapped and faulted in again
         self.sampler = Sampler()
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.decode: PaddedDecode | None = None  # set after the KV cache: the memory profile's step runs eagerly

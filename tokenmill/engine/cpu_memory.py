@@ -1,0 +1,61 @@
+"""Keep a CPU engine's freed activations in the heap, for the next step to reuse.
+
+A step's large tensors (a prefill chunk's MLP activations, the logits of a decode step: tens of MB) are above glibc's
+mmap threshold (at most 32 MiB, adjusted as chunks are freed), and what is freed at the heap's top is trimmed back to
+the kernel: every step maps them afresh and page-faults every page of them again. `keep_freed_memory` raises both
+thresholds for the process (`mallopt`), as the engine process and an `LLM` on a CPU want: allocations up to
+`HEAP_BYTES` come from the heap, and it keeps up to `KEEP_BYTES` of freed memory at its top. Left alone where the process is not on glibc, or its user set glibc's malloc
+(`MALLOC_*_` variables, `GLIBC_TUNABLES`) or preloaded another allocator.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import platform
+
+log = logging.getLogger(__name__)
+
+#: Largest allocation served from the heap (a step's activations and logits; the KV cache is larger and mapped).
+HEAP_BYTES = 256 << 20
+#: Free memory the heap's top keeps before returning it to the kernel.
+KEEP_BYTES = 1 << 30
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
+
+
+def keep_freed_memory() -> bool:
+    """Set glibc's mmap threshold to `HEAP_BYTES` and its trim threshold to `KEEP_BYTES` (once a process); whether
+    they are set."""
+    global _kept
+    if _kept is None:
+        _kept = _users_choice() is None and _set_thresholds()
+        if _kept:
+            log.info("CPU: allocations up to %d MiB come from the heap and up to %d MiB freed stays there (glibc "
+                     "mallopt)", HEAP_BYTES >> 20, KEEP_BYTES >> 20)
+    return _kept
+
+
+_kept: bool | None = None
+
+
+def _users_choice() -> str | None:
+    """What says the allocator is not glibc's as it comes, if anything."""
+    if platform.libc_ver()[0] != "glibc":
+        return "not glibc"
+    if any(name.startswith("MALLOC_") and name.endswith("_") for name in os.environ):
+        return "MALLOC_* set"
+    if "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", ""):
+        return "GLIBC_TUNABLES set"
+    if os.environ.get("LD_PRELOAD", ""):
+        return "LD_PRELOAD set"
+    return None
+
+
+def _set_thresholds() -> bool:
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return bool(mallopt(_M_MMAP_THRESHOLD, HEAP_BYTES)) and bool(mallopt(_M_TRIM_THRESHOLD, KEEP_BYTES))
