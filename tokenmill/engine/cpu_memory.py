@@ -4,8 +4,9 @@ A step's large tensors (a prefill chunk's MLP activations, the logits of a decod
 mmap threshold (at most 32 MiB, adjusted as chunks are freed), and what is freed at the heap's top is trimmed back to
 the kernel: every step maps them afresh and page-faults every page of them again. `keep_freed_memory` raises both
 thresholds for the process (`mallopt`), as the engine process and an `LLM` on a CPU want: allocations up to
-`HEAP_BYTES` come from the heap, and it keeps up to `KEEP_BYTES` of freed memory at its top. Left alone where the process is not on glibc, or its user set glibc's malloc
-(`MALLOC_*_` variables, `GLIBC_TUNABLES`) or preloaded another allocator.
+`HEAP_BYTES` come from the heap, and it keeps up to `KEEP_BYTES` of freed memory at its top. Left alone where the
+process is not on glibc, or its user set glibc's malloc (`MALLOC_*_` variables, `GLIBC_TUNABLES`) or preloaded
+another allocator.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ HEAP_BYTES = 256 << 20
 #: Free memory the heap's top keeps before returning it to the kernel.
 KEEP_BYTES = 1 << 30
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
+_kept: bool | None = None  # process-wide, as the thresholds are: decided once
 
 
 def keep_freed_memory() -> bool:
@@ -29,14 +31,14 @@ def keep_freed_memory() -> bool:
     they are set."""
     global _kept
     if _kept is None:
-        _kept = _users_choice() is None and _set_thresholds()
+        reason = _users_choice()
+        _kept = reason is None and _set_thresholds()
         if _kept:
             log.info("CPU: allocations up to %d MiB come from the heap and up to %d MiB freed stays there (glibc "
                      "mallopt)", HEAP_BYTES >> 20, KEEP_BYTES >> 20)
+        else:
+            log.info("CPU: the allocator's thresholds left as they are (%s)", reason or "mallopt refused")
     return _kept
-
-
-_kept: bool | None = None
 
 
 def _users_choice() -> str | None:
