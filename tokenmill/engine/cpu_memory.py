@@ -4,9 +4,11 @@ A step's large tensors (a prefill chunk's MLP activations, the logits of a decod
 mmap threshold (at most 32 MiB, adjusted as chunks are freed), and what is freed at the heap's top is trimmed back to
 the kernel: every step maps them afresh and page-faults every page of them again. `keep_freed_memory` raises both
 thresholds for the process (`mallopt`), as the engine process and an `LLM` on a CPU want: allocations up to
-`HEAP_BYTES` come from the heap, and it keeps up to `KEEP_BYTES` of freed memory at its top. Left alone where the
-process is not on glibc, or its user set glibc's malloc (`MALLOC_*_` variables, `GLIBC_TUNABLES`) or preloaded
-another allocator.
+`HEAP_BYTES` come from the heap, and it keeps up to `KEEP_BYTES` of freed memory at its top. The cost, for the whole
+process: memory freed stays resident (the main heap's top up to `KEEP_BYTES`; a thread's heap, at most 64 MiB, is not
+trimmed at all). Left alone where the process is not on glibc, or its user set glibc's malloc (any `MALLOC_*_`
+variable, e.g. `MALLOC_TRIM_THRESHOLD_=131072` to keep glibc's behaviour; `GLIBC_TUNABLES`) or preloaded another
+allocator. A glibc that refuses an mmap threshold above 32 MiB gets 32 MiB.
 """
 
 from __future__ import annotations
@@ -18,8 +20,10 @@ import platform
 
 log = logging.getLogger(__name__)
 
-#: Largest allocation served from the heap (a step's activations and logits; the KV cache is larger and mapped).
+#: Largest allocation served from the heap: a step's activations and logits (and a layer's K or V cache up to it).
 HEAP_BYTES = 256 << 20
+#: The largest mmap threshold some glibc versions accept (HEAP_MAX_SIZE / 2 on 64-bit).
+_OLD_GLIBC_MAX = 32 << 20
 #: Free memory the heap's top keeps before returning it to the kernel.
 KEEP_BYTES = 1 << 30
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
@@ -60,4 +64,5 @@ def _set_thresholds() -> bool:
     except (OSError, AttributeError):
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return bool(mallopt(_M_MMAP_THRESHOLD, HEAP_BYTES)) and bool(mallopt(_M_TRIM_THRESHOLD, KEEP_BYTES))
+    mapped = mallopt(_M_MMAP_THRESHOLD, HEAP_BYTES) or mallopt(_M_MMAP_THRESHOLD, _OLD_GLIBC_MAX)
+    return bool(mapped) and bool(mallopt(_M_TRIM_THRESHOLD, KEEP_BYTES))

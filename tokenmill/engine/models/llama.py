@@ -7,9 +7,9 @@ norm that follows it, rotary with the step's cos/sin (computed once per step, fo
 attention of `tokenmill.kernels` called with device tensors; the norms, the rotary and SiLU-and-mul are the step's
 backend's too (`tokenmill.kernels.layers`; one kernel each in the Triton backend). On a CPU the matmuls run on oneDNN
 with their weights packed once, the residual adds fused into the matmuls before them, and gate and up as two matmuls
-with SiLU-and-mul fused in (`PackedLinear`, `PackedGateUp`; the same bits in float32). The weights come from the
-transformers model that loaded the checkpoint (safetensors, shards, tied embeddings, rope scaling as its config
-says), merged layer by layer while that model's copy of each layer is freed.
+with SiLU-and-mul fused in (`PackedLinear`, `PackedGateUp`; in float32 the unfused ops' bits, see there). The weights
+come from the transformers model that loaded the checkpoint (safetensors, shards, tied embeddings, rope scaling as its
+config says), merged layer by layer while that model's copy of each layer is freed.
 
 Numerics follow transformers' modules: RMSNorm in float32 then cast back, cos/sin computed in float32 from
 `position * inv_freq` as transformers' rotary embedding does, so greedy tokens match `generate` in float32.
@@ -140,7 +140,8 @@ class PackedLinear(nn.Module):
     """A CPU `nn.Linear` whose weight oneDNN reordered once for its own matmul kernels: what a plain `F.linear` (MKL)
     repacks on every call. Float32 and, where the CPU has bf16 instructions, bfloat16. `forward(x, add=t)` is
     `linear(x) + t` and `forward(x, mul=t)` is `linear(x) * t`, each one kernel (oneDNN's post-op, applied to the
-    float32 accumulator: in float32 the same bits as the two ops)."""
+    float32 accumulator: in float32 the two ops' bits, except a biased linear of one row, whose bias oneDNN adds its
+    own way: within float32 rounding)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, batch_hint: int = 64) -> None:
         super().__init__()
