@@ -22,9 +22,11 @@ def _guard(app: Any, tmp_path: Path) -> RequestGuard:
 
 def _call(guard: RequestGuard, chunks: list[bytes]) -> list[dict[str, Any]]:
     """POST /v1/anything with `chunks` as a chunked body (no Content-Length); the messages the guard sent."""
-    scope = {"type": "http", "method": "POST", "path": "/v1/anything", "headers": [(b"authorization", b"Bearer sk-alice")],
-             "query_string": b"", "http_version": "1.1", "scheme": "http", "server": ("test", 80), "client": ("c", 1)}
-    messages = [{"type": "http.request", "body": chunk, "more_body": i < len(chunks) - 1} for i, chunk in enumerate(chunks)]
+    scope = {"type": "http", "method": "POST", "path": "/v1/anything",
+             "headers": [(b"authorization", b"Bearer sk-alice")], "query_string": b"", "http_version": "1.1",
+             "scheme": "http", "server": ("test", 80), "client": ("c", 1)}
+    messages = [{"type": "http.request", "body": chunk, "more_body": i < len(chunks) - 1}
+                for i, chunk in enumerate(chunks)]
     sent: list[dict[str, Any]] = []
 
     async def receive() -> dict[str, Any]:

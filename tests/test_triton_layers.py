@@ -82,7 +82,8 @@ def test_the_torch_rotary_is_transformers_to_the_bit_in_place(dtype: torch.dtype
     angles = torch.randn(tokens, 1, head_dim // 2, generator=generator, dtype=torch.float64).repeat(1, 1, 2) * 50
     cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
     half = head_dim // 2
-    expected = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin  # transformers' apply_rotary_pos_emb
+    # transformers' apply_rotary_pos_emb
+    expected = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin
     untouched = qkv[:, heads * head_dim:].clone()
     returned = layers.rotary(qk, cos, sin)
     assert returned.data_ptr() == qk.data_ptr() and torch.equal(qk, expected)

@@ -27,6 +27,7 @@ import math
 import time
 from collections import Counter
 from dataclasses import dataclass
+from typing import NoReturn
 
 from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
@@ -153,7 +154,7 @@ class RequestGuard:
                            RETRY_SOON)
 
     @staticmethod
-    def _too_many(what: str) -> None:
+    def _too_many(what: str) -> NoReturn:
         raise APIError(429, f"Too many requests at once: {what}; try again once one has ended.", None,
                        "rate_limit_exceeded", RETRY_SOON)
 
