@@ -128,7 +128,7 @@ def test_engine_loss_reaches_on_fatal_before_any_request_fails() -> None:
     engine.start(timeout=300)
     (process,) = multiprocessing.active_children()
     os.kill(process.pid, signal.SIGSTOP)  # the request below cannot finish
-    future = engine.submit("doomed-request", SamplingParams(max_tokens=8))
+    future = engine.submit_many([("doomed-request", SamplingParams(max_tokens=8), None, None, None)])[0]
     os.kill(process.pid, signal.SIGKILL)
 
     assert isinstance(future.exception(timeout=60), EngineFailure)
@@ -148,7 +148,7 @@ def test_on_fatal_runs_with_no_lock_held_and_a_send_meanwhile_waits_for_it() -> 
     engine.start(timeout=300)
     (process,) = multiprocessing.active_children()
     os.kill(process.pid, signal.SIGSTOP)
-    held = engine.submit("held-request", SamplingParams(max_tokens=8))
+    held = engine.submit_many([("held-request", SamplingParams(max_tokens=8), None, None, None)])[0]
     os.kill(process.pid, signal.SIGKILL)
     try:
         assert entered.wait(60)
@@ -161,7 +161,7 @@ def test_on_fatal_runs_with_no_lock_held_and_a_send_meanwhile_waits_for_it() -> 
 
         def send() -> None:
             try:
-                engine.submit("late-request", SamplingParams(max_tokens=8))
+                engine.submit_many([("late-request", SamplingParams(max_tokens=8), None, None, None)])[0]
             except BaseException as exc:  # noqa: BLE001 - what the send raised is the test's result
                 late.append(exc)
 

@@ -115,13 +115,10 @@ class BatchRun:
         """Hook: the JSON text job `job_id` was decoded from, if known (spares `check_size` its work)."""
         return None
 
-    def sent_hash(self, job_id: str) -> str:
-        """Hook: the content hash the job's sender put in its message (`JOB_HASH_HEADER`), if any; "" to hash it here."""
-        return ""
-
-    def share_of(self, job_id: str) -> str | None:
-        """Hook: the fair share job `job_id`'s message came from (`SHARE_HEADER`), if any."""
-        return self.share
+    def attempt(self, job: Job) -> Attempt:
+        """Hook: this delivery of `job`, with the content hash its sender put in its message (`JOB_HASH_HEADER`; none
+        here: it is hashed) and the fair share its message came from (`SHARE_HEADER`)."""
+        return Attempt(job, self.started_at, 0, self.time_limit, share=self.share)
 
     def joined(self, running: list[tuple[Job, Future]]) -> None:
         """Hook: these jobs already run here (with that run's future), which stores them; other content under the
@@ -205,8 +202,7 @@ class BatchRun:
     def _check_in(self, jobs: list[Job], done: dict[str, dict[str, Any]]) -> list[Attempt]:
         """Count a delivery of each job; returns the `Attempt`s to run. Jobs found stored are settled; cancelled and
         dead-lettered ones get their results in `done`."""
-        runs = [Attempt(job, self.started_at, 0, self.time_limit, self.sent_hash(job.id), self.share_of(job.id))
-                for job in jobs]
+        runs = [self.attempt(job) for job in jobs]
         decisions = self._admit(runs)
         todo, stored = [], []
         for run, decision in zip(runs, decisions):
@@ -319,7 +315,7 @@ class BatchRun:
 
     def _store(self, results: dict[str, dict[str, Any]]) -> None:
         """Each job's result under its own Celery key (as Celery's meta), unless one is stored already."""
-        encoded = self.encode_new(results)
+        encoded = self.encode(results, self.unstored(results))
         if encoded:
             self.service.store_results(encoded)
             self.stored(results)
@@ -329,10 +325,6 @@ class BatchRun:
         if len(results) <= len(self._stored):
             return []
         return [job_id for job_id in results if job_id not in self._stored]
-
-    def encode_new(self, results: dict[str, dict[str, Any]]) -> dict[bytes, bytes]:
-        """The results not stored yet, encoded as Celery's meta under their keys (for `stored` once in Redis)."""
-        return self.encode(results, self.unstored(results))
 
     def encode(self, results: dict[str, dict[str, Any]], job_ids: list[str], meta: dict[str, Any] | None = None
                ) -> dict[bytes, bytes]:
@@ -346,7 +338,7 @@ class BatchRun:
         return {key(job_id): encode_result(self.backend, results[job_id], meta) for job_id in job_ids}
 
     def stored(self, results: dict[str, dict[str, Any]]) -> None:
-        """The results `encode_new` gave are in Redis: never stored again, their jobs released (a later delivery is
+        """The results not stored yet are in Redis: never stored again, their jobs released (a later delivery is
         a new one: counted, it finds the result stored)."""
         new = self.unstored(results)
         self._stored.update(new)
@@ -355,10 +347,10 @@ class BatchRun:
 
 
 class PoolRun(BatchRun):
-    """A single `tokenmill.generate` job on Celery's pool (`WorkerService.run_job`): a group of one. Celery's tracer
-    stores its result and acks, except a cancelled one (stored here as REVOKED, then `Ignore`). A delivery of a job
-    running here waits for that run. Admission and the engine message are shared with concurrent pool threads
-    (`JobService.admit_one`); an error other than a refusal reaches Celery."""
+    """A single `tokenmill.generate` job on Celery's pool (`tokenmill.worker.runtime.run_job`): a group of one.
+    Celery's tracer stores its result and acks, except a cancelled one (stored here as REVOKED, then `Ignore`). A
+    delivery of a job running here waits for that run. Admission and the engine message are shared with concurrent
+    pool threads (`JobService.admit_one`); an error other than a refusal reaches Celery."""
 
     requeue_on_error = False
 

@@ -81,7 +81,7 @@ EngineRequest = tuple[str, SamplingParams | Embed | Score, str | list[int] | Non
 
 
 class EngineProcess:
-    """Worker-side handle of the engine process: `submit` returns a future of an `EngineOutput`; `send_many` hands
+    """Worker-side handle of the engine process: `submit_many` returns futures of `EngineOutput`s; `send_many` hands
     each answer to a sink instead."""
 
     def __init__(self, model: str, options: dict[str, Any], on_fatal: Callable[[BaseException], None] | None = None,
@@ -137,11 +137,6 @@ class EngineProcess:
             raise EngineFailure(f"the engine process did not start (exit code {self._process.exitcode})")
         if self._stall_timeout is not None and self._on_stall is not None:
             threading.Thread(target=self._watch, name="tokenmill-engine-watchdog", daemon=True).start()
-
-    def submit(self, request_id: str, params: SamplingParams, prompt: str | list[int] | None = None,
-               messages: list[dict[str, str]] | None = None) -> Future:
-        """Queue a request; the future resolves to an `EngineOutput`, or raises `InvalidRequestError`."""
-        return self.submit_many([(request_id, params, prompt, messages, None)])[0]
 
     def submit_many(self, requests: list[EngineRequest]) -> list[Future]:
         """`send_many`, each request's answer as a future: its `EngineOutput`, or it raises (`InvalidRequestError`

@@ -28,6 +28,7 @@ from tokenmill.queue.cancels import result_meta
 from tokenmill.queue.names import JOB_HASH_HEADER, message_share
 from tokenmill.queue.schemas import is_content_hash, job_payload
 from tokenmill.queue.transport import ack_records, acked_by_script, acks_together
+from tokenmill.worker.admission import Attempt
 from tokenmill.worker.batch_task import BatchRun, JobService
 from tokenmill.worker.control import sends_task_events
 from tokenmill.worker.finisher import Finisher
@@ -39,7 +40,6 @@ if TYPE_CHECKING:
     from kombu.asynchronous import Hub
 
     from tokenmill.queue.schemas import Job
-    from tokenmill.worker.admission import Attempt
     from tokenmill.worker.engine_process import Answer
 
 log = logging.getLogger("tokenmill.worker")
@@ -107,7 +107,7 @@ class Intake:
         self._groups = 0  # groups running
         self._threads = _Threads("tokenmill-intake-group")
         self._holding = threading.local()  # `acks`: inside `holding_acks` on this thread
-        self._to_pool: Callable[[Request], None] = _unattached
+        self.to_pool: Callable[[Request], None] = _unattached  # the consumer's hand-off of a request to its pool
         self._service: IntakeService | None = None
         self.call_soon: Callable[..., object] | None = None
         self.enabled: bool | None = None  # known once the worker's service exists
@@ -122,21 +122,16 @@ class Intake:
 
     def attach(self, on_task_request: Callable[[Request], None], hub: Hub | None) -> None:
         """The consumer's hand-off to its pool and its event loop; called again by a new consumer after a reconnect."""
-        self._to_pool = on_task_request
+        self.to_pool = on_task_request
         self.call_soon = hub.call_soon if hub is not None else None
         if hub is not None:
             hub.on_tick.add(self._ack_at_turn)  # a set: the same bound method once, whatever the reconnects
-
-    @property
-    def hand_off(self) -> Callable[[Request], None]:
-        """The consumer's hand-off of a request to its pool (the pool path)."""
-        return self._to_pool
 
     def offer(self, request: Request) -> None:
         """On the consumer's loop, for each request: queue it for the next group, or hand it to the pool."""
         raw = None if self.enabled is False else job_fields(request)
         if raw is None:
-            self._to_pool(request)
+            self.to_pool(request)
             return
         with self._cond:
             self._waiting.append((request, raw))
@@ -219,7 +214,7 @@ class Intake:
                 return
             self._groups += 1
             alone = self._groups == 1 and len(taken) == 1 and len(taken[0][0].message.body) <= LOOP_ADMISSION_MAX_BYTES
-        if alone and self._service_up():
+        if alone and self.enabled is True:  # the service is up; never built here: that loads the model
             try:
                 self._run(taken, on_loop=True)
             except Exception:  # noqa: BLE001: as on a group thread; the consumer's loop must go on
@@ -231,7 +226,7 @@ class Intake:
             log.exception("single jobs: cannot start a group thread; %d jobs take the pool path", len(taken))
             self._ended()
             for request, _ in taken:
-                self._to_pool(request)
+                self.to_pool(request)
             self._next_group()
 
     def _run(self, taken: list[tuple[Request, dict[str, Any]]], on_loop: bool = False) -> None:
@@ -240,7 +235,7 @@ class Intake:
             service = self._worker_service()
             if service is None:
                 for request, _ in taken:
-                    self._to_pool(request)
+                    self.to_pool(request)
                 return
             run = IntakeRun(service, self, taken, self._start_soon, self._ended, on_loop)
             run.admit()
@@ -248,10 +243,6 @@ class Intake:
             if run is None:  # no run reached admission (the intake is off, or setting the run up failed)
                 self._ended()
                 self._start_soon()
-
-    def _service_up(self) -> bool:
-        """Whether the service is up with the intake on. Never builds it: that loads the model, never on the loop."""
-        return self.enabled is True
 
     def _worker_service(self) -> IntakeService | None:
         """The worker's service, built on first use; None when the intake is off or no service can start (the pool
@@ -335,7 +326,7 @@ class IntakeRun(BatchRun):
         self.on_loop = on_loop
         self.requests: dict[str, Request] = {}
         self.raw: list[dict[str, Any]] = []
-        self.to_pool = intake.hand_off
+        self.to_pool = intake.to_pool
         # each called once: when the jobs are in the engine (or the run ended before); when each is stored or requeued
         self._on_admitted: Callable[[], object] | None = admitted
         self._on_ended: Callable[[], object] | None = ended
@@ -461,13 +452,11 @@ class IntakeRun(BatchRun):
         body = self.requests[job_id].message.body  # the message's JSON (kombu decoded the transport's base64)
         return body if isinstance(body, bytes) else None
 
-    def sent_hash(self, job_id: str) -> str:
-        headers = self.requests[job_id].message.headers  # a dict: the guard checked it
-        value = headers.get(JOB_HASH_HEADER)
-        return value if is_content_hash(value) else ""
-
-    def share_of(self, job_id: str) -> str | None:
-        return message_share(self.requests[job_id].message.headers)
+    def attempt(self, job: Job) -> Attempt:
+        headers = self.requests[job.id].message.headers  # a dict: the guard checked it
+        sent = headers.get(JOB_HASH_HEADER)
+        return Attempt(job, self.started_at, 0, self.time_limit, sent if is_content_hash(sent) else "",
+                       message_share(headers))
 
     def joined(self, running: list[tuple[Job, Future]]) -> None:
         for job, _ in running:  # the pool path waits for that run (and names a conflict)

@@ -9,7 +9,6 @@ See docs/internals/worker.md, section "The pipeline".
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -17,8 +16,8 @@ from celery.signals import worker_shutting_down
 
 from tokenmill.errors import InvalidRequestError
 from tokenmill.queue.names import SHARE_HEADER, message_share
-from tokenmill.queue.schemas import JobResult, check_size, job_payload
-from tokenmill.worker.batch_task import BatchRun
+from tokenmill.queue.schemas import Job, JobResult, check_size, is_job_id, job_payload
+from tokenmill.worker.batch_task import BatchRun, PoolRun
 from tokenmill.worker.engine_process import EngineFailure
 from tokenmill.worker.intake import Intake
 from tokenmill.worker.service import WorkerService, exit_on_engine_failure
@@ -75,18 +74,28 @@ def intake() -> Intake:
 
 
 def run_job(task: Task, args: tuple[Any, ...], fields: dict[str, Any]) -> dict[str, Any]:
-    """Body of the `tokenmill.generate` task on the pool path. A job that is not one object and/or keyword fields,
-    or whose encoding exceeds `max_job_bytes` (plain Celery senders skip the client's check), ends as a failed
-    `JobResult` (`invalid_job`, naming the field)."""
-    service = current()
-    task_id = task.request.id
+    """Body of the `tokenmill.generate` task on the pool path: the job as a group of one (`PoolRun`); the result for
+    Celery to store, or `Ignore` when there is none. A job that is not one object and/or keyword fields, whose
+    encoding exceeds `max_job_bytes` (plain Celery senders skip the client's check) or that is not a valid job ends as
+    a failed `JobResult` (`invalid_job`, naming the field), under its own id if that is a valid one (a raw id may hold
+    what must not reach logs and results), else the task's."""
+    service, task_id = current(), task.request.id
+    run = PoolRun(service, task_id, task.backend, _time_limit(task.request.timelimit), _share(task))
     try:
-        payload = job_payload(args, fields)
-        check_size({**payload, **fields}, service.settings.max_job_bytes)
+        raw = {**job_payload(args, fields), **fields}
+        check_size(raw, service.settings.max_job_bytes)
     except InvalidRequestError as exc:
-        return service.failed(JobResult.failure(task_id, "invalid_job", exc.message, exc.field, started_at=time.time()))
-    return service.run_job(task_id, payload, fields, task.backend, time_limit=_time_limit(task.request.timelimit),
-                           share=_share(task))
+        return service.failed(JobResult.failure(task_id, "invalid_job", exc.message, exc.field,
+                                                started_at=run.started_at))
+    raw.setdefault("id", task_id)
+    try:
+        job = Job.from_wire(raw)
+    except InvalidRequestError as exc:
+        job_id = raw["id"] if is_job_id(raw["id"]) else task_id
+        return service.failed(JobResult.failure(job_id, "invalid_job", exc.message, exc.field,
+                                                started_at=run.started_at))
+    refused = service.refuse_output(job, run.started_at)
+    return refused if refused is not None else run.run_one(job)
 
 
 def run_batch(task: Task, batch: dict[str, Any] | None, fields: dict[str, Any]) -> dict[str, Any]:

@@ -16,23 +16,21 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import redis
 from celery.utils.nodenames import default_nodename, host_format
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
-from tokenmill.errors import InvalidRequestError
 from tokenmill.queue.app import socket_options
 from tokenmill.queue.batching import Coalescer, HeldScript
 from tokenmill.queue.names import CANCEL_KEY, DELIVERIES_KEY
-from tokenmill.queue.schemas import Job, JobResult, is_job_id
+from tokenmill.queue.schemas import Job
 from tokenmill.queue.served import Announcer
 from tokenmill.queue.tls import redis_client
 from tokenmill.queue.transport import hand_back_held
 from tokenmill.worker.admission import CHECK_IN, Attempt, CheckIn, Decision, Run, admission
-from tokenmill.worker.batch_task import PoolRun
 from tokenmill.worker.cancel_listener import CancelListener
 from tokenmill.worker.cpus import format_cpu_list, pin_process, placement
 from tokenmill.worker.engine_process import EngineProcess, Sink
@@ -42,9 +40,6 @@ from tokenmill.worker.metrics import WorkerMetrics
 from tokenmill.worker.outcomes import Outcomes
 from tokenmill.worker.settings import WorkerSettings
 from tokenmill.worker.sinks import RetryPolicy, S3Sink
-
-if TYPE_CHECKING:
-    from celery.backends.base import KeyValueStoreBackend
 
 log = logging.getLogger("tokenmill.worker")
 
@@ -83,7 +78,7 @@ return new
 
 
 class WorkerService(Outcomes):
-    """One per worker process; `run_job` is thread-safe. Owns its `intake` and `finisher`; an `intake` given (one
+    """One per worker process; its steps are thread-safe. Owns its `intake` and `finisher`; an `intake` given (one
     Celery fed before this service existed) is served by this service alone, and only once `start` succeeded."""
 
     def __init__(self, settings: WorkerSettings, engine: EngineProcess, metrics: WorkerMetrics, sink: S3Sink | None,
@@ -189,24 +184,7 @@ class WorkerService(Outcomes):
         self.cancels.stop()
         self.engine.stop(timeout=10)
 
-    # -- one job -------------------------------------------------------------------------------
-
-    def run_job(self, task_id: str, payload: dict[str, Any] | None, fields: dict[str, Any],
-                backend: KeyValueStoreBackend, time_limit: float | None = None, share: str | None = None
-                ) -> dict[str, Any]:
-        """A job on Celery's pool, run as a group of one (`PoolRun`); a body that is no job fails under the task's id.
-        `time_limit`: the message's Celery time limit (the job's `deadline_s` wins); `share`: its fair share. Returns
-        the result for Celery to store; raises `Ignore` when there is none."""
-        run = PoolRun(self, task_id, backend, time_limit, share)
-        raw = {**(payload or {}), **fields}
-        raw.setdefault("id", task_id)
-        try:
-            job = Job.from_wire(raw)
-        except InvalidRequestError as exc:
-            return self.failed(JobResult.failure(_safe_id(raw, task_id), "invalid_job", exc.message, exc.field,
-                                                 started_at=run.started_at))
-        refused = self.refuse_output(job, run.started_at)
-        return refused if refused is not None else run.run_one(job)
+    # -- the steps of a run (`tokenmill.worker.batch_task.BatchRun`) ---------------------------------
 
     def claim(self, jobs: list[Job]) -> tuple[list[Job], list[tuple[Job, Future]]]:
         """Register `jobs` as running here; returns (jobs now mine; jobs already running here, with a future of that
@@ -323,16 +301,6 @@ class WorkerService(Outcomes):
             args += [len(held), *held]
         self._store_script(keys, args)
         return [None] * len(batches)
-
-def _times(job: Job, run: Attempt) -> dict[str, Any]:
-    return {"queued_at": job.submitted_at, "started_at": run.started_at, "finished_at": time.time()}
-
-
-def _safe_id(raw: dict[str, Any], task_id: str) -> str:
-    """The id a refused job's result carries: its own if a valid job id, else the task's (already checked); a raw id
-    may hold what must not reach logs and results."""
-    value = raw.get("id")
-    return value if is_job_id(value) else task_id
 
 
 def exit_on_engine_failure(exc: BaseException) -> None:

@@ -56,7 +56,8 @@ class WriteAbandoned(Exception):
 
 @dataclass
 class RetryPolicy:
-    """Exponential backoff with full jitter, from `initial` up to `max_delay` seconds, without limit on attempts."""
+    """Exponential backoff with equal jitter (each wait between half and all of the delay), the delay doubling from
+    `initial` up to `max_delay` seconds, without limit on attempts."""
 
     initial: float = 0.25
     max_delay: float = 30.0
