@@ -140,8 +140,8 @@ class PackedLinear(nn.Module):
     """A CPU `nn.Linear` whose weight oneDNN reordered once for its own matmul kernels: what a plain `F.linear` (MKL)
     repacks on every call. Float32 and, where the CPU has bf16 instructions, bfloat16. `forward(x, add=t)` is
     `linear(x) + t` and `forward(x, mul=t)` is `linear(x) * t`, each one kernel (oneDNN's post-op, applied to the
-    float32 accumulator: in float32 the two ops' bits, except a biased linear of one row, whose bias oneDNN adds its
-    own way: within float32 rounding)."""
+    float32 accumulator: in float32 the two ops' bits, except a biased linear, whose bias oneDNN adds its own way on
+    some CPUs: within float32 rounding)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, batch_hint: int = 64) -> None:
         super().__init__()
