@@ -11,7 +11,9 @@ this path on equal transformers' `generate`.
 
 from __future__ import annotations
 
+import gc
 import os
+import weakref
 from pathlib import Path
 
 import pytest
@@ -127,3 +129,18 @@ def test_greedy_tokens_through_the_padded_path_match_transformers(model_dirs: di
     outputs = llm.generate(prompts, [SamplingParams(max_tokens=n, temperature=0.0) for n in max_tokens], use_tqdm=False)
     assert_same([o.token_ids for o in outputs], hf_greedy(model_dirs["qwen2"], prompts, max_tokens))
     assert len(buckets) >= 10 and {n for n in buckets if n not in decode_buckets(8)}, buckets  # padded steps ran
+
+
+def test_an_engine_with_the_padded_path_is_freed_once_dropped(model_dirs: dict[str, Path]) -> None:
+    """The runner holds its padded path; were the path to hold the runner back, their cycle would keep the KV cache
+    until a garbage collection, and an engine built meanwhile on a GPU would find its memory taken."""
+    engine = LLM(str(model_dirs["llama"]), dtype="float32", max_num_seqs=8, num_kv_blocks=48, max_model_len=128).engine
+    engine.runner.decode = PaddedDecode(engine.runner, engine.max_model_len, capture=False)
+    runner, cache = weakref.ref(engine.runner), weakref.ref(engine.runner.kv_caches[0][0])
+    gc.collect()
+    gc.disable()
+    try:
+        del engine
+        assert runner() is None and cache() is None
+    finally:
+        gc.enable()

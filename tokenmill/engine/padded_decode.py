@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -72,7 +73,8 @@ class PaddedDecode:
     """
 
     def __init__(self, runner: Runner, max_model_len: int, capture: bool) -> None:
-        self.runner = runner
+        # a proxy: the runner holds this path, and a cycle would keep its KV cache alive until a garbage collection
+        self.runner = weakref.proxy(runner)
         self.device, self.block_size = runner.device, runner.config.block_size
         self.buckets = decode_buckets(runner.config.max_num_seqs)
         self.max = self.buckets[-1]
@@ -89,7 +91,8 @@ class PaddedDecode:
         self.buffer = torch.zeros(size, dtype=torch.int64, device=self.device)
         self.views = {bucket: self._views(bucket, tables_at) for bucket in self.buckets}
         self._copied: torch.cuda.Event | None = None
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: torch.Tensor | None = None  # [max, vocab]: every graph's output, its bucket's rows
         self._pad(0, self.max)
         self.buffer.copy_(self.staging)
         if capture:
@@ -123,22 +126,28 @@ class PaddedDecode:
         graph = self.graphs.get(bucket)
         if graph is None:
             return self._run(bucket)[:num_seqs]
-        graph[0].replay()
-        return graph[1][:num_seqs]
+        graph.replay()
+        assert self.logits is not None
+        return self.logits[:num_seqs]
 
     @torch.inference_mode()
     def capture(self) -> None:
         """Record each bucket's forward as a CUDA graph, the largest first so the others reuse its memory pool.
-        The static buffer holds padded rows only while capturing: every row reads nothing and writes the scratch block."""
+        The static buffer holds padded rows only while capturing: every row reads nothing and writes the scratch block.
+        Each graph copies its logits into the rows of one static `logits` buffer, so that the pool keeps no bucket's
+        output alive: the graphs' memory is one bucket's activations and logits, not the sum over buckets."""
         pool, began = None, time.perf_counter()
         for bucket in reversed(self.buckets):
-            self._run(bucket)  # compiles the kernels and sizes the backend's workspaces outside the capture
+            warm = self._run(bucket)  # compiles the kernels and sizes the backend's workspaces outside the capture
+            if self.logits is None:
+                self.logits = torch.empty_like(warm)  # the largest bucket's shape: `max` rows
+            del warm
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                logits = self._run(bucket)
+                self.logits[:bucket].copy_(self._run(bucket))
             pool = graph.pool()
-            self.graphs[bucket] = (graph, logits)
+            self.graphs[bucket] = graph
         torch.cuda.synchronize(self.device)
         log.info("captured %d decode CUDA graphs (batch sizes %s) in %.1f s", len(self.graphs), self.buckets,
                  time.perf_counter() - began)

@@ -99,11 +99,16 @@ class TorchBackend:
         out[torch.tensor(targets, device=device)] = o[torch.tensor(kept, device=device)]
 
     def _gather(self, name: str, cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-        """`cache[blocks]`, shape `[*blocks.shape, block_size, Hkv, D]`, written into a reused buffer."""
+        """`cache[blocks]`, shape `[*blocks.shape, block_size, Hkv, D]`, written into a reused buffer. A CUDA graph
+        being captured gets a buffer of its own, from its pool: the reused one may be replaced by a later step, and
+        the graph would then write memory that is no longer its."""
         count = blocks.numel() * cache[0].numel()
-        buffer = self._workspace.get(name)
-        if buffer is None or buffer.numel() < count or buffer.dtype != cache.dtype or buffer.device != cache.device:
-            buffer = self._workspace[name] = torch.empty(count + count // 4, dtype=cache.dtype, device=cache.device)
+        if cache.is_cuda and torch.cuda.is_current_stream_capturing():
+            buffer = torch.empty(count, dtype=cache.dtype, device=cache.device)
+        else:
+            buffer = self._workspace.get(name)
+            if buffer is None or buffer.numel() < count or buffer.dtype != cache.dtype or buffer.device != cache.device:
+                buffer = self._workspace[name] = torch.empty(count + count // 4, dtype=cache.dtype, device=cache.device)
         flat = buffer[:count].view(blocks.numel(), -1)
         torch.index_select(cache.view(cache.shape[0], -1), 0, blocks.reshape(-1), out=flat)
         return flat.view(*blocks.shape, *cache.shape[1:])

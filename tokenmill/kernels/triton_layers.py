@@ -3,7 +3,9 @@
 - `add_rms_norm`: one program per token row adds the residual, writes the new residual, and normalises the sum in
   float32 (cast back to the input dtype before the weight, as transformers does for half types).
 
-Every kernel computes in float32 and rounds to the tensor's dtype where torch's op would round.
+Every kernel computes in float32 and rounds to the tensor's dtype where torch's op would round. Compiled for a GPU,
+Triton's square root, division and exponential are its fast forms and multiplies and adds fuse, so a result's last
+bits may differ from torch's there; the bit-for-bit checks against torch run under the interpreter.
 - `rotary`: one program per (token, head) rotates that head of the queries-and-keys view in place.
 - `silu_and_mul`: a program per (token row, column tile) writes SiLU(gate) * up.
 
