@@ -52,12 +52,13 @@ fi
 stage parity 90 python3 benchmarks/gpu_parity.py --json /tmp/gpu_parity.json
 # CUDA graphs of the decode step: each bucket's replay against the same step run eagerly, bit for bit; then greedy
 # tokens and time with and without graphs.
-stage graphs 100 python3 benchmarks/gpu_graphs.py
-# tokenmill eager and with CUDA graphs (`tokenmill-graphs`), transformers' static batches and continuous batching.
+stage graphs 130 python3 benchmarks/gpu_graphs.py
+# tokenmill eager and with CUDA graphs (`tokenmill-graphs`) beside transformers' static batches (the goal's baseline).
+# Not here: tokenmill on transformers' modules and transformers' continuous batching, measured on 2026-12-04 (the
+# latter never ended within its slot).
 stage throughput-qwen 200 python3 benchmarks/gpu_throughput.py --models qwen2.5-0.5b --deadline 150 \
-    --json /tmp/gpu_throughput_qwen.json
-stage kernels 110 python3 benchmarks/kernels_gpu.py --deadline 75
-# The queue stages below run only while their limit fits in the session's 570 s (`timely`): the engine stages come first.
+    --systems tokenmill,tokenmill-graphs,static --json /tmp/gpu_throughput_qwen.json
+# The stages below run only while their limit fits in the session's 570 s (`timely`): the engine stages come first.
 timely() {  # timely LIMIT: whether a stage of LIMIT seconds still fits
     [ "$1" -le $(( 570 - ($(date +%s) - START) )) ]
 }
@@ -69,6 +70,9 @@ groups=0
 python3 -c "import pyarrow" 2> /dev/null && groups=32
 timely ${FAIR_LIMIT:-90} && stage fair-shares ${FAIR_LIMIT:-90} python3 benchmarks/fair_shares.py --backlog 1500 --probes 4 \
     --rounds 2 --groups $groups --varied
+# The decode attention kernel at the Qwen2.5-0.5B heads (GQA group of 7, head dim 64) against the read bandwidth; the
+# kernels are unchanged since the H200 runs of 2026-12-04, so only that shape, briefly.
+timely 50 && stage kernels 50 python3 benchmarks/kernels_gpu.py --shapes qwen2.5-0.5b --deadline 30
 # 60 lone-job probes: on the H200 they took ~70 s, and the benchmark prints nothing until it ends.
 timely ${QUEUE_LIMIT:-90} && stage queue ${QUEUE_LIMIT:-90} python3 benchmarks/job_queue.py --rounds 1 --probe-jobs ${PROBE_JOBS:-60}
 # Three rounds (a few seconds each; starting the worker is most of the stage): the worker's CPU per one-token job by

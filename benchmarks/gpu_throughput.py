@@ -149,6 +149,9 @@ class StepClock:
         engine.scheduler.schedule = self._timed("schedule", engine.scheduler.schedule)
         runner.inputs.build = self._timed("host_prep", runner.inputs.build)
         runner.forward = self._timed("model", runner.forward)
+        if runner.decode is not None:  # a decode step on CUDA graphs: its inputs written, then the graph replayed
+            runner.decode.forward = self._timed("model", runner.decode.forward)
+            runner.decode._write = self._timed("host_prep", runner.decode._write, inside="model")
         runner.sampler = self._timed("sampler", runner.sampler)
         self._module, self._read_back = sampler_module, sampler_module.read_back
         sampler_module.read_back = self._timed("wait", sampler_module.read_back, inside="sampler")
