@@ -87,7 +87,7 @@ def test_padded_rows_are_inert(model_dirs: dict[str, Path], backend: str) -> Non
         top = decode.max
         decode.host[start:stop] = 123
         decode.host[top + start : top + stop] = 77
-        decode.host_tables[start:stop] = 1
+        decode.host_columns[:, start:stop] = 1
     decode._pad = scribbled_pad  # type: ignore[method-assign]
     with torch.inference_mode():
         again = decode.forward(batch)
@@ -144,3 +144,17 @@ def test_an_engine_with_the_padded_path_is_freed_once_dropped(model_dirs: dict[s
         assert runner() is None and cache() is None
     finally:
         gc.enable()
+
+
+def test_a_step_copies_only_the_table_columns_its_contexts_use(model_dirs: dict[str, Path]) -> None:
+    """The block tables are stored column by column, so a step copies the columns up to its longest context's, not the
+    tables' whole width (`max_model_len / block_size`)."""
+    engine, decode, batch = decoding_engine(model_dirs["llama"], "torch", 3)
+    used = -(-max(seq.num_computed_tokens + 1 for seq in batch.seqs) // decode.block_size)
+    assert used < decode.width
+    decode.host_columns[used:] = 7  # the host's staging buffer only
+    with torch.inference_mode():
+        decode.forward(batch)
+    on_device = decode.views[decode.max].block_tables.t()  # [width, max]
+    assert not (on_device[used:] == 7).any()
+    assert torch.equal(on_device[:used, :3], torch.from_numpy(decode.host_columns[:used, :3]))

@@ -58,7 +58,7 @@ class BucketViews:
     positions: torch.Tensor  # int64 [B]
     slot_mapping: torch.Tensor  # int64 [B]
     seq_lens: torch.Tensor  # int32 [B]
-    block_tables: torch.Tensor  # int32 [B, W]
+    block_tables: torch.Tensor  # int32 [B, W], stored column by column (strides 1, max)
     cu_seqlens_q: torch.Tensor  # int32 [B+1]: 0..B, one query per row
     sample_rows: torch.Tensor  # int64 [B]: 0..B-1
 
@@ -67,9 +67,10 @@ class PaddedDecode:
     """The runner's decode path at fixed shapes (see the module docstring).
 
     The buffer's layout does not depend on the bucket: ids, positions and slots (int64, `max` rows each), then the
-    context lengths (int32, `max` rows) and the block tables (int32, `max` x `width`). A step writes its rows and
-    copies the prefix that covers its bucket's rows of the tables. Columns of a table past a row's context and the
-    tables of padded rows keep whatever block ids earlier steps left there: valid ids, and masked by the context length.
+    context lengths (int32, `max` rows) and the block tables (int32, column by column: `width` columns of `max` rows,
+    so a bucket's tables are a strided view). A step writes its rows and copies the prefix that covers the columns its
+    longest context uses, not the tables' whole width. Columns of a table past a row's context and the tables of
+    padded rows keep whatever block ids earlier steps left there: valid ids, and masked by the context length.
     """
 
     def __init__(self, runner: Runner, max_model_len: int, capture: bool) -> None:
@@ -87,7 +88,7 @@ class PaddedDecode:
         self.staging = torch.zeros(size, dtype=torch.int64, pin_memory=pin)
         self.host = self.staging.numpy()
         self.host32 = self.host.view(np.int32)
-        self.host_tables = self.host32[tables_at : tables_at + self.max * self.width].reshape(self.max, self.width)
+        self.host_columns = self.host32[tables_at : tables_at + self.max * self.width].reshape(self.width, self.max)
         self.buffer = torch.zeros(size, dtype=torch.int64, device=self.device)
         self.views = {bucket: self._views(bucket, tables_at) for bucket in self.buckets}
         self._copied: torch.cuda.Event | None = None
@@ -101,11 +102,11 @@ class PaddedDecode:
     def _views(self, bucket: int, tables_at: int) -> BucketViews:
         wide, narrow = self.buffer, self.buffer[self._head:].view(torch.int32)
         arange = torch.arange(bucket + 1, device=self.device)
-        tables = self.buffer.view(torch.int32)[tables_at : tables_at + bucket * self.width]
+        columns = self.buffer.view(torch.int32)[tables_at : tables_at + self.width * self.max]
         return BucketViews(
             input_ids=wide[:bucket], positions=wide[self.max : self.max + bucket],
             slot_mapping=wide[2 * self.max : 2 * self.max + bucket], seq_lens=narrow[:bucket],
-            block_tables=tables.view(bucket, self.width), cu_seqlens_q=arange.to(torch.int32),
+            block_tables=columns.view(self.width, self.max)[:, :bucket].t(), cu_seqlens_q=arange.to(torch.int32),
             sample_rows=arange[:bucket],
         )
 
@@ -176,12 +177,12 @@ class PaddedDecode:
         width = min(-(-int(seq_lens.max()) // block_size), self.width)
         mirrored = self.runner.inputs.mirror.table
         tables = mirrored[rows, : min(width, mirrored.shape[1])]
-        self.host_tables[:num_seqs, : tables.shape[1]] = tables
+        self.host_columns[: tables.shape[1], :num_seqs] = tables.T
         host[2 * top : 2 * top + num_seqs] = tables[np.arange(num_seqs), positions // block_size] * block_size \
             + positions % block_size
         host32[2 * self._head : 2 * self._head + num_seqs] = seq_lens
         self._pad(num_seqs, bucket)
-        end = self._head + -(-(top + bucket * self.width) // 2)
+        end = self._head + -(-(top + width * top) // 2)  # the context lengths, then the columns in use
         self.buffer[:end].copy_(self.staging[:end], non_blocking=True)
         if self.device.type == "cuda":
             self._copied = torch.cuda.Event()

@@ -99,7 +99,7 @@ def _paged_attention_kernel(
     stride_qt, stride_qh, stride_qd,
     stride_ot, stride_oh, stride_od,
     stride_cb, stride_cs, stride_ch, stride_cd,
-    stride_bt,
+    stride_bt, stride_bc,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -139,7 +139,7 @@ def _paged_attention_kernel(
     for kv_start in range(0, kv_end, BLOCK_N):
         kv_pos = kv_start + tl.arange(0, BLOCK_N)
         kv_ok = kv_pos < kv_end
-        block_id = tl.load(table_row + kv_pos // BLOCK_SIZE, mask=kv_ok, other=0)
+        block_id = tl.load(table_row + (kv_pos // BLOCK_SIZE) * stride_bc, mask=kv_ok, other=0)
         token_offs = block_id.to(tl.int64) * stride_cb + (kv_pos % BLOCK_SIZE) * stride_cs + head_offs
         kv_mask = kv_ok[:, None] & dim_ok[None, :]
         kv_offs = token_offs[:, None] + dims[None, :] * stride_cd
@@ -242,7 +242,7 @@ class TritonBackend:
         _paged_attention_kernel[grid](
             query, k_cache, v_cache, out, block_tables, cu_seqlens_q, seq_lens,
             scale * 1.4426950408889634, num_seqs,  # log2(e): the kernel uses exp2
-            *query.stride(), *out.stride(), *k_cache.stride(), block_tables.stride(0),
+            *query.stride(), *out.stride(), *k_cache.stride(), *block_tables.stride(),
             GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
             BLOCK_SIZE=k_cache.shape[1], BLOCK_Q=block_q, BLOCK_N=config.block_n,
             DOT_DTYPE=dot_dtype, DOT_PRECISION=precision,
