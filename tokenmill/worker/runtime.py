@@ -9,6 +9,7 @@ See docs/internals/worker.md, section "The pipeline".
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -80,13 +81,12 @@ def run_job(task: Task, args: tuple[Any, ...], fields: dict[str, Any]) -> dict[s
     a failed `JobResult` (`invalid_job`, naming the field), under its own id if that is a valid one (a raw id may hold
     what must not reach logs and results), else the task's."""
     service, task_id = current(), task.request.id
-    run = PoolRun(service, task_id, task.backend, _time_limit(task.request.timelimit), _share(task))
     try:
         raw = {**job_payload(args, fields), **fields}
         check_size(raw, service.settings.max_job_bytes)
     except InvalidRequestError as exc:
-        return service.failed(JobResult.failure(task_id, "invalid_job", exc.message, exc.field,
-                                                started_at=run.started_at))
+        return service.failed(JobResult.failure(task_id, "invalid_job", exc.message, exc.field, started_at=time.time()))
+    run = PoolRun(service, task_id, task.backend, _time_limit(task.request.timelimit), _share(task))
     raw.setdefault("id", task_id)
     try:
         job = Job.from_wire(raw)
