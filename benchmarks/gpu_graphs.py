@@ -69,7 +69,9 @@ def check_buckets(llm, sizes: list[int], vocab: int) -> bool:  # noqa: ANN001
 
 
 def compare(engine, decode, batch) -> bool:  # noqa: ANN001
-    """The step three ways (see the module docstring); True when the replay equals its eager bucket bit for bit."""
+    """The step three ways (see the module docstring); True when the replay equals its eager bucket bit for bit and
+    picks the unpadded step's argmax in at least 90% of rows (both padded ways share the tables' strided view, so an
+    error there would show only against the unpadded step; with wide weights rounding alone flips few argmaxes)."""
     with torch.inference_mode():
         replayed = decode.forward(batch).clone()
         bucket = decode.bucket(len(batch.seqs))
@@ -81,7 +83,7 @@ def compare(engine, decode, batch) -> bool:  # noqa: ANN001
     graph = "graph" if bucket in decode.graphs else "eager"
     print(f"  {len(batch.seqs):4d} sequences, bucket {bucket:4d} ({graph}): replay == padded eager bitwise: {same}; "
           f"vs unpadded eager: max |diff| {diff:.3g}, argmax agreement {argmax:.3f}", flush=True)
-    return same
+    return same and argmax >= 0.9
 
 
 def greedy(llm, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], float, int]:  # noqa: ANN001
@@ -131,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
         same = sum(a == b for a, b in zip(graph_tokens, eager_tokens))
         print(f"greedy, {requests} requests x 128 tokens: identical {same}/{requests}; graphs {graph_s:.2f} s "
               f"({graph_steps} steps), eager {eager_s:.2f} s ({eager_steps} steps): {eager_s / graph_s:.2f}x", flush=True)
-    print("replay == padded eager on every bucket checked" if ok else "FAIL: a replay differs from its eager step")
+    print("replay == padded eager on every bucket checked, argmaxes as the unpadded step's" if ok else
+          "FAIL: a replay differs from its padded eager step, or its argmaxes from the unpadded step's")
     return 0 if ok else 1
 
 

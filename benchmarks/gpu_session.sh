@@ -70,8 +70,8 @@ groups=0
 python3 -c "import pyarrow" 2> /dev/null && groups=32
 timely ${FAIR_LIMIT:-90} && stage fair-shares ${FAIR_LIMIT:-90} python3 benchmarks/fair_shares.py --backlog 1500 --probes 4 \
     --rounds 2 --groups $groups --varied
-# The decode attention kernel at the Qwen2.5-0.5B heads (GQA group of 7, head dim 64) against the read bandwidth; the
-# kernels are unchanged since the H200 runs of 2026-12-04, so only that shape, briefly.
+# The decode attention kernel at the Qwen2.5-0.5B heads (GQA group of 7, head dim 64) against the read bandwidth; since
+# the H200 runs of 2026-12-04 the kernel changed only by a column stride for the graphs' tables, so that shape, briefly.
 timely 50 && stage kernels 50 python3 benchmarks/kernels_gpu.py --shapes qwen2.5-0.5b --deadline 30
 # 60 lone-job probes: on the H200 they took ~70 s, and the benchmark prints nothing until it ends.
 timely ${QUEUE_LIMIT:-90} && stage queue ${QUEUE_LIMIT:-90} python3 benchmarks/job_queue.py --rounds 1 --probe-jobs ${PROBE_JOBS:-60}

@@ -120,7 +120,8 @@ class PaddedDecode:
         return next(b for b in self.buckets if b >= num_seqs)
 
     def forward(self, batch: ScheduledBatch) -> torch.Tensor:
-        """Logits `[len(batch.seqs), vocab]` of a step that `fits`: its rows of the padded bucket's forward."""
+        """Logits `[len(batch.seqs), vocab]` of a step that `fits`: its rows of the padded bucket's forward. With
+        graphs, a view of the static `logits` buffer: valid until the next `forward`."""
         num_seqs = len(batch.seqs)
         bucket = self.bucket(num_seqs)
         self._write(batch, bucket)
