@@ -88,8 +88,8 @@ def test_stopping_an_engine_process_never_started_ends_its_writer_thread() -> No
 
     engine = EngineProcess("builtin:tiny", {})
     engine.stop(timeout=1)
-    engine._writer.join(5)
-    assert not engine._writer.is_alive()
+    engine._outbox._thread.join(5)
+    assert not engine._outbox._thread.is_alive()
 
 
 def test_an_engine_that_cannot_load_its_model_leaves_no_thread_or_process() -> None:
@@ -102,8 +102,8 @@ def test_an_engine_that_cannot_load_its_model_leaves_no_thread_or_process() -> N
     with pytest.raises(ModelLoadError):
         engine.start(timeout=120)
     engine.stop(timeout=1)
-    engine._writer.join(5)
-    assert not engine._writer.is_alive()
+    engine._outbox._thread.join(5)
+    assert not engine._outbox._thread.is_alive()
     assert engine._process.exitcode is not None
 
 
@@ -118,10 +118,10 @@ def test_an_engine_that_dies_loading_its_model_fails_its_start_not_the_worker() 
     with pytest.raises(EngineFailure, match="died loading its model"):
         engine.start(timeout=120)
     engine.stop(timeout=1)
-    engine._writer.join(5)
+    engine._outbox._thread.join(5)
     engine._reader.join(5)
     assert fatal == []
-    assert not engine._writer.is_alive() and not engine._reader.is_alive() and engine._process.exitcode not in (None, 0)
+    assert not engine._outbox._thread.is_alive() and not engine._reader.is_alive() and engine._process.exitcode not in (None, 0)
 
 
 def test_a_plain_celery_worker_whose_engine_dies_loading_exits_70_and_keeps_the_job(redis_server: RedisServer,

@@ -103,8 +103,7 @@ class EngineProcess:
         self._pending: dict[str, Sink] = {}  # request id -> where its answer goes
         self._lock = threading.Lock()  # guards _pending and _stopping; never held across a pipe write or read
         self._write_lock = threading.Lock()  # registers requests and queues writes in one order; never across a write
-        self._outbox: queue.SimpleQueue[tuple[bytes, _Written | None] | None] = queue.SimpleQueue()
-        self._writer = threading.Thread(target=self._write_out, name="tokenmill-engine-pipe-writer", daemon=True)
+        self._outbox = _Outbox(self._conn, "tokenmill-engine-pipe-writer")  # until `stop`, `abandon` or `_lost`
         self._stopping = False
         self._abandoned = False  # see `abandon`
         self._fatal_returned = threading.Event()  # clear while `_lost` calls `on_fatal`: a send waits (`_refuse`)
@@ -119,7 +118,6 @@ class EngineProcess:
         self._prompt_limits: tuple[int | None, int] = (None, 0)  # (max_prompt_chars, max_model_len)
         self._reader = threading.Thread(target=self._read, name="tokenmill-engine-reader", daemon=True)
         self._last_stats: tuple[float, int, int] | None = None
-        self._writer.start()
 
     def start(self, timeout: float = 600) -> None:
         """Start the process and wait until the model is loaded."""
@@ -171,7 +169,7 @@ class EngineProcess:
                 if not stopping:
                     self._pending.update((add["id"], sink) for add in adds)
             if not stopping:
-                self._outbox.put((payload, written))
+                self._outbox.put(payload, written)
         if stopping:
             self._refuse()
         if written is not None:
@@ -209,7 +207,7 @@ class EngineProcess:
                 sink = self._pending.pop(request_id, None)
                 stopping = self._stopping
             if not stopping:
-                self._outbox.put((fastjson.dumps({"op": "abort", "id": request_id}), None))
+                self._outbox.put(fastjson.dumps({"op": "abort", "id": request_id}))
         if sink is not None:
             sink(request_id, CancelledError())
 
@@ -220,7 +218,7 @@ class EngineProcess:
             with self._lock:
                 live = request_id in self._pending and not self._stopping
             if live:
-                self._outbox.put((fastjson.dumps({"op": "cancel", "id": request_id, "reason": reason}), None))
+                self._outbox.put(fastjson.dumps({"op": "cancel", "id": request_id, "reason": reason}))
 
     def stop(self, timeout: float = 10) -> None:
         """Ask the engine process to exit; kill it if it has not within `timeout` (a frozen one cannot read the ask).
@@ -230,8 +228,8 @@ class EngineProcess:
                 return
             self._stopping = True
         with self._write_lock:  # after every message a sender queued before it saw `_stopping`
-            self._outbox.put((b'{"op": "stop"}', None))
-            self._outbox.put(None)
+            self._outbox.put(b'{"op": "stop"}')
+            self._outbox.end()
         if self._process.pid is None:
             return
         _reap(self._process, timeout)
@@ -244,7 +242,7 @@ class EngineProcess:
             self._pending.clear()
         self._process.kill()  # a write waiting on the full pipe fails now
         with self._write_lock:
-            self._outbox.put(None)
+            self._outbox.end()
         self._process.join(5)
 
     def stalled_for(self) -> float:
@@ -260,20 +258,6 @@ class EngineProcess:
             threading.Event().wait()
         self._fatal_returned.wait()  # bounded by `on_fatal` (the worker's exits, under a watchdog): see `_lost`
         raise EngineFailure("the engine is stopped")
-
-    def _write_out(self) -> None:
-        """The writer thread: each queued message in order, until `stop` or `abandon`. A failed write goes to its
-        waiting caller, if any; otherwise the engine is gone and the reader reports it (`_lost`)."""
-        while (item := self._outbox.get()) is not None:
-            payload, written = item
-            try:
-                self._conn.send_bytes(payload)
-            except BaseException as exc:  # noqa: BLE001 (the writer goes on for the writes queued after it)
-                if written is not None:
-                    written.error = exc
-            finally:
-                if written is not None:
-                    written.done.set()
 
     def _watch(self) -> None:
         """The watchdog: `on_stall` once the engine has held requests and been silent for `stall_timeout` seconds."""
@@ -319,7 +303,7 @@ class EngineProcess:
                 with self._lock:
                     self._stopping, self._unusable = True, message["error"]
                 with self._write_lock:
-                    self._outbox.put(None)
+                    self._outbox.end()
                 self._ready.set()
                 return
 
@@ -352,7 +336,7 @@ class EngineProcess:
             finally:
                 self._fatal_returned.set()
         with self._write_lock:  # nothing is queued after this (`_stopping`): the writer ends
-            self._outbox.put(None)
+            self._outbox.end()
         for request_id, sink in pending.items():
             sink(request_id, error)
         self._ready.set()
@@ -460,31 +444,44 @@ class _Written:
 
 
 class _Outbox:
-    """The engine process's messages to the worker, written in order by a thread of their own, so the loop never waits
-    on a full pipe. A failed write (the worker is gone) ends the writer; the loop sees the pipe closed on its next
-    read."""
+    """One side's messages on the pipe, written in order by a thread of their own, so no sender waits on a full pipe
+    (the engine's loop never does; a `send_many` that asks waits on its `_Written`). A failed write goes to its waiting
+    sender, if any; the writer goes on, so later writes fail fast too, and the other side's end shows on the next
+    read: the engine's loop sees the pipe closed, the worker's reader reports the engine lost (`_lost`)."""
 
-    def __init__(self, conn: Connection) -> None:
+    def __init__(self, conn: Connection, name: str = "tokenmill-engine-writer") -> None:
         self._conn = conn
-        self._queue: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._write, name="tokenmill-engine-writer", daemon=True)
+        self._queue: queue.SimpleQueue[tuple[bytes, _Written | None] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._write, name=name, daemon=True)
         self._thread.start()
+
+    def put(self, payload: bytes, written: _Written | None = None) -> None:
+        self._queue.put((payload, written))
 
     def send(self, message: dict[str, Any], *free: Any) -> None:
         """`free`: the parts of `message` that may hold any JSON value (see `fastjson.dumps`)."""
-        self._queue.put(fastjson.dumps(message, *free, default=_plain))
+        self.put(fastjson.dumps(message, *free, default=_plain))
+
+    def end(self) -> None:
+        """No more messages: the writer ends once it wrote those queued."""
+        self._queue.put(None)
 
     def close(self, timeout: float) -> None:
         """Write what was sent, waiting at most `timeout` seconds."""
-        self._queue.put(None)
+        self.end()
         self._thread.join(timeout)
 
     def _write(self) -> None:
-        while (payload := self._queue.get()) is not None:
+        while (item := self._queue.get()) is not None:
+            payload, written = item
             try:
                 self._conn.send_bytes(payload)
-            except OSError:
-                return
+            except BaseException as exc:  # noqa: BLE001 (the writer goes on for the writes queued after it)
+                if written is not None:
+                    written.error = exc
+            finally:
+                if written is not None:
+                    written.done.set()
 
 
 class _Loop:
