@@ -59,14 +59,17 @@ class TileConfig:
 def default_config(head_dim: int, dtype: torch.dtype, on_gpu: bool) -> TileConfig:
     """The tile shape for a model's head dim and dtype on this device kind.
 
-    Interpreter: few, large numpy ops. GPU (checked with ptxas for sm_90, not yet timed): 64x64 fp16/bf16
-    tiles run on tensor cores with a cp.async pipeline and no register spills, and 64 query rows keep
-    decode memory-bound; fp32 products are IEEE FMAs, which spill registers unless the tiles are small.
+    Interpreter: few, large numpy ops. GPU: 64x64 fp16/bf16 tiles run on tensor cores with a cp.async pipeline
+    and no register spills, and 64 query rows keep decode memory-bound; fp32 products are IEEE FMAs, which spill
+    registers unless the tiles are small. The pipeline's depth per head dim is what `benchmarks/kernels_gpu.py`
+    measured faster (docs/internals/gpu-path.md); the stages change no result, only the time.
     """
     if not on_gpu:
         return TileConfig(block_m=32, block_n=32)
     if dtype == torch.float32:
         return TileConfig(block_m=32, block_n=16, num_warps=4, num_stages=2)
+    if head_dim <= 64:
+        return TileConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)
     if head_dim <= 128:
         return TileConfig(block_m=64, block_n=64, num_warps=4, num_stages=3)
     return TileConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
