@@ -70,9 +70,10 @@ groups=0
 python3 -c "import pyarrow" 2> /dev/null && groups=32
 timely ${FAIR_LIMIT:-90} && stage fair-shares ${FAIR_LIMIT:-90} python3 benchmarks/fair_shares.py --backlog 1500 --probes 4 \
     --rounds 2 --groups $groups --varied
-# The decode attention kernel at the Qwen2.5-0.5B heads (GQA group of 7, head dim 64) against the read bandwidth; since
-# the H200 runs of 2026-12-04 the kernel changed only by a column stride for the graphs' tables, so that shape, briefly.
-timely 50 && stage kernels 50 python3 benchmarks/kernels_gpu.py --shapes qwen2.5-0.5b --deadline 30
+# The decode attention kernel at the Qwen2.5-0.5B heads (GQA group of 7, head dim 64) against the read bandwidth: the
+# default tiles (two pipeline stages since 2026-12-07), the three stages of 2026-12-04, and the split decode (partitions
+# of 256 and 1,024 keys, off by default until timed here), each bitwise invariant; decode cases come first.
+timely 60 && stage kernels 60 python3 benchmarks/kernels_gpu.py --shapes qwen2.5-0.5b --deadline 40
 # 60 lone-job probes: on the H200 they took ~70 s, and the benchmark prints nothing until it ends.
 timely ${QUEUE_LIMIT:-90} && stage queue ${QUEUE_LIMIT:-90} python3 benchmarks/job_queue.py --rounds 1 --probe-jobs ${PROBE_JOBS:-60}
 # Three rounds (a few seconds each; starting the worker is most of the stage): the worker's CPU per one-token job by

@@ -7,9 +7,10 @@ scattered into the paged cache) as GB/s moved; (4) prefill chunks as TFLOP/s and
 rate, next to torch SDPA on the same data; (5) each case's error against a float64 reference (outputs poisoned
 with NaN before the checked call), and bitwise batch invariance. Two head shapes: Llama-3-8B (Hq=32, Hkv=8,
 D=128) and Qwen2.5-0.5B (Hq=14, Hkv=2, D=64: GQA groups of 7, padded to 8 in the kernel); bf16, block size 16,
-block tables shuffled. Every tile configuration in `configs()` is timed, the first being the backend's default,
-so one run says whether the default should change. Stops starting new cases after `--deadline` seconds and
-prints one table at the end. It measures the kernels as they are; it changes nothing.
+block tables shuffled. Every tile configuration in `configs()` is timed, the first being the backend's default, so one
+run says whether the default should change; the split decode path (`TileConfig.partition`) among them. Stops starting
+new cases after `--deadline` seconds and prints one table at the end. It measures the kernels as they are; it changes
+nothing.
 
     python benchmarks/kernels_gpu.py [--deadline 420] [--shapes llama-3-8b,qwen2.5-0.5b]
 
@@ -76,9 +77,11 @@ class Batch:
 
 
 def make_batch(num_seqs: int, chunk: int, context: int, heads: tuple[int, int, int], device: str = "cuda",
-               dtype: torch.dtype = DTYPE) -> Batch:
-    """`num_seqs` sequences of `context` cached tokens plus `chunk` new ones, blocks scattered at random."""
+               dtype: torch.dtype | None = None) -> Batch:
+    """`num_seqs` sequences of `context` cached tokens plus `chunk` new ones, blocks scattered at random (in `DTYPE`
+    unless `dtype` is given)."""
     hq, hkv, head_dim = heads
+    dtype = dtype or DTYPE
     length = context + chunk
     blocks = -(-length // BLOCK_SIZE)
     tables = torch.randperm(num_seqs * blocks, device=device).view(num_seqs, blocks).int()
@@ -245,13 +248,13 @@ def run_prefill(name: str, heads: tuple, configs: list, matmul_tflops: float, ro
         torch.cuda.empty_cache()
 
 
-def check_invariance(heads: tuple) -> str:
-    """A 300-token prompt's rows: alone, inside a busy batch, and through chunks of 1, 7 and 50, bitwise."""
+def check_invariance(heads: tuple, config: object = None, length: int = 300, device: str = "cuda") -> str:
+    """A `length`-token prompt's rows: alone, inside a busy batch, and through chunks of 1, 7 and 50, bitwise. With
+    partitions shorter than the prompt, its chunks of 1 past the first partition are split decode steps."""
     from tokenmill.kernels.triton_attention import TritonBackend
 
-    backend = TritonBackend()
-    length = 300
-    batch = make_batch(40, length, 0, heads)  # sequence 0 is the probe; the others are its neighbours
+    backend = TritonBackend(config)
+    batch = make_batch(40, length, 0, heads, device=device)  # sequence 0 is the probe; the others its neighbours
     rows = slice(0, length)
     scale = batch.scale
     alone = backend.paged_attention(batch.query[rows], batch.k_cache, batch.v_cache, batch.block_tables[:1],
@@ -262,8 +265,8 @@ def check_invariance(heads: tuple) -> str:
         parts = []
         for start in range(0, length, size):
             end = min(start + size, length)
-            cu = torch.tensor([0, end - start], device="cuda", dtype=torch.int32)
-            seq_len = torch.tensor([end], device="cuda", dtype=torch.int32)
+            cu = torch.tensor([0, end - start], device=device, dtype=torch.int32)
+            seq_len = torch.tensor([end], device=device, dtype=torch.int32)
             parts.append(backend.paged_attention(batch.query[start:end], batch.k_cache, batch.v_cache,
                                                  batch.block_tables[:1], cu, seq_len, scale, end - start, end,
                                                  out=poisoned(batch.query[start:end])))
@@ -273,7 +276,7 @@ def check_invariance(heads: tuple) -> str:
     order = [1, 2, 0, *range(3, 40)]
     q_lens = [length, length, length] + [1] * 37
     query = torch.cat([batch.query[s * length + length - n:(s + 1) * length] for s, n in zip(order, q_lens)])
-    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], device=device, dtype=torch.int32)
     mixed = backend.paged_attention(query, batch.k_cache, batch.v_cache, batch.block_tables[order], cu,
                                     batch.seq_lens[order], scale, length, length, out=poisoned(query))
     if not torch.equal(mixed[2 * length:3 * length], alone):
@@ -284,7 +287,8 @@ def check_invariance(heads: tuple) -> str:
 def config_name(config: object) -> str:
     if config is None:
         return "default"
-    return f"M{config.block_m} N{config.block_n} w{config.num_warps} s{config.num_stages}"
+    name = f"M{config.block_m} N{config.block_n} w{config.num_warps} s{config.num_stages}"
+    return name + (f" P{config.partition}" if config.partition else "")
 
 
 _START = time.monotonic()
@@ -302,10 +306,18 @@ def print_table(rows: list[list[str]]) -> None:
             print("  ".join("-" * width for width in widths))
 
 
-def configs() -> list:
-    from tokenmill.kernels.triton_attention import TileConfig
+def configs(head_dim: int) -> list:
+    """The backend's default for this head dim first, then the other pipeline depth (what was the default for every
+    head dim up to 128 before the sweeps of 2026-12-04) and the default split into partitions of 256 and 1,024 keys
+    (flash decoding: decode steps over longer contexts run a program per partition); none twice."""
+    from dataclasses import replace
 
-    return [None, TileConfig(128, 64, num_warps=8, num_stages=3), TileConfig(64, 64, num_warps=4, num_stages=2)]
+    from tokenmill.kernels.triton_attention import default_config
+
+    default = default_config(head_dim, DTYPE, on_gpu=True)
+    others = [replace(default, num_stages=5 - default.num_stages), replace(default, partition=256),
+              replace(default, partition=1024)]
+    return [None, *(config for config in others if config != default)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -318,7 +330,6 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("kernels_gpu: no CUDA device here; this benchmark needs a GPU, nothing was measured.")
         return 0
-    tiles = configs()
     torch.manual_seed(0)
     copy_gbs, read_gbs, matmul_tflops = ceilings()
     rows = [["case", "tiles", "ms", "achieved", "of ceiling", "torch SDPA", "max err vs fp64"],
@@ -327,10 +338,13 @@ def main(argv: list[str] | None = None) -> int:
             ["bf16 matmul 8192^3", "-", "-", f"{matmul_tflops:.0f} TFLOP/s", "ceiling", "-", "-"]]
     for name in args.shapes.split(","):
         heads = HEADS[name]
+        tiles = configs(heads[2])
         run_decode(name, heads, tiles, read_gbs, rows)
+        for config in (None, next(c for c in tiles if c is not None and c.partition == 256)):
+            if not out_of_time():
+                rows.append([f"{name} batch invariance", config_name(config), "-", check_invariance(heads, config),
+                             "-", "-", "-"])
         run_kv_write(name, heads, copy_gbs, rows)
-        if not out_of_time():
-            rows.append([f"{name} batch invariance", "default", "-", check_invariance(heads), "-", "-", "-"])
         run_prefill(name, heads, tiles, matmul_tflops, rows)
     if out_of_time():
         rows.append([f"stopped after {DEADLINE_S} s", "-", "-", "-", "-", "-", "-"])

@@ -58,6 +58,28 @@ def test_gpu_parity_quick_runs_on_cpu(tmp_path: Path) -> None:
     assert all(r["identical"] == r["requests"] == 2 and not r["failed"] for r in rows if r["required"]), out
 
 
+def test_kernel_invariance_check_runs_the_split_path_on_cpu(monkeypatch) -> None:
+    """kernels_gpu's bitwise invariance check, which a GPU session runs for the default tiles and the split decode
+    path, through Triton's interpreter: a prompt of three partitions, its chunks of 1 past the first split. The
+    interpreter's dot is made row-independent as on a GPU (tests/test_triton_attention.py); in float32, where a
+    difference shows that bfloat16's rounding could hide."""
+    import torch
+    from test_triton_attention import row_independent_dot
+    from triton.runtime import interpreter
+
+    from tokenmill.kernels.triton_attention import TileConfig
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import kernels_gpu
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", row_independent_dot)
+    monkeypatch.setattr(kernels_gpu, "DTYPE", torch.float32)
+    for config in (None, TileConfig(32, 16, partition=16)):
+        assert kernels_gpu.check_invariance((8, 2, 16), config, length=45, device="cpu") == "bitwise equal"
+
+
 def test_kernel_check_fails_a_wrong_or_unwritten_row() -> None:
     """kernels_gpu's check against float64: the torch backend's output passes, a NaN (unwritten) row or a small
     error in one row fails it."""

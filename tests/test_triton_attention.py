@@ -29,7 +29,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from tokenmill.kernels import AttentionBackend, get_backend  # noqa: E402
 from tokenmill.kernels.torch_attention import TorchBackend  # noqa: E402
-from tokenmill.kernels.triton_attention import INTERPRETED, TritonBackend  # noqa: E402
+from tokenmill.kernels.triton_attention import INTERPRETED, TileConfig, TritonBackend  # noqa: E402
 from triton.runtime import interpreter  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -271,9 +271,10 @@ def row_independent_interpreter_dot(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", row_independent_dot)
 
 
+@pytest.mark.parametrize("partition", [0, 32])
 @pytest.mark.parametrize("block_size", [16, NOT_POW2_BLOCK])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_batch_invariance(gen, dtype, block_size, row_independent_interpreter_dot):
+def test_batch_invariance(gen, dtype, block_size, partition, row_independent_interpreter_dot):
     """A sequence's rows are bitwise equal alone, among other sequences, and through chunks of 1, 7 and 33.
 
     40 tokens: under the interpreter 5 query tiles and 2 KV tiles (group 4: 8 tokens per query tile, 32 keys
@@ -286,11 +287,14 @@ def test_batch_invariance(gen, dtype, block_size, row_independent_interpreter_do
     GPU the MMA instructions give that (checked bitwise by benchmarks/kernels_gpu.py); under the interpreter
     `tl.dot` is OpenBLAS, which does not on every processor, so here it is replaced by
     `row_independent_dot` while everything else in the kernel runs as is.
+
+    With partitions of 32 keys, the chunks of 1 past the first partition are decode steps that split (a program
+    per partition, then their merge): bitwise equal to the rows of the one kernel that merges the same partitions.
     """
     length = 40
     others = torch.randint(1, 60, (6,), generator=gen).tolist()
     work = Workload([length, *others], block_size, 2, 4, 32, dtype, gen)
-    backend = TritonBackend()
+    backend = TritonBackend(TileConfig(32, 32, partition=partition) if partition else None)
     work.fill([(seq, 0, n) for seq, n in enumerate(others, start=1)])
 
     (alone,) = work.step(backend, [(0, 0, length)])
@@ -310,6 +314,46 @@ def test_batch_invariance(gen, dtype, block_size, row_independent_interpreter_do
         work.write(backend, [span])  # the neighbours' K/V are in the cache already; rewriting them proves nothing
         batched.append(work.attend(backend, [*neighbours, span, decode])[len(neighbours)])
     assert torch.equal(torch.cat(batched), alone), "one prefill vs chunks of 7 each in a different batch"
+
+
+@pytest.mark.parametrize(("group", "dtype"), [(7, torch.float16), (1, torch.float32), (4, torch.bfloat16)])
+def test_split_decode_matches_reference_and_one_kernel(gen, group, dtype, row_independent_interpreter_dot,
+                                                       monkeypatch):
+    """A decode step over contexts of up to five partitions splits: each row within tolerance of float64, and
+    bitwise equal to the same rows from the one kernel (as CUDA graphs run it, with no host bound on the contexts)
+    and inside a mixed batch. The partitions' states start NaN: one read before it is written shows. Rows of one
+    token (one partition) and at a partition's edge are among them."""
+    lengths = [1, 32, 33, 150, *torch.randint(2, 160, (5,), generator=gen).tolist()]
+    work = Workload(lengths, 16, 2, group, 32, dtype, gen)
+    work.fill([(seq, 0, n - 1) for seq, n in enumerate(lengths) if n > 1])
+    backend = TritonBackend(TileConfig(32, 32, partition=32))
+    states = backend._partition_states
+    calls = []
+
+    def poisoned_states(*args):
+        calls.append(args[0])
+        return tuple(state.fill_(float("nan")) for state in states(*args))
+
+    monkeypatch.setattr(backend, "_partition_states", poisoned_states)
+    spans = [(seq, n - 1, n) for seq, n in enumerate(lengths)]
+    split = work.step(backend, spans)
+    assert calls == [-(-max(lengths) // 32)], "the decode step did not split"
+    for span, out in zip(spans, split):
+        assert_matches(out, work.reference(span), dtype, f"span {span} of {spans}")
+    query = torch.cat([work.queries[s][a:b] for s, a, b in spans]).to(DEVICE)
+    cu = torch.arange(len(spans) + 1, dtype=torch.int32, device=DEVICE)
+    one_kernel = backend.decode_attention(query, work.k_cache, work.v_cache, work.table.to(DEVICE), cu,
+                                          torch.tensor(lengths, dtype=torch.int32, device=DEVICE), work.scale).cpu()
+    assert torch.equal(torch.cat(split), one_kernel), "split vs one kernel"
+    prefill = (len(lengths) - 1, lengths[-1] - 5, lengths[-1])
+    mixed = work.attend(backend, [*spans[:-1], prefill])
+    assert torch.equal(torch.cat(mixed[:-1]), torch.cat(split[:-1])), "split vs inside a mixed batch"
+    assert calls == [calls[0]], "a step with a prefill chunk split"
+
+
+def test_partition_is_a_multiple_of_the_kv_tile():
+    with pytest.raises(ValueError, match="partition: 48 is not a multiple of block_n"):
+        TileConfig(32, 32, partition=48)
 
 
 def test_get_backend_returns_triton():
