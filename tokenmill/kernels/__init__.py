@@ -10,7 +10,9 @@ Every backend offers the same two operations, so the engine never knows which on
   (``[T, Hq, D]``, sequence ``i`` owning rows ``cu_seqlens_q[i]:cu_seqlens_q[i+1]``) over
   each sequence's whole context read through its block table row. ``seq_lens[i]`` counts
   the context including the new tokens; the queries are its last tokens (causal, aligned
-  to the end). ``max_seqlen_q``/``max_seq_len`` are host-side ints the caller already has.
+  to the end). ``max_seqlen_q``/``max_seq_len`` are host-side ints the caller already has: the largest query
+  length and context, exact or above (never below: the Triton backend's split decode sizes its partition
+  states by ``max_seq_len``).
 - ``decode_attention(query, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale) -> [B, Hq, D]``:
   ``paged_attention`` of a step of one query per row that reads nothing back to the host (a CUDA graph can
   capture it); a row with ``seq_lens`` 0 is padding and gets zeros.

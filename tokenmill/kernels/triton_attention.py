@@ -68,9 +68,10 @@ def default_config(head_dim: int, dtype: torch.dtype, on_gpu: bool) -> TileConfi
     """The tile shape for a model's head dim and dtype on this device kind.
 
     Interpreter: few, large numpy ops. GPU: 64x64 fp16/bf16 tiles run on tensor cores with a cp.async pipeline
-    and no register spills, and 64 query rows keep decode memory-bound; fp32 products are IEEE FMAs, which spill
-    registers unless the tiles are small. The pipeline's depth per head dim is what `benchmarks/kernels_gpu.py`
-    measured faster (docs/internals/gpu-path.md); the stages change no result, only the time.
+    (with no register spills up to head dim 64; ~300 bytes a thread at 128), and 64 query rows keep decode
+    memory-bound; fp32 products are IEEE FMAs, which spill registers unless the tiles are small. The pipeline's
+    depth per head dim is what `benchmarks/kernels_gpu.py` measured faster (docs/internals/gpu-path.md); the stages
+    change no result, only the time.
     """
     if not on_gpu:
         return TileConfig(block_m=32, block_n=32)
