@@ -114,6 +114,25 @@ def test_a_full_bucket_equals_the_eager_step(model_dirs: dict[str, Path], backen
         assert torch.equal(padded.argmax(-1), eager.argmax(-1))
 
 
+def test_a_full_bucket_splits_as_the_eager_step(model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the Triton kernel's split decode on (partitions of 16 keys), the padded step splits over the tables' whole
+    width and the eager step over its longest context: the same bits, as without it."""
+    from tokenmill.kernels.triton_attention import TileConfig, TritonBackend
+
+    engine, decode, batch = decoding_engine(model_dirs["llama"], "triton", 4)
+    backend = engine.runner.backend = TritonBackend(TileConfig(32, 16, partition=16))
+    states = backend._partition_states
+    partitions: list[int] = []
+    monkeypatch.setattr(backend, "_partition_states", lambda *args: partitions.append(args[0]) or states(*args))
+    assert max(seq.num_computed_tokens + 1 for seq in batch.seqs) > 16
+    with torch.inference_mode():
+        padded = decode.forward(batch).clone()
+    eager = eager_logits(engine, batch)
+    assert torch.equal(padded, eager)
+    layers = engine.runner.num_layers
+    assert partitions[:layers] == [engine.max_model_len // 16] * layers and len(partitions) == 2 * layers, partitions
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_greedy_tokens_through_the_padded_path_match_transformers(model_dirs: dict[str, Path], backend: str,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:

@@ -320,9 +320,10 @@ def test_batch_invariance(gen, dtype, block_size, partition, row_independent_int
 def test_split_decode_matches_reference_and_one_kernel(gen, group, dtype, row_independent_interpreter_dot,
                                                        monkeypatch):
     """A decode step over contexts of up to five partitions splits: each row within tolerance of float64, and
-    bitwise equal to the same rows from the one kernel (as CUDA graphs run it, with no host bound on the contexts)
-    and inside a mixed batch. The partitions' states start NaN: one read before it is written shows. Rows of one
-    token (one partition) and at a partition's edge are among them."""
+    bitwise equal to the same rows split over the block tables' whole width (as CUDA graphs run it, with no host bound
+    on the contexts), from the one kernel (told a bound of 2 queries, so it does not split) and inside a mixed batch.
+    The partitions' states start NaN: one read before it is written shows. Rows of one token (one partition) and at
+    a partition's edge are among them."""
     lengths = [1, 32, 33, 150, *torch.randint(6, 160, (5,), generator=gen).tolist()]  # the last takes 5 queries
     work = Workload(lengths, 16, 2, group, 32, dtype, gen)
     work.fill([(seq, 0, n - 1) for seq, n in enumerate(lengths) if n > 1])
@@ -341,14 +342,18 @@ def test_split_decode_matches_reference_and_one_kernel(gen, group, dtype, row_in
     for span, out in zip(spans, split):
         assert_matches(out, work.reference(span), dtype, f"span {span} of {spans}")
     query = torch.cat([work.queries[s][a:b] for s, a, b in spans]).to(DEVICE)
-    cu = torch.arange(len(spans) + 1, dtype=torch.int32, device=DEVICE)
-    one_kernel = backend.decode_attention(query, work.k_cache, work.v_cache, work.table.to(DEVICE), cu,
-                                          torch.tensor(lengths, dtype=torch.int32, device=DEVICE), work.scale).cpu()
+    args = (query, work.k_cache, work.v_cache, work.table.to(DEVICE),
+            torch.arange(len(spans) + 1, dtype=torch.int32, device=DEVICE),
+            torch.tensor(lengths, dtype=torch.int32, device=DEVICE), work.scale)
+    widest = backend.decode_attention(*args).cpu()
+    assert calls[1:] == [work.table.shape[1] * 16 // 32], "the graphs' decode did not split over the tables' width"
+    assert torch.equal(torch.cat(split), widest), "split by the longest context vs by the tables' width"
+    one_kernel = backend.paged_attention(*args, 2, max(lengths)).cpu()
     assert torch.equal(torch.cat(split), one_kernel), "split vs one kernel"
     prefill = (len(lengths) - 1, lengths[-1] - 5, lengths[-1])
     mixed = work.attend(backend, [*spans[:-1], prefill])
     assert torch.equal(torch.cat(mixed[:-1]), torch.cat(split[:-1])), "split vs inside a mixed batch"
-    assert calls == [calls[0]], "a step with a prefill chunk split"
+    assert len(calls) == 2, "the one kernel or a step with a prefill chunk split"
 
 
 def test_partition_is_a_multiple_of_the_kv_tile():

@@ -372,8 +372,10 @@ class TritonBackend:
         cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, scale: float,
     ) -> torch.Tensor:
         """`paged_attention` needs no host value: its grid follows the shapes. A row of context 0 reads no key
-        and gets zeros."""
-        return self.paged_attention(query, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, 1, 0)
+        and gets zeros. The contexts' bound is what the block tables' width holds, so a split decode (when
+        `TileConfig.partition` is set) has a partition per `partition` keys of that width, most of them empty."""
+        bound = block_tables.shape[1] * k_cache.shape[1]
+        return self.paged_attention(query, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, 1, bound)
 
 
 def _dot_types(dtype: torch.dtype) -> tuple[tl.dtype, str]:
