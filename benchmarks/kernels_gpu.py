@@ -35,6 +35,7 @@ DEADLINE_S = 7 * 60
 KV_WRITE_TOKENS = [256, 8192]  # a decode step of 256 sequences; a full 8k-token prefill step
 ATOL, RTOL = 1e-2, 2e-2  # bf16 keeps 8 bits: an output rounds by up to 2**-9 of itself, P rounds too
 DECODE_CASES = [(64, 1024), (64, 4096), (64, 16384), (256, 1024), (256, 4096)]  # (sequences, context)
+GRAPH_BOUND = 32768  # the contexts' bound a CUDA graph's split decode has: the block tables' width (max_model_len)
 PREFILL_CASES = [(1, 8192, 0), (4, 2048, 0), (2, 4096, 4096), (16, 512, 2048)]  # (sequences, chunk, context)
 
 
@@ -177,13 +178,15 @@ def causal_flops(batch: Batch) -> float:
     return 4.0 * batch.head_dim * batch.hq * batch.num_seqs * keys_seen
 
 
-def time_backend(config: object, batch: Batch) -> tuple[torch.Tensor, float]:
-    """The output of a first call (which also compiles), then the time per call in ms."""
+def time_backend(config: object, batch: Batch, bound: int | None = None) -> tuple[torch.Tensor, float]:
+    """The output of a first call (which also compiles), then the time per call in ms. `bound`: the contexts' bound
+    given instead of the longest context, as a CUDA graph's decode gives its tables' width (`max_model_len`)."""
     from tokenmill.kernels.triton_attention import TritonBackend
 
     backend = TritonBackend(config)
-    out = backend.paged_attention(*batch.args(), out=poisoned(batch.query))
-    return out, bench_ms(lambda: backend.paged_attention(*batch.args()))
+    args = batch.args() if bound is None else (*batch.args()[:-1], bound)
+    out = backend.paged_attention(*args, out=poisoned(batch.query))
+    return out, bench_ms(lambda: backend.paged_attention(*args))
 
 
 def run_decode(name: str, heads: tuple, configs: list, read_gbs: float, rows: list[list[str]]) -> None:
@@ -193,10 +196,14 @@ def run_decode(name: str, heads: tuple, configs: list, read_gbs: float, rows: li
         for config in configs:
             if out_of_time():
                 return
-            out, ms = time_backend(config, batch)
-            gbs = kv_bytes / ms / 1e6
-            rows.append([f"{name} decode {num_seqs}x{context}", config_name(config), f"{ms:.3f}", f"{gbs:.0f} GB/s",
-                         f"{gbs / read_gbs:.0%} of read", "-", check(batch, out)])
+            # A split decode also as CUDA graphs run it, over a 32k-token width: the empty partitions' cost.
+            graph_too = config is not None and config.partition and context == 1024
+            for bound in (None, GRAPH_BOUND) if graph_too else (None,):
+                out, ms = time_backend(config, batch, bound)
+                gbs = kv_bytes / ms / 1e6
+                case = f"{name} decode {num_seqs}x{context}" + (f" bound {bound}" if bound else "")
+                rows.append([case, config_name(config), f"{ms:.3f}", f"{gbs:.0f} GB/s", f"{gbs / read_gbs:.0%} of read",
+                             "-", check(batch, out)])
         del batch
         torch.cuda.empty_cache()
 
