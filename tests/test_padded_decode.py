@@ -144,7 +144,8 @@ def test_greedy_tokens_through_the_padded_path_match_transformers(model_dirs: di
     runner.decode = PaddedDecode(runner, llm.engine.max_model_len, capture=False)
     buckets: list[int] = []
     forward = runner.decode.forward
-    monkeypatch.setattr(runner.decode, "forward", lambda batch: buckets.append(len(batch.seqs)) or forward(batch))
+    monkeypatch.setattr(runner.decode, "forward",
+                        lambda batch, feed=None: buckets.append(len(batch.seqs)) or forward(batch, feed))
     outputs = llm.generate(prompts, [SamplingParams(max_tokens=n, temperature=0.0) for n in max_tokens], use_tqdm=False)
     assert_same([o.token_ids for o in outputs], hf_greedy(model_dirs["qwen2"], prompts, max_tokens))
     assert len(buckets) >= 10 and {n for n in buckets if n not in decode_buckets(8)}, buckets  # padded steps ran

@@ -62,6 +62,10 @@ class EngineConfig:
     enforce_eager: bool = _option(True, "Run every step eagerly. False: decode steps of native models on CUDA replay "
                                   "CUDA graphs captured at start, one per batch-size bucket (not yet verified on a "
                                   "GPU, hence off by default).")
+    async_scheduling: bool = _option(False, "Plan and launch each step before the last one's tokens are read back, "
+                                     "so the host's work overlaps the device's, while every sampled request is greedy "
+                                     "with no logprobs, penalty, stop string, grammar or min_tokens (others run step "
+                                     "by step). For GPUs; not yet timed on one, hence off by default.")
     seed: int = _option(0, "Engine seed (sampling of requests without a seed of their own).")
     grammar_compile_timeout: float = _option(60.0, "Seconds a new grammar may take to compile (off the engine loop) "
                                              "before its request fails naming the field.")

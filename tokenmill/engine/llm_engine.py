@@ -16,13 +16,14 @@ from tokenmill.engine import sampler as sampler_module
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.detokenize import text_decoder, token_texts
 from tokenmill.engine.loader import load
-from tokenmill.engine.model_runner import ModelRunner
+from tokenmill.engine.model_runner import Feed, ModelRunner
 from tokenmill.engine.pooling import (NO_SAMPLING, CheckpointPooling, PooledSequence, PoolingParams,
                                      checkpoint_pooling, embeddings)
 from tokenmill.engine.prompt_limits import check_prompt_chars, max_prompt_chars
 from tokenmill.engine.sampler import SampleResult, SamplingRow
 from tokenmill.engine.scoring import ScoredSequence, ScoreGroup, ScoreOutput, normalise
 from tokenmill.engine.structured import Constraint, GrammarCache, GrammarSpec, advance, check_completion
+from tokenmill.engine.transfer import PendingRead
 from tokenmill.errors import InvalidRequestError
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.scheduler.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
@@ -106,6 +107,20 @@ class _Request(Sequence):
     plain: bool = False
 
 
+PLACEHOLDER = -1  # a sampled token not yet read back from the device (`async_scheduling`); never a vocabulary id
+
+
+@dataclass
+class _InFlight:
+    """A launched step whose tokens are not yet read back (`async_scheduling`). Each request in `rows` holds a
+    `PLACEHOLDER` as its last token, for the device's `tokens[rows[request]]`; `retired` are those of them that reached
+    their length with it: already finished in the scheduler (blocks and slot freed), their output waits for it."""
+
+    tokens: PendingRead
+    rows: dict[_Request, int]
+    retired: list[_Request]
+
+
 @dataclass
 class _Pending:
     """A structured request waiting, outside the scheduler, for its grammar to compile."""
@@ -155,6 +170,8 @@ class LLMEngine:
         self._choice_ids: dict[tuple[str, ...], list[list[int]]] = {}  # distinct choices -> their token ids
         self._pooled: dict[str, PooledSequence] = {}  # embedding requests (`pooling.py`)
         self._checkpoint_pooling: CheckpointPooling | None = None  # read on the first embedding request
+        self._in_flight: _InFlight | None = None  # the launched step not yet read back (`async_scheduling`)
+        self._landed: list[RequestOutput] = []  # outputs read back outside `step` (a cancel landed them), for its next
 
     def _max_model_len(self) -> int:
         """The configured length, capped by the model's positions and any sliding window (beyond which our
@@ -396,6 +413,7 @@ class LLMEngine:
         return failed
 
     def abort_request(self, request_id: str) -> None:
+        self._land_now(request_id)
         self._pending.pop(request_id, None)
         self._end_group(request_id, "abort")
         self._end_pooled(request_id, "abort")
@@ -404,7 +422,11 @@ class LLMEngine:
     def cancel_request(self, request_id: str, reason: str) -> RequestOutput | None:
         """Finish a request now with `finish_reason=reason` ("cancelled", "deadline"): its blocks and batch slot
         are freed at once and what it generated so far comes back (nothing, for one whose grammar was still
-        compiling: it never ran, and now never will). None for a request that is not here."""
+        compiling: it never ran, and now never will). None for a request that is not here. A request that the step in
+        flight finished comes back as it finished."""
+        landed = self._land_now(request_id)
+        if landed is not None:
+            return landed
         pending = self._pending.pop(request_id, None)
         if pending is not None:
             return RequestOutput(request_id, pending.token_ids, [], "", reason, arrival_time=pending.arrival_time,
@@ -450,24 +472,38 @@ class LLMEngine:
         self.scheduler.finish(seq, reason)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._pending)
+        return (self.scheduler.has_unfinished() or bool(self._pending) or self._in_flight is not None
+                or bool(self._landed))
 
     # -- the step ---------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One scheduling step and forward pass. Returns the requests that finished in it.
+        """One scheduling step and forward pass. Returns the requests that finished in it; with `async_scheduling`,
+        a step that overlaps returns those the step before it finished (read back while this one runs).
 
         A failure that belongs to one request (its sampling, decoding its text, matching its stop strings)
         finishes that request with `finish_reason="error"`; the others go on. Anything else (the model's
         forward pass, out of memory, a device error) is the engine's and is raised.
         """
-        admitted = self._admit_compiled()
+        admitted = self._admit_compiled() + self._landed
+        self._landed = []
         batch = self.scheduler.schedule()
         self._totals["preempted"] += batch.num_preempted
         if not batch.seqs:
-            return admitted
+            return admitted + self._land()
         # The scheduler's sampling sequences are this engine's requests: `_admit` adds only `_Request`s (and
         # `_add_group` only scoring sequences, which never sample).
         sampling: list[_Request] = list(compress(batch.seqs, batch.sample_mask))  # type: ignore[arg-type]
+        overlaps = self.config.async_scheduling and self._overlaps(batch, sampling)
+        if self._in_flight is not None and not overlaps:
+            admitted += self._land_before(batch)
+            sampling = list(compress(batch.seqs, batch.sample_mask))  # type: ignore[arg-type]
+            if not batch.seqs:
+                return admitted
+        if overlaps:
+            tokens = self.runner.launch(batch, self._feed(batch))
+            admitted += self._land_before(batch)  # the step before, while this one runs
+            self._start(batch, sampling, tokens)
+            return admitted
         result, failed = self._execute(batch, sampling)
         self._totals["steps"] += 1
         grown = self.scheduler.update(batch, result.token_ids)
@@ -493,6 +529,80 @@ class LLMEngine:
                 self._end(request.request_id, reason)
                 finished.append(output)
         return finished
+
+    # -- steps that overlap (`async_scheduling`) ----------------------------------------------------------
+    # A step is planned and launched before the tokens of the one before it are read back: each request of that step
+    # holds a placeholder as its last token, which the scheduler counts as any token, and the new step's input takes
+    # the token from the device. Only requests whose finish needs no more than the token and the length take part
+    # (`_overlaps`), so what the host waits for is the tokens alone; any other step reads the one in flight first.
+
+    def _overlaps(self, batch: ScheduledBatch, sampling: list[_Request]) -> bool:
+        """Whether the step may run while its tokens are read later: it neither scores nor pools, and every request
+        that samples takes its argmax and finishes on a stop token or its length only."""
+        return not batch.scoring and not batch.pooling and all([r.plain and r.row.argmax_only for r in sampling])
+
+    def _feed(self, batch: ScheduledBatch) -> Feed | None:
+        """Where the step's inputs take a token of the step in flight: each of its requests whose chunk ends at its
+        placeholder (a decode, or a prompt computed again after preemption)."""
+        flight = self._in_flight
+        if flight is None:
+            return None
+        rows, picks, offset = [], [], 0
+        for seq, count in zip(batch.seqs, batch.num_new_tokens):
+            pick = flight.rows.get(seq)  # type: ignore[call-overload]  # a request's sequence is the request
+            if pick is not None and seq.num_computed_tokens + count == len(seq.token_ids):
+                rows.append(offset + count - 1)
+                picks.append(pick)
+            offset += count
+        return Feed(flight.tokens.tensor, rows, picks)
+
+    def _start(self, batch: ScheduledBatch, launched: list[_Request], tokens: PendingRead) -> None:
+        """Account for the launched step with placeholders (`launched`: its sampling requests, in the order of its
+        tokens); those that now reach their length leave the scheduler at once, their output waiting for the token."""
+        rows = {request: i for i, request in enumerate(launched) if not request.is_finished}
+        grown: list[_Request] = self.scheduler.update(batch, [PLACEHOLDER] * len(rows))  # type: ignore[assignment]
+        self._totals["steps"] += 1
+        retired = [request for request in grown if len(request.token_ids) >= request.end_len]
+        for request in retired:
+            self._end(request.request_id, "length")
+        # With every request of the step finished by the one before, nothing waits for its tokens.
+        self._in_flight = _InFlight(tokens, rows, retired) if rows else None
+
+    def _land(self) -> list[RequestOutput]:
+        """Read back the step in flight: its tokens replace their placeholders; the outputs of the requests it
+        finished (a stop token, or their length)."""
+        flight, self._in_flight = self._in_flight, None
+        if flight is None:
+            return []
+        tokens, now = flight.tokens.wait(), time.time()
+        finished = []
+        for request, row in flight.rows.items():
+            token = request.token_ids[-1] = tokens[row]
+            if request.first_token_time is None:
+                request.first_token_time = now
+            if token in request.stop_ids and request.request_id in self.requests:
+                self._end(request.request_id, "stop")
+                finished.append(self._output(request, now, "stop"))
+        self._totals["generated"] += len(flight.rows)
+        return finished + [self._output(r, now, self._finish_reason(r) or "length") for r in flight.retired]
+
+    def _land_before(self, batch: ScheduledBatch) -> list[RequestOutput]:
+        """`_land`, then take out of `batch` (planned with the placeholders) the requests it finished."""
+        finished = self._land()
+        if finished:
+            for seq in [s for s in batch.seqs if s.is_finished]:
+                batch.remove(seq)
+        return finished
+
+    def _land_now(self, request_id: str) -> RequestOutput | None:
+        """Read back the step in flight before a request is taken out: its outputs wait for the next `step`, but
+        `request_id`'s, which is returned."""
+        self._landed += self._land()
+        mine = [output for output in self._landed if output.request_id == request_id]
+        if mine:
+            self._landed.remove(mine[0])
+            return mine[0]
+        return None
 
     def _finish_scored(self, scoring: list[Sequence], now: float) -> list[RequestOutput]:
         """Finish the step's scoring sequences that are now computed whole (each forks its `forks` first);

@@ -11,6 +11,7 @@ steps may instead run padded to fixed shapes, as CUDA graphs (`padded_decode.py`
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -24,7 +25,7 @@ from tokenmill.engine.pooling import pool_rows
 from tokenmill.engine.sampler import Sampler, SampleResult, SamplingRow
 from tokenmill.engine.scoring import score_logits, score_rows
 from tokenmill.engine.step_inputs import StepInputBuilder, StepInputs
-from tokenmill.engine.transfer import to_device
+from tokenmill.engine.transfer import PendingRead, to_device
 from tokenmill.kernels import get_backend
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.scheduler.scheduler import ScheduledBatch
@@ -140,10 +141,8 @@ class ModelRunner:
         step's scoring rows (`scoring.score_rows`) get logits too, after the sampled ones: their scores are read
         back with the tokens and written into their sequences. The pooled rows' hidden states (`pooling.pool_rows`)
         are added into their sequences once the sampler has passed (a step rerun after its failure adds them once)."""
-        if self.decode is not None and self.decode.fits(batch):
-            return self.sampler(self.decode.forward(batch), rows)
         if not batch.scoring and not batch.pooling:
-            return self.sampler(self.forward(self.inputs.build(batch)), rows)
+            return self.sampler(self._logits(batch), rows)
         scoring, pooling = score_rows(batch), pool_rows(batch)
         inputs = self.inputs.build(batch, scoring.rows, pooling.rows)
         logits, hidden = self.forward_pooled(inputs) if pooling.rows else (self.forward(inputs), None)
@@ -154,6 +153,22 @@ class ModelRunner:
         if hidden is not None:
             pooling.record(hidden)
         return result
+
+    @torch.inference_mode()
+    def launch(self, batch: ScheduledBatch, feed: Feed | None = None) -> PendingRead:
+        """`execute` of a step that neither scores nor pools and whose sampled rows all take their argmax, without
+        waiting for the device: the tokens come when the caller waits for them. `feed`: input ids of the step still
+        on the device, from the step before (not yet read back)."""
+        return self.sampler.launch(self._logits(batch, feed))
+
+    def _logits(self, batch: ScheduledBatch, feed: Feed | None = None) -> torch.Tensor:
+        """The sampled rows' logits of a step that neither scores nor pools: on the padded decode path where it fits."""
+        if self.decode is not None and self.decode.fits(batch):
+            return self.decode.forward(batch, feed)
+        inputs = self.inputs.build(batch)
+        if feed is not None:
+            feed.apply(inputs.input_ids[0])
+        return self.forward(inputs)
 
     @torch.inference_mode()
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
@@ -205,6 +220,22 @@ class ModelRunner:
             kv_caches=self.kv_caches,
             backend=self.backend,
         )
+
+
+@dataclass
+class Feed:
+    """Input ids still on the device: tokens the step before sampled, not yet read back. Flat input row `rows[i]` of
+    the step takes `tokens[picks[i]]`, over the placeholder its host inputs hold."""
+
+    tokens: torch.Tensor
+    rows: list[int]
+    picks: list[int]
+
+    def apply(self, input_ids: torch.Tensor) -> None:
+        if self.rows:
+            device = input_ids.device
+            picked = self.tokens.index_select(0, to_device(self.picks, torch.int64, device))
+            input_ids.index_copy_(0, to_device(self.rows, torch.int64, device), picked)
 
 
 def kv_cache_budget(total: int, free: int, utilization: float) -> int:

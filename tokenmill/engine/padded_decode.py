@@ -18,7 +18,7 @@ import logging
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
@@ -28,6 +28,9 @@ from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.step_inputs import StepInputBuilder
 from tokenmill.kernels import AttentionBackend
 from tokenmill.scheduler.scheduler import ScheduledBatch
+
+if TYPE_CHECKING:
+    from tokenmill.engine.model_runner import Feed
 
 log = logging.getLogger(__name__)
 
@@ -119,12 +122,15 @@ class PaddedDecode:
     def bucket(self, num_seqs: int) -> int:
         return next(b for b in self.buckets if b >= num_seqs)
 
-    def forward(self, batch: ScheduledBatch) -> torch.Tensor:
+    def forward(self, batch: ScheduledBatch, feed: Feed | None = None) -> torch.Tensor:
         """Logits `[len(batch.seqs), vocab]` of a step that `fits`: its rows of the padded bucket's forward. With
-        graphs, a view of the static `logits` buffer: valid until the next `forward`."""
+        graphs, a view of the static `logits` buffer: valid until the next `forward`. `feed`: token ids still on the
+        device, written over their rows' placeholders before the forward."""
         num_seqs = len(batch.seqs)
         bucket = self.bucket(num_seqs)
         self._write(batch, bucket)
+        if feed is not None:
+            feed.apply(self.views[bucket].input_ids)
         graph = self.graphs.get(bucket)
         if graph is None:
             return self._run(bucket)[:num_seqs]

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tokenmill.engine.structured import AllowedTokens, mask_logits
-from tokenmill.engine.transfer import read_back, to_device
+from tokenmill.engine.transfer import PendingRead, read_back, to_device
 from tokenmill.sampling_params import GREEDY_TEMPERATURE, SamplingParams
 
 if TYPE_CHECKING:
@@ -143,6 +143,12 @@ def _race(probs: torch.Tensor, row_keys: torch.Tensor, token_ids: torch.Tensor |
 
 
 class Sampler:
+    @staticmethod
+    def launch(logits: torch.Tensor) -> PendingRead:
+        """The tokens of rows that all take their argmax (`SamplingRow.argmax_only`), left on their way to the host:
+        the same tokens `__call__` gives, read when the caller waits for them."""
+        return PendingRead(argmax(logits))
+
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow], scores: torch.Tensor | None = None) -> SampleResult:
         """A token per row of `logits`. `scores` (any float64 `[n, 2]` tensor, on the same device) is read back in the
         same transfer as the tokens, so a step still waits for the device once."""

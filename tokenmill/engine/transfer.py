@@ -1,9 +1,10 @@
 """Every host/device transfer of a step goes through here, so the step's syncs can be counted.
 
 `read_back` is the one place where the host waits for the device: the sampler calls it once per step,
-for the sampled tokens (and logprobs, packed into the same tensor), even when no row samples: that wait is
-also what makes reusing the pinned staging buffer of `step_inputs` safe on the next step. Tests count its calls, and a torch
-function mode in the tests catches any other tensor-to-Python conversion during a step.
+for the sampled tokens (and logprobs, packed into the same tensor), even when no row samples. A step that overlaps
+the next one (`EngineConfig.async_scheduling`) reads its tokens later through a `PendingRead`, counted the same way.
+Tests count the reads, and a torch function mode in the tests catches any other tensor-to-Python conversion during a
+step.
 `to_device` copies host values without a sync: from pinned memory with `non_blocking` on CUDA (a copy
 from pageable memory would make the host wait for the stream).
 """
@@ -28,3 +29,25 @@ def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.T
     if device.type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
+
+
+class PendingRead:
+    """A device tensor's values on their way to the host: the copy starts now (into pinned memory, on CUDA) and
+    `wait` gives them as a list, waiting for the device only then. `tensor` stays on the device for whoever needs the
+    values there before they are read (the next step's input ids)."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        self._event: torch.cuda.Event | None = None
+        self._host = tensor
+        if tensor.is_cuda:
+            self._host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            self._host.copy_(tensor, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def wait(self) -> list:
+        """The values (`read_back` of them: counted as one)."""
+        if self._event is not None:
+            self._event.synchronize()
+        return read_back(self._host)
