@@ -5,7 +5,8 @@ A random-weight model of the Qwen2.5-0.5B shape (bf16 on CUDA) with `enforce_eag
 graph per decode bucket at start (time and memory printed). For several batch sizes, a decode step is scheduled and
 its logits taken three ways: the graph's replay, the same padded bucket run eagerly (`PaddedDecode._run`: the same
 kernels, so the bits must match), and the unpadded eager step (different GEMM shapes: max difference and argmax
-agreement reported). Then greedy tokens of the whole engine with and without graphs, and decode steps per second.
+agreement reported). Then greedy tokens of the whole engine with graphs, with graphs and `async_scheduling` (which must
+give the same tokens), and without graphs, and the time of each.
 
     python benchmarks/gpu_graphs.py             # CUDA
     python benchmarks/gpu_graphs.py --quick     # tiny model on CPU: the padded path eagerly (no capture)
@@ -125,6 +126,14 @@ def main(argv: list[str] | None = None) -> int:
         rng = random.Random(2)
         prompts = [[rng.randrange(3, shape["vocab_size"]) for _ in range(rng.randint(16, 512))] for _ in range(requests)]
         graph_tokens, graph_s, graph_steps = greedy(with_graphs, prompts, 128)
+        # The same engine and graphs with each step launched before the last one's tokens are read back: the same
+        # kernels on the same inputs (the fed token ids are the ones read back), so the same tokens.
+        with_graphs.engine.config.async_scheduling = True
+        async_tokens, async_s, _ = greedy(with_graphs, prompts, 128)
+        same_async = sum(a == b for a, b in zip(graph_tokens, async_tokens))
+        ok = ok and same_async == requests
+        print(f"async scheduling, the same requests: identical {same_async}/{requests}; {async_s:.2f} s against "
+              f"{graph_s:.2f} s: {graph_s / async_s:.2f}x", flush=True)
         decode = with_graphs = None  # its KV cache and graphs freed before the eager engine sizes its own
         gc.collect()
         if torch.cuda.is_available():
@@ -133,8 +142,9 @@ def main(argv: list[str] | None = None) -> int:
         same = sum(a == b for a, b in zip(graph_tokens, eager_tokens))
         print(f"greedy, {requests} requests x 128 tokens: identical {same}/{requests}; graphs {graph_s:.2f} s "
               f"({graph_steps} steps), eager {eager_s:.2f} s ({eager_steps} steps): {eager_s / graph_s:.2f}x", flush=True)
-    print("replay == padded eager on every bucket checked, argmaxes as the unpadded step's" if ok else
-          "FAIL: a replay differs from its padded eager step, or its argmaxes from the unpadded step's")
+    print("replay == padded eager on every bucket checked, argmaxes as the unpadded step's; async scheduling's tokens "
+          "the same" if ok else "FAIL: a replay differs from its padded eager step, its argmaxes from the unpadded "
+          "step's, or async scheduling's tokens from the step-by-step engine's")
     return 0 if ok else 1
 
 

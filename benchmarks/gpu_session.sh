@@ -53,11 +53,12 @@ stage parity 90 python3 benchmarks/gpu_parity.py --json /tmp/gpu_parity.json
 # CUDA graphs of the decode step: each bucket's replay against the same step run eagerly, bit for bit; then greedy
 # tokens and time with and without graphs.
 stage graphs 130 python3 benchmarks/gpu_graphs.py
-# tokenmill eager and with CUDA graphs (`tokenmill-graphs`) beside transformers' static batches (the goal's baseline).
-# Not here: tokenmill on transformers' modules and transformers' continuous batching, measured on 2026-12-04 (the
-# latter never ended within its slot).
-stage throughput-qwen 200 python3 benchmarks/gpu_throughput.py --models qwen2.5-0.5b --deadline 150 \
-    --systems tokenmill,tokenmill-graphs,static --json /tmp/gpu_throughput_qwen.json
+# tokenmill eager, with CUDA graphs (`tokenmill-graphs`) and with graphs and asynchronous scheduling (`tokenmill-async`:
+# each step launched before the last one's tokens are read back) beside transformers' static batches (the goal's
+# baseline). Not here: tokenmill on transformers' modules and transformers' continuous batching, measured on 2026-12-04
+# (the latter never ended within its slot).
+stage throughput-qwen 230 python3 benchmarks/gpu_throughput.py --models qwen2.5-0.5b --deadline 180 \
+    --systems tokenmill,tokenmill-graphs,tokenmill-async,static --json /tmp/gpu_throughput_qwen.json
 # The stages below run only while their limit fits in the session's 570 s (`timely`): the engine stages come first.
 timely() {  # timely LIMIT: whether a stage of LIMIT seconds still fits
     [ "$1" -le $(( 570 - ($(date +%s) - START) )) ]

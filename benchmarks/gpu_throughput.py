@@ -11,6 +11,8 @@ tokens and 256 output tokens each (greedy, EOS ignored), in one run:
   tokenmill-hf  the same engine on transformers' modeling code (`model_impl="transformers"`): before/after;
   tokenmill-graphs  the same engine with decode steps replayed as CUDA graphs (`enforce_eager=False`; on CPU the
               padded decode path is not attached and this is the eager engine again);
+  tokenmill-async  with CUDA graphs, and each step planned and launched before the last one's tokens are read back
+              (`async_scheduling=True`): the host's work beside the device's;
   static      the same model object, `model.generate` over static batches (SDPA, no padding: equal prompts);
   hf-cb       the same model object, transformers continuous batching (the manager `generate_batch` runs,
               built once and warmed up outside the timed region, with its own defaults: CUDA graphs and
@@ -63,7 +65,7 @@ QUICK_SHAPES = {
     "llama-3-8b": dict(SHAPES["llama-3-8b"], hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, vocab_size=512, max_position_embeddings=1024),
 }
-SYSTEMS = ("tokenmill", "tokenmill-graphs", "tokenmill-hf", "static", "hf-cb")
+SYSTEMS = ("tokenmill", "tokenmill-graphs", "tokenmill-async", "tokenmill-hf", "static", "hf-cb")
 
 
 @dataclass
@@ -143,6 +145,7 @@ class StepClock:
 
     def __init__(self, engine) -> None:  # noqa: ANN001
         import tokenmill.engine.sampler as sampler_module
+        import tokenmill.engine.transfer as transfer
 
         self.seconds = dict.fromkeys(self.PHASES, 0.0)
         runner = engine.runner
@@ -152,8 +155,13 @@ class StepClock:
         if runner.decode is not None:  # a decode step on CUDA graphs: its inputs written, then the graph replayed
             runner.decode.forward = self._timed("model", runner.decode.forward)
             runner.decode._write = self._timed("host_prep", runner.decode._write, inside="model")
-        runner.sampler = self._timed("sampler", runner.sampler)
         self._module, self._read_back = sampler_module, sampler_module.read_back
+        self._pending_wait = transfer.PendingRead.wait
+        if engine.config.async_scheduling:  # a step's tokens are read back during the next one (`_land`)
+            runner.sampler.launch = self._timed("sampler", runner.sampler.launch)
+            transfer.PendingRead.wait = self._timed("wait", transfer.PendingRead.wait)
+        else:
+            runner.sampler = self._timed("sampler", runner.sampler)
         sampler_module.read_back = self._timed("wait", sampler_module.read_back, inside="sampler")
 
     def _timed(self, phase: str, function, inside: str | None = None):  # noqa: ANN001, ANN202
@@ -169,7 +177,10 @@ class StepClock:
         return run
 
     def restore(self) -> None:
+        import tokenmill.engine.transfer as transfer
+
         self._module.read_back = self._read_back
+        transfer.PendingRead.wait = self._pending_wait
 
 
 def gpu_busy(engine, steps: int = 5) -> float | None:  # noqa: ANN001
@@ -200,7 +211,7 @@ def _gpu_busy(engine, steps: int) -> float:  # noqa: ANN001
 
 
 def run_tokenmill(name: str, model_dir: str, prompts: list[list[int]], max_tokens: int,
-                  args: argparse.Namespace, impl: str = "auto", graphs: bool = False
+                  args: argparse.Namespace, impl: str = "auto", graphs: bool = False, overlap: bool = False
                   ) -> tuple[Row, list[list[int]], object]:
     from tokenmill import LLM, SamplingParams
 
@@ -209,7 +220,7 @@ def run_tokenmill(name: str, model_dir: str, prompts: list[list[int]], max_token
     llm = LLM(model_dir, dtype=dtype, load_format="dummy", max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, gpu_memory_utilization=args.gpu_memory_utilization,
               max_model_len=len(prompts[0]) + max_tokens + 16, seed=args.seed, model_impl=impl,
-              enforce_eager=not graphs, **({} if on_cuda() else {"num_kv_blocks": 4096}))
+              enforce_eager=not graphs, async_scheduling=overlap, **({} if on_cuda() else {"num_kv_blocks": 4096}))
     engine = llm.engine
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     llm.generate([[5, 6, 7]] * 4, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)
@@ -231,7 +242,8 @@ def run_tokenmill(name: str, model_dir: str, prompts: list[list[int]], max_token
     clock.restore()
     steps = engine.stats().num_steps - steps_before
     ordered = [outputs[str(i)] for i in range(len(prompts))]
-    system = "tokenmill-graphs" if graphs else "tokenmill" if impl == "auto" else "tokenmill-hf"
+    system = ("tokenmill-async" if overlap else "tokenmill-graphs" if graphs else "tokenmill" if impl == "auto"
+              else "tokenmill-hf")
     row = Row(name, system, len(prompts), sum(map(len, ordered)), wall)
     row.tokens_per_s = row.output_tokens / wall
     memory(row)
@@ -422,14 +434,16 @@ def main(argv: list[str] | None = None) -> int:
         reference, llm = None, None
         with tempfile.TemporaryDirectory() as model_dir:
             write_model_dir(model_dir, shape)
-            for impl, system in (("auto", "tokenmill"), ("auto", "tokenmill-graphs"), ("transformers", "tokenmill-hf")):
+            for impl, system in (("auto", "tokenmill"), ("auto", "tokenmill-graphs"), ("auto", "tokenmill-async"),
+                                 ("transformers", "tokenmill-hf")):
                 if system not in systems and (system != "tokenmill" or reference is not None):
                     continue  # tokenmill always runs: its tokens are the baselines' reference
                 try:  # tokenmill on transformers' modules builds the model the baselines reuse (dummy weights)
                     llm = None
                     reset_memory()
                     row, tokens, llm = run_tokenmill(name, model_dir, prompts, args.output_tokens, args, impl,
-                                                     graphs=system == "tokenmill-graphs")
+                                                     graphs=system in ("tokenmill-graphs", "tokenmill-async"),
+                                                     overlap=system == "tokenmill-async")
                     if reference is not None:
                         row.agreement = agreement(reference, tokens)
                     reference = reference or tokens

@@ -44,6 +44,7 @@ def test_gpu_graphs_quick_runs_the_padded_path_on_cpu(tmp_path: Path) -> None:
     out = run("benchmarks/gpu_graphs.py", "--quick", "--max-num-seqs", "16", "--requests", "3", tmp_path=tmp_path)
     compared = [line for line in out.splitlines() if "replay == padded eager bitwise: True" in line]
     assert len(compared) == 4 and "identical 3/3" in out and "on every bucket checked" in out, out
+    assert "async scheduling, the same requests: identical 3/3" in out, out
 
 
 def test_kernels_gpu_says_it_needs_cuda(tmp_path: Path) -> None:
