@@ -16,14 +16,14 @@ from tokenmill.engine import sampler as sampler_module
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.detokenize import text_decoder, token_texts
 from tokenmill.engine.loader import load
-from tokenmill.engine.model_runner import Feed, ModelRunner
+from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.engine.pooling import (NO_SAMPLING, CheckpointPooling, PooledSequence, PoolingParams,
                                      checkpoint_pooling, embeddings)
 from tokenmill.engine.prompt_limits import check_prompt_chars, max_prompt_chars
 from tokenmill.engine.sampler import SampleResult, SamplingRow
 from tokenmill.engine.scoring import ScoredSequence, ScoreGroup, ScoreOutput, normalise
 from tokenmill.engine.structured import Constraint, GrammarCache, GrammarSpec, advance, check_completion
-from tokenmill.engine.transfer import PendingRead
+from tokenmill.engine.transfer import Feed, PendingRead
 from tokenmill.errors import InvalidRequestError
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.scheduler.scheduler import ScheduledBatch, Scheduler, SchedulerConfig

@@ -11,7 +11,6 @@ steps may instead run padded to fixed shapes, as CUDA graphs (`padded_decode.py`
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
 
@@ -25,7 +24,7 @@ from tokenmill.engine.pooling import pool_rows
 from tokenmill.engine.sampler import Sampler, SampleResult, SamplingRow
 from tokenmill.engine.scoring import score_logits, score_rows
 from tokenmill.engine.step_inputs import StepInputBuilder, StepInputs
-from tokenmill.engine.transfer import PendingRead, to_device
+from tokenmill.engine.transfer import Feed, PendingRead, to_device
 from tokenmill.kernels import get_backend
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.scheduler.scheduler import ScheduledBatch
@@ -220,22 +219,6 @@ class ModelRunner:
             kv_caches=self.kv_caches,
             backend=self.backend,
         )
-
-
-@dataclass
-class Feed:
-    """Input ids still on the device: tokens the step before sampled, not yet read back. Flat input row `rows[i]` of
-    the step takes `tokens[picks[i]]`, over the placeholder its host inputs hold."""
-
-    tokens: torch.Tensor
-    rows: list[int]
-    picks: list[int]
-
-    def apply(self, input_ids: torch.Tensor) -> None:
-        if self.rows:
-            device = input_ids.device
-            picked = self.tokens.index_select(0, to_device(self.picks, torch.int64, device))
-            input_ids.index_copy_(0, to_device(self.rows, torch.int64, device), picked)
 
 
 def kv_cache_budget(total: int, free: int, utilization: float) -> int:

@@ -18,7 +18,7 @@ import logging
 import time
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -26,11 +26,9 @@ import torch
 from tokenmill.engine.attention import AttentionMetadata
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.step_inputs import StepInputBuilder
+from tokenmill.engine.transfer import Feed
 from tokenmill.kernels import AttentionBackend
 from tokenmill.scheduler.scheduler import ScheduledBatch
-
-if TYPE_CHECKING:
-    from tokenmill.engine.model_runner import Feed
 
 log = logging.getLogger(__name__)
 

@@ -11,6 +11,8 @@ from pageable memory would make the host wait for the stream).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 read_backs = 0  # calls of `read_back` so far in this process
@@ -51,3 +53,19 @@ class PendingRead:
         if self._event is not None:
             self._event.synchronize()
         return read_back(self._host)
+
+
+@dataclass
+class Feed:
+    """Input ids still on the device: tokens the step before sampled, not yet read back. Flat input row `rows[i]` of
+    the step takes `tokens[picks[i]]`, over the placeholder its host inputs hold."""
+
+    tokens: torch.Tensor
+    rows: list[int]
+    picks: list[int]
+
+    def apply(self, input_ids: torch.Tensor) -> None:
+        if self.rows:
+            device = input_ids.device
+            picked = self.tokens.index_select(0, to_device(self.picks, torch.int64, device))
+            input_ids.index_copy_(0, to_device(self.rows, torch.int64, device), picked)
