@@ -111,7 +111,8 @@ def test_embeddings_match_sentence_transformers_pooling(embedding_dirs: dict[str
     alone = [o.token_ids for o in llm.generate(generate, params, use_tqdm=False)]
     engine, steps = llm.engine, []
     execute = engine.runner.execute
-    engine.runner.execute = lambda batch, rows: steps.append((bool(batch.pooling), len(rows))) or execute(batch, rows)
+    engine.runner.execute = lambda batch, rows, *feed: (steps.append((bool(batch.pooling), len(rows)))
+                                                        or execute(batch, rows, *feed))
     outputs = run_mixed(engine, generate, params, prompts)
     assert any(pooled and sampled for pooled, sampled in steps), "no step ran embeddings beside decodes"
     assert [outputs[f"g{i}"].token_ids for i in range(len(generate))] == alone

@@ -17,6 +17,7 @@ import pytest
 from model_fixtures import random_prompts
 from test_engine_parity import assert_same, hf_greedy
 from tokenmill import LLM, SamplingParams
+from tokenmill.errors import InvalidRequestError
 from tokenmill.engine.llm_engine import PLACEHOLDER, LLMEngine
 from tokenmill.engine.padded_decode import PaddedDecode
 
@@ -140,3 +141,102 @@ def test_a_cancel_of_a_request_the_step_in_flight_finished_returns_it_finished()
     output = engine.cancel_request("a", "cancelled")
     assert output.finish_reason == "length" and len(output.token_ids) == 3 and PLACEHOLDER not in output.token_ids
     assert engine.step() == [] and not engine.has_unfinished()
+
+
+def test_steps_that_cannot_overlap_at_any_moment_keep_outputs_and_the_prefix_cache_right() -> None:
+    """Under preemption and shared prefixes, steps refused overlap at random moments (as a logprobs or sampled request
+    in the step would): such a step runs first, with the tokens of the step in flight fed on the device, and reads it
+    after, so every block it planned is computed. Outputs equal the step-by-step engine's, and follow-up prompts
+    (prompt + output + more, served from the cache) the same tokens as on a fresh engine."""
+    options: dict[str, object] = dict(max_num_seqs=6, max_num_batched_tokens=12, block_size=2, num_kv_blocks=60)
+    prompts, params = plain_requests(30, 4, shared_prefix=6)
+    expected, _ = generate(False, prompts, params, **options)
+    llm = LLM("builtin:tiny", async_scheduling=True, **options)
+    engine, coin = llm.engine, random.Random(5)
+    overlaps = engine._overlaps
+    engine._overlaps = lambda batch, sampling: overlaps(batch, sampling) and coin.random() < 0.5  # type: ignore
+    for i, (prompt, param) in enumerate(zip(prompts, params)):
+        engine.add_request(str(i), prompt, param)
+    outputs = sorted(steps(engine, 3000, until_done=True), key=lambda output: int(output.request_id))
+    assert [(o.token_ids, o.finish_reason, o.logprobs) for o in outputs] == expected
+    assert engine.stats().num_preemptions > 0
+    follow = [o.prompt_token_ids + o.token_ids + [33, 44] for o in outputs[:12]]
+    more = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    served = llm.generate(follow, more, use_tqdm=False)
+    fresh = LLM("builtin:tiny", **options).generate(follow, more, use_tqdm=False)
+    assert [o.token_ids for o in served] == [o.token_ids for o in fresh]
+    assert sum(o.num_cached_tokens for o in served) > 0
+
+
+def test_generated_blocks_are_registered_with_their_tokens() -> None:
+    """A block that a token in flight completes is registered again once the token is read back: a follow-up prompt
+    finds the generated text in the prefix cache as with the step-by-step engine."""
+    hits = {}
+    for async_on in (False, True):
+        llm = LLM("builtin:tiny", async_scheduling=async_on, block_size=4, max_num_seqs=8, max_num_batched_tokens=64)
+        prompt = list(range(20, 40))
+        out = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
+                           use_tqdm=False)[0]
+        assert not [b for b in llm.engine.scheduler.block_manager.blocks if PLACEHOLDER in b.token_ids]
+        follow = llm.generate([prompt + out.token_ids + [50, 51, 52]], SamplingParams(max_tokens=2, temperature=0.0),
+                              use_tqdm=False)[0]
+        hits[async_on] = follow.num_cached_tokens
+    assert hits[True] == hits[False] == 40
+
+
+def test_a_request_that_cannot_be_decoded_fails_alone_when_read_back() -> None:
+    """As step by step (tests/test_engine_poison.py): the tokenizer failing on one request's tokens fails that request
+    only, also when its last token comes back from a step in flight."""
+    reasons = {}
+    for async_on in (False, True):
+        llm = LLM("builtin:tiny", max_num_batched_tokens=256, async_scheduling=async_on)
+        real = llm.engine.detokenize
+
+        def decode(ids, skip, real=real):  # noqa: ANN001, ANN202
+            if not skip:
+                raise ValueError("cannot decode")
+            return real(ids, skip)
+
+        llm.engine.detokenize = decode
+        params = [SamplingParams(max_tokens=6, temperature=0.0, skip_special_tokens=skip)
+                  for skip in (True, False, True)]
+        outputs = llm.generate(random_prompts(3, 5, 20, seed=12), params, use_tqdm=False)
+        reasons[async_on] = [o.finish_reason for o in outputs]
+        assert not llm.engine.has_unfinished()
+    assert reasons[True] == reasons[False] == ["length", "error", "length"]
+
+
+def test_a_request_id_is_taken_until_its_output_is_returned() -> None:
+    """A request that its length finished while its last token is in flight has left the scheduler: its id stays taken
+    until the step that reads the token returns its output."""
+    engine = LLMEngine("builtin:tiny", seed=0, async_scheduling=True)
+    engine.add_request("x", [30, 31, 32], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    assert steps(engine, 2) == [] and engine._in_flight is not None and "x" not in engine.requests
+    with pytest.raises(InvalidRequestError, match="'x' is already in flight"):
+        engine.add_request("x", [40, 41], SamplingParams(max_tokens=3, temperature=0.0))
+    [output] = steps(engine, 1)
+    assert output.request_id == "x" and len(output.token_ids) == 2
+    engine.add_request("x", [40, 41], SamplingParams(max_tokens=3, temperature=0.0))  # free again
+
+
+def test_a_step_that_cannot_overlap_runs_what_it_planned_before_reading_the_one_in_flight() -> None:
+    """The step planned while a step is in flight runs whole, the requests that the read-back then finishes
+    included: it registered their blocks when planned, and blocks registered but never computed would serve wrong
+    K/V from the prefix cache. Their output is the one the read-back finished; the step's tokens are not theirs."""
+    prompt, plain = [30, 31, 32, 33], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    reference = LLMEngine("builtin:tiny", seed=0)
+    reference.add_request("a", prompt, plain)
+    tokens = steps(reference, 20, until_done=True)[0].token_ids
+    stop = tokens[3]
+    assert stop not in tokens[:3]
+    engine = LLMEngine("builtin:tiny", seed=0, async_scheduling=True)
+    engine.add_request("a", prompt, SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=[stop]))
+    assert steps(engine, 4) == []  # prefill, three decodes: the fourth token (the stop) is in flight
+    ran: list[list[str]] = []
+    execute = engine.runner.execute
+    engine.runner.execute = lambda batch, *args: ran.append([s.request_id for s in batch.seqs]) or execute(batch, *args)
+    engine.add_request("b", [40, 41], SamplingParams(max_tokens=2, temperature=0.0, logprobs=1))  # cannot overlap
+    [output] = steps(engine, 1)
+    assert ran == [["a", "b"]], ran
+    assert (output.request_id, output.finish_reason, output.token_ids) == ("a", "stop", tokens[:4])
+    assert [o.request_id for o in steps(engine, 10, until_done=True)] == ["b"]

@@ -56,7 +56,7 @@ def test_the_sampler_gets_each_row_at_its_current_position_and_suppression(rando
     seen = []
     execute = engine.runner.execute
 
-    def checked(batch, rows):  # noqa: ANN001, ANN202 - calls through: the real runner and sampler run
+    def checked(batch, rows, feed=None):  # noqa: ANN001, ANN202 - calls through: the real runner and sampler run
         for seq, row in zip([s for s, f in zip(batch.seqs, batch.sample_mask) if f], rows):
             request = engine.requests[seq.request_id]
             assert row is request.row and row.token_ids is seq.token_ids
@@ -66,7 +66,7 @@ def test_the_sampler_gets_each_row_at_its_current_position_and_suppression(rando
             assert bool(row.suppressed_ids) == banned, (seq.request_id, seq.num_output_tokens)
             assert row.argmax_only == (seq.params.greedy and not banned), seq.request_id
             seen.append((seq.params.greedy, seq.num_output_tokens))
-        return execute(batch, rows)
+        return execute(batch, rows, feed)
 
     engine.runner.execute = checked
     while engine.has_unfinished():

@@ -272,8 +272,16 @@ class LLMEngine:
 
     def _check_new_id(self, request_id: str) -> None:
         if (request_id in self.requests or request_id in self._pending or request_id in self._groups
-                or request_id in self._pooled):
+                or request_id in self._pooled or request_id in self._unreturned()):
             raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
+
+    def _unreturned(self) -> set[str]:
+        """Requests finished but not yet returned (`async_scheduling`): retired by the step in flight, or read back
+        by a cancel for the next step to return."""
+        retired = self._in_flight.retired if self._in_flight is not None else []
+        if not retired and not self._landed:
+            return set()
+        return {r.request_id for r in retired} | {o.request_id for o in self._landed}
 
     def _continuation_ids(self, continuation: str | list[int], field: str) -> list[int]:
         if isinstance(continuation, str) and continuation:
@@ -394,7 +402,7 @@ class LLMEngine:
         took longer than `grammar_compile_timeout`. With nothing else to run, wait a little for one."""
         if not self._pending:
             return []
-        if not self.scheduler.has_unfinished():
+        if not self.scheduler.has_unfinished() and self._in_flight is None:
             wait([p.future for p in self._pending.values()], timeout=0.01, return_when=FIRST_COMPLETED)
         failed, now = [], time.time()
         for request_id, pending in list(self._pending.items()):
@@ -493,42 +501,49 @@ class LLMEngine:
         # The scheduler's sampling sequences are this engine's requests: `_admit` adds only `_Request`s (and
         # `_add_group` only scoring sequences, which never sample).
         sampling: list[_Request] = list(compress(batch.seqs, batch.sample_mask))  # type: ignore[arg-type]
-        overlaps = self.config.async_scheduling and self._overlaps(batch, sampling)
-        if self._in_flight is not None and not overlaps:
-            admitted += self._land_before(batch)
-            sampling = list(compress(batch.seqs, batch.sample_mask))  # type: ignore[arg-type]
-            if not batch.seqs:
-                return admitted
-        if overlaps:
+        if self.config.async_scheduling and self._overlaps(batch, sampling):
             tokens = self.runner.launch(batch, self._feed(batch))
-            admitted += self._land_before(batch)  # the step before, while this one runs
+            landed = self._land()  # the step before, while this one runs
+            if landed:
+                _remove_finished(batch)
             self._start(batch, sampling, tokens)
-            return admitted
+            return admitted + landed
         result, failed = self._execute(batch, sampling)
+        landed = self._land()  # a step in flight, read after this one (which took its tokens on the device) ran
+        if landed:
+            admitted += landed
+            failing = {seq for seq, _ in failed}
+            result = self._drop_finished(batch, [r for r in sampling if r not in failing], result)
         self._totals["steps"] += 1
         grown = self.scheduler.update(batch, result.token_ids)
         self._totals["generated"] += len(grown)
-        requests: list[_Request] = grown if failed else sampling  # type: ignore[assignment]
+        requests: list[_Request] = grown if failed or landed else sampling  # type: ignore[assignment]
         self._advance_grammars(requests)
         now = time.time()
-        finished = admitted + [self._fail(seq, error, now) for seq, error in failed]
+        finished = admitted + [self._fail(seq, error, now) for seq, error in failed if not seq.is_finished]
         if batch.scoring:
             finished += self._finish_scored(batch.scoring, now)
         if batch.pooling:
             finished += self._finish_pooled(batch.pooling, now)  # type: ignore[arg-type]  # `_add_pooled` adds them
         for request in self._note_tokens(requests, result, now):
-            try:
-                reason = self._finish_reason(request)
-                output = None if reason is None else self._output(request, now, reason)
-            except Exception as exc:  # the tokenizer cannot decode this request's tokens: its failure only
-                error = InvalidRequestError("stop" if request.params.stop else "token_ids",
-                                            f"decoding the output failed: {exc!r}")
-                finished.append(self._fail(request, error, now))
-                continue
+            output = self._settle(request, now)
             if output is not None:
-                self._end(request.request_id, reason)
                 finished.append(output)
         return finished
+
+    def _settle(self, request: _Request, now: float, reason: str | None = None) -> RequestOutput | None:
+        """The output of `request` if it finishes now (with `reason`, else as `_finish_reason` says), which it leaves
+        the engine with; a failure that belongs to it (the tokenizer cannot decode its tokens) fails it alone."""
+        try:
+            reason = reason or self._finish_reason(request)
+            output = None if reason is None else self._output(request, now, reason)
+        except Exception as exc:  # the tokenizer cannot decode this request's tokens: its failure only
+            error = InvalidRequestError("stop" if request.params.stop else "token_ids",
+                                        f"decoding the output failed: {exc!r}")
+            return self._fail(request, error, now)
+        if output is not None:
+            self._end(request.request_id, output.finish_reason)
+        return output
 
     # -- steps that overlap (`async_scheduling`) ----------------------------------------------------------
     # A step is planned and launched before the tokens of the one before it are read back: each request of that step
@@ -558,7 +573,8 @@ class LLMEngine:
 
     def _start(self, batch: ScheduledBatch, launched: list[_Request], tokens: PendingRead) -> None:
         """Account for the launched step with placeholders (`launched`: its sampling requests, in the order of its
-        tokens); those that now reach their length leave the scheduler at once, their output waiting for the token."""
+        tokens; those that the step read meanwhile finished are out of `batch`: they ran, their tokens are dropped);
+        those that now reach their length leave the scheduler at once, their output waiting for the token."""
         rows = {request: i for i, request in enumerate(launched) if not request.is_finished}
         grown: list[_Request] = self.scheduler.update(batch, [PLACEHOLDER] * len(rows))  # type: ignore[assignment]
         self._totals["steps"] += 1
@@ -580,19 +596,21 @@ class LLMEngine:
             token = request.token_ids[-1] = tokens[row]
             if request.first_token_time is None:
                 request.first_token_time = now
-            if token in request.stop_ids and request.request_id in self.requests:
-                self._end(request.request_id, "stop")
-                finished.append(self._output(request, now, "stop"))
+            if self.requests.get(request.request_id) is not request:
+                continue  # retired at the launch: its output below
+            if token in request.stop_ids:
+                finished.append(self._settle(request, now, "stop"))  # type: ignore[arg-type]  # a reason is given
+            else:  # its block registered with the placeholder, if the token completed one: registered again
+                self.scheduler.block_manager.register_last_block(request)
         self._totals["generated"] += len(flight.rows)
-        return finished + [self._output(r, now, self._finish_reason(r) or "length") for r in flight.retired]
+        return finished + [self._settle(r, now, self._finish_reason(r) or "length") for r in flight.retired]
 
-    def _land_before(self, batch: ScheduledBatch) -> list[RequestOutput]:
-        """`_land`, then take out of `batch` (planned with the placeholders) the requests it finished."""
-        finished = self._land()
-        if finished:
-            for seq in [s for s in batch.seqs if s.is_finished]:
-                batch.remove(seq)
-        return finished
+    def _drop_finished(self, batch: ScheduledBatch, sampled: list[_Request], result: SampleResult) -> SampleResult:
+        """Take out of `batch`, which ran, the requests that the step read after it finished, and their rows out of
+        `result` (a token per request of `sampled`, in order): the step computed their K/V, not their tokens."""
+        keep = [i for i, request in enumerate(sampled) if not request.is_finished]
+        _remove_finished(batch)
+        return SampleResult([result.token_ids[i] for i in keep], [result.logprobs[i] for i in keep], result.scores)
 
     def _land_now(self, request_id: str) -> RequestOutput | None:
         """Read back the step in flight before a request is taken out: its outputs wait for the next `step`, but
@@ -682,7 +700,7 @@ class LLMEngine:
         """
         rows = self._sampling_rows(sampling)
         try:
-            return self.runner.execute(batch, rows), []
+            return self.runner.execute(batch, rows, self._feed(batch)), []
         except Exception as exc:
             if not _raised_in_sampler(exc):
                 raise
@@ -693,7 +711,7 @@ class LLMEngine:
             alone = ScheduledBatch(count)
             alone.add(seq, count)
             try:
-                result = self.runner.execute(alone, self._sampling_rows([seq] if samples else []))
+                result = self.runner.execute(alone, self._sampling_rows([seq] if samples else []), self._feed(alone))
             except Exception as exc:
                 if not _raised_in_sampler(exc):
                     raise
@@ -835,6 +853,12 @@ class StopMatcher:
             return min(hits)
         self.searched = text
         return None
+
+
+def _remove_finished(batch: ScheduledBatch) -> None:
+    """Take out of a batch that ran (or was launched) the sequences finished since it was planned."""
+    for seq in [s for s in batch.seqs if s.is_finished]:
+        batch.remove(seq)
 
 
 def _raised_in_sampler(exc: BaseException) -> bool:

@@ -135,15 +135,18 @@ class ModelRunner:
             self.inputs = self._input_builder()  # forget the profile's block-table rows
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch, rows: list[SamplingRow]) -> SampleResult:
+    def execute(self, batch: ScheduledBatch, rows: list[SamplingRow], feed: Feed | None = None) -> SampleResult:
         """Run the step's forward pass and sample one token for each sequence that completes its tokens. The
         step's scoring rows (`scoring.score_rows`) get logits too, after the sampled ones: their scores are read
         back with the tokens and written into their sequences. The pooled rows' hidden states (`pooling.pool_rows`)
-        are added into their sequences once the sampler has passed (a step rerun after its failure adds them once)."""
+        are added into their sequences once the sampler has passed (a step rerun after its failure adds them once).
+        `feed`: input ids of the step still on the device (`launch`)."""
         if not batch.scoring and not batch.pooling:
-            return self.sampler(self._logits(batch), rows)
+            return self.sampler(self._logits(batch, feed), rows)
         scoring, pooling = score_rows(batch), pool_rows(batch)
         inputs = self.inputs.build(batch, scoring.rows, pooling.rows)
+        if feed is not None:
+            feed.apply(inputs.input_ids[0])
         logits, hidden = self.forward_pooled(inputs) if pooling.rows else (self.forward(inputs), None)
         scores = score_logits(logits[len(rows):], scoring) if scoring.rows else None
         result = self.sampler(logits[: len(rows)], rows, scores)

@@ -123,6 +123,25 @@ class BlockManager:
                 self.cached_blocks.setdefault(block.hash, block.block_id)
             parent = block.hash
 
+    def register_last_block(self, seq: Sequence) -> None:
+        """Register again the block that `seq`'s last token completes, if it was registered before that token was
+        known (an engine may plan a step before reading back the token the step before sampled): under the hash of its
+        tokens as they are now. The step that computes the token's K/V was planned with it, so it runs before any
+        step planned after this. A block registered with the right tokens, or not registered, is left as it is."""
+        block_size, tokens = self.block_size, seq.token_ids
+        index = len(tokens) // block_size - 1
+        if not self.enable_prefix_caching or len(tokens) % block_size or index >= len(seq.block_table):
+            return
+        block = self.blocks[seq.block_table[index]]
+        now = tuple(tokens[index * block_size :])
+        parent = self.blocks[seq.block_table[index - 1]].hash if index else None
+        if block.hash is None or block.token_ids == now or (index and parent is None):
+            return
+        if self.cached_blocks.get(block.hash) == block.block_id:
+            del self.cached_blocks[block.hash]
+        block.hash, block.token_ids = chain_hash(parent, now), now
+        self.cached_blocks.setdefault(block.hash, block.block_id)
+
     def free(self, seq: Sequence) -> None:
         """Drop `seq`'s references. Its tail blocks are queued for eviction before its (more shareable) head."""
         for block_id in reversed(seq.block_table):
