@@ -549,7 +549,8 @@ class LLMEngine:
     # A step is planned and launched before the tokens of the one before it are read back: each request of that step
     # holds a placeholder as its last token, which the scheduler counts as any token, and the new step's input takes
     # the token from the device. Only requests whose finish needs no more than the token and the length take part
-    # (`_overlaps`), so what the host waits for is the tokens alone; any other step reads the one in flight first.
+    # (`_overlaps`), so what the host waits for is the tokens alone; any other step runs whole, fed the same way, and
+    # reads the one in flight after it.
 
     def _overlaps(self, batch: ScheduledBatch, sampling: list[_Request]) -> bool:
         """Whether the step may run while its tokens are read later: it neither scores nor pools, and every request
