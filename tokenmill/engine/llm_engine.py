@@ -506,7 +506,7 @@ class LLMEngine:
             landed = self._land()  # the step before, while this one runs
             if landed:
                 _remove_finished(batch)
-            self._start(batch, sampling, tokens)
+            self._start(batch, sampling, tokens, bool(landed))
             return admitted + landed
         result, failed = self._execute(batch, sampling)
         landed = self._land()  # a step in flight, read after this one (which took its tokens on the device) ran
@@ -563,20 +563,25 @@ class LLMEngine:
         flight = self._in_flight
         if flight is None:
             return None
-        rows, picks, offset = [], [], 0
-        for seq, count in zip(batch.seqs, batch.num_new_tokens):
-            pick = flight.rows.get(seq)  # type: ignore[call-overload]  # a request's sequence is the request
+        head, get = batch.num_decodes, flight.rows.get
+        pairs = [(row, pick) for row, pick in enumerate(map(get, batch.seqs[:head])) if pick is not None]  # decodes
+        offset = head
+        for seq, count in zip(batch.seqs[head:], batch.num_new_tokens[head:]):
+            pick = get(seq)  # type: ignore[call-overload]  # a request's sequence is the request
             if pick is not None and seq.num_computed_tokens + count == len(seq.token_ids):
-                rows.append(offset + count - 1)
-                picks.append(pick)
+                pairs.append((offset + count - 1, pick))
             offset += count
-        return Feed(flight.tokens.tensor, rows, picks)
+        return Feed(flight.tokens.tensor, [row for row, _ in pairs], [pick for _, pick in pairs])
 
-    def _start(self, batch: ScheduledBatch, launched: list[_Request], tokens: PendingRead) -> None:
+    def _start(self, batch: ScheduledBatch, launched: list[_Request], tokens: PendingRead, landed: bool) -> None:
         """Account for the launched step with placeholders (`launched`: its sampling requests, in the order of its
         tokens; those that the step read meanwhile finished are out of `batch`: they ran, their tokens are dropped);
-        those that now reach their length leave the scheduler at once, their output waiting for the token."""
-        rows = {request: i for i, request in enumerate(launched) if not request.is_finished}
+        those that now reach their length leave the scheduler at once, their output waiting for the token. `landed`:
+        whether the step read meanwhile returned any output (else none of `launched` finished)."""
+        if landed:
+            rows = {request: i for i, request in enumerate(launched) if not request.is_finished}
+        else:
+            rows = dict(zip(launched, range(len(launched))))
         grown: list[_Request] = self.scheduler.update(batch, [PLACEHOLDER] * len(rows))  # type: ignore[assignment]
         self._totals["steps"] += 1
         retired = [request for request in grown if len(request.token_ids) >= request.end_len]
@@ -592,18 +597,19 @@ class LLMEngine:
         if flight is None:
             return []
         tokens, now = flight.tokens.wait(), time.time()
-        finished = []
-        for request, row in flight.rows.items():
-            token = request.token_ids[-1] = tokens[row]
-            if request.first_token_time is None:
-                request.first_token_time = now
-            if self.requests.get(request.request_id) is not request:
-                continue  # retired at the launch: its output below
-            if token in request.stop_ids:
-                finished.append(self._settle(request, now, "stop"))  # type: ignore[arg-type]  # a reason is given
-            else:  # its block registered with the placeholder, if the token completed one: registered again
-                self.scheduler.block_manager.register_last_block(request)
-        self._totals["generated"] += len(flight.rows)
+        rows, retired = flight.rows, set(flight.retired)
+        for request, row in rows.items():
+            request.token_ids[-1] = tokens[row]
+        for request in [r for r in rows if r.first_token_time is None]:
+            request.first_token_time = now
+        self._totals["generated"] += len(rows)
+        # The retired ones finished at the launch (their outputs last); the others, on a stop token only.
+        stopped = [r for r, row in rows.items() if tokens[row] in r.stop_ids and r not in retired]
+        finished = [self._settle(r, now, "stop") for r in stopped]
+        # A block that a token completes was registered with the placeholder: registered again with the token.
+        block_size, register = self.config.block_size, self.scheduler.block_manager.register_last_block
+        for request in [r for r in rows if len(r.token_ids) % block_size == 0 and not r.is_finished]:
+            register(request)
         return finished + [self._settle(r, now, self._finish_reason(r) or "length") for r in flight.retired]
 
     def _drop_finished(self, batch: ScheduledBatch, sampled: list[_Request], result: SampleResult) -> SampleResult:

@@ -65,7 +65,12 @@ class Feed:
     picks: list[int]
 
     def apply(self, input_ids: torch.Tensor) -> None:
-        if self.rows:
-            device = input_ids.device
-            picked = self.tokens.index_select(0, to_device(self.picks, torch.int64, device))
-            input_ids.index_copy_(0, to_device(self.rows, torch.int64, device), picked)
+        if not self.rows:
+            return
+        count = len(self.rows)
+        if self.rows == self.picks == list(range(count)):  # the steady decode: the same requests in the same order
+            input_ids[:count].copy_(self.tokens[:count])
+            return
+        device = input_ids.device
+        picked = self.tokens.index_select(0, to_device(self.picks, torch.int64, device))
+        input_ids.index_copy_(0, to_device(self.rows, torch.int64, device), picked)
