@@ -610,7 +610,7 @@ class LLMEngine:
         block_size, register = self.config.block_size, self.scheduler.block_manager.register_last_block
         for request in [r for r in rows if len(r.token_ids) % block_size == 0 and not r.is_finished]:
             register(request)
-        return finished + [self._settle(r, now, self._finish_reason(r) or "length") for r in flight.retired]
+        return finished + [self._settle(r, now) for r in flight.retired]  # a stop token, else their length
 
     def _drop_finished(self, batch: ScheduledBatch, sampled: list[_Request], result: SampleResult) -> SampleResult:
         """Take out of `batch`, which ran, the requests that the step read after it finished, and their rows out of
