@@ -56,5 +56,5 @@ def test_once_the_engine_is_imported_idle_openmp_threads_sleep_instead_of_spinni
 def test_a_wait_policy_the_user_set_is_kept() -> None:
     for name, value in (("OMP_WAIT_POLICY", "ACTIVE"), ("GOMP_SPINCOUNT", "12345")):
         _, count, said = _idle_spin("engine", **{name: value})
-        assert said == f"{name}={value} as set"
+        assert said == f"{name}={value} from the environment"
         assert count == (value if name == "GOMP_SPINCOUNT" else None)

@@ -9,6 +9,7 @@ import pytest
 from service_fixtures import RedisServer, engine_pid
 
 from tokenmill.client import Client
+from tokenmill.engine.cpu_threads import SPIN_COUNT
 from tokenmill.worker.cpus import parse_cpu_list
 
 AVAILABLE = sorted(os.sched_getaffinity(0))
@@ -55,3 +56,14 @@ def test_engine_cpus_that_cannot_be_had_stop_the_worker_with_the_reason(redis_se
         worker = start_worker(redis_server.url, "refused", engine_cpus=value)
         assert worker.process.wait(timeout=60) != 0
         assert "engine-cpus" in worker.log_text() and reason in worker.log_text(), worker.log_text()[-2000:]
+
+
+def test_the_engine_process_starts_with_idle_openmp_threads_spinning_briefly(redis_server: RedisServer, start_worker,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker imports tokenmill.engine, never torch: the engine process it starts inherits `GOMP_SPINCOUNT`
+    (tokenmill/engine/cpu_threads.py), which libgomp reads when the engine imports torch."""
+    for name in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY"):
+        monkeypatch.delenv(name, raising=False)
+    worker = start_worker(redis_server.url, "spin").wait_ready()
+    environ = Path(f"/proc/{engine_pid(worker.process.pid)}/environ").read_bytes().split(b"\0")
+    assert f"GOMP_SPINCOUNT={SPIN_COUNT}".encode() in environ

@@ -28,7 +28,7 @@ def limit_spinning() -> None:
         return
     chosen = next((name for name in _USERS if name in os.environ), None)
     if chosen:
-        _decided = f"{chosen}={os.environ[chosen]} as set"
+        _decided = f"{chosen}={os.environ[chosen]} from the environment"
     elif "torch" in sys.modules:
         _decided = "libgomp's default (torch was imported before tokenmill.engine; set GOMP_SPINCOUNT to choose)"
     else:
