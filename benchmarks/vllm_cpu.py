@@ -195,10 +195,11 @@ def make_workload(requests: int, prompt_len: int, output_len: int, vocab: int, s
 
 # -- children: one process per run ------------------------------------------------------------------------
 def child_tokenmill(spec: dict) -> dict:
+    from tokenmill import LLM, SamplingParams  # first, as a user's program would: see tokenmill/engine/cpu_threads.py
+
     import torch
 
     torch.set_num_threads(spec["threads"])
-    from tokenmill import LLM, SamplingParams
 
     llm = LLM(spec["model_dir"], dtype=spec["dtype"], device="cpu", model_impl="native", block_size=16,
               kv_cache_memory=spec["kv_cache_gib"] << 30,
