@@ -6,7 +6,7 @@ alone, so on a machine where anything else wants a core (the worker's own thread
 spinning threads take it, and a thread spun out of its core delays the next op. `limit_spinning` sets
 `GOMP_SPINCOUNT` to `SPIN_COUNT` for this process and the processes it starts: long enough to span the host's work
 between two ops, short enough to give the core back soon after. libgomp reads it once, when torch loads it: it is
-set only while torch is not yet imported, and never over the user's own `GOMP_SPINCOUNT` or `OMP_WAIT_POLICY`.
+set only while no libgomp is loaded yet, and never over the user's own `GOMP_SPINCOUNT` or `OMP_WAIT_POLICY`.
 """
 
 from __future__ import annotations
@@ -22,18 +22,31 @@ _decided: str | None = None  # what `limit_spinning` found, for `describe`
 
 
 def limit_spinning() -> None:
-    """Set `GOMP_SPINCOUNT` to `SPIN_COUNT` unless the user chose a wait policy or torch already loaded libgomp."""
+    """Set `GOMP_SPINCOUNT` to `SPIN_COUNT` unless the user chose a wait policy or libgomp is already loaded."""
     global _decided
     if _decided is not None:
         return
-    chosen = next((name for name in _USERS if name in os.environ), None)
-    if chosen:
+    chosen = next((name for name in _USERS if os.environ.get(name)), None)
+    if chosen == "GOMP_SPINCOUNT" and os.environ[chosen] == str(SPIN_COUNT):
+        _decided = f"GOMP_SPINCOUNT={SPIN_COUNT}"  # ours, inherited (a worker's engine process) or the same value
+    elif chosen:
         _decided = f"{chosen}={os.environ[chosen]} from the environment"
-    elif "torch" in sys.modules:
-        _decided = "libgomp's default (torch was imported before tokenmill.engine; set GOMP_SPINCOUNT to choose)"
+    elif _libgomp_loaded():
+        _decided = "libgomp's default (loaded before tokenmill.engine: import tokenmill first, or set GOMP_SPINCOUNT)"
     else:
         os.environ["GOMP_SPINCOUNT"] = str(SPIN_COUNT)
         _decided = f"GOMP_SPINCOUNT={SPIN_COUNT}"
+
+
+def _libgomp_loaded() -> bool:
+    """Whether this process has loaded libgomp already (with torch or another library): it has read its variables."""
+    if "torch" in sys.modules:
+        return True
+    try:
+        with open("/proc/self/maps") as maps:
+            return any("libgomp" in line for line in maps)
+    except OSError:  # not Linux: torch's import is the one sign
+        return False
 
 
 def describe() -> str:
