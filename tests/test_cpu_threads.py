@@ -49,7 +49,7 @@ def test_once_the_engine_is_imported_idle_openmp_threads_sleep_instead_of_spinni
     """Imported before torch, the engine limits the spin: libgomp reads the engine's count, and the idle thread's CPU
     time over 40 pauses of 20 ms is a small part of what libgomp's default spin costs (torch imported first: the
     default, as `describe` says). The CPU times are compared twice at most: a loaded machine can starve one probe."""
-    for attempt in range(2):
+    for _ in range(2):
         default, default_count, default_said, default_read = _idle_spin("torch-first")
         limited, count, said, read = _idle_spin("engine")
         assert default_count is None and "loaded before tokenmill.engine" in default_said and default_read == ["300000"]
