@@ -61,9 +61,13 @@ def test_engine_cpus_that_cannot_be_had_stop_the_worker_with_the_reason(redis_se
 def test_the_engine_process_starts_with_idle_openmp_threads_spinning_briefly(redis_server: RedisServer, start_worker,
                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """The worker imports tokenmill.engine, never torch: the engine process it starts inherits `GOMP_SPINCOUNT`
-    (tokenmill/engine/cpu_threads.py), which libgomp reads when the engine imports torch."""
+    (tokenmill/engine/cpu_threads.py), which libgomp reads when the engine imports torch; the engine process's
+    start-up lines (this one, the model implementation, the KV cache) are in the worker's log."""
     for name in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY"):
         monkeypatch.delenv(name, raising=False)
     worker = start_worker(redis_server.url, "spin").wait_ready()
     environ = Path(f"/proc/{engine_pid(worker.process.pid)}/environ").read_bytes().split(b"\0")
     assert f"GOMP_SPINCOUNT={SPIN_COUNT}".encode() in environ
+    log = worker.log_text()
+    for line in (f"idle OpenMP threads spin: GOMP_SPINCOUNT={SPIN_COUNT}", "KV cache: ", "native implementation"):
+        assert "INFO tokenmill.engine." in log and line in log, log[-3000:]

@@ -51,7 +51,7 @@ class ModelRunner:
         self.backend = get_backend(config.attention_backend, self.device)
         if self.device.type == "cpu":
             keep_freed_memory()  # a step's activations and logits reused, not mapped and faulted in again
-            log.info("CPU: %d threads; idle OpenMP threads spin: %s", torch.get_num_threads(), cpu_threads.describe())
+            log.info("CPU: torch threads %d; idle OpenMP threads spin: %s", torch.get_num_threads(), cpu_threads.describe())
         self.sampler = Sampler()
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.decode: PaddedDecode | None = None  # set after the KV cache: the memory profile's step runs eagerly

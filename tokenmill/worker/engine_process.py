@@ -26,6 +26,7 @@ import os
 import queue
 import select
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -48,6 +49,8 @@ if TYPE_CHECKING:
     from tokenmill.engine.llm_engine import LLMEngine
 
 log = logging.getLogger(__name__)
+#: The worker's log lines, and its engine process's (which logs to the same stderr).
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s [%(process)d]: %(message)s"
 
 _IDLE_WAIT = 0.5  # seconds the engine process blocks on the pipe when it has nothing to run
 _STATS_INTERVAL = 0.5
@@ -95,7 +98,8 @@ class EngineProcess:
         context = multiprocessing.get_context("spawn")  # no fork of a process that runs threads
         self._conn, child_conn = context.Pipe()
         self._process = context.Process(
-            target=serve, args=(child_conn, model, options, cpus), name="tokenmill-engine", daemon=True
+            target=serve, args=(child_conn, model, options, cpus, _log_level()), name="tokenmill-engine",
+            daemon=True,
         )
         self._child_conn = child_conn
         self._on_fatal = on_fatal
@@ -392,6 +396,13 @@ def _settle(futures: dict[str, Future], request_id: str, answer: Answer) -> None
 # -- the engine process ------------------------------------------------------------------------
 
 
+def _log_level() -> int | None:
+    """The level the engine process logs at: this process's root level where it configured logging (a spawned process
+    starts with none), so that the engine's start-up lines (model implementation, KV cache, graphs) reach its log."""
+    root = logging.getLogger()
+    return root.level if root.handlers else None
+
+
 def freeze_startup_objects() -> None:
     """Move every object alive now (modules, the model, the tokenizer) out of the garbage collector's sight: they
     live as long as the process, and a full collection walking them stalls every request in the batch (vLLM and
@@ -400,10 +411,14 @@ def freeze_startup_objects() -> None:
     gc.freeze()
 
 
-def serve(conn: Connection, model: str, options: dict[str, Any], cpus: set[int] | None = None) -> None:
+def serve(conn: Connection, model: str, options: dict[str, Any], cpus: set[int] | None = None,
+          log_level: int | None = None) -> None:
     """Main function of the engine process: load the model once, then step while there is work (on `cpus`, set
     before torch starts a thread). SIGINT and SIGTERM are ignored: sent to the whole process group they must not kill
-    the engine under a worker finishing its jobs; the worker ends it with "stop" or by exiting (the pipe closes)."""
+    the engine under a worker finishing its jobs; the worker ends it with "stop" or by exiting (the pipe closes).
+    `log_level`: the starting process's (`_log_level`), None to leave logging unconfigured as it was there."""
+    if log_level is not None:
+        logging.basicConfig(level=log_level, format=LOG_FORMAT, stream=sys.stderr)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if cpus:

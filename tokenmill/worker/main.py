@@ -17,7 +17,7 @@ import redis
 
 from tokenmill.worker import control, runtime
 from tokenmill.worker.app import app, configure
-from tokenmill.worker.engine_process import freeze_startup_objects
+from tokenmill.worker.engine_process import LOG_FORMAT, freeze_startup_objects
 from tokenmill.worker.settings import WorkerSettings
 
 log = logging.getLogger("tokenmill.worker")
@@ -43,7 +43,7 @@ def setup_logging(settings: WorkerSettings) -> None:
     """Plain stderr logging; per-task Celery lines only when prompts may be logged."""
     logging.basicConfig(
         level=settings.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s [%(process)d]: %(message)s",
+        format=LOG_FORMAT,
         stream=sys.stderr,
     )
     if not settings.log_prompts:
