@@ -32,8 +32,9 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE] 
 sys.path.append(_HERE)
 import vllm_cpu  # noqa: E402
 
+from tokenmill.engine.cpu_threads import WAIT_VARIABLES  # noqa: E402
+
 NAMED = {"tokenmill": {}, "libgomp": {"GOMP_SPINCOUNT": "300000"}, "passive": {"OMP_WAIT_POLICY": "PASSIVE"}}
-CHOSEN = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")
 
 
 def variant_env(name: str) -> dict[str, str]:
@@ -45,7 +46,7 @@ def variant_env(name: str) -> dict[str, str]:
 
 
 def run_once(name: str, spec_path: Path, out: Path) -> float:
-    env = {k: v for k, v in os.environ.items() if k not in CHOSEN}
+    env = {k: v for k, v in os.environ.items() if k not in WAIT_VARIABLES}
     env.update(OMP_NUM_THREADS="2", TOKENIZERS_PARALLELISM="false", **variant_env(name))
     command = [sys.executable, os.path.join(_HERE, "vllm_cpu.py"), "--child", "tokenmill", "--spec", str(spec_path),
                "--out", str(out)]

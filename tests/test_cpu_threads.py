@@ -35,7 +35,7 @@ print(json.dumps([idle, os.environ.get("GOMP_SPINCOUNT"), cpu_threads.describe()
 
 def _idle_spin(mode: str, **env: str) -> list:
     """[idle CPU seconds, GOMP_SPINCOUNT in the environment, `describe()`, the spin count libgomp says it read]."""
-    clean = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    clean = {k: v for k, v in os.environ.items() if k not in cpu_threads.WAIT_VARIABLES}
     out = subprocess.run([sys.executable, "-c", PROBE, mode],
                          env=dict(clean, OMP_NUM_THREADS="2", OMP_DISPLAY_ENV="VERBOSE", **env),
                          capture_output=True, text=True, timeout=300)

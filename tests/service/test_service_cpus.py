@@ -9,7 +9,7 @@ import pytest
 from service_fixtures import RedisServer, engine_pid
 
 from tokenmill.client import Client
-from tokenmill.engine.cpu_threads import SPIN_COUNT
+from tokenmill.engine.cpu_threads import SPIN_COUNT, WAIT_VARIABLES
 from tokenmill.worker.cpus import parse_cpu_list
 
 AVAILABLE = sorted(os.sched_getaffinity(0))
@@ -63,7 +63,7 @@ def test_the_engine_process_starts_with_idle_openmp_threads_spinning_briefly(red
     """The worker imports tokenmill.engine, never torch: the engine process it starts inherits `GOMP_SPINCOUNT`
     (tokenmill/engine/cpu_threads.py), which libgomp reads when the engine imports torch; the engine process's
     start-up lines (this one, the model implementation, the KV cache) are in the worker's log."""
-    for name in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY"):
+    for name in WAIT_VARIABLES:
         monkeypatch.delenv(name, raising=False)
     worker = start_worker(redis_server.url, "spin").wait_ready()
     environ = Path(f"/proc/{engine_pid(worker.process.pid)}/environ").read_bytes().split(b"\0")

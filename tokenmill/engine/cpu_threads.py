@@ -17,7 +17,8 @@ import sys
 #: Spins of an idle OpenMP thread before it sleeps (how it was chosen: docs/benchmarks/throughput.md,
 #: "OpenMP threads that spin").
 SPIN_COUNT = 10_000
-_USERS = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")
+#: The variables by which a user chooses the wait policy: set (non-empty), left as they are.
+WAIT_VARIABLES = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")
 _decided: str | None = None  # what `limit_spinning` found, for `describe`
 
 
@@ -26,7 +27,7 @@ def limit_spinning() -> None:
     global _decided
     if _decided is not None:
         return
-    chosen = next((name for name in _USERS if os.environ.get(name)), None)
+    chosen = next((name for name in WAIT_VARIABLES if os.environ.get(name)), None)
     if chosen == "GOMP_SPINCOUNT" and os.environ[chosen] == str(SPIN_COUNT):
         _decided = f"GOMP_SPINCOUNT={SPIN_COUNT}"  # ours, inherited (a worker's engine process) or the same value
     elif chosen:
