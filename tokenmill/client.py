@@ -156,18 +156,23 @@ class Client:
     def submit_many(self, jobs: Iterable[Job | Mapping[str, Any]]) -> list[JobHandle]:
         """Validate all jobs, then queue them in pipelined batches; returns handles in input order.
 
-        Validation happens before anything is sent, so one bad job means none is queued. The batches then grow
-        from `_FIRST_PUBLISH` jobs, doubling up to `_PUBLISH_BATCH`: the first jobs are on the queue, and running,
-        while the rest are still being encoded (a worker's engine need not idle while a large batch is encoded). If
-        the broker connection fails mid-way, `kombu.exceptions.BatchPublishError` is raised
-        and some jobs may have been queued: resubmit the same jobs (same ids); a job whose result exists is not rerun.
+        Validation happens before anything is sent, so one bad job (or an id given twice) means none is queued. The
+        batches then grow from `_FIRST_PUBLISH` jobs, doubling up to `_PUBLISH_BATCH`: the first jobs are on the queue,
+        and running, while the rest are still being encoded (a worker's engine need not idle while a large batch is
+        encoded). If the broker connection fails mid-way, `kombu.exceptions.BatchPublishError` is raised and some
+        jobs may have been queued: resubmit the same jobs (same ids); a job whose result exists is not rerun.
         """
         wires = []
+        first_of: dict[str, int] = {}
         for index, job in enumerate(jobs):
             try:
                 wires.append(self.prepare(_as_dict(job)))
             except InvalidRequestError as exc:
                 raise InvalidRequestError(f"jobs[{index}].{exc.field}", exc.message) from None
+            first = first_of.setdefault(wires[-1]["id"], index)
+            if first != index:
+                raise InvalidRequestError(f"jobs[{index}].id", f"{wires[-1]['id']!r} is also the id of jobs[{first}]: "
+                                          "give each job of one call its own id")
         handles: list[JobHandle] = []
         with self.publisher.batch(max_size=_PUBLISH_BATCH) as batch:
             flush_at = _FIRST_PUBLISH
@@ -254,16 +259,17 @@ class Client:
         again for each short wait cost more than the results).
         """
         handles = list(handles)
-        hashes = {h.id: h.job_hash for h in handles if isinstance(h, JobHandle)}
-        ids = list(dict.fromkeys(h.id if isinstance(h, JobHandle) else h for h in handles))
-        return (result if result is None else result.conflict_with(hashes.get(result.id)) or result
-                for result in _ResultWatch(self.app.backend, self._subscriptions, ids, timeout, tick).results())
+        waits = _ResultWatch(self.app.backend, self._subscriptions, list(dict.fromkeys(map(_id_of, handles))),
+                             timeout, tick).results()
+        return _for_each_handle(handles, waits)
 
     def results(self, handles: Iterable[JobHandle | str], timeout: float | None = None) -> list[JobResult]:
         """All results, in the order of `handles` (failed ones included, not raised)."""
         handles = list(handles)
-        found = {r.id: r for r in self.as_completed(handles, timeout=timeout)}
-        return [found[h.id if isinstance(h, JobHandle) else h] for h in handles]
+        stored = {r.id: r for r in _ResultWatch(self.app.backend, self._subscriptions,
+                                                list(dict.fromkeys(map(_id_of, handles))), timeout).results()
+                  if r is not None}
+        return [_as_seen_by(stored[_id_of(handle)], handle) for handle in handles]
 
     def cancel(self, jobs: str | JobHandle | Iterable[str | JobHandle]) -> dict[str, Outcome]:
         """Cancel jobs by id, wherever they are; returns the outcome per id:
@@ -765,6 +771,30 @@ class _ResultWatch:
         if result is not None:
             del self.pending[key]
         return result
+
+
+def _id_of(handle: JobHandle | str) -> str:
+    return handle.id if isinstance(handle, JobHandle) else handle
+
+
+def _as_seen_by(result: JobResult, handle: JobHandle | str) -> JobResult:
+    """The stored `result` as `handle`'s answer: a failed `conflict` when it belongs to other content under the id."""
+    return result.conflict_with(handle.job_hash if isinstance(handle, JobHandle) else None) or result
+
+
+def _for_each_handle(handles: list[JobHandle | str], stored: Iterator[JobResult | None]
+                     ) -> Iterator[JobResult | None]:
+    """Each stored result once per handle of its id (handles may share an id, each with its own content); the
+    ticks' Nones as they come."""
+    by_id: dict[str, list[JobHandle | str]] = {}
+    for handle in handles:
+        by_id.setdefault(_id_of(handle), []).append(handle)
+    for result in stored:
+        if result is None:
+            yield None
+            continue
+        for handle in by_id[result.id]:
+            yield _as_seen_by(result, handle)
 
 
 def _parse_meta(job_id: str, value: bytes | None, backend: Any) -> JobResult | None:

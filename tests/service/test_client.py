@@ -66,6 +66,33 @@ def test_submit_many_queues_nothing_if_any_job_is_bad(redis_server: RedisServer)
     assert _queued(redis_server) == []
 
 
+def test_submit_many_refuses_an_id_given_twice_and_queues_nothing(redis_server: RedisServer) -> None:
+    client = Client(redis_server.url)
+    jobs = [{"id": "a", "prompt": "first"}, {"id": "b", "prompt": "other"}, {"id": "a", "prompt": "second"}]
+    with pytest.raises(InvalidRequestError, match=r"'a' is also the id of jobs\[0\]") as caught:
+        client.submit_many(jobs)
+    assert caught.value.field == "jobs[2].id"
+    assert _queued(redis_server) == []
+
+
+def test_handles_that_share_an_id_each_get_their_own_answer(redis_server: RedisServer) -> None:
+    """Two submits under one id with different content: the stored result is the job's that ran; a wait over both
+    handles, in either order, answers the other handle with a conflict, never with that job's result."""
+    from tokenmill.queue.schemas import JobResult
+
+    client = Client(redis_server.url)
+    ran, reused = client.submit(id="shared", prompt="first"), client.submit(id="shared", prompt="second")
+    stored = JobResult(id="shared", status="succeeded", text="t", token_ids=[1], job_hash=ran.job_hash)
+    client.app.backend.store_result("shared", stored.to_wire(), "SUCCESS")
+    for order in ([ran, reused], [reused, ran]):
+        answers = dict(zip(map(id, order), client.results(order, timeout=30)))
+        assert answers[id(ran)] == stored
+        assert (answers[id(reused)].status, answers[id(reused)].error.code) == ("failed", "conflict")
+        seen = list(client.as_completed(order, timeout=30))
+        assert sorted(r.status for r in seen) == ["failed", "succeeded"]
+    assert client.results(["shared", ran], timeout=30) == [stored, stored]  # a bare id takes the stored result
+
+
 def test_messages_are_celery_protocol_2_json_tasks(redis_server: RedisServer) -> None:
     client = Client(redis_server.url)
     handles = client.submit_many([{"prompt": "secret prompt text", "max_tokens": 3, "id": "job-1"}, {"prompt": "b"}])
