@@ -780,7 +780,9 @@ class LLMEngine:
     def _output(self, request: _Request, now: float, reason: str) -> RequestOutput:
         constraint = request.constraint
         text = request.text if request.text is not None else self._decode(request)
-        satisfied = None if constraint is None else constraint.completed and request.text is None
+        # an output cut by max_tokens or a stop string is not satisfied even where its text so far matches (`\d+`
+        # cut at "17"): the grammar could have gone on, so the value may be a truncated one
+        satisfied = None if constraint is None else constraint.completed and request.text is None and reason != "length"
         parsed, constraint_error = self._check(request) if satisfied else (None, None)
         return RequestOutput(
             request_id=request.request_id,
