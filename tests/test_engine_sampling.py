@@ -181,7 +181,8 @@ def test_chat_applies_the_template(llm: LLM) -> None:
 
 @pytest.mark.parametrize(
     ("prompt", "field"),
-    [("", "prompt"), ([5, 400], "prompt_token_ids"), ([3, -1], "prompt_token_ids"), ("x" * 5000, "prompt")],
+    [("", "prompt"), ([5, 400], "prompt_token_ids"), ([3, -1], "prompt_token_ids"), ("x" * 5000, "prompt"),
+     (None, "prompt"), (3.5, "prompt")],
 )
 def test_a_bad_prompt_fails_alone(llm: LLM, prompt: object, field: str) -> None:
     outs = llm.generate(["fine", prompt, "also fine"], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
@@ -201,6 +202,52 @@ def test_bad_sampling_params_name_the_field(options: dict, field: str) -> None:
     with pytest.raises(InvalidRequestError) as error:
         SamplingParams(**options)
     assert error.value.field == field
+
+
+def test_a_request_that_cannot_fit_says_how_much_max_tokens_would(llm: LLM) -> None:
+    room = llm.engine.max_model_len - 10
+    out = llm.generate([list(range(3, 13))], SamplingParams(max_tokens=room + 1), use_tqdm=False)[0]
+    assert out.error.startswith("max_tokens:") and out.error.endswith(f"set max_tokens to at most {room} or shorten "
+                                                                      "the prompt")
+
+
+def test_stop_token_ids_outside_the_vocabulary_fail_the_request(llm: LLM) -> None:
+    vocab = llm.engine.runner.vocab_size
+    params = [SamplingParams(max_tokens=2), SamplingParams(max_tokens=2, stop_token_ids=[vocab])]
+    outs = llm.generate(["fine", "not"], params, use_tqdm=False)
+    assert outs[0].finish_reason == "length"
+    assert outs[1].error == f"stop_token_ids: token {vocab} is outside the vocabulary [0, {vocab})"
+
+
+def test_chat_messages_without_a_role_or_content_are_named(llm: LLM) -> None:
+    cases = (([{"role": "user"}], "messages[0]"), ([{"role": "user", "content": "a"}, "hi"], "messages[1]"))
+    for messages, field in cases:
+        out = llm.chat([messages], SamplingParams(max_tokens=2), use_tqdm=False)[0]
+        assert out.finish_reason == "error" and out.error.startswith(field + ": must be a dict")
+
+
+def test_params_that_are_not_sampling_params_are_named(llm: LLM) -> None:
+    with pytest.raises(TypeError, match=r"params: must be a SamplingParams .* got dict \(a dict of fields"):
+        llm.generate(["a"], {"max_tokens": 2}, use_tqdm=False)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="params: each must be a SamplingParams; got dict"):
+        llm.generate(["a"], [{"max_tokens": 2}], use_tqdm=False)  # type: ignore[list-item]
+
+
+def test_a_min_tokens_over_the_unset_max_tokens_says_so() -> None:
+    with pytest.raises(InvalidRequestError, match="max_tokens, which is 2 when unset; got 3: set max_tokens too"):
+        SamplingParams(choice=["a", "b"], min_tokens=3)
+
+
+def test_a_cuda_device_without_cuda_is_one_clear_error() -> None:
+    from tokenmill.engine.loader import resolve_device
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(ValueError, match=r"^device: 'cuda' asked for, but this torch sees no CUDA device"):
+        resolve_device("cuda")
+    with pytest.raises(ValueError, match=r"^device: must be auto, cpu, cuda or cuda:N; got 'gpu'"):
+        resolve_device("gpu")
+    assert resolve_device("cpu") == torch.device("cpu")
 
 
 def test_unknown_fields_are_named() -> None:

@@ -94,8 +94,12 @@ class SamplingParams:
                 raise InvalidRequestError(name, f"must be {what}, got {getattr(self, name)!r}")
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
-        if self.max_tokens is None:
+        unset = self.max_tokens is None
+        if unset:
             self.max_tokens = choice_max_tokens(list(self.choice)) if isinstance(self.choice, list | tuple) else DEFAULT_MAX_TOKENS
+        if unset and isinstance(self.min_tokens, int) and self.min_tokens > self.max_tokens:  # a limit never set
+            raise InvalidRequestError("min_tokens", f"must be <= max_tokens, which is {self.max_tokens} when unset; "
+                                      f"got {self.min_tokens}: set max_tokens too")
         self._check()
         _check_structured(self)
 

@@ -170,9 +170,15 @@ def _as_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
 def _per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, count: int) -> list[SamplingParams]:
     if params is None or isinstance(params, SamplingParams):
         return [params or SamplingParams()] * count
+    if not isinstance(params, Sequence) or isinstance(params, str):
+        raise TypeError(f"params: must be a SamplingParams or a list of them, one per prompt; got "
+                        f"{type(params).__name__} (a dict of fields: SamplingParams(**fields))")
     params = list(params)
     if len(params) != count:
         raise ValueError(f"params: got {len(params)} SamplingParams for {count} prompts")
+    wrong = next((p for p in params if not isinstance(p, SamplingParams)), None)
+    if wrong is not None:
+        raise TypeError(f"params: each must be a SamplingParams; got {type(wrong).__name__}")
     return params
 
 

@@ -199,11 +199,16 @@ class LLMEngine:
         if isinstance(prompt, str):
             check_prompt_chars(prompt, self.max_prompt_chars, self.max_model_len)
             return self.tokenizer.encode(prompt, add_special_tokens=True)
+        if not isinstance(prompt, list | tuple):
+            raise InvalidRequestError("prompt", f"must be a string or a list of token ids, got {type(prompt).__name__}")
         return list(prompt)
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
         if not isinstance(messages, list) or not messages:
             raise InvalidRequestError("messages", "must be a non-empty list of {role, content} dicts")
+        for index, message in enumerate(messages):
+            if not isinstance(message, dict) or not isinstance(message.get("role"), str) or "content" not in message:
+                raise InvalidRequestError(f"messages[{index}]", "must be a dict with a string 'role' and a 'content'")
         if self.tokenizer.chat_template is None:
             raise InvalidRequestError("messages", f"model {self.config.model} has no chat template")
         rendered = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
@@ -229,6 +234,10 @@ class LLMEngine:
                                        share))
             return
         self.check_choice_budget(params)
+        outside = next((token for token in params.stop_token_ids if not 0 <= token < self.runner.vocab_size), None)
+        if outside is not None:
+            raise InvalidRequestError("stop_token_ids", f"token {outside} is outside the vocabulary "
+                                      f"[0, {self.runner.vocab_size})")
         spec = GrammarSpec.from_params(params)
         if spec is not None and not self._grammar_cache(spec).is_ready(spec):
             future = self._grammar_cache(spec).compile_async(spec)

@@ -33,7 +33,16 @@ def _names_a_path(model: str) -> bool:
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"device: must be auto, cpu, cuda or cuda:N; got {name!r}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device: {name!r} asked for, but this torch sees no CUDA device (torch {torch.__version__}"
+                         f"{', a CPU-only build' if torch.version.cuda is None else ''}): use cpu or auto")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ValueError(f"device: {name!r} asked for, but this machine has {torch.cuda.device_count()} CUDA devices")
+    return device
 
 
 def resolve_dtype(name: str, hf_config: PretrainedConfig, device: torch.device) -> torch.dtype:

@@ -188,10 +188,12 @@ class Scheduler:
             raise InvalidRequestError("prompt", f"{what} ({total} tokens) exceeds max_model_len "
                                       f"({self.config.max_model_len})")
         if total > self.config.max_model_len:
+            room = self.config.max_model_len - seq.num_tokens
+            fix = f": set max_tokens to at most {room} or shorten the prompt" if room > 0 else ": shorten the prompt"
             raise InvalidRequestError(
                 "max_tokens" if seq.num_tokens <= self.config.max_model_len else "prompt",
                 f"prompt ({seq.num_tokens} tokens) + max_tokens ({seq.params.max_tokens}) = {total} exceeds "
-                f"max_model_len ({self.config.max_model_len})",
+                f"max_model_len ({self.config.max_model_len}){fix}",
             )
         if self.block_manager.blocks_needed(total) > self.block_manager.num_blocks:
             what = what if seq.num_scored_tokens else "prompt + max_tokens"
