@@ -75,11 +75,13 @@ class JobCancelledError(JobFailedError):
 
 
 class JobTimeoutError(TimeoutError):
-    """No final result within the timeout; the job may still finish later (`.job_ids` lists the pending ones)."""
+    """No final result within the timeout; the job may still finish later (`.job_ids` lists the pending ones). The
+    message says so when Redis was not answering at the end."""
 
-    def __init__(self, job_ids: list[str], timeout: float) -> None:
+    def __init__(self, job_ids: list[str], timeout: float, unreachable: BaseException | None = None) -> None:
         shown = ", ".join(job_ids[:5]) + (f" and {len(job_ids) - 5} more" if len(job_ids) > 5 else "")
-        super().__init__(f"no result after {timeout:g}s for {len(job_ids)} job(s): {shown}")
+        cause = "" if unreachable is None else f" (Redis not answering: {type(unreachable).__name__}: {unreachable})"
+        super().__init__(f"no result after {timeout:g}s for {len(job_ids)} job(s): {shown}{cause}")
         self.job_ids = job_ids
 
 
@@ -681,11 +683,16 @@ class _ResultWatch:
         self.deadline = None if timeout is None else time.monotonic() + timeout
         self.tick = tick
         self.pubsub: Any = None
+        self.unreachable: BaseException | None = None  # the last Redis error, until Redis answers again
 
     def results(self) -> Iterator[JobResult | None]:
-        """The results as they come; None every `tick` seconds too, if one is set."""
+        """The results as they come; None every `tick` seconds too, if one is set. A Redis that does not answer
+        is tried again until the timeout (a call that hangs, at most `redis_socket_timeout` past it), logged once
+        while it lasts; the timeout's error says so."""
         try:
             self._resubscribe_quietly()  # Redis may be down right now: the sweeps retry
+            if self.unreachable is not None:
+                self._remaining()  # a subscribe that hung to its socket timeout used the wait's time: not a sweep too
             yield from self._sweep()
             last_sweep = last_tick = time.monotonic()
             while self.pending:
@@ -705,8 +712,19 @@ class _ResultWatch:
             return _SWEEP_INTERVAL
         left = self.deadline - time.monotonic()
         if left <= 0:
-            raise JobTimeoutError(list(self.pending.values()), self.timeout or 0.0)
+            raise JobTimeoutError(list(self.pending.values()), self.timeout or 0.0, self.unreachable)
         return left
+
+    def _failed(self, error: BaseException) -> None:
+        if self.unreachable is None:
+            log.warning("waiting for %d result(s): Redis does not answer (%s: %s); trying again until it does",
+                        len(self.pending), type(error).__name__, error)
+        self.unreachable = error
+
+    def _answered(self) -> None:
+        if self.unreachable is not None:
+            log.warning("waiting for %d result(s): Redis answers again", len(self.pending))
+            self.unreachable = None
 
     def _subscribe(self) -> None:
         self.pubsub = self.subscriptions.take(self.backend.client)
@@ -729,7 +747,8 @@ class _ResultWatch:
                 return
             try:
                 message = self.pubsub.get_message(timeout=left)
-            except (redis.ConnectionError, redis.TimeoutError, OSError):
+            except (redis.ConnectionError, redis.TimeoutError, OSError) as error:
+                self._failed(error)
                 self._unsubscribe(broken=True)
                 time.sleep(min(0.5, max(0.0, end - time.monotonic())))
                 self._resubscribe_quietly()
@@ -743,7 +762,8 @@ class _ResultWatch:
     def _resubscribe_quietly(self) -> None:
         try:
             self._subscribe()
-        except redis.RedisError:
+        except redis.RedisError as error:
+            self._failed(error)
             self._unsubscribe(broken=True)  # Redis still down: the next sweep fails too and we retry after it
 
     def _sweep(self) -> Iterator[JobResult]:
@@ -753,8 +773,10 @@ class _ResultWatch:
             chunk = keys[start : start + _PUBLISH_BATCH]
             try:
                 values = self.backend.client.mget(chunk)
-            except (redis.ConnectionError, redis.TimeoutError):
+            except (redis.ConnectionError, redis.TimeoutError) as error:
+                self._failed(error)
                 return
+            self._answered()
             for key, value in zip(chunk, values):
                 result = self._take(key, value)
                 if result is not None:

@@ -192,6 +192,31 @@ def test_a_waiting_client_rides_out_a_redis_restart(redis_server: RedisServer) -
         assert waiting.result(timeout=60) == stored
 
 
+def test_a_wait_that_times_out_while_redis_is_down_says_so(redis_server: RedisServer,
+                                                           caplog: pytest.LogCaptureFixture) -> None:
+    """A slow job and an unreachable Redis are told apart: the timeout names Redis, and the wait logs once that it
+    is not answering (a wait without a timeout would otherwise wait silently)."""
+    import logging
+    import time
+
+    client = Client(redis_server.url)
+    handle = client.submit(prompt="x")
+    redis_server.stop()
+    try:
+        with caplog.at_level(logging.WARNING, logger="tokenmill.client"):
+            started = time.monotonic()
+            with pytest.raises(JobTimeoutError, match=r"no result after 2s .*\(Redis not answering: ConnectionError"):
+                handle.result(timeout=2)
+            assert time.monotonic() - started < 15
+        said = [r.getMessage() for r in caplog.records if "Redis does not answer" in r.getMessage()]
+        assert len(said) == 1 and said[0].startswith("waiting for 1 result(s)")
+    finally:
+        redis_server.start()
+    with pytest.raises(JobTimeoutError) as quiet:
+        handle.result(timeout=0.5)  # Redis answers again: a slow job's timeout, no word of Redis
+    assert "Redis" not in str(quiet.value)
+
+
 def test_as_completed_with_a_tick_yields_none_while_waiting_on_one_subscription(redis_server: RedisServer) -> None:
     """The HTTP API's batch driver waits for thousands of results and does periodic work meanwhile: each tick is a
     None from the same watch, never a new subscription to every pending key."""
