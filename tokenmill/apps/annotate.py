@@ -21,7 +21,8 @@ import pyarrow as pa
 from pydantic import ValidationError
 
 from tokenmill.apps.arrow_schema import Column, parsed_column
-from tokenmill.apps.datasets import MAX_ROW_BYTES, Dataset, DatasetError, Writer, format_of, open_dataset
+from tokenmill.apps.datasets import (MAX_ROW_BYTES, Dataset, DatasetError, Writer, check_output, format_of,
+                                    open_dataset)
 from tokenmill.apps.options import RunOptions, run_options
 from tokenmill.apps.pipeline import Summary, compute_all, open_checkpoint, stored
 from tokenmill.apps.runners import Unit, make_runner, sampling_dict
@@ -191,14 +192,15 @@ def annotate(
         raise InvalidRequestError("limit", f"must be >= 1, got {limit}")
     prompter = Prompter(template, system, chat, run.model_label, params, embedding, continuations)
     dataset = open_dataset(input, input_format, run.s3_endpoint_url, run.max_row_bytes, run.input_compression)
+    out_format = format_of(output, output_format, "output")
+    check_output(output, dataset.files)
     if limit is not None:
         dataset = LimitedDataset(dataset, limit)
     schema = dataset.schema
-    out_format = format_of(output, output_format, "output")
     if embedding is not None:
-        _check_columns(schema, id_column, EMBEDDING, out_format, tuple(EMBED_COLUMNS), results=())
+        _check_columns(schema, id_column, EMBEDDING, out_format, tuple(EMBED_COLUMNS.keys() - {EMBEDDING}), results=())
     elif continuations is not None:
-        _check_columns(schema, id_column, SCORES, out_format, tuple(SCORE_COLUMNS), results=())
+        _check_columns(schema, id_column, SCORES, out_format, tuple(SCORE_COLUMNS.keys() - {SCORES}), results=())
     else:
         _check_columns(schema, id_column, column, out_format, tuple(_extra_columns(params)))
     prompter.check_columns(schema.names)
@@ -281,6 +283,9 @@ def _check_columns(schema: pa.Schema, id_column: str | None, column: str, out_fo
         raise DatasetError("output format: must be jsonl or parquet (results can hold nested values), got csv")
     if id_column is not None and id_column not in schema.names:
         raise InvalidRequestError("id_column", f"no column {id_column!r} in the input (columns: {', '.join(schema.names)})")
+    if column in (*results, *extra):
+        raise InvalidRequestError("column", f"{column!r} is the name of another result column "
+                                            f"({', '.join(results + extra)}); name the result column otherwise")
     for name in [column, *results, *extra]:
         if name in schema.names:
             raise InvalidRequestError("column", f"the input already has a column {name!r}; name the result column "

@@ -32,7 +32,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from tokenmill.apps.datasets import MAX_ROW_BYTES, TooLong, Writer, read_lines, too_long
+from tokenmill.apps.datasets import (FORMATS, MAX_ROW_BYTES, DatasetError, TooLong, Writer, check_output, read_lines,
+                                    too_long)
 from tokenmill.apps.options import RunOptions, run_options
 from tokenmill.apps.pipeline import Summary, compute_all, open_checkpoint, stored
 from tokenmill.apps.runners import Unit, error_parts, make_runner, sampling_dict
@@ -408,6 +409,7 @@ def batch(
     run = run_options(options, locals())
     started = time.perf_counter()
     errors = errors or os.path.splitext(output)[0] + ".errors.jsonl"
+    check_outputs(input, output, errors)
     source = Source(input, run.s3_endpoint_url, run.max_row_bytes, run.input_compression)
     total = check_file(source)
     checkpoint = open_checkpoint(run, output)
@@ -422,6 +424,20 @@ def batch(
     finally:
         checkpoint.close()
     return summary.finish(started, run.quiet)
+
+
+def check_outputs(input: str, output: str, errors: str) -> None:
+    """Refuse, before any work, outputs that cannot be written as named (`check_output`), one named as a format other
+    than JSONL (the batch output is OpenAI's JSONL), or the errors file named as the output."""
+    for what, uri in (("output", output), ("errors", errors)):
+        extension = os.path.splitext(uri)[1].lower()
+        if FORMATS.get(extension, "json") != "json":
+            raise DatasetError(f"{what} {uri!r}: batch results are JSONL, as OpenAI writes them; name it .jsonl")
+        check_output(uri, [input], what)
+    same = output == errors if "://" in output else os.path.abspath(output) == os.path.abspath(errors)
+    if same:
+        raise DatasetError(f"errors {errors!r} is the output too; name the errors file otherwise (default: "
+                           "<output without its extension>.errors.jsonl)")
 
 
 @dataclass

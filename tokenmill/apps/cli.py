@@ -67,7 +67,8 @@ def add_parsers(commands: Any) -> None:
     bat = commands.add_parser("batch", help="run an OpenAI Batch API input file")
     bat.add_argument("-i", "--input", required=True, help="requests JSONL (local or s3://)")
     bat.add_argument("-o", "--output", required=True, help="results JSONL (local or s3://)")
-    bat.add_argument("--errors", help="failed requests JSONL (default: <output>.errors.jsonl)")
+    bat.add_argument("--errors", help="failed requests JSONL (default: the output with .errors.jsonl "
+                     "in place of its extension: results.jsonl -> results.errors.jsonl)")
     bat.add_argument("--max-tokens", type=int, default=None, help="for requests that set neither max_tokens nor "
                      "max_completion_tokens: " + MAX_TOKENS_HELP)
     add_run_flags(bat)

@@ -360,6 +360,32 @@ def read_lines(uri: str, endpoint: str | None = None, max_row_bytes: int = MAX_R
             raise DatasetError(f"input {uri!r} cannot be read: {exc}") from None
 
 
+def check_output(uri: str, inputs: list[str], what: str = "output") -> None:
+    """Refuse, before any work, an output that cannot be written as named: with a compression suffix (outputs are
+    written plain), an existing directory, a path under a file, or one of the `inputs` itself (local paths, or
+    s3:// URIs), which the output would replace."""
+    suffix = os.path.splitext(uri)[1].lower()
+    if suffix in COMPRESSION:
+        raise DatasetError(f"{what} {uri!r}: outputs are written uncompressed; name it without {suffix} (compress it "
+                           "after the run)")
+    if uri.startswith("s3://"):
+        if uri.removeprefix("s3://") in {source.removeprefix("s3://") for source in inputs}:
+            raise DatasetError(f"{what} {uri!r} is the input; write the {what} to another object")
+        return
+    path = os.path.abspath(uri)
+    if os.path.isdir(path):
+        raise DatasetError(f"{what} {uri!r} is a directory; name a file in it")
+    parent = os.path.dirname(path)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise DatasetError(f"{what} {uri!r}: {parent} is a file, not a directory")
+    for source in inputs:
+        if not source.startswith("s3://") and os.path.exists(path) and os.path.samefile(path, source):
+            raise DatasetError(f"{what} {uri!r} is the input {source!r}, which it would replace; write the {what} to "
+                               "another file")
+
+
 def _create_fresh(path: str) -> pa.NativeFile:
     """A new local file at `path`, never one reached through a symlink or left by someone else.
 

@@ -67,6 +67,18 @@ class RunOptions:
     #: No progress bar, no summary table.
     quiet: bool = _flag(False, "no progress bar, no summary table")
 
+    def __post_init__(self) -> None:
+        if self.broker is not None and "://" not in self.broker:
+            raise InvalidRequestError("broker", f"must be a Redis URL such as redis://localhost:6379/0, got "
+                                      f"{self.broker[:64]!r}")
+        for name, low in (("window", 1), ("rows_per_message", 1), ("max_row_bytes", 1)):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
+                raise InvalidRequestError(name, f"must be an integer >= {low}, got {value!r}")
+        interval = self.checkpoint_interval
+        if isinstance(interval, bool) or not isinstance(interval, int | float) or not 0 <= interval < float("inf"):
+            raise InvalidRequestError("checkpoint_interval", f"must be a number of seconds >= 0, got {interval!r}")
+
     @property
     def mode(self) -> str:
         """Where rows are computed: "queue" (workers, with a broker) or "embedded" (this process)."""

@@ -96,8 +96,8 @@ def _private_database(path: str) -> None:
     only, none of them reached through a symlink: a checkpoint holds every prompt and completion of a
     dataset, and under the usual umask (022) SQLite would create it world-readable. SQLite gives the WAL
     and shared-memory files it creates later the database file's mode, so those are 0600 too."""
-    os.makedirs(os.path.dirname(path) or ".", mode=0o700, exist_ok=True)
     try:
+        os.makedirs(os.path.dirname(path) or ".", mode=0o700, exist_ok=True)
         _make_private(path, os.O_RDWR | os.O_CREAT)
         for suffix in _SIDE_FILES:
             try:
