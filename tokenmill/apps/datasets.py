@@ -15,6 +15,7 @@ decompression, so a small gzip bomb is as harmless as a large file.
 from __future__ import annotations
 
 import fnmatch
+import functools
 import glob
 import io
 import json
@@ -138,15 +139,18 @@ class Dataset:
     compression: str | None = None  # asked for; None: by each file's suffix
 
     def _dataset(self) -> ds.Dataset:
-        """The Parquet files as one pyarrow dataset (for the schema and the row count from the footers)."""
-        return ds.dataset(self.files, format="parquet", filesystem=self.fs)
+        """The Parquet files as one pyarrow dataset (for the row count from the footers)."""
+        return ds.dataset(self.files, format="parquet", filesystem=self.fs, schema=self.schema)
 
-    @property
+    @functools.cached_property
     def schema(self) -> pa.Schema:
-        """Parquet: the first file's. CSV/JSONL: inferred by pyarrow from the first file's first block of lines
-        (lines over the limit skipped), so one long line cannot fail the dataset."""
+        """Parquet: every file's columns (a shard without one reads it as nulls; one column of two types is an
+        error). CSV/JSONL: inferred by pyarrow from the first file's first block of lines (lines over the limit
+        skipped), so one long line cannot fail the dataset, then made to keep values as the file wrote them
+        (`_as_written`)."""
         if self.format == "parquet":
-            return self._guard(lambda: self._dataset().schema)
+            return self._guard(lambda: pa.unify_schemas([pq.read_schema(path, filesystem=self.fs)
+                                                         for path in self.files]))
         return self._guard(lambda: self._text_schema(self.files[0]))
 
     def _text_schema(self, path: str) -> pa.Schema:
@@ -154,9 +158,11 @@ class Dataset:
             lines = bounded_lines(handle, self.max_row_bytes)
             if self.format == "csv":
                 header = next((line for line in lines if not isinstance(line, TooLong)), b"")
-                return pacsv.read_csv(pa.BufferReader(b"".join([header, *self._block(lines)])), _csv_read()).schema
-            block = b"".join(self._block(lines))
-            return pajson.read_json(pa.BufferReader(block), _json_read(len(block))).schema
+                inferred = pacsv.read_csv(pa.BufferReader(b"".join([header, *self._block(lines)])), _csv_read()).schema
+            else:
+                block = b"".join(self._block(lines))
+                inferred = pajson.read_json(pa.BufferReader(block), _json_read(len(block))).schema
+        return pa.schema([f.with_type(_as_written(f.type, self.format == "csv")) for f in inferred])
 
     def _block(self, lines: Iterator[bytes | TooLong]) -> list[bytes]:
         """Whole lines up to about `_BLOCK_BYTES` (the first block: lines over the limit skipped)."""
@@ -273,6 +279,24 @@ class Dataset:
             return call()
         except (pa.ArrowException, OSError) as exc:
             raise DatasetError(f"input {self.uri!r} ({self.format}) cannot be read: {exc}") from None
+
+
+def _as_written(data_type: pa.DataType, csv: bool) -> pa.DataType:
+    """The type that keeps a column's values as the file wrote them, in prompts and in the output: a CSV cell is its
+    text (`007` stays `007`, `true` and `NA` stay text) unless it is not UTF-8 (binary); a JSON string pyarrow would
+    read as a date or time stays the string (its time zone, its spelling), and a field null throughout the first
+    block is read as text, the type a later value most often has."""
+    if pa.types.is_binary(data_type) or pa.types.is_large_binary(data_type):
+        return data_type
+    if csv or pa.types.is_temporal(data_type) or pa.types.is_null(data_type):
+        return pa.string()
+    if pa.types.is_struct(data_type):
+        return pa.struct([field.with_type(_as_written(field.type, csv)) for field in data_type])
+    if pa.types.is_list(data_type):
+        return pa.list_(_as_written(data_type.value_type, csv))
+    if pa.types.is_large_list(data_type):
+        return pa.large_list(_as_written(data_type.value_type, csv))
+    return data_type
 
 
 def _csv_read() -> pacsv.ReadOptions:
