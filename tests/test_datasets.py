@@ -103,6 +103,24 @@ def test_parquet_shards_with_different_columns_keep_every_column(tmp_path: Path)
         open_dataset(str(shards)).schema
 
 
+def test_a_line_that_cannot_be_read_is_named_by_its_line_number(tmp_path: Path) -> None:
+    """pyarrow numbers rows from the start of the ~1 MiB block it was given (from 0), not from the file's start."""
+    rows = [json.dumps({"id": i, "text": "t" * 200}) for i in range(6000)]
+    for bad, at in ((3, 4), (5000, 5001)):
+        path = tmp_path / f"bad{bad}.jsonl"
+        path.write_text("\n".join(rows[:bad] + ['{"id": 1, "text": "oops",}'] + rows[bad + 1:]) + "\n")
+        with pytest.raises(DatasetError, match=f"bad{bad}.jsonl line {at}: JSON parse error: Missing a name"):
+            _values(path)
+    late = tmp_path / "late.jsonl"
+    late.write_text("\n".join(rows + [json.dumps({"id": 1, "text": "t", "extra": 1})]) + "\n")
+    with pytest.raises(DatasetError, match="late.jsonl line 6001: JSON parse error: unexpected field extra"):
+        _values(late)
+    csv = tmp_path / "bad.csv"
+    csv.write_text("a,text\n" + "".join(f"{i},{'t' * 200}\n" for i in range(6000)) + "3\n")
+    with pytest.raises(DatasetError, match="bad.csv line 6002: CSV parse error: Expected 2 columns, got 1: 3$"):
+        _values(csv)
+
+
 def test_compressed_input_only_where_the_suffix_says_so(tmp_path: Path) -> None:
     lines = b"".join(json.dumps({"text": f"t{i}"}).encode() + b"\n" for i in range(3))
     (tmp_path / "in.jsonl.gz").write_bytes(gzip.compress(lines))

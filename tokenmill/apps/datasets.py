@@ -20,7 +20,8 @@ import glob
 import io
 import json
 import os
-from collections.abc import Iterator
+import re
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -155,26 +156,29 @@ class Dataset:
 
     def _text_schema(self, path: str) -> pa.Schema:
         with self._open_text(path) as handle:
-            lines = bounded_lines(handle, self.max_row_bytes)
-            if self.format == "csv":
-                header = next((line for line in lines if not isinstance(line, TooLong)), b"")
-                inferred = pacsv.read_csv(pa.BufferReader(b"".join([header, *self._block(lines)])), _csv_read()).schema
-            else:
-                block = b"".join(self._block(lines))
-                inferred = pajson.read_json(pa.BufferReader(block), _json_read(len(block))).schema
-        return pa.schema([f.with_type(_as_written(f.type, self.format == "csv")) for f in inferred])
+            lines = enumerate(bounded_lines(handle, self.max_row_bytes), 1)
+            header = next((line for _, line in lines if not isinstance(line, TooLong)), b"") \
+                if self.format == "csv" else b""
+            numbers, block = self._block(lines)
+        try:
+            inferred = self._read_block(header, block, None)
+        except pa.ArrowInvalid as exc:
+            raise self._unreadable(exc, header, block, None, path, numbers.__getitem__) from None
+        return pa.schema([f.with_type(_as_written(f.type, self.format == "csv")) for f in inferred.schema])
 
-    def _block(self, lines: Iterator[bytes | TooLong]) -> list[bytes]:
-        """Whole lines up to about `_BLOCK_BYTES` (the first block: lines over the limit skipped)."""
-        block, size = [], 0
-        for line in lines:
+    def _block(self, lines: Iterator[tuple[int, bytes | TooLong]]) -> tuple[list[int], list[bytes]]:
+        """Whole lines up to about `_BLOCK_BYTES`, with their line numbers (the first block: lines over the limit
+        skipped)."""
+        numbers, block, size = [], [], 0
+        for number, line in lines:
             if isinstance(line, TooLong):
                 continue
+            numbers.append(number)
             block.append(line)
             size += len(line)
             if size >= _BLOCK_BYTES:
                 break
-        return block
+        return numbers, block
 
     def _open_text(self, path: str) -> io.BufferedReader:
         stream = self.fs.open_input_stream(path, compression=compression_of(path, self.compression))
@@ -217,32 +221,61 @@ class Dataset:
             if isinstance(header, TooLong):
                 raise DatasetError(f"input {self.uri!r}: the CSV header of {path} is over max_row_bytes ({self.max_row_bytes})")
             block: list[bytes] = []
-            size = 0
+            size, first = 0, 2 if header else 1  # `first`: the file's line number of block[0]
             for line in lines:
                 if isinstance(line, TooLong):
-                    yield from self._parse(header, block, schema)
-                    block, size = [], 0
+                    yield from self._parse(header, block, schema, (path, first))
+                    block, size, first = [], 0, first + len(block) + 1
                     yield _null_row(schema), {0: too_long(line.size, self.max_row_bytes)}
                     continue
                 block.append(line)
                 size += len(line)
                 if size >= _BLOCK_BYTES:
-                    yield from self._parse(header, block, schema)
-                    block, size = [], 0
-            yield from self._parse(header, block, schema)
+                    yield from self._parse(header, block, schema, (path, first))
+                    block, size, first = [], 0, first + len(block)
+            yield from self._parse(header, block, schema, (path, first))
 
-    def _parse(self, header: bytes, block: list[bytes], schema: pa.Schema) -> Iterator[tuple[pa.RecordBatch, dict[int, str]]]:
+    def _parse(self, header: bytes, block: list[bytes], schema: pa.Schema, where: tuple[str, int]
+               ) -> Iterator[tuple[pa.RecordBatch, dict[int, str]]]:
+        """`block`'s lines as record batches; a block pyarrow cannot read is an error naming the file's first line
+        that cannot be read alone (pyarrow counts rows from the block's start), and a new JSON field by name."""
         if not block:
             return
-        data = b"".join([header, *block])
-        if self.format == "csv":
-            types = {field.name: field.type for field in schema}
-            table = pacsv.read_csv(pa.BufferReader(data), _csv_read(), convert_options=pacsv.ConvertOptions(column_types=types))
-        else:
-            options = pajson.ParseOptions(explicit_schema=schema, unexpected_field_behavior="error")
-            table = pajson.read_json(pa.BufferReader(data), _json_read(len(data)), options)
+        try:
+            table = self._read_block(header, block, schema)
+        except pa.ArrowInvalid as exc:
+            path, first = where
+            raise self._unreadable(exc, header, block, schema, path, lambda index: first + index) from None
         for batch in table.to_batches(BATCH_ROWS):
             yield batch, {}
+
+    def _read_block(self, header: bytes, block: list[bytes], schema: pa.Schema | None) -> pa.Table:
+        """The lines as one table, of `schema` (None: inferred)."""
+        data = b"".join([header, *block])
+        if self.format == "csv":
+            types = {field.name: field.type for field in schema or ()}
+            return pacsv.read_csv(pa.BufferReader(data), _csv_read(), convert_options=pacsv.ConvertOptions(column_types=types))
+        options = pajson.ParseOptions(explicit_schema=schema, unexpected_field_behavior="error" if schema else "infer")
+        return pajson.read_json(pa.BufferReader(data), _json_read(len(data)), options)
+
+    def _unreadable(self, error: pa.ArrowInvalid, header: bytes, block: list[bytes], schema: pa.Schema | None,
+                    path: str, number_of: Callable[[int], int]) -> DatasetError:
+        """The error of a block pyarrow cannot read, naming the first of its lines (`number_of` its index: the file's
+        line number) that cannot be read alone, as pyarrow counts rows from the block's start; and a new JSON field
+        by its name."""
+        index = 0
+        for at, line in enumerate(block):
+            try:
+                self._read_block(header, [line], schema)
+            except pa.ArrowInvalid as alone:
+                error, index = alone, at
+                break
+        said = re.sub(r" in row \d+$|Row #\d+: ", "", str(error))  # pyarrow's row counts are the block's
+        if schema is not None and self.format == "json" and said.endswith("unexpected field"):
+            new = sorted(json.loads(block[index]).keys() - set(schema.names))
+            said += f" {', '.join(new)} (a JSON file's fields are those of its first MiB)"
+        return DatasetError(f"input {self.uri!r} ({self.format}) cannot be read: {path} line {number_of(index)}: "
+                            f"{said}")
 
     def _parquet_batches(self, path: str, schema: pa.Schema) -> Iterator[tuple[pa.RecordBatch, dict[int, str]]]:
         """Row groups read with their string and binary columns still dictionary-encoded (so a batch costs its
