@@ -72,3 +72,20 @@ def test_batch_outputs_that_cannot_be_written_as_named(tmp_path: Path, capsys: p
     assert "outputs are written uncompressed" in _refused(capsys, *run, "-o", str(tmp_path / "r.jsonl.gz"))
     assert "is the input" in _refused(capsys, *run, "-o", str(requests))
     assert [path.name for path in tmp_path.iterdir()] == ["requests.jsonl"]
+
+
+@pytest.mark.parametrize(("flags", "said"), [
+    (["--choice", ",a"], "tokenmill annotate: --choice (choice[0]): must be a non-empty string"),
+    (["--probabilities"], "tokenmill annotate: --probabilities (choice_probabilities): requires choice"),
+    (["--input-compression", "zip"], "tokenmill annotate: argument --input-compression: invalid choice: 'zip'"),
+    (["--bogus", "1"], "tokenmill annotate: unrecognized arguments: --bogus 1 (see tokenmill annotate --help)"),
+])
+def test_a_refused_flag_is_named_in_one_line(tmp_path: Path, src: Path, capsys: pytest.CaptureFixture,
+                                             flags: list[str], said: str) -> None:
+    """argparse printed its whole usage first (some 40 lines), and an option's error named the request field."""
+    try:
+        err = _refused(capsys, "annotate", str(src), "-o", str(tmp_path / "out.jsonl"), *TEMPLATE, *flags)
+    except SystemExit as exit:  # argparse's own refusals exit
+        err = capsys.readouterr().err
+        assert exit.code == 2 and err.count("\n") == 1, err
+    assert err.startswith(said), err

@@ -25,7 +25,7 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from tokenmill.apps.cli import MAX_TOKENS_HELP
 
@@ -56,7 +56,10 @@ EXTRAS = {"torch": "worker", "transformers": "worker", "triton": "worker", "xgra
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # named under its subcommand (argparse names the top-level program)
+        parser.exit(2, f"tokenmill {args.command}: unrecognized arguments: {' '.join(unknown)} (see tokenmill "
+                    f"{args.command} --help)\n")
     try:
         return _run(args)
     except ModuleNotFoundError as exc:
@@ -91,7 +94,7 @@ def _run(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from importlib.metadata import PackageNotFoundError, version
 
-    parser = argparse.ArgumentParser(prog="tokenmill", description="Queue-driven LLM batch jobs.")
+    parser = OneLineErrors(prog="tokenmill", description="Queue-driven LLM batch jobs.")
     try:
         parser.add_argument("--version", action="version", version=f"tokenmill {version('tokenmill')}")
     except PackageNotFoundError:  # run from a source tree that was never installed
@@ -133,6 +136,14 @@ def build_parser() -> argparse.ArgumentParser:
     health.add_argument("--max-age", type=float, default=60.0, help="seconds without an engine status report that count as down")
     _show_defaults(parser)
     return parser
+
+
+class OneLineErrors(argparse.ArgumentParser):
+    """A flag argparse refuses is one line naming it, exit status 2, as every other unusable input (argparse prints
+    the whole usage first: some 40 lines for `annotate`). Its subcommands' parsers are of this class too."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
 
 class DefaultsHelpFormatter(argparse.HelpFormatter):

@@ -126,9 +126,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         summary = _annotate(args) if args.command == "annotate" else _batch(args)
-    except InvalidRequestError as exc:  # named by its flag where an option is at fault
-        where = f"--{exc.field.replace('_', '-')}" if hasattr(args, exc.field) else exc.field
-        print(f"tokenmill {args.command}: {where}: {exc.message}", file=sys.stderr)
+    except InvalidRequestError as exc:
+        print(f"tokenmill {args.command}: {_flag_of(exc.field, args)}: {exc.message}", file=sys.stderr)
         return EXIT_UNUSABLE
     except (DatasetError, ModelLoadError) as exc:
         print(f"tokenmill {args.command}: {exc}", file=sys.stderr)
@@ -143,6 +142,21 @@ def run(args: argparse.Namespace) -> int:
               "to finish", file=sys.stderr)
         return EXIT_INTERRUPTED
     return EXIT_ROWS_FAILED if summary.failed else 0
+
+
+#: Request fields whose flag has another name.
+_FLAGS = {"choice_probabilities": "probabilities"}
+
+
+def _flag_of(field: str, args: argparse.Namespace) -> str:
+    """An error's field as the flag that set it (`choice[0]` -> `--choice (choice[0])`), or as it is where no flag
+    did (a template's column, a row's field)."""
+    name = field.split("[", 1)[0].split(".", 1)[0]
+    name = _FLAGS.get(name, name)
+    if not hasattr(args, name):
+        return field
+    flag = f"--{name.replace('_', '-')}"
+    return flag if field == name else f"{flag} ({field})"
 
 
 def options_from(args: argparse.Namespace) -> RunOptions:
