@@ -121,6 +121,17 @@ def test_a_line_that_cannot_be_read_is_named_by_its_line_number(tmp_path: Path) 
         _values(csv)
 
 
+def test_floats_json_cannot_hold_are_written_as_null(tmp_path: Path) -> None:
+    from tokenmill.apps.datasets import Writer
+
+    writer = Writer(str(tmp_path / "out.jsonl"), "json")
+    writer.write_rows([{"x": float("inf"), "y": [1.5, float("nan")], "z": {"w": -float("inf")}}, {"x": 2.0}])
+    writer.close()
+    lines = (tmp_path / "out.jsonl").read_text().splitlines()
+    assert [json.loads(line, parse_constant=pytest.fail) for line in lines] == [
+        {"x": None, "y": [1.5, None], "z": {"w": None}}, {"x": 2.0}]
+
+
 def test_compressed_input_only_where_the_suffix_says_so(tmp_path: Path) -> None:
     lines = b"".join(json.dumps({"text": f"t{i}"}).encode() + b"\n" for i in range(3))
     (tmp_path / "in.jsonl.gz").write_bytes(gzip.compress(lines))

@@ -19,6 +19,7 @@ import functools
 import glob
 import io
 import json
+import math
 import os
 import re
 from collections.abc import Callable, Iterator
@@ -460,6 +461,24 @@ def _create_fresh(path: str) -> pa.NativeFile:
     return pa.PythonFile(os.fdopen(fd, "wb", buffering=_BLOCK_BYTES), mode="w")
 
 
+def _json_line(row: dict[str, Any]) -> str:
+    """`row` as a line of JSON: a float JSON cannot hold (NaN, infinities) is null, as JSON has no such value."""
+    try:
+        return json.dumps(row, ensure_ascii=False, default=str, allow_nan=False) + "\n"
+    except ValueError:
+        return json.dumps(_finite(row), ensure_ascii=False, default=str) + "\n"
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(item) for item in value]
+    return value
+
+
 class Writer:
     """Writes the output in record batches: Parquet via `pq.ParquetWriter`, JSONL one object per line.
 
@@ -488,7 +507,7 @@ class Writer:
         self.parquet.write_batch(batch)
 
     def write_rows(self, rows: list[dict[str, Any]]) -> None:
-        self.stream.write("".join(json.dumps(row, ensure_ascii=False, default=str) + "\n" for row in rows).encode())
+        self.stream.write("".join(_json_line(row) for row in rows).encode())
 
     def close(self) -> None:
         if self.parquet is not None:
