@@ -29,7 +29,8 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Generator, Iterable, Iterator, Mapping
+from contextlib import closing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -804,19 +805,20 @@ def _as_seen_by(result: JobResult, handle: JobHandle | str) -> JobResult:
     return result.conflict_with(handle.job_hash if isinstance(handle, JobHandle) else None) or result
 
 
-def _for_each_handle(handles: list[JobHandle | str], stored: Iterator[JobResult | None]
+def _for_each_handle(handles: list[JobHandle | str], stored: Generator[JobResult | None, None, None]
                      ) -> Iterator[JobResult | None]:
     """Each stored result once per handle of its id (handles may share an id, each with its own content); the
     ticks' Nones as they come."""
     by_id: dict[str, list[JobHandle | str]] = {}
     for handle in handles:
         by_id.setdefault(_id_of(handle), []).append(handle)
-    for result in stored:
-        if result is None:
-            yield None
-            continue
-        for handle in by_id[result.id]:
-            yield _as_seen_by(result, handle)
+    with closing(stored):  # a caller that stops early ends the wait's subscription now, not at garbage collection
+        for result in stored:
+            if result is None:
+                yield None
+                continue
+            for handle in by_id[result.id]:
+                yield _as_seen_by(result, handle)
 
 
 def _parse_meta(job_id: str, value: bytes | None, backend: Any) -> JobResult | None:
