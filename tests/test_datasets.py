@@ -98,9 +98,30 @@ def test_parquet_shards_with_different_columns_keep_every_column(tmp_path: Path)
     assert _values(shards) == [{"id": 1, "text": "a", "extra": None}, {"id": 2, "text": "b", "extra": None},
                                {"id": 3, "text": "c", "extra": "kept"}]
     assert open_dataset(str(shards)).count_rows() == 3
-    pq.write_table(pa.table({"id": ["four"]}), shards / "part-3.parquet")
+    pq.write_table(pa.table({"id": pa.array([4], pa.int32()), "text": pa.array(["d"], pa.large_string())}),
+                   shards / "part-3.parquet")  # as another writer types them: widened, as before
+    assert _values(shards)[-1] == {"id": 4, "text": "d", "extra": None}
+    pq.write_table(pa.table({"id": ["five"]}), shards / "part-4.parquet")
     with pytest.raises(DatasetError, match="id"):
         open_dataset(str(shards)).schema
+
+
+def test_an_output_beside_an_s3_input_is_compared_with_local_inputs_only(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """An S3 dataset's files are paths inside its filesystem (`bucket/key`): taken as local paths, an existing
+    output crashed the check, or was refused where a local `bucket/key` existed."""
+    import pyarrow.fs as pafs
+
+    from tokenmill.apps.datasets import Dataset, check_output
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "bucket").mkdir()
+    (tmp_path / "bucket" / "in.jsonl").write_text("{}\n")
+    dataset = Dataset("s3://bucket/in.jsonl", ["bucket/in.jsonl"], "json", pafs.S3FileSystem(region="us-east-1"))
+    assert dataset.uris == ["s3://bucket/in.jsonl"]
+    check_output("bucket/in.jsonl", dataset.uris)  # the local file of the same name is not the input
+    with pytest.raises(DatasetError, match="is the input"):
+        check_output("s3://bucket/in.jsonl", dataset.uris)
 
 
 def test_a_line_that_cannot_be_read_is_named_by_its_line_number(tmp_path: Path) -> None:
@@ -112,9 +133,14 @@ def test_a_line_that_cannot_be_read_is_named_by_its_line_number(tmp_path: Path) 
         with pytest.raises(DatasetError, match=f"bad{bad}.jsonl line {at}: JSON parse error: Missing a name"):
             _values(path)
     late = tmp_path / "late.jsonl"
-    late.write_text("\n".join(rows + [json.dumps({"id": 1, "text": "t", "extra": 1})]) + "\n")
-    with pytest.raises(DatasetError, match="late.jsonl line 6001: JSON parse error: unexpected field extra"):
+    late.write_text("\n".join(rows + [json.dumps({"id": 1, "text": "t", "extra": 1, "at": {"new": 1}})]) + "\n")
+    with pytest.raises(DatasetError, match="late.jsonl line 6001: JSON parse error: unexpected field extra, at \\("):
         _values(late)
+    rows[6] = json.dumps({"id": "six", "text": "t"})  # each line reads alone: pyarrow's row names it
+    typed = tmp_path / "typed.jsonl"
+    typed.write_text("\n".join(rows) + "\n")
+    with pytest.raises(DatasetError, match=r"typed.jsonl line 7: JSON parse error: Column\(/id\) changed from number"):
+        _values(typed)
     csv = tmp_path / "bad.csv"
     csv.write_text("a,text\n" + "".join(f"{i},{'t' * 200}\n" for i in range(6000)) + "3\n")
     with pytest.raises(DatasetError, match="bad.csv line 6002: CSV parse error: Expected 2 columns, got 1: 3$"):

@@ -58,8 +58,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # named under its subcommand (argparse names the top-level program)
-        parser.exit(2, f"tokenmill {args.command}: unrecognized arguments: {' '.join(unknown)} (see tokenmill "
-                    f"{args.command} --help)\n")
+        command = " ".join(filter(None, (args.command, getattr(args, "action", None))))
+        parser.exit(2, f"tokenmill {command}: unrecognized arguments: {' '.join(unknown)} (see tokenmill {command} "
+                    "--help)\n")
     try:
         return _run(args)
     except ModuleNotFoundError as exc:

@@ -255,11 +255,11 @@ class Client:
                      tick: float | None = None) -> Iterator[JobResult | None]:
         """Yield each job's `JobResult` (failed ones too) as soon as it is stored.
 
-        For a handle whose job is not the one the stored result belongs to (its id was reused for other
-        content), a failed `conflict` result instead. Raises `JobTimeoutError` if `timeout` seconds pass
-        before all are done. With `tick` (and only then), also yields None every `tick` seconds, for a caller
-        with work to do while it waits: one subscription serves the whole wait (subscribing to thousands of keys
-        again for each short wait cost more than the results).
+        One result per handle given (handles sharing an id each get one); for a handle whose job is not the one the
+        stored result belongs to (its id was reused for other content), a failed `conflict` result instead. Raises
+        `JobTimeoutError` if `timeout` seconds pass before all are done. With `tick` (and only then), also yields
+        None every `tick` seconds, for a caller with work to do while it waits: one subscription serves the whole
+        wait (subscribing to thousands of keys again for each short wait cost more than the results).
         """
         handles = list(handles)
         waits = _ResultWatch(self.app.backend, self._subscriptions, list(dict.fromkeys(map(_id_of, handles))),
@@ -752,6 +752,7 @@ class _ResultWatch:
                 self._failed(error)
                 self._unsubscribe(broken=True)
                 time.sleep(min(0.5, max(0.0, end - time.monotonic())))
+                self._remaining()  # a read that hung to its socket timeout may have used the wait's time
                 self._resubscribe_quietly()
                 return
             if message is None or message.get("type") != "message":
@@ -769,6 +770,8 @@ class _ResultWatch:
 
     def _sweep(self) -> Iterator[JobResult]:
         """Read every pending key directly (catches results stored before subscribing, or missed)."""
+        if self.unreachable is not None:
+            self._remaining()  # the last call may have hung to its socket timeout: not another one past the deadline
         keys = list(self.pending)
         for start in range(0, len(keys), _PUBLISH_BATCH):
             chunk = keys[start : start + _PUBLISH_BATCH]

@@ -193,7 +193,7 @@ def annotate(
     prompter = Prompter(template, system, chat, run.model_label, params, embedding, continuations)
     dataset = open_dataset(input, input_format, run.s3_endpoint_url, run.max_row_bytes, run.input_compression)
     out_format = format_of(output, output_format, "output")
-    check_output(output, dataset.files)
+    check_output(output, dataset.uris)
     if limit is not None:
         dataset = LimitedDataset(dataset, limit)
     schema = dataset.schema

@@ -146,13 +146,14 @@ class Dataset:
 
     @functools.cached_property
     def schema(self) -> pa.Schema:
-        """Parquet: every file's columns (a shard without one reads it as nulls; one column of two types is an
-        error). CSV/JSONL: inferred by pyarrow from the first file's first block of lines (lines over the limit
+        """Parquet: every file's columns (a shard without one reads it as nulls; one column of two types takes the
+        wider, int32 and int64 as int64, string and large_string as large_string; types that do not widen into one
+        another are an error). CSV/JSONL: inferred by pyarrow from the first file's first block of lines (lines over the limit
         skipped), so one long line cannot fail the dataset, then made to keep values as the file wrote them
         (`_as_written`)."""
         if self.format == "parquet":
-            return self._guard(lambda: pa.unify_schemas([pq.read_schema(path, filesystem=self.fs)
-                                                         for path in self.files]))
+            factory = ds.FileSystemDatasetFactory(self.fs, self.files, ds.ParquetFileFormat())
+            return self._guard(lambda: factory.inspect(promote_options="permissive"))
         return self._guard(lambda: self._text_schema(self.files[0]))
 
     def _text_schema(self, path: str) -> pa.Schema:
@@ -180,6 +181,11 @@ class Dataset:
             if size >= _BLOCK_BYTES:
                 break
         return numbers, block
+
+    @property
+    def uris(self) -> list[str]:
+        """The shard files as URIs (`files` are paths inside `fs`: an S3 one without its scheme)."""
+        return self.files if isinstance(self.fs, pafs.LocalFileSystem) else [f"s3://{path}" for path in self.files]
 
     def _open_text(self, path: str) -> io.BufferedReader:
         stream = self.fs.open_input_stream(path, compression=compression_of(path, self.compression))
@@ -264,16 +270,17 @@ class Dataset:
         """The error of a block pyarrow cannot read, naming the first of its lines (`number_of` its index: the file's
         line number) that cannot be read alone, as pyarrow counts rows from the block's start; and a new JSON field
         by its name."""
-        index = 0
-        for at, line in enumerate(block):
+        row = re.search(r" in row (\d+)$", str(error))  # counted from the block's start
+        index = int(row[1]) if row and int(row[1]) < len(block) else 0
+        for at, line in enumerate(block):  # a line that cannot be read alone, where pyarrow names none or a later one
             try:
                 self._read_block(header, [line], schema)
             except pa.ArrowInvalid as alone:
                 error, index = alone, at
                 break
-        said = re.sub(r" in row \d+$|Row #\d+: ", "", str(error))  # pyarrow's row counts are the block's
+        said = re.sub(r" in row \d+$|Row #\d+: ", "", str(error))
         if schema is not None and self.format == "json" and said.endswith("unexpected field"):
-            new = sorted(json.loads(block[index]).keys() - set(schema.names))
+            new = _new_fields(json.loads(block[index]), pa.struct(list(schema)))
             said += f" {', '.join(new)} (a JSON file's fields are those of its first MiB)"
         return DatasetError(f"input {self.uri!r} ({self.format}) cannot be read: {path} line {number_of(index)}: "
                             f"{said}")
@@ -313,6 +320,15 @@ class Dataset:
             return call()
         except (pa.ArrowException, OSError) as exc:
             raise DatasetError(f"input {self.uri!r} ({self.format}) cannot be read: {exc}") from None
+
+
+def _new_fields(value: Any, data_type: pa.DataType, prefix: str = "") -> list[str]:
+    """The fields of a JSON `value` that the struct `data_type` lacks, by path (`a.b`)."""
+    if not isinstance(value, dict) or not pa.types.is_struct(data_type):
+        return []
+    known = {field.name: field.type for field in data_type}
+    return [name for key, item in value.items()
+            for name in ([prefix + key] if key not in known else _new_fields(item, known[key], f"{prefix}{key}."))]
 
 
 def _as_written(data_type: pa.DataType, csv: bool) -> pa.DataType:
@@ -439,7 +455,7 @@ def check_output(uri: str, inputs: list[str], what: str = "output") -> None:
     if not os.path.isdir(parent):
         raise DatasetError(f"{what} {uri!r}: {parent} is a file, not a directory")
     for source in inputs:
-        if not source.startswith("s3://") and os.path.exists(path) and os.path.samefile(path, source):
+        if "://" not in source and os.path.exists(path) and os.path.exists(source) and os.path.samefile(path, source):
             raise DatasetError(f"{what} {uri!r} is the input {source!r}, which it would replace; write the {what} to "
                                "another file")
 

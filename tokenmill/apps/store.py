@@ -11,6 +11,7 @@ rerun recomputes exactly the rows whose key is not stored yet (new rows, rows wh
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
@@ -105,8 +106,8 @@ def _private_database(path: str) -> None:
             except FileNotFoundError:
                 pass
     except OSError as exc:
-        raise DatasetError(f"checkpoint {exc.filename or path!r} cannot be used (symlinks are refused): "
-                           f"{exc.strerror}") from None
+        why = " (symlinks are refused)" if exc.errno == errno.ELOOP else ""
+        raise DatasetError(f"checkpoint {exc.filename or path!r} cannot be used: {exc.strerror}{why}") from None
 
 
 def _make_private(path: str, flags: int) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import closing
 
 from tqdm.auto import tqdm
@@ -170,7 +170,7 @@ def _as_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
 def _per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, count: int) -> list[SamplingParams]:
     if params is None or isinstance(params, SamplingParams):
         return [params or SamplingParams()] * count
-    if not isinstance(params, Sequence) or isinstance(params, str):
+    if not isinstance(params, Iterable) or isinstance(params, str | Mapping):
         raise TypeError(f"params: must be a SamplingParams or a list of them, one per prompt; got "
                         f"{type(params).__name__} (a dict of fields: SamplingParams(**fields))")
     params = list(params)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections.abc
 import random
 import time
 import traceback
@@ -199,7 +200,7 @@ class LLMEngine:
         if isinstance(prompt, str):
             check_prompt_chars(prompt, self.max_prompt_chars, self.max_model_len)
             return self.tokenizer.encode(prompt, add_special_tokens=True)
-        if not isinstance(prompt, list | tuple):
+        if not isinstance(prompt, collections.abc.Sequence):
             raise InvalidRequestError("prompt", f"must be a string or a list of token ids, got {type(prompt).__name__}")
         return list(prompt)
 
