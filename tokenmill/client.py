@@ -685,6 +685,7 @@ class _ResultWatch:
         self.tick = tick
         self.pubsub: Any = None
         self.unreachable: BaseException | None = None  # the last Redis error, until Redis answers again
+        self.said = ""  # what this wait logged of Redis: "", "down", "back"
 
     def results(self) -> Iterator[JobResult | None]:
         """The results as they come; None every `tick` seconds too, if one is set. A Redis that does not answer
@@ -717,14 +718,19 @@ class _ResultWatch:
         return left
 
     def _failed(self, error: BaseException) -> None:
-        if self.unreachable is None:
+        """A Redis call failed: logged the first time in this wait (a Redis that comes and goes is not a log line
+        a second)."""
+        if self.unreachable is None and not self.said:
             log.warning("waiting for %d result(s): Redis does not answer (%s: %s); trying again until it does",
                         len(self.pending), type(error).__name__, error)
+            self.said = "down"
         self.unreachable = error
 
     def _answered(self) -> None:
         if self.unreachable is not None:
-            log.warning("waiting for %d result(s): Redis answers again", len(self.pending))
+            if self.said == "down":
+                log.warning("waiting for %d result(s): Redis answers again", len(self.pending))
+                self.said = "back"
             self.unreachable = None
 
     def _subscribe(self) -> None:
