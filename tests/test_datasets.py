@@ -141,6 +141,9 @@ def test_a_line_that_cannot_be_read_is_named_by_its_line_number(tmp_path: Path) 
     typed.write_text("\n".join(rows) + "\n")
     with pytest.raises(DatasetError, match=r"typed.jsonl line 7: JSON parse error: Column\(/id\) changed from number"):
         _values(typed)
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(DatasetError, match=r"empty.jsonl: Empty JSON file"):  # no line to name
+        _values(tmp_path / "empty.jsonl")
     csv = tmp_path / "bad.csv"
     csv.write_text("a,text\n" + "".join(f"{i},{'t' * 200}\n" for i in range(6000)) + "3\n")
     with pytest.raises(DatasetError, match="bad.csv line 6002: CSV parse error: Expected 2 columns, got 1: 3$"):

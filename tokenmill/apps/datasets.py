@@ -148,9 +148,9 @@ class Dataset:
     def schema(self) -> pa.Schema:
         """Parquet: every file's columns (a shard without one reads it as nulls; one column of two types takes the
         wider, int32 and int64 as int64, string and large_string as large_string; types that do not widen into one
-        another are an error). CSV/JSONL: inferred by pyarrow from the first file's first block of lines (lines over the limit
-        skipped), so one long line cannot fail the dataset, then made to keep values as the file wrote them
-        (`_as_written`)."""
+        another are an error). CSV/JSONL: inferred by pyarrow from the first file's first block of lines (lines
+        over the limit skipped), so one long line cannot fail the dataset, then made to keep values as the file
+        wrote them (`_as_written`)."""
         if self.format == "parquet":
             factory = ds.FileSystemDatasetFactory(self.fs, self.files, ds.ParquetFileFormat())
             return self._guard(lambda: factory.inspect(promote_options="permissive"))
@@ -282,8 +282,8 @@ class Dataset:
         if schema is not None and self.format == "json" and said.endswith("unexpected field"):
             new = _new_fields(json.loads(block[index]), pa.struct(list(schema)))
             said += f" {', '.join(new)} (a JSON file's fields are those of its first MiB)"
-        return DatasetError(f"input {self.uri!r} ({self.format}) cannot be read: {path} line {number_of(index)}: "
-                            f"{said}")
+        line = f" line {number_of(index)}" if block else ""  # an empty file has none
+        return DatasetError(f"input {self.uri!r} ({self.format}) cannot be read: {path}{line}: {said}")
 
     def _parquet_batches(self, path: str, schema: pa.Schema) -> Iterator[tuple[pa.RecordBatch, dict[int, str]]]:
         """Row groups read with their string and binary columns still dictionary-encoded (so a batch costs its
