@@ -106,6 +106,40 @@ def test_parquet_shards_with_different_columns_keep_every_column(tmp_path: Path)
         open_dataset(str(shards)).schema
 
 
+@pytest.mark.parametrize(("first", "second", "widened"), [
+    (pa.array([1], pa.int64()), pa.array([2.5], pa.float64()), None),  # 1 would read as 1.0
+    (pa.array(["a"]), pa.array([b"b"], pa.binary()), None),  # "a" would read as b"a"
+    (pa.array([1], pa.int64()), pa.array([2], pa.uint64()), None),  # a uint64 may not fit
+    (pa.array([[1]], pa.list_(pa.int32())), pa.array([[2]], pa.list_(pa.int64())), pa.list_(pa.int64())),
+    (pa.array(["a"]).dictionary_encode().cast(pa.dictionary(pa.int8(), pa.string())), pa.array(["b"]).dictionary_encode(),
+     pa.dictionary(pa.int32(), pa.string())),
+])
+def test_parquet_shards_typed_differently_widen_only_where_values_read_unchanged(
+        tmp_path: Path, first: pa.Array, second: pa.Array, widened: pa.DataType | None) -> None:
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    pq.write_table(pa.table({"c": first}), shards / "part-0.parquet")
+    pq.write_table(pa.table({"c": second}), shards / "part-1.parquet")
+    if widened is None:
+        with pytest.raises(DatasetError, match="Unable to merge"):
+            open_dataset(str(shards)).schema
+        return
+    assert open_dataset(str(shards)).schema.field("c").type == widened
+    assert [row["c"] for row in _values(shards)] == first.to_pylist() + second.to_pylist()
+
+
+def test_a_type_change_after_blank_lines_and_a_new_field_that_is_not_utf8_are_named(tmp_path: Path) -> None:
+    blanks = tmp_path / "blanks.jsonl"
+    blanks.write_text('{"a": 1}\n\n\n\n{"a": 2}\n{"a": "x"}\n')
+    with pytest.raises(DatasetError, match="blanks.jsonl line 6: JSON parse error: Column"):
+        _values(blanks)
+    rows = b"".join(json.dumps({"a": i, "t": "t" * 200}).encode() + b"\n" for i in range(6000))
+    odd = tmp_path / "odd.jsonl"
+    odd.write_bytes(rows + b'{"a": 1, "t": "x", "extra": "\xff"}\n')
+    with pytest.raises(DatasetError, match="odd.jsonl line 6001: "):
+        _values(odd)
+
+
 def test_an_output_beside_an_s3_input_is_compared_with_local_inputs_only(tmp_path: Path,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """An S3 dataset's files are paths inside its filesystem (`bucket/key`): taken as local paths, an existing

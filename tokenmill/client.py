@@ -53,6 +53,7 @@ _PUBLISH_BATCH = 1000
 #: `_PUBLISH_BATCH`: workers start on the first jobs while the client still encodes the rest.
 _FIRST_PUBLISH = 32
 _SWEEP_INTERVAL = 1.0
+_LOG_EVERY = 30.0  # seconds between two warnings of a Redis that keeps failing (a wait's, a shared subscription's)
 #: Idle pub/sub connections a client keeps for its next waits, and the most channels a wait may have had for its
 #: connection to be kept: unsubscribing from more leaves a confirmation per channel for the next wait to read first.
 _IDLE_SUBSCRIPTIONS = 4
@@ -440,7 +441,7 @@ class SharedSubscription:
     #: Subscribed for as long as the connection lives, so that with RESP2 it stays in pub/sub mode (a PING's answer
     #: always `[pong, token]` there).
     ANCHOR = b"tokenmill:results-subscription"
-    _LOG_EVERY = 30.0  # seconds between two warnings of a connection that keeps failing
+    _LOG_EVERY = _LOG_EVERY
 
     def __init__(self, redis_client: redis.Redis, confirm_timeout: float = 10.0) -> None:
         self.redis = redis_client
@@ -685,7 +686,7 @@ class _ResultWatch:
         self.tick = tick
         self.pubsub: Any = None
         self.unreachable: BaseException | None = None  # the last Redis error, until Redis answers again
-        self.said = ""  # what this wait logged of Redis: "", "down", "back"
+        self.said_down, self.said_at = False, float("-inf")  # this wait's last "does not answer" line, and when
 
     def results(self) -> Iterator[JobResult | None]:
         """The results as they come; None every `tick` seconds too, if one is set. A Redis that does not answer
@@ -718,19 +719,19 @@ class _ResultWatch:
         return left
 
     def _failed(self, error: BaseException) -> None:
-        """A Redis call failed: logged the first time in this wait (a Redis that comes and goes is not a log line
-        a second)."""
-        if self.unreachable is None and not self.said:
+        """A Redis call failed: logged when Redis had answered, at most once a `_LOG_EVERY` (a Redis that comes and
+        goes, or a subscribe that fails while reads work, is not a log line a second)."""
+        if self.unreachable is None and not self.said_down and time.monotonic() - self.said_at >= _LOG_EVERY:
             log.warning("waiting for %d result(s): Redis does not answer (%s: %s); trying again until it does",
                         len(self.pending), type(error).__name__, error)
-            self.said = "down"
+            self.said_down, self.said_at = True, time.monotonic()
         self.unreachable = error
 
     def _answered(self) -> None:
         if self.unreachable is not None:
-            if self.said == "down":
+            if self.said_down:
                 log.warning("waiting for %d result(s): Redis answers again", len(self.pending))
-                self.said = "back"
+                self.said_down = False
             self.unreachable = None
 
     def _subscribe(self) -> None:

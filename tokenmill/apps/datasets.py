@@ -152,9 +152,20 @@ class Dataset:
         over the limit skipped), so one long line cannot fail the dataset, then made to keep values as the file
         wrote them (`_as_written`)."""
         if self.format == "parquet":
-            factory = ds.FileSystemDatasetFactory(self.fs, self.files, ds.ParquetFileFormat())
-            return self._guard(lambda: factory.inspect(promote_options="permissive"))
+            return self._guard(self._parquet_schema)
         return self._guard(lambda: self._text_schema(self.files[0]))
+
+    def _parquet_schema(self) -> pa.Schema:
+        """Every shard's columns, a column typed differently by two shards widened only as the docstring of `schema`
+        says (pyarrow's permissive unification would also turn ints into doubles, strings into bytes)."""
+        schemas = [pq.read_schema(path, filesystem=self.fs) for path in self.files]
+        try:
+            return pa.unify_schemas(schemas)
+        except (pa.ArrowInvalid, pa.ArrowTypeError) as strict:
+            wide = pa.unify_schemas(schemas, promote_options="permissive")
+            if all(_widens(field.type, wide.field(field.name).type) for schema in schemas for field in schema):
+                return wide
+            raise strict
 
     def _text_schema(self, path: str) -> pa.Schema:
         with self._open_text(path) as handle:
@@ -270,8 +281,9 @@ class Dataset:
         """The error of a block pyarrow cannot read, naming the first of its lines (`number_of` its index: the file's
         line number) that cannot be read alone, as pyarrow counts rows from the block's start; and a new JSON field
         by its name."""
-        row = re.search(r" in row (\d+)$", str(error))  # counted from the block's start
-        index = int(row[1]) if row and int(row[1]) < len(block) else 0
+        row = re.search(r" in row (\d+)$", str(error))  # counted from the block's start, blank lines skipped
+        filled = [at for at, line in enumerate(block) if line.strip()] if self.format == "json" else range(len(block))
+        index = filled[int(row[1])] if row and int(row[1]) < len(filled) else 0
         for at, line in enumerate(block):  # a line that cannot be read alone, where pyarrow names none or a later one
             try:
                 self._read_block(header, [line], schema)
@@ -280,8 +292,11 @@ class Dataset:
                 break
         said = re.sub(r" in row \d+$|Row #\d+: ", "", str(error))
         if schema is not None and self.format == "json" and said.endswith("unexpected field"):
-            new = _new_fields(json.loads(block[index]), pa.struct(list(schema)))
-            said += f" {', '.join(new)} (a JSON file's fields are those of its first MiB)"
+            try:
+                new = ", ".join(_new_fields(json.loads(block[index]), pa.struct(list(schema))))
+            except ValueError:  # not UTF-8 or not JSON: pyarrow named the field first
+                new = ""
+            said += f" {new or '(not named)'} (a JSON file's fields are those of its first MiB)"
         line = f" line {number_of(index)}" if block else ""  # an empty file has none
         return DatasetError(f"input {self.uri!r} ({self.format}) cannot be read: {path}{line}: {said}")
 
@@ -322,8 +337,32 @@ class Dataset:
             raise DatasetError(f"input {self.uri!r} ({self.format}) cannot be read: {exc}") from None
 
 
+def _widens(narrow: pa.DataType, wide: pa.DataType) -> bool:
+    """Whether a shard's column type reads unchanged as the dataset's: the same, null, a narrower integer of the same
+    signedness, string/binary as their large forms, or a dictionary, struct or list of such."""
+    if narrow == wide or pa.types.is_null(narrow):
+        return True
+    if pa.types.is_integer(narrow) and pa.types.is_integer(wide):
+        signed = pa.types.is_signed_integer(narrow) == pa.types.is_signed_integer(wide)
+        return signed and narrow.bit_width <= wide.bit_width
+    pairs = ((pa.types.is_string, pa.types.is_large_string), (pa.types.is_binary, pa.types.is_large_binary))
+    if any(small(narrow) and (small(wide) or large(wide)) for small, large in pairs):
+        return True
+    if pa.types.is_dictionary(narrow) and pa.types.is_dictionary(wide):  # index widths differ between writers
+        return _widens(narrow.value_type, wide.value_type)
+    if pa.types.is_struct(narrow) and pa.types.is_struct(wide):
+        kinds = {field.name: field.type for field in wide}
+        return all(field.name in kinds and _widens(field.type, kinds[field.name]) for field in narrow)
+    if (pa.types.is_list(narrow) or pa.types.is_large_list(narrow)) and \
+            (pa.types.is_list(wide) or pa.types.is_large_list(wide)):
+        return _widens(narrow.value_type, wide.value_type)
+    return False
+
+
 def _new_fields(value: Any, data_type: pa.DataType, prefix: str = "") -> list[str]:
     """The fields of a JSON `value` that the struct `data_type` lacks, by path (`a.b`)."""
+    if isinstance(value, list) and (pa.types.is_list(data_type) or pa.types.is_large_list(data_type)):
+        return sorted({name for item in value for name in _new_fields(item, data_type.value_type, prefix)})
     if not isinstance(value, dict) or not pa.types.is_struct(data_type):
         return []
     known = {field.name: field.type for field in data_type}
